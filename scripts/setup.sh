@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Sets up everything distrib needs on a fresh machine. Safe to run again.
+#   1. torch==2.13.0 first (its CPU wheel lies on these machines; an unpinned torch
+#      would pull a multi-GB CUDA build),
+#   2. the package itself, editable, with its test extras,
+#   3. Debian's dataset-fashion-mnist (only when root and apt-get exist; otherwise
+#      `distrib train` explains how to get the data, and the tests do not need it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[test]"
+
+DATA=/usr/share/datasets/fashion-mnist
+if [ ! -f "$DATA/train-images-idx3-ubyte.gz" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null || echo "setup: apt-get update failed; trying the install anyway" >&2
+    apt-get install -y -qq dataset-fashion-mnist >/dev/null \
+      || echo "setup: could not install dataset-fashion-mnist; distrib train will say how to get the data" >&2
+  else
+    echo "setup: not root (or no apt-get): install the Debian package dataset-fashion-mnist, or pass --data-dir to distrib train" >&2
+  fi
+fi

@@ -1,0 +1,96 @@
+"""The ``distrib`` command line, built from a registry of subcommands.
+
+    distrib train [--strategy mirrored] [--epochs 10] ...   the main job (seed 000's workload)
+
+Each subcommand registers a function that adds its arguments to a parser and a
+function that runs it; ``main`` returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, NamedTuple, Optional, Sequence
+
+__all__ = ["main", "register"]
+
+
+class Command(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    """Add a subcommand to ``distrib``."""
+    COMMANDS[name] = Command(help, add_arguments, run)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", choices=["default", "one-device", "mirrored"], default="mirrored",
+                   help="distribution strategy (default: mirrored over every local device)")
+    p.add_argument("--epochs", type=_positive, default=10)
+    p.add_argument("--batch-size-per-replica", type=_positive, default=64)
+    p.add_argument("--replicas", type=_positive, default=None,
+                   help="number of replicas for --strategy mirrored (logical CPU replicas when there is no GPU)")
+    p.add_argument("--device", default=None, help="device for --strategy one-device (default: cuda:0 or cpu)")
+    p.add_argument("--checkpoint-dir", default="./training_checkpoints")
+    p.add_argument("--data-dir", default=None,
+                   help="directory of the Fashion-MNIST IDX files (default: /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="compile the model with torch.compile (falls back to eager if it fails)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar during each epoch (default: when stdout is a terminal)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from distrib.datasets import DatasetNotFoundError
+    from distrib.train import TrainConfig, train
+
+    config = TrainConfig(
+        strategy=args.strategy, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
+        replicas=args.replicas, device=args.device, checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir,
+        seed=args.seed, compile=args.compile, progress=args.progress,
+    )
+    try:
+        train(config)
+    except DatasetNotFoundError as e:
+        print(f"distrib train: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+register("train", "train the Fashion-MNIST CNN of the tf.distribute tutorial (the main job)", _train_arguments, _train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute-style training for PyTorch")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Modules and optimizers created under ``strategy.scope()``.
+
+*Capture.* While a scope is open, torch's global registration hooks tell us which
+modules receive parameters, buffers or submodules; when the scope closes (or an
+optimizer is created inside it) the outermost of those modules, the *roots*, are
+handed to the strategy. No constructor is patched for modules. Optimizers have no
+such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is open.
+
+*Mirroring.* A root module is the primary copy, on the first local device. Every
+other local replica gets a copy: on the same physical device the copy's parameters
+share storage with the primary's (separate autograd leaves, so separate ``.grad``),
+so an update to the primary is seen by every copy for free; on another device the
+copy is a real one, refreshed after each update. Calling the module (or any of its
+submodules) inside ``run`` dispatches to the calling replica's copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import types
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+from distrib import context
+
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
+
+__all__ = ["ModuleCapture", "MirroredModules", "wrap_optimizer"]
+
+
+# --------------------------------------------------------------------------- capture
+
+class _CaptureState:
+    """Process-wide hooks, installed once while any scope is open."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.handles: list[Any] = []
+        self.original_optimizer_init: Optional[Callable[..., None]] = None
+
+
+_capture = _CaptureState()
+
+
+def _capturing_strategy() -> Optional["Strategy"]:
+    if context.current_replica() is not None:
+        return None
+    return context._scope_stack[-1] if context._scope_stack else None
+
+
+def _on_leaf_registered(module: nn.Module, name: str, value: Any) -> None:
+    strategy = _capturing_strategy()
+    if strategy is not None and value is not None:
+        strategy._capture.saw(module)
+
+
+def _on_module_registered(parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
+    strategy = _capturing_strategy()
+    if strategy is not None and child is not None:
+        strategy._capture.saw(parent, child)
+
+
+def _optimizer_init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+    assert _capture.original_optimizer_init is not None
+    _capture.original_optimizer_init(self, *args, **kwargs)
+    strategy = _capturing_strategy()
+    if strategy is not None and not hasattr(self, "_distrib_strategy"):
+        strategy._on_optimizer_created(self)
+
+
+def install_capture_hooks() -> None:
+    with _capture.lock:
+        _capture.depth += 1
+        if _capture.depth > 1:
+            return
+        _capture.handles = [
+            module_hooks.register_module_parameter_registration_hook(_on_leaf_registered),
+            module_hooks.register_module_buffer_registration_hook(_on_leaf_registered),
+            module_hooks.register_module_module_registration_hook(_on_module_registered),
+        ]
+        _capture.original_optimizer_init = torch.optim.Optimizer.__init__
+        torch.optim.Optimizer.__init__ = _optimizer_init  # type: ignore[method-assign]
+
+
+def remove_capture_hooks() -> None:
+    with _capture.lock:
+        _capture.depth -= 1
+        if _capture.depth > 0:
+            return
+        for h in _capture.handles:
+            h.remove()
+        _capture.handles = []
+        if _capture.original_optimizer_init is not None:
+            torch.optim.Optimizer.__init__ = _capture.original_optimizer_init  # type: ignore[method-assign]
+            _capture.original_optimizer_init = None
+
+
+class ModuleCapture:
+    """The modules one strategy saw being built in its scope, until they are claimed."""
+
+    def __init__(self) -> None:
+        self._seen: list[weakref.ref[nn.Module]] = []
+        self._seen_ids: set[int] = set()
+        self._children: set[int] = set()
+
+    def saw(self, module: nn.Module, child: Optional[nn.Module] = None) -> None:
+        for m in (module, child):
+            if m is not None and id(m) not in self._seen_ids:
+                self._seen_ids.add(id(m))
+                self._seen.append(weakref.ref(m))
+        if child is not None:
+            self._children.add(id(child))
+
+    def take_roots(self) -> list[nn.Module]:
+        """The outermost captured modules that hold parameters or buffers; forgets them all."""
+        alive = [m for m in (r() for r in self._seen) if m is not None]
+        roots = [
+            m for m in alive
+            if id(m) not in self._children
+            and (next(m.parameters(), None) is not None or next(m.buffers(), None) is not None)
+        ]
+        self._seen, self._seen_ids, self._children = [], set(), set()
+        return roots
+
+
+# --------------------------------------------------------------------------- mirroring
+
+def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    ctx = context.current_replica()
+    if ctx is not None and ctx.local_replica_id and ctx.strategy is self._distrib_owner:
+        replica = self._distrib_replicas[ctx.local_replica_id]
+        for mine, theirs in zip(self.modules(), replica.modules()):
+            theirs.training = mine.training  # model.train()/eval() was called on the primary only
+        return replica.forward(*args, **kwargs)
+    return self._distrib_forward(*args, **kwargs)
+
+
+class MirroredModules:
+    """The root modules a strategy mirrors, and each parameter's copies on the other replicas."""
+
+    def __init__(self, strategy: "Strategy") -> None:
+        self._strategy = strategy
+        self._roots: list[tuple[nn.Module, list[nn.Module]]] = []
+        # id(primary parameter) -> copies on local replicas 1..n-1 (None where storage is shared)
+        self._param_copies: dict[int, list[nn.Parameter]] = {}
+        self._shared: dict[int, list[bool]] = {}
+
+    def __contains__(self, param: object) -> bool:
+        return id(param) in self._param_copies
+
+    @property
+    def roots(self) -> list[nn.Module]:
+        return [r for r, _ in self._roots]
+
+    def distribute(self, root: nn.Module) -> None:
+        """Place ``root`` on the first local device and give every other replica its copy."""
+        if getattr(root, "_distrib_owner", None) is not None:
+            if root._distrib_owner is not self._strategy:
+                raise ValueError(
+                    f"module {type(root).__name__} is already distributed by another strategy; "
+                    "build a new module under this strategy's scope"
+                )
+            return
+        for sub in root.modules():
+            if getattr(sub, "_distrib_owner", None) is not None:
+                raise ValueError(
+                    f"module {type(root).__name__} contains {type(sub).__name__}, which was built in an "
+                    "earlier strategy.scope() block; build the whole model inside one scope block"
+                )
+        devices = self._strategy._devices
+        if devices[0] is not None:
+            root.to(devices[0])
+        copies = [self._replicate(root, d) for d in devices[1:]]
+        params = list(root.parameters())
+        for p in params:
+            self._param_copies[id(p)] = []
+            self._shared[id(p)] = []
+        for c in copies:
+            for p, pc in zip(params, c.parameters()):
+                self._param_copies[id(p)].append(pc)
+                self._shared[id(p)].append(pc.data_ptr() == p.data_ptr())
+        if copies:
+            names = [n for n, _ in root.named_modules()]
+            for name in names:
+                sub = root.get_submodule(name)
+                sub._distrib_forward = sub.forward
+                sub._distrib_replicas = (sub, *(c.get_submodule(name) for c in copies))
+                sub.forward = types.MethodType(_dispatching_forward, sub)
+        for sub in root.modules():
+            sub._distrib_owner = self._strategy
+        root.register_load_state_dict_post_hook(lambda module, keys: self.refresh(module))
+        self._roots.append((root, copies))
+
+    @staticmethod
+    def _replicate(root: nn.Module, device: Optional[torch.device]) -> nn.Module:
+        clone = copy.deepcopy(root)
+        if device is not None:
+            clone.to(device)
+        for p, pc in zip(root.parameters(), clone.parameters()):
+            pc.grad = None
+            if pc.device == p.device:
+                pc.data = p.data
+        return clone
+
+    def copies_of(self, root: nn.Module) -> list[nn.Module]:
+        for r, copies in self._roots:
+            if r is root:
+                return copies
+        return []
+
+    def replica_grads(self, param: nn.Parameter) -> list[Optional[torch.Tensor]]:
+        """The gradients of ``param``'s copies on local replicas 1..n-1."""
+        return [pc.grad for pc in self._param_copies.get(id(param), ())]
+
+    def zero_copy_grads(self, params: Iterable[nn.Parameter], replica: Optional[int], set_to_none: bool) -> None:
+        """Clear the gradients of the copies of ``params`` (on one replica, or on all if None)."""
+        for p in params:
+            copies = self._param_copies.get(id(p), ())
+            chosen = copies if replica is None else copies[replica - 1: replica]
+            for pc in chosen:
+                if pc.grad is None:
+                    continue
+                if set_to_none:
+                    pc.grad = None
+                else:
+                    pc.grad.detach_().zero_()
+
+    def refresh(self, root: Optional[nn.Module] = None, average_buffers: bool = False) -> None:
+        """Make every copy equal to its primary again (after an update or a restore).
+
+        Parameters that share storage need nothing. Floating buffers (e.g. BatchNorm
+        running statistics) are averaged over replicas first when ``average_buffers``.
+        """
+        with torch.no_grad():
+            for r, copies in self._roots:
+                if not copies or (root is not None and r is not root):
+                    continue
+                for p, *pcs in zip(r.parameters(), *(c.parameters() for c in copies)):
+                    for pc in pcs:
+                        if pc.data_ptr() != p.data_ptr():
+                            pc.copy_(p)
+                for b, *bcs in zip(r.buffers(), *(c.buffers() for c in copies)):
+                    if average_buffers and b.is_floating_point():
+                        total = b.clone()
+                        for bc in bcs:
+                            total += bc.to(b.device)
+                        b.copy_(total / (len(bcs) + 1))
+                    for bc in bcs:
+                        bc.copy_(b)
+
+
+# --------------------------------------------------------------------------- optimizers
+
+def wrap_optimizer(
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[torch.optim.Optimizer, Callable[..., Any], tuple, dict], Any],
+    zero_grad: Callable[[torch.optim.Optimizer, Callable[..., Any], bool], None],
+) -> None:
+    """Route ``optimizer.step`` and ``optimizer.zero_grad`` through the strategy.
+
+    The replacements are bound methods so that ``torch.optim.lr_scheduler``, which
+    re-wraps ``optimizer.step.__func__``, keeps working.
+    """
+    original_step = optimizer.step
+    original_zero_grad = optimizer.zero_grad
+
+    def distributed_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return step(self, original_step, args, kwargs)
+
+    def distributed_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        zero_grad(self, original_zero_grad, set_to_none)
+
+    optimizer.step = types.MethodType(distributed_step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(distributed_zero_grad, optimizer)  # type: ignore[method-assign]
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

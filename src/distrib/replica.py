@@ -1,0 +1,219 @@
+"""The replica context, and the threads that run several local replicas in one process.
+
+When a process drives several replicas (``MirroredStrategy(["cpu:0", "cpu:1"])``,
+or one per GPU), ``strategy.run`` executes the replica function once per replica,
+each on its own long-lived thread, as TF's ``MirroredStrategy`` does. Threads are
+needed because a replica function can stop half-way at a *merge point*
+(``optimizer.step()``, ``ReplicaContext.all_reduce``) until every replica has
+reached it; the merged result is then handed back to each one.
+
+Replicas take turns, in replica order, and only one runs at a time: user code in a
+replica function never races with another replica (metrics, Python lists, RNG), the
+order of floating-point sums is fixed, and on GPUs the kernels of different devices
+still overlap because launches are asynchronous.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from distrib import context
+from distrib.values import ReduceOp
+
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
+
+__all__ = ["ReplicaContext"]
+
+MergeFn = Callable[[list], Sequence[Any]]
+
+
+class ReplicaContext:
+    """What a replica function knows about itself (``tf.distribute.ReplicaContext``).
+
+    Example::
+
+        >>> import distrib as ds, torch
+        >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> def fn():
+        ...     ctx = ds.get_replica_context()
+        ...     return ctx.all_reduce(ds.ReduceOp.SUM, torch.tensor(1.0 + ctx.replica_id_in_sync_group))
+        >>> s.experimental_local_results(s.run(fn))
+        (tensor(3.), tensor(3.))
+    """
+
+    def __init__(self, strategy: "Strategy", local_replica_id: int) -> None:
+        self.strategy = strategy
+        self.local_replica_id = local_replica_id
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index among all replicas of all workers."""
+        return self.strategy._worker_index * self.strategy._num_local_replicas + self.local_replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """The device this replica computes on (None: wherever tensors already are)."""
+        return self.strategy._devices[self.local_replica_id]
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """Reduce ``value`` (a tensor or a structure of them) over every replica in sync.
+
+        Every replica must call it, in the same order; each gets the result on its own device.
+        """
+        op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
+
+        def merge(values: list) -> list:
+            reduced = self.strategy._reduce_local_values(op, values, axis=None)
+            return [self.strategy._to_replica_device(reduced, i) for i in range(len(values))]
+
+        return self.merge(value, merge)
+
+    def merge(self, value: Any, merge_fn: MergeFn) -> Any:
+        """Wait until every local replica has called ``merge``; run ``merge_fn`` once on all values.
+
+        ``merge_fn`` receives the list of values in local-replica order and returns one
+        result per replica. This is TF's ``merge_call``, reduced to what distrib needs.
+        """
+        return self.strategy._merge(self, value, merge_fn)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+class _Aborted(Exception):
+    """Raised inside replica threads when another replica has failed."""
+
+
+class ReplicaThreads:
+    """Long-lived threads, one per local replica, that run replica functions in turn."""
+
+    def __init__(self, num_replicas: int, name: str) -> None:
+        self._n = num_replicas
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._turn = -1
+        self._tasks: list[Callable[[], Any]] = []
+        self._results: list[Any] = [None] * num_replicas
+        self._done = [True] * num_replicas
+        self._error: Optional[BaseException] = None
+        self._merge_values: list[Any] = [None] * num_replicas
+        self._merge_results: Sequence[Any] = ()
+        self._merge_generation = 0
+        self._arrived = 0
+        for k in range(num_replicas):
+            t = threading.Thread(target=self._main, args=(k,), name=f"{name}-replica-{k}", daemon=True)
+            t.start()
+
+    def run(self, tasks: list[Callable[[], Any]]) -> list[Any]:
+        """Run ``tasks[k]`` on replica thread k; return their results, or raise the first error."""
+        with self._cond:
+            self._tasks = tasks
+            self._results = [None] * self._n
+            self._done = [False] * self._n
+            self._error = None
+            self._arrived = 0
+            self._turn = 0
+            self._generation += 1
+            self._cond.notify_all()
+            while not all(self._done):
+                self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return list(self._results)
+
+    def merge(self, k: int, value: Any, merge_fn: MergeFn) -> Any:
+        with self._cond:
+            if self._error is not None:
+                raise _Aborted()
+            self._merge_values[k] = value
+            self._arrived += 1
+            generation = self._merge_generation
+            if k == self._n - 1:
+                if self._arrived != self._n:
+                    self._fail(RuntimeError(self._mismatch_message()))
+                    raise _Aborted()
+                values, self._merge_values = self._merge_values, [None] * self._n
+                self._arrived = 0
+                try:
+                    results = list(merge_fn(values))
+                except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                    self._fail(e)
+                    raise _Aborted() from None
+                if len(results) != self._n:
+                    self._fail(RuntimeError(f"merge function returned {len(results)} results for {self._n} replicas"))
+                    raise _Aborted()
+                self._merge_results = results
+                self._merge_generation += 1
+                self._turn = 0
+            else:
+                self._turn = k + 1
+            self._cond.notify_all()
+            while not ((self._merge_generation > generation and self._turn == k) or self._error is not None):
+                self._cond.wait()
+            if self._error is not None:
+                raise _Aborted()
+            return self._merge_results[k]
+
+    def _mismatch_message(self) -> str:
+        finished = [i for i, d in enumerate(self._done) if d]
+        return (
+            f"replicas {finished} returned while other replicas wait at a merge point "
+            "(optimizer.step() or ReplicaContext.all_reduce): every replica must reach the "
+            "same merge points in the same order"
+        )
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._cond.notify_all()
+
+    def _main(self, k: int) -> None:
+        seen = 0
+        while True:
+            with self._cond:
+                while not (self._generation > seen and (self._turn == k or self._error is not None)):
+                    self._cond.wait()
+                seen = self._generation
+                task = self._tasks[k] if self._error is None else None
+            result, error = None, None
+            if task is not None:
+                try:
+                    result = task()
+                except _Aborted:
+                    pass
+                except BaseException as e:  # noqa: BLE001 - handed to the caller of run()
+                    error = e
+            with self._cond:
+                if error is not None:
+                    self._fail(error)
+                self._results[k] = result
+                self._done[k] = True
+                if self._error is None:
+                    if k + 1 < self._n:
+                        self._turn = k + 1
+                    elif self._arrived:
+                        self._fail(RuntimeError(self._mismatch_message()))
+                self._cond.notify_all()
+
+
+def run_in_replica(ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                   grad_enabled: bool, inference: bool) -> Any:
+    """Call ``fn`` with ``ctx`` as this thread's replica context and the caller's autograd mode."""
+    previous = context.set_current_replica(ctx)
+    try:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
+            return fn(*args, **kwargs)
+    finally:
+        context.set_current_replica(previous)

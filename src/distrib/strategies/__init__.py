@@ -1,0 +1,7 @@
+"""Strategies: how one replica function is run over devices and workers."""
+
+from distrib.strategies.base import Strategy
+from distrib.strategies.default import DefaultStrategy, OneDeviceStrategy
+from distrib.strategies.mirrored import MirroredStrategy
+
+__all__ = ["Strategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy"]

@@ -1,0 +1,48 @@
+"""``MirroredStrategy``: synchronous training on several replicas of one process."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from distrib.strategies.base import Strategy
+from distrib.strategies.devices import local_devices, parse_device
+
+__all__ = ["MirroredStrategy"]
+
+
+class MirroredStrategy(Strategy):
+    """One replica per local device; gradients are summed over replicas at every step.
+
+    ``MirroredStrategy()`` uses every local GPU, or the CPU when there is none.
+    ``MirroredStrategy(["cpu:0", "cpu:1"])`` makes two *logical* replicas on the CPU,
+    which is how multi-replica code is tested without GPUs.
+
+    Example::
+
+        >>> import distrib as ds, torch
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     model = torch.nn.Linear(4, 1)
+        ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> def step(x, y):
+        ...     loss = ds.compute_average_loss((model(x) - y).pow(2).sum(1))
+        ...     loss.backward()
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
+        ...     return loss
+        >>> batches = strategy.experimental_distribute_dataset([(torch.ones(8, 4), torch.zeros(8, 1))])
+        >>> for x, y in batches:
+        ...     per_replica = strategy.run(step, args=(x, y))
+        >>> strategy.num_replicas_in_sync
+        2
+    """
+
+    def __init__(self, devices: Optional[Sequence["str | torch.device"]] = None, cross_device_ops: object = None) -> None:
+        names = list(devices) if devices is not None else local_devices()
+        if not names:
+            raise ValueError("MirroredStrategy(devices=[]) needs at least one device, e.g. ['cpu:0', 'cpu:1']")
+        if len(set(map(str, names))) != len(names):
+            raise ValueError(f"MirroredStrategy got duplicate devices {names}; name each replica once, e.g. ['cpu:0', 'cpu:1']")
+        super().__init__([parse_device(n) for n in names], device_names=[str(n) for n in names])

@@ -1,0 +1,49 @@
+"""`distrib train`, the main job, end to end on small IDX files the test writes itself."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from distrib.cli import main
+from distrib.datasets import DatasetNotFoundError, load_fashion_mnist, read_idx
+
+LINE = re.compile(r"Epoch (\d+), Loss: ([\d.]+), Accuracy: ([\d.]+), Test Loss: ([\d.]+), "
+                  r"Test Accuracy: ([\d.]+), Examples/s: (\d+)")
+
+
+@pytest.mark.parametrize("strategy_args", [["--strategy", "mirrored", "--replicas", "2"], ["--strategy", "default"]])
+def test_train_prints_an_epoch_line_checkpoints_every_two_epochs_and_restores(idx_dir, tmp_path, capsys, strategy_args):
+    ckpt = tmp_path / "ckpt"
+    code = main(["train", *strategy_args, "--epochs", "3", "--batch-size-per-replica", "32",
+                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    epochs = [m.groups() for m in LINE.finditer(out)]
+    assert [int(e[0]) for e in epochs] == [1, 2, 3]
+    assert float(epochs[-1][4]) > 50.0  # the fake data is learnable: a broken update would stay near 10 %
+    restored = float(re.search(r"Accuracy after restoring the saved model without strategy: ([\d.]+)", out).group(1))
+    assert restored == pytest.approx(float(epochs[-1][4]), abs=1e-4)  # epoch 3 is the last checkpoint (epochs 1, 3)
+    assert sorted(p.name for p in ckpt.glob("ckpt-*.pt")) == ["ckpt-1.pt", "ckpt-2.pt"]
+
+
+def test_missing_data_is_a_clear_error_naming_the_debian_package(tmp_path, capsys):
+    with pytest.raises(DatasetNotFoundError, match="dataset-fashion-mnist"):
+        load_fashion_mnist(tmp_path / "nowhere")
+    code = main(["train", "--epochs", "1", "--data-dir", str(tmp_path / "nowhere"), "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "dataset-fashion-mnist" in err and "nowhere" in err and "--data-dir" in err
+
+
+def test_a_truncated_idx_file_is_rejected(idx_dir):
+    import gzip
+
+    path = idx_dir / "t10k-labels-idx1-ubyte.gz"
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    with gzip.open(path, "wb") as f:
+        f.write(data[:-10])
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(path)
