@@ -36,7 +36,9 @@ replica context
     replica's values (``get_replica_context()``).
 """
 
+from distrib import cluster as cluster_resolver
 from distrib import metrics
+from distrib.cluster import ClusterSpec
 from distrib.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from distrib.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from distrib.input import InputContext
@@ -49,6 +51,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint",
+    "ClusterSpec",
+    "cluster_resolver",
     "CheckpointManager",
     "InputContext",
     "MirroredStrategy",
