@@ -44,13 +44,16 @@ from distrib.context import get_replica_context, get_strategy, has_strategy, in_
 from distrib.input import InputContext
 from distrib.losses import compute_average_loss, scale_regularization_loss
 from distrib.replica import ReplicaContext
-from distrib.strategies import MirroredStrategy, OneDeviceStrategy, Strategy
+from distrib.collectives import CommunicationOptions
+from distrib.strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 from distrib.values import PerReplica, ReduceOp
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint",
+    "CommunicationOptions",
+    "MultiWorkerMirroredStrategy",
     "ClusterSpec",
     "cluster_resolver",
     "CheckpointManager",

@@ -39,8 +39,12 @@ def _positive(text: str) -> int:
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", choices=["default", "one-device", "mirrored"], default="mirrored",
-                   help="distribution strategy (default: mirrored over every local device)")
+    p.add_argument("--strategy", choices=["default", "one-device", "mirrored", "multi-worker"], default=None,
+                   help="distribution strategy (default: mirrored over every local device; "
+                        "multi-worker with --workers N)")
+    p.add_argument("--workers", type=_positive, default=1,
+                   help="run the job on N worker processes (MultiWorkerMirroredStrategy) through distrib launch")
+    p.add_argument("--max-restarts", type=int, default=0, help="with --workers: restarts of the whole group")
     p.add_argument("--epochs", type=_positive, default=10)
     p.add_argument("--batch-size-per-replica", type=_positive, default=64)
     p.add_argument("--replicas", type=_positive, default=None,
@@ -60,8 +64,24 @@ def _train(args: argparse.Namespace) -> int:
     from distrib.datasets import DatasetNotFoundError
     from distrib.train import TrainConfig, train
 
+    strategy = args.strategy or ("multi-worker" if args.workers > 1 else "mirrored")
+    if args.workers > 1:
+        if strategy != "multi-worker":
+            print(f"distrib train: --workers {args.workers} needs --strategy multi-worker, not {strategy}",
+                  file=sys.stderr)
+            return 2
+        from distrib.launch import LaunchConfig, launch
+
+        child = ["-m", "distrib.cli", "train", "--strategy", "multi-worker", "--epochs", str(args.epochs),
+                 "--batch-size-per-replica", str(args.batch_size_per_replica), "--checkpoint-dir",
+                 args.checkpoint_dir, "--seed", str(args.seed), "--no-progress"]
+        for flag, value in (("--replicas", args.replicas), ("--data-dir", args.data_dir)):
+            if value is not None:
+                child += [flag, str(value)]
+        return launch(LaunchConfig(command=child, workers=args.workers, max_restarts=args.max_restarts))
+
     config = TrainConfig(
-        strategy=args.strategy, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
+        strategy=strategy, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
         replicas=args.replicas, device=args.device, checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir,
         seed=args.seed, compile=args.compile, progress=args.progress,
     )
@@ -74,6 +94,30 @@ def _train(args: argparse.Namespace) -> int:
 
 
 register("train", "train the Fashion-MNIST CNN of the tf.distribute tutorial (the main job)", _train_arguments, _train)
+
+
+def _launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive, default=1, help="worker tasks")
+    p.add_argument("--ps", type=int, default=0, help="parameter-server tasks (the chief then runs the script)")
+    p.add_argument("--chief", action="store_true", help="add a 'chief' task besides the workers")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="on a failure, stop the whole group and start it again, at most K times")
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                   help="the script each task runs (or -m MODULE)")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from distrib.launch import LaunchConfig, launch
+
+    command = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not command:
+        print("distrib launch: name the script to run, e.g. distrib launch --workers 2 train.py", file=sys.stderr)
+        return 2
+    return launch(LaunchConfig(command=command, workers=args.workers, ps=args.ps, chief=args.chief,
+                               max_restarts=args.max_restarts))
+
+
+register("launch", "run a local cluster: one process per task, each with its TF_CONFIG", _launch_arguments, _launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

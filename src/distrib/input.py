@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from distrib.values import regroup
+from distrib.values import ReduceOp, regroup
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -161,21 +161,55 @@ class DistributedDatasetsFromFunction:
 
 
 class _PerReplicaIterator:
+    """Per-replica batches from one worker's pipeline.
+
+    Under several workers, every step first agrees (one small all-reduce) on whether any
+    worker still has data: the epoch ends on every worker at the same step, when the
+    last pipeline is exhausted; workers that ran out earlier feed empty batches, so no
+    collective is left waiting and every example is seen exactly once.
+    """
+
     def __init__(self, iterator: Iterator[Any], strategy: "Strategy") -> None:
-        self._it = iterator
+        self._it: Optional[Iterator[Any]] = iterator
         self._strategy = strategy
+        self._template: Any = None
 
     def __iter__(self) -> "_PerReplicaIterator":
         return self
 
+    def _next_local(self) -> Optional[Any]:
+        if self._it is None:
+            return None
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._it = None
+            return None
+        self._template = _empty_like(batch)
+        return batch
+
     def __next__(self) -> Any:
-        devices = self._strategy._devices
+        s = self._strategy
+        devices = s._devices
         batches: list[Any] = []
         for _ in devices:
-            try:
-                batches.append(next(self._it))
-            except StopIteration:
-                if not batches:
-                    raise
-                batches.append(_empty_like(batches[-1]))
+            batch = self._next_local()
+            if batch is None:
+                break
+            batches.append(batch)
+        if s._num_workers > 1:
+            flags = torch.tensor([float(bool(batches)), float(self._template is None)])
+            s._communicator.all_reduce([flags], ReduceOp.SUM)
+            if flags[0] == 0:
+                raise StopIteration
+            if flags[1] > 0:  # someone never saw a batch: learn the structure from a worker that did
+                import torch.distributed as dist
+
+                templates: list[Any] = [None] * s._num_workers
+                dist.all_gather_object(templates, self._template)
+                self._template = self._template or next(t for t in templates if t is not None)
+        elif not batches:
+            raise StopIteration
+        while len(batches) < len(devices):
+            batches.append(self._template)
         return regroup([_to_device(b, d) for b, d in zip(batches, devices)])

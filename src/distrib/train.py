@@ -87,7 +87,11 @@ def make_strategy(name: str, replicas: Optional[int] = None, device: Optional[st
             return ds.MirroredStrategy()
         prefix = "cuda" if torch.cuda.is_available() else "cpu"
         return ds.MirroredStrategy([f"{prefix}:{i}" for i in range(replicas)])
-    raise ValueError(f"unknown strategy {name!r}; choose one of: default, one-device, mirrored")
+    if name == "multi-worker":
+        devices = None if replicas is None else [f"{'cuda' if torch.cuda.is_available() else 'cpu'}:{i}"
+                                                 for i in range(replicas)]
+        return ds.MultiWorkerMirroredStrategy(devices=devices)
+    raise ValueError(f"unknown strategy {name!r}; choose one of: default, one-device, mirrored, multi-worker")
 
 
 def _progress(iterable: Any, enabled: bool, desc: str) -> Any:
@@ -102,7 +106,9 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
     """Run the main job; print one line per epoch; return the per-epoch figures and the restored accuracy."""
     strategy = strategy or make_strategy(config.strategy, config.replicas, config.device)
     log.info("Using %r", strategy)
-    print(f"Number of devices: {strategy.num_replicas_in_sync}", flush=True)
+    chief = strategy.is_chief  # under several workers only the chief prints and evaluates the checkpoint
+    if chief:
+        print(f"Number of devices: {strategy.num_replicas_in_sync}", flush=True)
     train_split, test_split = load_fashion_mnist(config.data_dir)
     torch.manual_seed(config.seed)
 
@@ -142,7 +148,7 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         test_loss.update_state(F.cross_entropy(predictions, labels, reduction="none"))
         test_accuracy.update_state(labels, predictions)
 
-    show = sys.stdout.isatty() if config.progress is None else config.progress
+    show = chief and (sys.stdout.isatty() if config.progress is None else config.progress)
     history: list[dict[str, float]] = []
     for epoch in range(config.epochs):
         train_batches.set_epoch(epoch)
@@ -164,13 +170,16 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
             "examples_per_sec": len(train_split.labels) / seconds,
         }
         history.append(row)
-        print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
+        if chief:
+            print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
         test_loss.reset_states()
         train_accuracy.reset_states()
         test_accuracy.reset_states()
 
-    restored = evaluate_restored(config, global_batch_size, test_split)
-    print(f"Accuracy after restoring the saved model without strategy: {restored}", flush=True)
+    restored = None
+    if chief:
+        restored = evaluate_restored(config, global_batch_size, test_split)
+        print(f"Accuracy after restoring the saved model without strategy: {restored}", flush=True)
     return {"history": history, "restored_accuracy": restored, "num_replicas_in_sync": strategy.num_replicas_in_sync}
 
 
