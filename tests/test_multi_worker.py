@@ -78,6 +78,24 @@ def test_a_worker_killed_mid_epoch_resumes_under_max_restarts_to_the_uninterrupt
     assert not any("workertemp" in p.name for p in (tmp_path / "ckpt-killed").iterdir())
 
 
+def test_gradient_accumulation_and_clipping_on_two_workers_match_one_device(tmp_path):
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_accumulate.py"), str(tmp_path / "acc.pt"))
+    assert code == 0, out
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 4, generator=g) for _ in range(4)]
+    for a, b, clip in ((xs[0], xs[1], True), (xs[2], xs[3], False)):
+        for x in (a, b):
+            (model(x).pow(2).sum() / 16).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    assert_params_equal(torch.load(tmp_path / "acc.pt"), [p.detach() for p in model.parameters()])
+
+
 def test_a_peer_that_stops_answering_is_an_error_on_the_other_worker_within_the_timeout():
     code, out, elapsed = launch("--workers", "2", str(SCRIPTS / "mw_hang.py"), "3", timeout=90)
     assert code == 3, out

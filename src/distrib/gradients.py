@@ -1,20 +1,24 @@
 """Gradient all-reduce across workers, bucketed and overlapped with the backward pass.
 
 This is the mechanism of PyTorch's DDP, kept small and with SUM semantics (the
-user scaled the loss by the global batch, so ``optimizer.step()`` must not divide):
+user scaled the loss by the global batch, so nothing divides):
 
 * parameters are grouped into buckets of about ``bucket_bytes``, in reverse
   registration order, which is roughly the order backward produces gradients;
+  each bucket owns one flat buffer, and after the first step every ``param.grad``
+  is a view into it, so nothing is flattened or copied back;
 * a post-accumulate-grad hook marks a parameter ready; when a bucket is complete
-  and every earlier bucket is already launched, its gradients are flattened into
-  one buffer and an asynchronous all-reduce starts, while backward continues;
-* ``synchronize()`` (called by ``optimizer.step()``) launches what is left, in
-  bucket order, waits, and copies the sums back into ``param.grad``.
+  and every earlier bucket has been launched, an asynchronous all-reduce of its
+  buffer starts while backward goes on;
+* at the end of the backward pass (a callback queued on autograd's engine, as DDP
+  does) the rest is launched and everything is waited for: when ``loss.backward()``
+  returns, ``param.grad`` holds the gradient summed over all workers, so clipping
+  or inspecting gradients sees what a single device would see.
 
 Buckets are always launched in index order, so workers whose backward passes
-produce gradients in different orders (or skip a parameter) still pair up the
-same collectives. A second backward before ``step()`` (gradient accumulation)
-is detected, and every bucket is then reduced again from the accumulated grads.
+produce gradients in different orders, or skip a parameter, still pair up the same
+collectives. A second backward before ``step()`` (gradient accumulation) reduces
+only the new contribution, captured by a tensor hook into a side buffer.
 """
 
 from __future__ import annotations
@@ -31,6 +35,22 @@ if TYPE_CHECKING:
 __all__ = ["BucketedGradientReducer"]
 
 
+class _Bucket:
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.offsets: list[int] = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.delta: Optional[torch.Tensor] = None  # new contributions, while accumulating
+
+    def view(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+
 class BucketedGradientReducer:
     """Sums the gradients of ``params`` over all workers, overlapping communication with backward."""
 
@@ -38,95 +58,121 @@ class BucketedGradientReducer:
                  bucket_bytes: int) -> None:
         self._comm = communicator
         trainable = [p for p in params if p.requires_grad]
-        self._buckets: list[list[torch.Tensor]] = []
-        current: list[torch.Tensor] = []
+        groups: list[list[torch.Tensor]] = []
         size = 0
         for p in reversed(trainable):
-            if current and (size >= bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-                self._buckets.append(current)
-                current, size = [], 0
-            current.append(p)
+            if not groups or size >= bucket_bytes or p.dtype != groups[-1][0].dtype or p.device != groups[-1][0].device:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
             size += p.numel() * p.element_size()
-        if current:
-            self._buckets.append(current)
-        self._bucket_of = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket}
-        self._buffers = [torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-                         for bucket in self._buckets]
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
-        self._reset_step()
+        self._buckets = [_Bucket(g) for g in groups]
+        self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
+        self._handles = [h for p in trainable for h in (p.register_post_accumulate_grad_hook(self._on_grad_ready),
+                                                         p.register_hook(self._make_contribution_hook(p)))]
+        self._synced = False
+        self._reset_pass()
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    def _reset_step(self) -> None:
+    def _reset_pass(self) -> None:
         self._ready = [0] * len(self._buckets)
         self._seen: set[int] = set()
         self._work: list[Optional["dist.Work"]] = [None] * len(self._buckets)
         self._next = 0
-        self._accumulating = False
+        self._callback_queued = False
+
+    def _make_contribution_hook(self, param: torch.Tensor):  # type: ignore[no-untyped-def]
+        def hook(grad: torch.Tensor) -> None:
+            if self._synced:  # accumulating onto already-summed gradients: keep this pass's part apart
+                b, i = self._where[id(param)]
+                bucket = self._buckets[b]
+                if bucket.delta is None:
+                    bucket.delta = torch.zeros_like(bucket.buffer)
+                bucket.view(i, bucket.delta).copy_(grad)
+        return hook
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         if id(param) in self._seen:
-            self._accumulating = True  # a second backward before step(): launched sums are stale
             return
         self._seen.add(id(param))
-        b = self._bucket_of[id(param)]
+        b, i = self._where[id(param)]
+        bucket = self._buckets[b]
+        if not self._synced:
+            view = bucket.view(i, bucket.buffer)
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+                param.grad = view
         self._ready[b] += 1
-        while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self._buckets) and (force or self._ready[self._next] == len(self._buckets[self._next].params)):
             self._launch(self._next)
             self._next += 1
 
     def _launch(self, b: int) -> None:
-        buffer, offset = self._buffers[b], 0
+        bucket = self._buckets[b]
         with torch.no_grad():
-            for p in self._buckets[b]:
-                n = p.numel()
+            if self._synced:
+                assert bucket.delta is not None or not any(id(p) in self._seen for p in bucket.params)
+                if bucket.delta is None:
+                    bucket.delta = torch.zeros_like(bucket.buffer)
+                for i, p in enumerate(bucket.params):
+                    if id(p) not in self._seen:
+                        bucket.view(i, bucket.delta).zero_()
+                    elif p.grad is not None:
+                        p.grad.sub_(bucket.view(i, bucket.delta))  # back to the summed gradient
+                self._work[b] = self._comm.all_reduce_async(bucket.delta)
+                return
+            for i, p in enumerate(bucket.params):
+                view = bucket.view(i, bucket.buffer)
                 if p.grad is None:
-                    buffer[offset:offset + n].zero_()
-                else:
-                    buffer[offset:offset + n].copy_(p.grad.reshape(-1))
-                offset += n
-        self._work[b] = self._comm.all_reduce_async(buffer)
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+            self._work[b] = self._comm.all_reduce_async(bucket.buffer)
 
-    def synchronize(self) -> None:
-        """Finish every bucket's all-reduce and write the sums into ``param.grad``."""
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, and leave the sums in ``param.grad``."""
         try:
-            if self._accumulating:
-                for work in self._work:
-                    if work is not None:
-                        self._comm.wait(work)
-                self._work = [None] * len(self._buckets)
-                self._next = 0
-            while self._next < len(self._buckets):
-                self._launch(self._next)
-                self._next += 1
+            self._launch_ready(force=True)
             with torch.no_grad():
                 for b, bucket in enumerate(self._buckets):
                     work = self._work[b]
                     assert work is not None
                     self._comm.wait(work)
-                    offset = 0
-                    for p in bucket:
-                        n = p.numel()
-                        reduced = self._buffers[b][offset:offset + n].view_as(p)
-                        if p.grad is None:
-                            p.grad = reduced.clone()
-                        else:
-                            p.grad.copy_(reduced)
-                        offset += n
+                    for i, p in enumerate(bucket.params):
+                        if self._synced:
+                            assert bucket.delta is not None
+                            reduced = bucket.view(i, bucket.delta)
+                            if p.grad is None:
+                                p.grad = reduced.clone()
+                            else:
+                                p.grad.add_(reduced)
+                        elif p.grad is not None or bucket.view(i, bucket.buffer).any():
+                            # a parameter no worker computed a gradient for keeps grad None, as on one device
+                            p.grad = bucket.view(i, bucket.buffer)
         finally:
-            self._reset_step()
+            self._synced = True
+            self._reset_pass()
+
+    def synchronize(self) -> None:
+        """Called by ``optimizer.step()``: make sure this step's gradients were summed, then start a new step."""
+        if not self._synced:
+            self.finish()  # no backward reached us (no gradients): still pair up the collectives
+        self._synced = False
 
     def discard(self) -> None:
-        """Forget this step's launched reductions (``zero_grad()`` without ``step()``)."""
+        """``zero_grad()``: a new step begins; a half-finished pass is completed so collectives stay paired."""
         if self._next:
-            # Collectives pair up by order: a bucket launched here is matched on every worker,
-            # so finish them rather than leave them dangling.
-            for work in self._work:
-                if work is not None:
-                    self._comm.wait(work)
-        self._reset_step()
+            self.finish()
+        self._synced = False
 
     def remove(self) -> None:
         for h in self._handles:
