@@ -13,13 +13,16 @@ LINE = re.compile(r"Epoch (\d+), Loss: ([\d.]+), Accuracy: ([\d.]+), Test Loss: 
                   r"Test Accuracy: ([\d.]+), Examples/s: (\d+)")
 
 
-@pytest.mark.parametrize("strategy_args", [["--strategy", "mirrored", "--replicas", "2"], ["--strategy", "default"]])
+@pytest.mark.parametrize("strategy_args", [["--strategy", "mirrored", "--replicas", "2"], ["--strategy", "default"],
+                                           ["--workers", "2"]])
 def test_train_prints_an_epoch_line_checkpoints_every_two_epochs_and_restores(idx_dir, tmp_path, capsys, strategy_args):
     ckpt = tmp_path / "ckpt"
     code = main(["train", *strategy_args, "--epochs", "3", "--batch-size-per-replica", "32",
                  "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt), "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0
+    if "--workers" in strategy_args:  # the chief alone prints, through the launcher's prefix
+        assert "[worker 0] Epoch 3" in out and "[worker 1] Epoch" not in out
     epochs = [m.groups() for m in LINE.finditer(out)]
     assert [int(e[0]) for e in epochs] == [1, 2, 3]
     assert float(epochs[-1][4]) > 50.0  # the fake data is learnable: a broken update would stay near 10 %
