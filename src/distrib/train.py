@@ -22,7 +22,7 @@ import distrib as ds
 from distrib import models
 from distrib.datasets import load_fashion_mnist
 
-__all__ = ["TrainConfig", "TensorBatches", "make_strategy", "train"]
+__all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "train"]
 
 log = logging.getLogger("distrib.train")
 
@@ -102,6 +102,33 @@ def _progress(iterable: Any, enabled: bool, desc: str) -> Any:
     return tqdm(iterable, desc=desc, leave=False, unit="batch", dynamic_ncols=True)
 
 
+def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size: int, train_accuracy: Any,
+               test_loss: Any, test_accuracy: Any) -> tuple[Any, Any]:
+    """Seed 000's replica functions: ``train_step(inputs) -> scaled loss`` and ``test_step(inputs)``."""
+
+    def compute_loss(labels: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+        per_example_loss = F.cross_entropy(predictions, labels, reduction="none")
+        return ds.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
+
+    def train_step(inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = inputs
+        predictions = forward(images)
+        loss = compute_loss(labels, predictions)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        train_accuracy.update_state(labels, predictions)
+        return loss
+
+    def test_step(inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        images, labels = inputs
+        predictions = forward(images)
+        test_loss.update_state(F.cross_entropy(predictions, labels, reduction="none"))
+        test_accuracy.update_state(labels, predictions)
+
+    return train_step, test_step
+
+
 def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[str, Any]:
     """Run the main job; print one line per epoch; return the per-epoch figures and the restored accuracy."""
     strategy = strategy or make_strategy(config.strategy, config.replicas, config.device)
@@ -127,26 +154,7 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         train_accuracy = ds.metrics.SparseCategoricalAccuracy(name="train_accuracy")
         test_accuracy = ds.metrics.SparseCategoricalAccuracy(name="test_accuracy")
     forward = models.maybe_compile(model, config.compile)
-
-    def compute_loss(labels: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
-        per_example_loss = F.cross_entropy(predictions, labels, reduction="none")
-        return ds.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
-
-    def train_step(inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = inputs
-        predictions = forward(images)
-        loss = compute_loss(labels, predictions)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        train_accuracy.update_state(labels, predictions)
-        return loss
-
-    def test_step(inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
-        images, labels = inputs
-        predictions = forward(images)
-        test_loss.update_state(F.cross_entropy(predictions, labels, reduction="none"))
-        test_accuracy.update_state(labels, predictions)
+    train_step, test_step = make_steps(forward, optimizer, global_batch_size, train_accuracy, test_loss, test_accuracy)
 
     show = chief and (sys.stdout.isatty() if config.progress is None else config.progress)
     history: list[dict[str, float]] = []
