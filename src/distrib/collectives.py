@@ -8,13 +8,20 @@ backed by a ``torch.distributed`` process group.
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from distrib.values import ReduceOp
 
-__all__ = ["Communicator", "LocalCommunicator"]
+__all__ = ["CollectiveError", "CommunicationOptions", "Communicator", "LocalCommunicator", "ProcessGroupCommunicator"]
+
+log = logging.getLogger("distrib.collectives")
 
 
 class Communicator(Protocol):
@@ -60,15 +67,6 @@ class LocalCommunicator:
 
 
 # --------------------------------------------------------------------------- multi-worker
-
-import datetime
-import logging
-import os
-from dataclasses import dataclass
-
-import torch.distributed as dist
-
-log = logging.getLogger("distrib.collectives")
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_BYTES_PER_PACK = 25 << 20  # DDP's default bucket size
