@@ -73,3 +73,9 @@ __all__ = [
     "metrics",
     "scale_regularization_loss",
 ]
+
+# Parameter-server training (issue 4): strategy, servers, coordinator, partitioners, test clusters.
+from distrib import testing
+from distrib.parameter_server import ParameterServerStrategy, Server, coordinator, partitioners
+
+__all__ += ["ParameterServerStrategy", "Server", "coordinator", "partitioners", "testing"]

@@ -1,0 +1,230 @@
+"""``ClusterCoordinator``: schedules functions on the workers of a ``ParameterServerStrategy``.
+
+Two state machines run it:
+
+* each scheduled function's :class:`~distrib.coordinator.RemoteValue` (see
+  :mod:`~distrib.parameter_server.remote_value` for the transitions: PENDING,
+  RUNNING, READY, FAILED, CANCELLED);
+* each worker, driven by one coordinator thread (CONNECTING, IDLE, BUSY, DOWN; see
+  :mod:`~distrib.parameter_server.dispatch`), whose failures a
+  :class:`~distrib.parameter_server.failure_policy.FailurePolicy` turns into a retry
+  on another worker or an error raised by ``join``.
+
+A function is pickled once (see :mod:`~distrib.parameter_server.pickling`) and sent
+to each worker once; later calls send only its digest and arguments. Short functions
+share a round trip (batches of up to 2 ms of expected work).
+
+Example::
+
+    >>> import distrib as ds, torch
+    >>> resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=1)
+    >>> strategy = ds.ParameterServerStrategy(resolver)
+    >>> coordinator = ds.coordinator.ClusterCoordinator(strategy)
+    >>> values = [coordinator.schedule(lambda i: i * i, args=(i,)) for i in range(4)]
+    >>> coordinator.join()
+    >>> coordinator.fetch(values)
+    [0, 1, 4, 9]
+    >>> ds.testing.stop_in_process_cluster(resolver)
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+from typing import Any, Callable, Optional, Sequence
+
+from distrib.parameter_server import pickling, wire
+from distrib.parameter_server.dispatch import (Closure, ClosureQueue, PerWorkerIterator, WorkerThread,
+                                               fetch_remote_values)
+from distrib.parameter_server.errors import PeerUnavailableError
+from distrib.parameter_server.failure_policy import FailurePolicy
+from distrib.parameter_server.remote_value import RemoteValue, RemoteValueStatus
+
+__all__ = ["ClusterCoordinator", "RemoteValue", "RemoteValueStatus", "PerWorkerDataset", "PerWorkerIterator",
+           "FailurePolicy"]
+
+
+class PerWorkerDataset:
+    """A dataset built on every worker by ``create_per_worker_dataset``; ``iter()`` it for the functions.
+
+    A worker that comes back after a failure builds its dataset again (from the start).
+    """
+
+    def __init__(self, dataset_id: str) -> None:
+        self.dataset_id = dataset_id
+
+    def __iter__(self) -> PerWorkerIterator:
+        return PerWorkerIterator(self.dataset_id)
+
+
+class ClusterCoordinator:
+    """Schedules functions on the workers (``tf.distribute.experimental.coordinator.ClusterCoordinator``).
+
+    One per strategy: creating a second one for the same strategy returns the first.
+    ``failure_policy`` decides retries (default: TF's, see
+    :class:`~distrib.parameter_server.failure_policy.FailurePolicy`); ``probe_interval``
+    is how often (seconds) an unreachable worker is asked whether it is back.
+    See the module docstring for a runnable example.
+    """
+
+    def __new__(cls, strategy: Any, *args: Any, **kwargs: Any) -> "ClusterCoordinator":
+        existing = getattr(strategy, "_cluster_coordinator", None)
+        if isinstance(existing, cls):
+            return existing
+        return super().__new__(cls)
+
+    def __init__(self, strategy: Any, failure_policy: Optional[FailurePolicy] = None, probe_interval: float = 0.25) -> None:
+        if getattr(self, "_initialized", False):
+            return
+        from distrib.parameter_server.strategy import ParameterServerStrategy
+
+        if not isinstance(strategy, ParameterServerStrategy) or not strategy._on_coordinator:
+            raise ValueError(f"ClusterCoordinator(strategy) needs the coordinator's ParameterServerStrategy, got "
+                             f"{strategy!r}")
+        self.strategy = strategy
+        self._failure_policy = failure_policy or FailurePolicy()
+        self._probe_interval = probe_interval
+        self._queue = ClosureQueue()
+        # Short functions share a round trip: a worker takes several at once while their
+        # estimated run time (a moving average of what each function took) fits this budget.
+        self._batch_seconds = 0.002
+        self._max_batch = 64
+        self._seconds: dict[str, float] = {}
+        self._functions: collections.OrderedDict[Any, pickling.Payload] = collections.OrderedDict()
+        self._datasets: dict[str, pickling.Payload] = {}
+        addresses = strategy._spec.job_tasks("worker")
+        self._workers = [WorkerThread(self, i, a) for i, a in enumerate(addresses)]
+        strategy._cluster_coordinator = self
+        self._initialized = True
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("a scheduled function cannot capture the ClusterCoordinator; schedule from the coordinator only")
+
+    # ------------------------------------------------------------------ scheduling
+    def _estimate(self, closure: Closure) -> float:
+        """Expected run time of a closure; unknown functions count as a whole batch budget (run alone)."""
+        return self._seconds.get(closure.payload.digest, self._batch_seconds)
+
+    def _observe(self, closure: Closure, seconds: float) -> None:
+        digest = closure.payload.digest
+        old = self._seconds.get(digest)
+        self._seconds[digest] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def _payload(self, fn: Callable[..., Any]) -> pickling.Payload:
+        try:
+            key: Any = fn
+            hash(key)
+        except TypeError:
+            key = id(fn)
+        payload = self._functions.get(key)
+        if payload is None:
+            try:
+                payload = pickling.dumps(fn, self.strategy._persistent_id)
+            except Exception as e:
+                raise TypeError(f"cannot send {getattr(fn, '__qualname__', fn)!r} to the workers: {e}. A scheduled "
+                                "function and everything it refers to must be picklable by cloudpickle") from e
+            self._functions[key] = payload
+            if len(self._functions) > 256:
+                self._functions.popitem(last=False)
+        else:
+            self._functions.move_to_end(key)
+        return payload
+
+    def schedule(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` to run on some worker; returns its :class:`RemoteValue` at once.
+
+        ``fn`` and what it captures are sent once (a snapshot: later changes to
+        captured Python values are not seen). Arguments go with every call: tensors,
+        numbers, strings, nested lists/tuples/dicts, per-worker iterators, and
+        RemoteValues (fetched first). Raises the error of an earlier failed function
+        that ``join`` has not raised yet.
+        """
+        closure = Closure(self._payload(fn), tuple(args), dict(kwargs or {}))
+        self._check_iterators((closure.args, closure.kwargs))
+        self._queue.put(closure)
+        return closure.value
+
+    def _check_iterators(self, x: Any) -> None:
+        if isinstance(x, PerWorkerIterator):
+            if x.dataset_id not in self._datasets:
+                raise ValueError("a per-worker iterator from another ClusterCoordinator was passed to schedule(); "
+                                 "call create_per_worker_dataset on this coordinator and iterate that")
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                self._check_iterators(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                self._check_iterators(v)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait until every scheduled function has finished; raise the first error among them.
+
+        After a function error the functions not yet started are cancelled; once
+        ``join`` has raised the error, scheduling works again. ``timeout`` (seconds,
+        a distrib extension) raises TimeoutError instead of waiting longer.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        q = self._queue
+        with q.cond:
+            while not q.idle() and q.fatal is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"join(): {len(q.pending)} function(s) pending and {q.inflight} running "
+                                       f"after {timeout}s; workers: {self._worker_states()}")
+                q.cond.wait(left)
+            q.raise_error(clear=True)
+
+    def done(self) -> bool:
+        """Whether every scheduled function has finished; raises the first error among them."""
+        with self._queue.cond:
+            self._queue.raise_error(clear=True)
+            return self._queue.idle()
+
+    def fetch(self, val: Any) -> Any:
+        """``val`` with every RemoteValue in it (nested in lists, tuples, dicts) replaced by its result."""
+        return fetch_remote_values(val)
+
+    def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:
+        """Build a dataset on every worker: ``dataset_fn()`` or ``dataset_fn(input_context)``, or a dataset from
+        ``strategy.distribute_datasets_from_function``/``experimental_distribute_dataset``.
+
+        ``input_context`` has ``input_pipeline_id`` = the worker's index and
+        ``num_input_pipelines`` = the number of workers (to shard or seed the data).
+        """
+        dataset_id = uuid.uuid4().hex[:16]
+        try:
+            self._datasets[dataset_id] = pickling.dumps(dataset_fn, self.strategy._persistent_id)
+        except Exception as e:
+            raise TypeError(f"cannot send the dataset function to the workers: {e}. It must be picklable by "
+                            "cloudpickle (build the dataset inside the function rather than capturing it)") from e
+        return PerWorkerDataset(dataset_id)
+
+    # ------------------------------------------------------------------ introspection
+    def _worker_states(self) -> dict[str, str]:
+        return {w.task: w.state.value for w in self._workers}
+
+    def worker_stats(self) -> list[dict]:
+        """Each reachable worker's health reply: task, functions held, bytes it sent to/received from the ps tasks."""
+        stats = []
+        for w in self._workers:
+            try:
+                stats.append(wire.decode(w.conn.call("Health", wire.encode({}), timeout=5.0)))
+            except PeerUnavailableError:
+                stats.append({"task": w.task, "ok": False})
+        return stats
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def close(self) -> None:
+        """Stop the coordinator's threads (functions still running finish on their workers)."""
+        with self._queue.cond:
+            self._queue.closed = True
+            self._queue.cond.notify_all()
+        for w in self._workers:
+            w.thread.join(timeout=5)
+            w.conn.close()
+        if getattr(self.strategy, "_cluster_coordinator", None) is self:
+            self.strategy._cluster_coordinator = None

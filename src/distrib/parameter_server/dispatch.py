@@ -1,0 +1,307 @@
+"""How scheduled functions reach the workers: the queue, and one thread per worker.
+
+Each worker is driven by one coordinator thread, a small state machine::
+
+    CONNECTING --answers--> IDLE <--> BUSY --call fails (unreachable)--> DOWN --answers--> IDLE
+
+A thread in IDLE takes the next functions from the shared :class:`ClosureQueue` and
+calls its worker (BUSY). Every failure is classified (:class:`FailureKind`) and the
+coordinator's :class:`FailurePolicy` decides: a lost worker's functions go back to
+the front of the queue, for any worker, and the thread probes its worker until it
+answers again (DOWN -> IDLE), then sends it functions and datasets afresh (a
+restarted worker has none). A function error fails that function and cancels the
+ones not started; a lost parameter server fails everything for good.
+
+Short functions travel in batches: a free worker takes several queued functions at
+once while their expected run time (a moving average of what each took before) fits
+the coordinator's budget, so a no-op does not cost a whole round trip; a function
+that takes longer goes alone, which keeps load balancing and retries fine-grained.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from distrib.parameter_server import pickling, wire
+from distrib.parameter_server.errors import (ClosureCancelledError, ParameterServerUnavailableError,
+                                             PeerUnavailableError, RemoteProtocolError, WorkerUnavailableError,
+                                             scheduled_function_error)
+from distrib.parameter_server.failure_policy import Decision, FailureKind
+from distrib.parameter_server.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.rpc import Connection
+from distrib.parameter_server.worker_service import WORKER_SERVICE
+
+if TYPE_CHECKING:
+    from distrib.parameter_server.coordinator import ClusterCoordinator
+
+__all__ = ["WorkerState", "Closure", "ClosureQueue", "PerWorkerIterator", "WorkerThread", "fetch_remote_values"]
+
+log = logging.getLogger("distrib.parameter_server.coordinator")
+
+
+class WorkerState(enum.Enum):
+    CONNECTING = "connecting"
+    IDLE = "idle"
+    BUSY = "busy"
+    DOWN = "down"
+
+
+class Closure:
+    __slots__ = ("payload", "args", "kwargs", "value")
+
+    def __init__(self, payload: pickling.Payload, args: tuple, kwargs: dict) -> None:
+        self.payload, self.args, self.kwargs = payload, args, kwargs
+        self.value = RemoteValue()
+
+
+class ClosureQueue:
+    """Functions not yet run, functions running, and the error to raise from ``join``."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.pending: collections.deque[Closure] = collections.deque()
+        self.inflight = 0
+        self.error: Optional[BaseException] = None
+        self.fatal: Optional[BaseException] = None
+        self.closed = False
+
+    def raise_error(self, clear: bool) -> None:
+        """Raise the fatal error, or the first function error (forgotten once raised if ``clear``)."""
+        if self.fatal is not None:
+            raise self.fatal
+        if self.error is not None:
+            error = self.error
+            if clear:
+                self.error = None
+            raise error
+
+    def put(self, closure: Closure) -> None:
+        with self.cond:
+            self.raise_error(clear=True)
+            self.pending.append(closure)
+            self.cond.notify()
+
+    def take(self, estimate: Callable[[Closure], float], budget: float, limit: int) -> list[Closure]:
+        """The next functions for one worker: at least one, more while their estimated run time fits ``budget``."""
+        with self.cond:
+            while not self.pending and not self.closed:
+                self.cond.wait()
+            if self.closed:
+                return []
+            batch = [self.pending.popleft()]
+            total = estimate(batch[0])
+            while self.pending and len(batch) < limit:
+                total += estimate(self.pending[0])
+                if total > budget:
+                    break
+                batch.append(self.pending.popleft())
+            self.inflight += len(batch)
+            for closure in batch:
+                closure.value._transition(RemoteValueStatus.RUNNING)
+            return batch
+
+    def requeue(self, closure: Closure) -> None:
+        with self.cond:
+            self.inflight -= 1
+            if self.fatal is not None:
+                closure.value._transition(RemoteValueStatus.FAILED, error=self.fatal)
+            else:
+                closure.value._transition(RemoteValueStatus.PENDING)
+                self.pending.appendleft(closure)
+            self.cond.notify_all()
+
+    def finish(self, closure: Closure, value: Any) -> None:
+        with self.cond:
+            self.inflight -= 1
+            closure.value._transition(RemoteValueStatus.READY, value=value)
+            self.cond.notify_all()
+
+    def fail(self, closure: Closure, error: BaseException, fatal: bool) -> None:
+        with self.cond:
+            self.inflight -= 1
+            closure.value._transition(RemoteValueStatus.FAILED, error=error)
+            if fatal:
+                self.fatal = self.fatal or error
+            elif self.error is None:
+                self.error = error
+            cancelled = ClosureCancelledError(f"not run because an earlier scheduled function failed: {error}")
+            while self.pending:
+                pending = self.pending.popleft()
+                pending.value._transition(RemoteValueStatus.FAILED if fatal else RemoteValueStatus.CANCELLED,
+                                          error=error if fatal else cancelled)
+            self.cond.notify_all()
+
+    def idle(self) -> bool:
+        return not self.pending and self.inflight == 0
+
+
+class PerWorkerIterator:
+    """``iter(per_worker_dataset)``: pass it to scheduled functions; each worker uses its own iterator."""
+
+    def __init__(self, dataset_id: str) -> None:
+        self.dataset_id = dataset_id
+        self.iterator_id = uuid.uuid4().hex[:16]
+
+    def __iter__(self) -> "PerWorkerIterator":
+        return self
+
+    def __next__(self) -> Any:
+        raise TypeError("a per-worker iterator is read on the workers: pass it to coordinator.schedule(fn, "
+                        "args=(iterator,)) and call next(iterator) inside fn")
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("a per-worker iterator cannot be captured by a scheduled function; pass it in args=(...)")
+
+
+class WorkerThread:
+    """One worker task and the coordinator thread that feeds it."""
+
+    def __init__(self, coordinator: "ClusterCoordinator", index: int, address: str) -> None:
+        self.index = index
+        self.task = f"/job:worker/replica:0/task:{index}"
+        self.coordinator = coordinator
+        strategy = coordinator.strategy
+        self.conn = Connection(address, WORKER_SERVICE, strategy._token, strategy._tls, task=self.task,
+                               unavailable=WorkerUnavailableError)
+        self.state = WorkerState.CONNECTING
+        self.sent_functions: set[str] = set()
+        self.sent_datasets: set[str] = set()
+        self.thread = threading.Thread(target=self._main, name=f"distrib-coordinator-worker-{index}", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        coordinator = self.coordinator
+        queue = coordinator._queue
+        while not queue.closed:
+            if self.state in (WorkerState.CONNECTING, WorkerState.DOWN):
+                self._probe()
+                continue
+            batch = queue.take(coordinator._estimate, coordinator._batch_seconds, coordinator._max_batch)
+            if not batch:
+                return
+            self.state = WorkerState.BUSY
+            self._process(batch)
+            if self.state is WorkerState.BUSY:
+                self.state = WorkerState.IDLE
+
+    def _probe(self) -> None:
+        try:
+            self.conn.call("Health", wire.encode({}), timeout=2.0)
+        except (PeerUnavailableError, RemoteProtocolError):
+            time.sleep(self.coordinator._probe_interval)
+            return
+        except Exception as e:  # noqa: BLE001 - e.g. a refused token: keep trying, say why
+            log.error("%s (%s) refused the health check: %s", self.task, self.conn.address, e)
+            time.sleep(max(self.coordinator._probe_interval, 2.0))
+            return
+        if self.state is WorkerState.DOWN:
+            log.info("%s (%s) is back; scheduling functions on it again", self.task, self.conn.address)
+        self.sent_functions.clear()
+        self.sent_datasets.clear()
+        self.state = WorkerState.IDLE
+
+    def _process(self, batch: list[Closure]) -> None:
+        queue, policy = self.coordinator._queue, self.coordinator._failure_policy
+        for closure in batch:
+            closure.value.worker = self.task
+        try:
+            replies = self._call(batch)
+        except WorkerUnavailableError as e:
+            self.state = WorkerState.DOWN
+            log.warning("%s (%s) is unavailable; its %d function(s) go to another worker", self.task,
+                        self.conn.address, len(batch))
+            for closure in reversed(batch):  # back to the front of the queue, in their order
+                if policy.decide(FailureKind.WORKER_LOST, closure.value.attempts) is Decision.RETRY:
+                    queue.requeue(closure)
+                else:
+                    queue.fail(closure, e, fatal=False)
+            return
+        except Exception as e:  # noqa: BLE001 - refused token, unsendable arguments, a failed RemoteValue argument
+            self._fail(batch, 0, e, policy.decide(FailureKind.PROTOCOL, batch[0].value.attempts))
+            return
+        for i, (closure, reply) in enumerate(zip(batch, replies)):
+            status = reply.get("status")
+            if status == "ok":
+                self.coordinator._observe(closure, reply.get("seconds", 0.0))
+                queue.finish(closure, reply.get("result"))
+                continue
+            if status == "ps_unavailable":
+                error: BaseException = ParameterServerUnavailableError(reply["address"], f"seen from {self.task}",
+                                                                       reply.get("task") or None)
+                kind = FailureKind.PS_LOST
+            elif status == "error":
+                error = scheduled_function_error(reply["type"], reply["message"], reply["traceback"], self.task)
+                kind = FailureKind.FUNCTION_ERROR
+            else:
+                error, kind = RemoteProtocolError(f"{self.task} answered {reply!r}"), FailureKind.PROTOCOL
+            self._fail(batch, i, error, policy.decide(kind, closure.value.attempts))
+            return
+        if len(replies) < len(batch):
+            self._fail(batch, len(replies), RemoteProtocolError(f"{self.task} ran {len(replies)} of "
+                                                                f"{len(batch)} functions and said nothing more"),
+                       Decision.RAISE)
+
+    def _fail(self, batch: list[Closure], index: int, error: BaseException, decision: Decision) -> None:
+        """Closure ``index`` failed: the ones after it did not run and go back to the queue first."""
+        queue = self.coordinator._queue
+        for closure in reversed(batch[index + 1:]):
+            queue.requeue(closure)
+        if decision is Decision.RETRY:
+            queue.requeue(batch[index])
+        else:
+            queue.fail(batch[index], error, fatal=decision is Decision.RAISE_FATAL)
+
+    def _call(self, batch: list[Closure]) -> list[dict]:
+        datasets: set[str] = set()
+
+        def encode_ref(x: Any) -> Any:
+            if isinstance(x, PerWorkerIterator):
+                datasets.add(x.dataset_id)
+                return ["iter", x.iterator_id, x.dataset_id]
+            return None
+
+        calls = [{"fn": c.payload.digest, "args": fetch_remote_values(c.args), "kwargs": fetch_remote_values(c.kwargs)}
+                 for c in batch]
+        payloads = {c.payload.digest: c.payload for c in batch}
+        options = self.coordinator.strategy._optimizer_options()
+        force = False
+        for _ in range(3):
+            datasets.clear()
+            request: dict[str, Any] = {"calls": calls, "options": options, "payloads": {
+                d: p.data for d, p in payloads.items() if force or d not in self.sent_functions}}
+            body = wire.encode(request, encode_ref=encode_ref)
+            needed = {d: self.coordinator._datasets[d].data for d in datasets if force or d not in self.sent_datasets}
+            if needed:
+                request["datasets"] = needed
+                body = wire.encode(request, encode_ref=encode_ref)
+            reply = wire.decode(self.conn.call("Run", body))
+            if reply.get("status") == "need":
+                force = True  # the worker forgot (it was restarted): send everything again
+                self.sent_functions.clear()
+                self.sent_datasets.clear()
+                continue
+            if "results" not in reply:
+                raise RemoteProtocolError(f"{self.task} failed to run a batch: {reply.get('type')}: "
+                                          f"{reply.get('message')}\n{reply.get('traceback', '')}")
+            self.sent_functions.update(payloads)
+            self.sent_datasets.update(datasets)
+            return [wire.decode(r) for r in reply["results"]]
+        raise RemoteProtocolError(f"{self.task} keeps asking for the functions and datasets it was sent")
+
+
+def fetch_remote_values(x: Any) -> Any:
+    if isinstance(x, RemoteValue):
+        return x.fetch()
+    if isinstance(x, list):
+        return [fetch_remote_values(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(fetch_remote_values(v) for v in x)
+    if isinstance(x, dict):
+        return {k: fetch_remote_values(v) for k, v in x.items()}
+    return x

@@ -1,0 +1,98 @@
+"""``RemoteValue``: the future result of a scheduled function, with a documented life cycle.
+
+Status transitions, and the only ones allowed (anything else is a bug and raises)::
+
+    PENDING  -> RUNNING    a worker took the function
+    RUNNING  -> PENDING    that worker was lost mid-call; the function goes back to the front of the queue
+    RUNNING  -> READY      the function returned; fetch() gives its result
+    RUNNING  -> FAILED     it raised on the worker, or a parameter server was lost; fetch() raises
+    PENDING  -> CANCELLED  an earlier scheduled function failed; fetch() raises ClosureCancelledError
+    PENDING  -> FAILED     the cluster failed (a ps was lost) before the function ran
+
+READY, FAILED and CANCELLED are final. Because RUNNING can go back to PENDING, a
+function may run more than once (at least once, never lost), as in TF.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any, Optional
+
+__all__ = ["RemoteValue", "RemoteValueStatus"]
+
+
+class RemoteValueStatus(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    READY = "ready"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_ALLOWED = {
+    RemoteValueStatus.PENDING: {RemoteValueStatus.RUNNING, RemoteValueStatus.CANCELLED, RemoteValueStatus.FAILED},
+    RemoteValueStatus.RUNNING: {RemoteValueStatus.PENDING, RemoteValueStatus.READY, RemoteValueStatus.FAILED},
+}
+_FINAL = (RemoteValueStatus.READY, RemoteValueStatus.FAILED, RemoteValueStatus.CANCELLED)
+
+
+class RemoteValue:
+    """The result of ``ClusterCoordinator.schedule`` (``tf.distribute.experimental.coordinator.RemoteValue``).
+
+    ``fetch()`` blocks until the function has run and returns its result (tensors
+    and Python values as the function returned them), or raises its error.
+
+    Example::
+
+        >>> rv = RemoteValue()
+        >>> rv._transition(RemoteValueStatus.RUNNING)
+        >>> rv._transition(RemoteValueStatus.READY, value=3)
+        >>> rv.status, rv.fetch()
+        (<RemoteValueStatus.READY: 'ready'>, 3)
+    """
+
+    __slots__ = ("_status", "_value", "_error", "_done", "_lock", "worker", "attempts")
+
+    def __init__(self) -> None:
+        self._status = RemoteValueStatus.PENDING
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        #: the task that produced the result (or the last one that tried)
+        self.worker: Optional[str] = None
+        #: how many times a worker took the function
+        self.attempts = 0
+
+    @property
+    def status(self) -> RemoteValueStatus:
+        return self._status
+
+    def _transition(self, new: RemoteValueStatus, value: Any = None, error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            if new not in _ALLOWED.get(self._status, ()):
+                raise RuntimeError(f"RemoteValue cannot go from {self._status.name} to {new.name}")
+            self._status = new
+            if new is RemoteValueStatus.RUNNING:
+                self.attempts += 1
+            self._value, self._error = value, error
+            if new in _FINAL:
+                self._done.set()
+
+    def fetch(self, timeout: Optional[float] = None) -> Any:
+        """The function's result; blocks until it is known. Raises the function's error, if any."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the scheduled function has not finished within {timeout}s (status {self._status.name})")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    get = fetch
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("a RemoteValue cannot be captured by a scheduled function; pass it in args=(...) "
+                        "(it is fetched first) or fetch() it on the coordinator")
+
+    def __repr__(self) -> str:
+        return f"RemoteValue(status={self._status.name}{', worker=' + self.worker if self.worker else ''})"

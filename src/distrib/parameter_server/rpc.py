@@ -1,0 +1,231 @@
+"""The RPC layer: gRPC unary calls carrying wire messages, authenticated by a cluster token.
+
+No ``.proto`` files: every method is ``bytes -> bytes`` through gRPC's generic
+handlers, and the bytes are :mod:`~distrib.parameter_server.wire` messages.
+
+Security, in order of the checks a call meets:
+
+* a server binds only the address its task has in the cluster spec (never ``0.0.0.0``);
+* with TLS (:class:`TLSConfig`, or ``DISTRIB_TLS_CERT``/``DISTRIB_TLS_KEY``/``DISTRIB_TLS_CA``)
+  the channel is encrypted, and with a CA file both ends must present certificates it signed;
+* every call carries the cluster token (``DISTRIB_CLUSTER_TOKEN``) in its metadata. The
+  :class:`TokenInterceptor` compares it in constant time *before* the handler runs, so a
+  request body from a peer without the token is never read, let alone unpickled.
+  Refused calls are answered ``UNAUTHENTICATED`` and logged with the peer's address.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import grpc
+
+from distrib.parameter_server.errors import AuthenticationError, PeerUnavailableError, RemoteProtocolError
+
+__all__ = ["TOKEN_ENV", "TLSConfig", "cluster_token", "make_server", "Connection", "Handler"]
+
+TOKEN_ENV = "DISTRIB_CLUSTER_TOKEN"
+TOKEN_METADATA = "x-distrib-cluster-token"
+_TLS_ENV = ("DISTRIB_TLS_CERT", "DISTRIB_TLS_KEY", "DISTRIB_TLS_CA")
+
+log = logging.getLogger("distrib.parameter_server.rpc")
+
+Handler = Callable[[bytes], bytes]
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # A restarted task must be found again within about a second, not after gRPC's 2-minute backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+]
+_SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.so_reuseport", 0),  # two servers must never share one address
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Certificate files for TLS. With ``ca_file`` both ends verify each other (mutual TLS).
+
+    Example::
+
+        >>> tls = TLSConfig(cert_file="task.crt", key_file="task.key", ca_file="cluster-ca.crt")
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: Optional[str] = None
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["TLSConfig"]:
+        """``DISTRIB_TLS_CERT``, ``DISTRIB_TLS_KEY`` (both needed) and ``DISTRIB_TLS_CA``; None if unset."""
+        env = os.environ if environ is None else environ
+        cert, key, ca = (env.get(v) or None for v in _TLS_ENV)
+        if not cert and not key:
+            return None
+        if not (cert and key):
+            raise ValueError("TLS needs both DISTRIB_TLS_CERT and DISTRIB_TLS_KEY; only one of them is set")
+        return cls(cert, key, ca)
+
+    def _read(self) -> tuple[bytes, bytes, Optional[bytes]]:
+        def read(path: Optional[str]) -> Optional[bytes]:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return read(self.cert_file) or b"", read(self.key_file) or b"", read(self.ca_file)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def cluster_token(token: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """``token`` if given, else ``DISTRIB_CLUSTER_TOKEN``; a clear error when neither is set."""
+    if token is None:
+        token = (os.environ if environ is None else environ).get(TOKEN_ENV) or None
+    if not token:
+        raise ValueError(
+            f"no cluster token: set {TOKEN_ENV} to the same secret on every task of the cluster "
+            "(`distrib launch` makes one per run; to make one yourself: "
+            "python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    return token
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose metadata lacks the cluster token, before its handler runs."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        given = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA:
+                given = value
+                break
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._token):
+            return continuation(handler_call_details)
+        method = handler_call_details.method
+
+        def refuse(request: bytes, context: grpc.ServicerContext) -> bytes:
+            log.warning("refused %s from %s: %s cluster token", method, context.peer(),
+                        "wrong" if given else "missing")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+            return b""  # unreachable: abort raises
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def make_server(address: str, service: str, handlers: Mapping[str, Handler], token: str,
+                tls: Optional[TLSConfig] = None, max_workers: int = 8) -> grpc.Server:
+    """A started gRPC server on exactly ``address`` whose methods are ``service/<name>``."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"distrib-{service}"),
+                         interceptors=[TokenInterceptor(token)], options=_SERVER_OPTIONS)
+
+    def wrap(fn: Handler) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        return lambda request, context: fn(request)
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        service, {name: grpc.unary_unary_rpc_method_handler(wrap(fn)) for name, fn in handlers.items()})])
+    try:
+        port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError as e:
+        port = 0
+        detail = str(e)
+    else:
+        detail = ""
+    if port == 0:
+        raise OSError(f"cannot listen on {address!r} (taken by another process, or not an address of this "
+                      f"host){': ' + detail if detail else ''}; check the cluster spec")
+    server.start()
+    return server
+
+
+class Connection:
+    """A channel to one task; ``call`` sends a message and returns the reply's bytes.
+
+    Transport failures raise ``unavailable(address, detail)`` (a
+    :class:`PeerUnavailableError` subclass chosen by the caller), a refused token
+    raises :class:`AuthenticationError`.
+    """
+
+    def __init__(self, address: str, service: str, token: str, tls: Optional[TLSConfig] = None,
+                 task: Optional[str] = None, unavailable: type[PeerUnavailableError] = PeerUnavailableError) -> None:
+        self.address = address
+        self.task = task
+        self._service = service
+        self._metadata = ((TOKEN_METADATA, token),)
+        self._unavailable = unavailable
+        self._channel = (grpc.secure_channel(address, tls.channel_credentials(), _CHANNEL_OPTIONS) if tls
+                         else grpc.insecure_channel(address, _CHANNEL_OPTIONS))
+        self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _method(self, name: str) -> grpc.UnaryUnaryMultiCallable:
+        m = self._methods.get(name)
+        if m is None:
+            m = self._methods[name] = self._channel.unary_unary(f"/{self._service}/{name}")
+        return m
+
+    def call(self, method: str, payload: bytes, timeout: Optional[float] = None, wait_for_ready: bool = False) -> bytes:
+        self.bytes_sent += len(payload)
+        try:
+            reply = self._method(method)(payload, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            raise self._translate(e) from None
+        self.bytes_received += len(reply)
+        return reply
+
+    def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> "grpc.Future":
+        """Start a call; pass the result to :meth:`result` to get the reply's bytes."""
+        self.bytes_sent += len(payload)
+        return self._method(method).future(payload, timeout=timeout, metadata=self._metadata)
+
+    def result(self, fut: "grpc.Future") -> bytes:
+        try:
+            reply = fut.result()
+        except grpc.RpcError as e:
+            raise self._translate(e) from None
+        self.bytes_received += len(reply)
+        return reply
+
+    def _translate(self, e: grpc.RpcError) -> Exception:
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return self._unavailable(self.address, details or str(code), self.task)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return AuthenticationError(f"{self.task or self.address} refused the call: {details} (every task "
+                                       "needs the same DISTRIB_CLUSTER_TOKEN)")
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return RemoteProtocolError(f"{self.task or self.address} does not serve {self._service}: is it a "
+                                       "task of the other kind, or another program?")
+        return RemoteProtocolError(f"{self.task or self.address} failed: {code}: {details}")
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,106 @@
+"""``ds.Server``: the process (or thread) behind a ``ps`` or ``worker`` task (``tf.distribute.Server``).
+
+Under ``ParameterServerStrategy`` the chief runs the user's script as the
+coordinator; every ``ps`` and ``worker`` task only runs a server and waits::
+
+    server = ds.Server(cluster_resolver.cluster_spec(), job_name="ps", task_index=0)
+    server.join()
+
+``python -m distrib.parameter_server`` does exactly this from ``TF_CONFIG``, and
+``distrib launch --ps M --workers N script.py`` starts one such process per task.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from distrib.cluster import ClusterSpec
+from distrib.parameter_server import rpc
+from distrib.parameter_server.ps_service import ParameterStore
+from distrib.parameter_server.rpc import TLSConfig
+from distrib.parameter_server.variables import PS_SERVICE
+from distrib.parameter_server.worker_service import WORKER_SERVICE, WorkerService
+
+__all__ = ["Server"]
+
+log = logging.getLogger("distrib.parameter_server.server")
+
+
+class Server:
+    """Serves one ``ps`` or ``worker`` task of a cluster on that task's address.
+
+    ``token`` defaults to ``DISTRIB_CLUSTER_TOKEN`` and ``tls`` to the
+    ``DISTRIB_TLS_*`` variables (see :mod:`distrib.parameter_server.rpc`). The server
+    listens on exactly the address the cluster spec gives the task, and starts at
+    once unless ``start=False``. ``config`` (a TF ``ConfigProto``) is accepted for TF
+    compatibility and ignored; ``protocol`` may only be ``"grpc"``.
+
+    Example::
+
+        >>> import distrib as ds
+        >>> resolver = ds.testing.create_in_process_cluster(num_workers=1, num_ps=1)  # doctest: +SKIP
+        >>> # the same, by hand, for one task:
+        >>> server = ds.Server(resolver.cluster_spec(), job_name="ps", task_index=0)  # doctest: +SKIP
+        >>> server.join()  # blocks until server.stop()  # doctest: +SKIP
+    """
+
+    def __init__(self, cluster_spec: Union[ClusterSpec, Mapping[str, Sequence[str]]], job_name: str, task_index: int = 0,
+                 *, token: Optional[str] = None, tls: Optional[TLSConfig] = None, start: bool = True,
+                 config: Any = None, protocol: Optional[str] = None, max_workers: Optional[int] = None) -> None:
+        if protocol not in (None, "grpc"):
+            raise ValueError(f"Server(protocol={protocol!r}): only 'grpc' is supported (TLS: pass tls=TLSConfig(...))")
+        spec = ClusterSpec(cluster_spec)
+        if job_name not in ("ps", "worker"):
+            raise ValueError(
+                f"Server(job_name={job_name!r}): only 'ps' and 'worker' tasks run a server; the 'chief' runs your "
+                "script, which creates ParameterServerStrategy and ClusterCoordinator (the coordinator)")
+        if not spec.num_tasks("ps"):
+            raise ValueError(f"Server: the cluster has no 'ps' task ({spec}); ParameterServerStrategy needs at least one")
+        self.cluster_spec = spec
+        self.job_name = job_name
+        self.task_index = task_index
+        self.address = spec.task_address(job_name, task_index)
+        self._token = rpc.cluster_token(token)
+        self._tls = tls if tls is not None else TLSConfig.from_env()
+        self._max_workers = max_workers or (16 if job_name == "ps" else 4)
+        self._grpc: Any = None
+        self._stopped = threading.Event()
+        if start:
+            self.start()
+
+    @property
+    def target(self) -> str:
+        """``grpc://host:port`` of this task, as TF prints it."""
+        return f"grpc://{self.address}"
+
+    def start(self) -> None:
+        """Listen on the task's address; OSError if it is taken."""
+        if self._grpc is not None:
+            return
+        if self.job_name == "ps":
+            service: Any = ParameterStore()
+            name = PS_SERVICE
+        else:
+            service = WorkerService(self.cluster_spec, self.task_index, self._token, self._tls)
+            name = WORKER_SERVICE
+        self._service = service
+        self._grpc = rpc.make_server(self.address, name, service.handlers(), self._token, self._tls, self._max_workers)
+        self._stopped.clear()
+        log.info("started /job:%s/task:%d on %s%s", self.job_name, self.task_index, self.address,
+                 " (TLS)" if self._tls else "")
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Block until the server stops (or ``timeout`` seconds pass); True once it has stopped."""
+        return self._stopped.wait(timeout)
+
+    def stop(self, grace: Optional[float] = None) -> None:
+        """Stop serving; calls in progress get ``grace`` seconds to finish."""
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait()
+            self._grpc = None
+        self._stopped.set()
+
+    def __repr__(self) -> str:
+        return f"Server(/job:{self.job_name}/task:{self.task_index}, {self.address})"

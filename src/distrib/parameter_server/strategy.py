@@ -1,0 +1,332 @@
+"""``ParameterServerStrategy``: parameters on ps tasks, steps on workers, scheduled by a coordinator.
+
+Single-client, as in TF 2: the chief runs the user's script. Under
+``strategy.scope()``:
+
+* every parameter of a module built there is placed on the ps tasks, round robin,
+  split along dim 0 into shards if the ``variable_partitioner`` says so. The module
+  on the coordinator keeps a local copy that is refreshed from the ps tasks when it
+  is called or its ``state_dict()`` is read; ``load_state_dict()`` writes whole
+  tensors back, re-split for the current shards (so ``ds.Checkpoint`` works as is,
+  and a checkpoint moves between plain models and any number of ps tasks or shards);
+* an optimizer built there gets a twin beside every shard, on the ps task holding
+  it; ``optimizer.step()`` sends gradients there (only the touched rows for sparse
+  gradients) and the update is applied there, asynchronously with other workers.
+  ``optimizer.state_dict()`` on the coordinator gathers whole tensors, and options
+  changed on the coordinator (a learning-rate schedule) reach the ps tasks with the
+  next scheduled calls.
+
+Functions run on workers through :class:`~distrib.coordinator.ClusterCoordinator`.
+Inside them ``strategy.run(fn, args)`` runs ``fn`` once (one replica per worker, as
+TF's parameter-server tutorial on CPU) and ``strategy.reduce`` works on its result.
+
+Example::
+
+    >>> import distrib as ds, torch
+    >>> resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=1)
+    >>> strategy = ds.ParameterServerStrategy(resolver)
+    >>> with strategy.scope():
+    ...     model = torch.nn.Linear(2, 1)
+    ...     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    >>> coordinator = ds.coordinator.ClusterCoordinator(strategy)
+    >>> def step(x, y):
+    ...     loss = torch.nn.functional.mse_loss(model(x), y)
+    ...     loss.backward()
+    ...     optimizer.step()
+    ...     return loss
+    >>> losses = [coordinator.schedule(step, args=(torch.ones(4, 2), torch.zeros(4, 1))) for _ in range(5)]
+    >>> coordinator.join()
+    >>> len(coordinator.fetch(losses))
+    5
+    >>> ds.testing.stop_in_process_cluster(resolver)
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import uuid
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import cloudpickle
+import torch
+from torch import nn
+
+from distrib.cluster import ClusterSpec, SimpleClusterResolver
+from distrib.input import InputContext
+from distrib.mirroring import optimizer_params, wrap_optimizer
+from distrib.parameter_server import rpc
+from distrib.parameter_server.rpc import TLSConfig
+from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
+from distrib.strategies.base import Strategy
+
+__all__ = ["ParameterServerStrategy", "DatasetSource"]
+
+log = logging.getLogger("distrib.parameter_server")
+
+
+class _Hook:
+    """A module hook of the coordinator; on a worker (after pickling) it does nothing."""
+
+    def __init__(self, strategy: Optional["ParameterServerStrategy"], kind: str) -> None:
+        self.strategy = strategy
+        self.kind = kind
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        if self.strategy is not None:
+            self.strategy._module_hook(self.kind, module)
+
+    def __reduce__(self) -> tuple:
+        return (_Hook, (None, self.kind))
+
+
+class DatasetSource:
+    """A dataset to build on every worker: from ``experimental_distribute_dataset`` or
+    ``distribute_datasets_from_function``; pass it to ``coordinator.create_per_worker_dataset``.
+
+    Iterating it directly (on the coordinator) gives the batches as they are.
+    """
+
+    def __init__(self, dataset: Any = None, dataset_fn: Optional[Callable[[InputContext], Any]] = None) -> None:
+        self._dataset = dataset
+        self._dataset_fn = dataset_fn
+
+    def _build_on_worker(self, context: InputContext) -> Iterable[Any]:
+        return self._dataset_fn(context) if self._dataset_fn is not None else self._dataset
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._build_on_worker(InputContext()))
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous training against parameter servers (``tf.distribute.experimental.ParameterServerStrategy``).
+
+    ``cluster_resolver`` must describe ``ps`` and ``worker`` tasks (and normally a
+    ``chief``: this process). ``variable_partitioner`` is a callable
+    ``(shape, dtype) -> [shards, 1, ...]`` such as :class:`~distrib.partitioners.MinSizePartitioner`.
+    ``token``/``tls`` default to ``DISTRIB_CLUSTER_TOKEN`` and ``DISTRIB_TLS_*``.
+    ``connect_timeout`` bounds the wait for the ps tasks when the first module is placed.
+    See the module docstring for a runnable example.
+    """
+
+    def __init__(self, cluster_resolver: Any, variable_partitioner: Optional[Callable[..., Sequence[int]]] = None,
+                 *, token: Optional[str] = None, tls: Optional[TLSConfig] = None, connect_timeout: float = 60.0) -> None:
+        if cluster_resolver is None or not hasattr(cluster_resolver, "cluster_spec"):
+            raise ValueError("ParameterServerStrategy(cluster_resolver) needs a cluster resolver, e.g. "
+                             "ds.cluster_resolver.TFConfigClusterResolver() or ds.testing.create_in_process_cluster(2, 1)")
+        spec = cluster_resolver.cluster_spec()
+        for job in ("ps", "worker"):
+            if not spec.num_tasks(job):
+                raise ValueError(f"ParameterServerStrategy: the cluster has no {job!r} task ({spec}); it needs at "
+                                 "least one 'ps' and one 'worker'")
+        super().__init__([None], cluster_resolver=cluster_resolver, device_names=["/job:chief/replica:0/task:0/device:CPU:0"])
+        self._on_coordinator = True
+        self._spec = spec
+        self._token = rpc.cluster_token(token)
+        self._tls = tls if tls is not None else TLSConfig.from_env()
+        self._ps = ParameterClient(spec.job_tasks("ps"), self._token, self._tls)
+        self._connect_timeout = connect_timeout
+        self._connected = False
+        self._session = uuid.uuid4().hex[:12]
+        self._placer = Placer(spec.num_tasks("ps"), variable_partitioner, self._session)
+        self._variable_partitioner = variable_partitioner
+        self._variables: dict[int, LocalVariable] = {}
+        self._optimizers: dict[int, tuple[torch.optim.Optimizer, str]] = {}
+        self._cluster_coordinator: Any = None
+        self._warned_run = False
+        log.info("ParameterServerStrategy is initialized with cluster_spec: %s", spec)
+
+    @classmethod
+    def _on_worker(cls, cluster_spec: ClusterSpec, worker_index: int) -> "ParameterServerStrategy":
+        """The strategy object a scheduled function sees on worker ``worker_index``."""
+        self = cls.__new__(cls)
+        Strategy.__init__(self, [None], cluster_resolver=SimpleClusterResolver(cluster_spec, "worker", worker_index),
+                          device_names=[f"/job:worker/replica:0/task:{worker_index}/device:CPU:0"])
+        self._on_coordinator = False
+        self._spec = cluster_spec
+        self._variables, self._optimizers = {}, {}
+        self._cluster_coordinator = None
+        self._warned_run = True
+        return self
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the coordinator, which alone writes checkpoints."""
+        return self._on_coordinator
+
+    @property
+    def _num_ps(self) -> int:
+        return self._spec.num_tasks("ps")
+
+    def __repr__(self) -> str:
+        where = "coordinator" if self._on_coordinator else self._device_names[0]
+        return f"ParameterServerStrategy(ps={self._num_ps}, workers={self._spec.num_tasks('worker')}, on {where})"
+
+    def __deepcopy__(self, memo: dict) -> "ParameterServerStrategy":
+        return self  # a copied module (``copy.deepcopy(model)``) still names its strategy
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("a ParameterServerStrategy can only be sent inside a function scheduled with "
+                        "ClusterCoordinator.schedule (where it becomes the worker's strategy)")
+
+    def _ensure_connected(self) -> None:
+        if not self._connected:
+            self._ps.wait_ready(self._connect_timeout)
+            self._connected = True
+
+    # ------------------------------------------------------------------ modules
+    def _distribute_module(self, module: nn.Module) -> None:
+        if not self._on_coordinator or getattr(module, "_distrib_owner", None) is self:
+            return  # a module built inside a scheduled function stays on its worker
+        for sub in module.modules():
+            owner = getattr(sub, "_distrib_owner", None)
+            if owner is not None and owner is not self:
+                raise ValueError(f"module {type(module).__name__} contains {type(sub).__name__}, which another "
+                                 "strategy distributes; build the whole model inside one strategy.scope()")
+        self._ensure_connected()
+        new: list[LocalVariable] = []
+        for name, p in module.named_parameters():
+            if id(p) not in self._variables:
+                new.append(LocalVariable(self._placer.place(f"{type(module).__name__}.{name}", p), p))
+        self._ps.create([(v.spec, v.tensor.detach()) for v in new])
+        for v in new:
+            v.versions = [1] * len(v.spec.shards)  # the ps tasks now hold exactly this value, at version 1
+            self._variables[id(v.tensor)] = v
+        for sub in module.modules():
+            if getattr(sub, "_distrib_owner", None) is self:
+                continue  # placed by an earlier scope block, hooks already there
+            sub._distrib_owner = self
+            if any(id(p) in self._variables for p in sub.parameters(recurse=False)):
+                sub.register_state_dict_pre_hook(_Hook(self, "read"))
+                sub.register_load_state_dict_post_hook(_Hook(self, "write"))
+        module.register_forward_pre_hook(_Hook(self, "forward"))
+        log.debug("placed %s on %d ps task(s): %s", type(module).__name__, self._num_ps,
+                  ", ".join(f"{v.spec.name}->{[s.ps for s in v.spec.shards]}" for v in new))
+
+    def _module_hook(self, kind: str, module: nn.Module) -> None:
+        if kind == "forward":
+            self._ps.pull(self._module_variables(module, recurse=True))
+        elif kind == "read":
+            self._ps.pull(self._module_variables(module, recurse=False))
+        elif kind == "write":
+            self._ps.assign([(v.spec, v.tensor.detach()) for v in self._module_variables(module, recurse=False)])
+
+    def _module_variables(self, module: nn.Module, recurse: bool) -> list[LocalVariable]:
+        return [self._variables[id(p)] for p in module.parameters(recurse=recurse) if id(p) in self._variables]
+
+    def variable_placement(self, module: nn.Module) -> dict[str, list[tuple[int, int, int]]]:
+        """Where each parameter of ``module`` lives: name -> [(ps task, first row, end row), ...] per shard."""
+        return {name: [(s.ps, s.start, s.stop) for s in self._variables[id(p)].spec.shards]
+                for name, p in module.named_parameters() if id(p) in self._variables}
+
+    # ------------------------------------------------------------------ optimizers
+    def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._on_coordinator:
+            return
+        self._claim_captured_modules()
+        optimizer._distrib_strategy = self  # type: ignore[attr-defined]
+        foreign = [p for p in optimizer_params(optimizer) if id(p) not in self._variables]
+        if foreign:
+            raise ValueError(
+                f"{type(optimizer).__name__} was created under ParameterServerStrategy.scope() over {len(foreign)} "
+                "parameter(s) not placed on the ps tasks; build the model inside the same strategy.scope()")
+        opt_id = f"{self._session}/opt{len(self._optimizers)}"
+        entries = [(self._variables[id(p)].spec, _options(group))
+                   for group in optimizer.param_groups for p in group["params"]]
+        self._ps.create_optimizer(opt_id, cloudpickle.dumps(type(optimizer)), entries)
+        self._optimizers[id(optimizer)] = (optimizer, opt_id)
+        wrap_optimizer(optimizer, self._coordinator_step, lambda opt, zero_grad, set_to_none: zero_grad(set_to_none))
+        original_state_dict = optimizer.state_dict
+        optimizer.state_dict = types.MethodType(  # type: ignore[method-assign]
+            lambda opt: self._optimizer_state_dict(opt, opt_id, original_state_dict), optimizer)
+        optimizer.load_state_dict = types.MethodType(  # type: ignore[method-assign]
+            lambda opt, state_dict: self._optimizer_load_state_dict(opt, opt_id, state_dict), optimizer)
+
+    def _coordinator_step(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple,
+                          kwargs: dict) -> Any:
+        """``optimizer.step()`` called on the coordinator itself: push its local gradients."""
+        closure = kwargs.get("closure", args[0] if args else None)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items = [(self._variables[id(p)], p.grad, g) for g, group in enumerate(optimizer.param_groups)
+                 for p in group["params"] if p.grad is not None]
+        if items:
+            self._ps.push(self._optimizers[id(optimizer)][1], items, [_options(g) for g in optimizer.param_groups])
+        return loss
+
+    def _optimizer_options(self) -> dict[str, list[dict]]:
+        """Every optimizer's current options per group, sent to the workers with each batch of calls."""
+        return {opt_id: [_options(g) for g in optimizer.param_groups] for optimizer, opt_id in self._optimizers.values()}
+
+    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str,
+                              original: Callable[[], dict]) -> dict:
+        from distrib.parameter_server.optimizer_state import merge_shard_states
+
+        sd = original()
+        state = {}
+        index = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                spec = self._variables[id(p)].spec
+                merged = merge_shard_states(spec, self._ps.optimizer_state(opt_id, spec))
+                if merged:
+                    state[index] = merged
+                index += 1
+        sd["state"] = state
+        return sd
+
+    def _optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str, state_dict: dict) -> None:
+        from distrib.parameter_server.optimizer_state import split_state
+
+        groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups) or any(len(g["params"]) != len(s["params"])
+                                                   for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded optimizer state has a different number of parameter groups or parameters "
+                             f"({[len(s['params']) for s in saved_groups]}) than this optimizer "
+                             f"({[len(g['params']) for g in groups]})")
+        saved_state = state_dict.get("state", {})
+        for group, saved in zip(groups, saved_groups):
+            options = {k: v for k, v in saved.items() if k != "params"}
+            group.update(options)
+            for p, key in zip(group["params"], saved["params"]):
+                spec = self._variables[id(p)].spec
+                state = saved_state.get(key, saved_state.get(str(key), {}))
+                self._ps.set_optimizer_state(opt_id, spec, split_state(spec, state), _options(group))
+
+    # ------------------------------------------------------------------ pickling for workers
+    def _persistent_id(self, obj: Any) -> Optional[tuple]:
+        """How ``obj`` travels inside a scheduled function (None: pickled as usual)."""
+        if obj is self:
+            return ("strategy",)
+        if isinstance(obj, torch.Tensor):
+            var = self._variables.get(id(obj))
+            return ("var", var.spec) if var is not None and var.tensor is obj else None
+        entry = self._optimizers.get(id(obj))
+        if entry is not None and entry[0] is obj:
+            groups = [(_options(g), [self._variables[id(p)].spec for p in g["params"]]) for g in obj.param_groups]
+            return ("opt", entry[1], groups)
+        return None
+
+    # ------------------------------------------------------------------ run, input
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> Any:
+        """Run ``fn`` once, here: on a worker inside a scheduled function (the normal use), or on the coordinator."""
+        if self._on_coordinator and not self._warned_run:
+            self._warned_run = True
+            log.warning("ParameterServerStrategy.run() was called on the coordinator, so it runs here; schedule "
+                        "the function with ClusterCoordinator.schedule to run it on the workers")
+        return super().run(fn, args, kwargs)
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DatasetSource:
+        """A dataset to give to ``coordinator.create_per_worker_dataset`` (each worker iterates all of it)."""
+        return DatasetSource(dataset=dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]],
+                                          options: Any = None) -> DatasetSource:
+        """``dataset_fn(input_context)`` is called on every worker by ``coordinator.create_per_worker_dataset``."""
+        return DatasetSource(dataset_fn=dataset_fn)
+
+
+def _options(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}

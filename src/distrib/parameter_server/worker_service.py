@@ -1,0 +1,298 @@
+"""What a ``worker`` task serves: it runs the functions the coordinator schedules.
+
+A worker keeps, by digest, every function it was sent, with the variables that
+function uses; per-worker datasets by id, and their iterators, created on first
+use. One function runs at a time. Before a function runs, the worker refreshes
+the local copies of its variables from the ps tasks (only what changed travels);
+inside it, ``optimizer.step()`` sends the gradients to the ps tasks, which apply
+them and answer with the new values.
+
+A ``Run`` call carries a batch of calls (several short functions share one round
+trip; the coordinator sizes batches from how long each function took before).
+The reply says, per call that ran: ``ok`` (with the result and the seconds it took),
+``error`` (the function raised: type, message, traceback), or ``ps_unavailable`` (a
+parameter server could not be reached); calls after a failed one do not run. Or,
+for the whole batch, ``need``: this worker lacks a function or dataset (it was
+restarted); the coordinator sends them and calls again.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+
+from distrib.cluster import ClusterSpec
+from distrib.input import InputContext
+from distrib.parameter_server import pickling, wire
+from distrib.parameter_server.errors import ParameterServerUnavailableError
+from distrib.parameter_server.rpc import TLSConfig
+from distrib.parameter_server.variables import LocalVariable, ParameterClient, VariableSpec
+
+if TYPE_CHECKING:
+    from distrib.parameter_server.strategy import ParameterServerStrategy
+
+__all__ = ["WorkerService", "RemoteOptimizer", "WORKER_SERVICE"]
+
+WORKER_SERVICE = "distrib.Worker"
+_MAX_FUNCTIONS = 512
+log = logging.getLogger("distrib.parameter_server.worker")
+
+
+class RemoteOptimizer:
+    """A coordinator's optimizer, as seen inside a scheduled function on a worker.
+
+    ``step()`` sends the gradients of its parameters to the ps tasks, where the
+    optimizer state lives beside each shard; the update is applied there and the
+    new values come back. ``param_groups`` shows the options the coordinator's
+    optimizer had when this call was scheduled (a learning-rate schedule stepped on
+    the coordinator reaches the ps tasks with the next scheduled call).
+    """
+
+    def __init__(self, optimizer_id: str, groups: list[tuple[dict, list[LocalVariable]]], client: ParameterClient,
+                 current_options: dict[str, list[dict]]) -> None:
+        self._id = optimizer_id
+        self._client = client
+        self._current = current_options
+        self._variables = [(v, g) for g, (_, vs) in enumerate(groups) for v in vs]
+        self.param_groups = [{**options, "params": [v.tensor for v in vs]} for options, vs in groups]
+        self.state: dict = {}
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        options = self._current.get(self._id)
+        if options is not None and len(options) == len(self.param_groups):
+            for group, new in zip(self.param_groups, options):
+                group.update(new)
+        items = [(v, v.tensor.grad, g) for v, g in self._variables if v.tensor.grad is not None]
+        if items:
+            self._client.push(self._id, items, [{k: x for k, x in g.items() if k != "params"}
+                                                for g in self.param_groups])
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for v, _ in self._variables:
+            g = v.tensor.grad
+            if g is None:
+                continue
+            if set_to_none or g.is_sparse:
+                v.tensor.grad = None
+            else:
+                g.detach_().zero_()
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("the optimizer state lives on the ps tasks; call optimizer.state_dict() on the "
+                           "coordinator (outside scheduled functions), e.g. through ds.Checkpoint")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.state_dict()
+
+    def __repr__(self) -> str:
+        return f"RemoteOptimizer(id={self._id!r}, params={len(self._variables)})"
+
+
+@dataclass
+class _Function:
+    fn: Callable[..., Any]
+    variables: list[LocalVariable] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class IteratorRef:
+    """An argument standing for this worker's iterator ``iterator_id`` over dataset ``dataset_id``."""
+
+    iterator_id: str
+    dataset_id: str
+
+
+class WorkerService:
+    """The worker service: ``handlers()`` maps RPC method names to ``bytes -> bytes`` functions."""
+
+    def __init__(self, cluster_spec: ClusterSpec, task_index: int, token: str, tls: Optional[TLSConfig] = None) -> None:
+        self.task = f"/job:worker/replica:0/task:{task_index}"
+        self._spec = cluster_spec
+        self._index = task_index
+        self._ps = ParameterClient(cluster_spec.job_tasks("ps"), token, tls)
+        self._incarnation = uuid.uuid4().hex
+        self._variables: dict[str, LocalVariable] = {}
+        # by digest, least recently used first; an evicted function is asked for again ("need")
+        self._functions: collections.OrderedDict[str, _Function] = collections.OrderedDict()
+        self._datasets: dict[str, Any] = {}
+        self._iterators: dict[str, Iterator[Any]] = {}
+        self._run_lock = threading.Lock()
+        self._optimizer_options: dict[str, list[dict]] = {}  # the coordinator's, as of the last Run
+        self._strategy: Optional["ParameterServerStrategy"] = None
+
+    def handlers(self) -> dict[str, Callable[[bytes], bytes]]:
+        return {"Health": self._health, "Run": self._run}
+
+    # ------------------------------------------------------------------ resolution
+    def _variable(self, spec: VariableSpec) -> LocalVariable:
+        var = self._variables.get(spec.var_id)
+        if var is None:
+            tensor = torch.nn.Parameter(torch.zeros(spec.shape, dtype=spec.torch_dtype), requires_grad=spec.requires_grad)
+            var = self._variables[spec.var_id] = LocalVariable(spec, tensor)
+        return var
+
+    def _worker_strategy(self) -> "ParameterServerStrategy":
+        if self._strategy is None:
+            from distrib.parameter_server.strategy import ParameterServerStrategy
+
+            self._strategy = ParameterServerStrategy._on_worker(self._spec, self._index)
+        return self._strategy
+
+    def _load(self, data: bytes, used: list[LocalVariable]) -> Any:
+        def resolve(pid: tuple) -> Any:
+            kind = pid[0]
+            if kind == "var":
+                var = self._variable(pid[1])
+                if var not in used:
+                    used.append(var)
+                return var.tensor
+            if kind == "opt":
+                groups = []
+                for options, specs in pid[2]:
+                    vs = [self._variable(s) for s in specs]
+                    used.extend(v for v in vs if v not in used)
+                    groups.append((options, vs))
+                return RemoteOptimizer(pid[1], groups, self._ps, self._optimizer_options)
+            if kind == "strategy":
+                return self._worker_strategy()
+            raise _unknown_persistent_id(pid)
+
+        return pickling.loads(data, resolve)
+
+    def _iterator(self, ref: IteratorRef) -> Iterator[Any]:
+        it = self._iterators.get(ref.iterator_id)
+        if it is None:
+            dataset_fn = self._datasets[ref.dataset_id]
+            num_workers = self._spec.num_tasks("worker")
+            context = InputContext(num_input_pipelines=num_workers, input_pipeline_id=self._index, num_replicas_in_sync=1)
+            dataset = _call_dataset_fn(dataset_fn, context)
+            it = self._iterators[ref.iterator_id] = iter(dataset)
+        return it
+
+    # ------------------------------------------------------------------ methods
+    def _health(self, request: bytes) -> bytes:
+        return wire.encode({"ok": True, "role": "worker", "task": self.task, "incarnation": self._incarnation,
+                            "functions": len(self._functions), "ps_bytes_sent": self._ps.bytes_sent,
+                            "ps_bytes_received": self._ps.bytes_received})
+
+    def _run(self, request: bytes) -> bytes:
+        """Run a batch of calls in order; stop after the first that fails.
+
+        Replies ``{"status": "need", ...}`` without running anything when a function or
+        dataset is missing, else ``{"results": [reply, ...]}`` with one encoded reply per
+        call that ran (a failed call's reply is the last).
+        """
+        try:
+            message = wire.decode(request, decode_ref=lambda ref: IteratorRef(ref[1], ref[2]))
+            with self._run_lock:
+                need = self._register(message)
+                if need is not None:
+                    return wire.encode(need)
+                results = []
+                for call in message["calls"]:
+                    reply = self._execute(call)
+                    try:
+                        results.append(wire.encode(reply))
+                    except wire.WireError as e:  # the function returned something that cannot be sent
+                        reply = _error_reply(e)
+                        results.append(wire.encode(reply))
+                    if reply["status"] != "ok":
+                        break
+                return wire.encode({"results": results})
+        except Exception as e:  # noqa: BLE001 - a malformed request
+            return wire.encode(_error_reply(e))
+
+    def _register(self, message: dict) -> Optional[dict]:
+        """Load the functions and datasets sent along; the ``need`` reply if some are still missing."""
+        self._optimizer_options.update(message.get("options") or {})
+        for digest, payload in (message.get("payloads") or {}).items():
+            if digest not in self._functions:
+                used: list[LocalVariable] = []
+                self._functions[digest] = _Function(self._load(payload, used), used)
+                while len(self._functions) > _MAX_FUNCTIONS:
+                    self._functions.popitem(last=False)
+        for ds_id, payload in (message.get("datasets") or {}).items():
+            if ds_id not in self._datasets:
+                self._datasets[ds_id] = self._load(payload, [])
+        refs: list[IteratorRef] = []
+        _collect_refs([(c["args"], c["kwargs"]) for c in message["calls"]], refs)
+        functions = sorted({c["fn"] for c in message["calls"] if c["fn"] not in self._functions})
+        datasets = sorted({r.dataset_id for r in refs if r.dataset_id not in self._datasets})
+        return {"status": "need", "functions": functions, "datasets": datasets} if functions or datasets else None
+
+    def _execute(self, call: dict) -> dict:
+        entry = self._functions[call["fn"]]
+        self._functions.move_to_end(call["fn"])
+        start = time.perf_counter()
+        try:
+            args, kwargs = _substitute((call["args"], call["kwargs"]), self._iterator)
+            for var in entry.variables:
+                var.tensor.grad = None
+            self._ps.pull(entry.variables)
+            result = entry.fn(*args, **kwargs)
+            return {"status": "ok", "result": result, "seconds": time.perf_counter() - start}
+        except ParameterServerUnavailableError as e:
+            for var in entry.variables:
+                var.invalidate()
+            return {"status": "ps_unavailable", "address": e.address, "task": e.task or "", "message": str(e)}
+        except Exception as e:  # noqa: BLE001 - the user's error, reported with its traceback
+            return _error_reply(e)
+
+
+def _error_reply(e: BaseException) -> dict:
+    return {"status": "error", "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+
+
+def _unknown_persistent_id(pid: Any) -> Exception:
+    return TypeError(f"unknown persistent object {pid!r} in a scheduled function (coordinator and worker run "
+                     "different distrib versions?)")
+
+
+def _call_dataset_fn(dataset_fn: Any, context: InputContext) -> Any:
+    if hasattr(dataset_fn, "_build_on_worker"):
+        return dataset_fn._build_on_worker(context)
+    if not callable(dataset_fn):
+        return dataset_fn
+    try:
+        params = [p for p in inspect.signature(dataset_fn).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return dataset_fn(context) if params else dataset_fn()
+
+
+def _collect_refs(x: Any, out: list) -> None:
+    if isinstance(x, IteratorRef):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _collect_refs(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect_refs(v, out)
+
+
+def _substitute(x: Any, iterator: Callable[[IteratorRef], Any]) -> Any:
+    if isinstance(x, IteratorRef):
+        return iterator(x)
+    if isinstance(x, list):
+        return [_substitute(v, iterator) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_substitute(v, iterator) for v in x)
+    if isinstance(x, dict):
+        return {k: _substitute(v, iterator) for k, v in x.items()}
+    return x

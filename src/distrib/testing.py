@@ -1,0 +1,201 @@
+"""Clusters for notebooks, tests and benchmarks (``ds.testing``).
+
+* :func:`create_in_process_cluster`: ps and worker servers on threads of this process,
+  as TF's parameter-server tutorial builds one in a notebook; returns the chief's
+  cluster resolver.
+* :class:`LocalCluster`: every ps and worker task as its own process
+  (``python -m distrib.parameter_server``, exactly what ``distrib launch`` starts),
+  on loopback ports; tasks can be killed and restarted to exercise fault tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Mapping, Optional
+
+from distrib.cluster import ClusterSpec, SimpleClusterResolver
+
+__all__ = ["create_in_process_cluster", "stop_in_process_cluster", "LocalCluster", "pick_unused_port"]
+
+_in_process: dict[int, list[Any]] = {}
+
+
+def pick_unused_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_dict(num_workers: int, num_ps: int, has_chief: bool) -> dict[str, list[str]]:
+    if num_workers < 1 or num_ps < 1:
+        raise ValueError(f"a parameter-server cluster needs num_workers >= 1 and num_ps >= 1, got {num_workers}, {num_ps}")
+    cluster = {"worker": [f"localhost:{pick_unused_port()}" for _ in range(num_workers)],
+               "ps": [f"localhost:{pick_unused_port()}" for _ in range(num_ps)]}
+    if has_chief:
+        cluster["chief"] = [f"localhost:{pick_unused_port()}"]
+    return cluster
+
+
+def create_in_process_cluster(num_workers: int, num_ps: int, has_chief: bool = True,
+                              token: Optional[str] = None) -> SimpleClusterResolver:
+    """Start ``num_ps`` ps and ``num_workers`` worker servers in this process; return the chief's resolver.
+
+    ``DISTRIB_CLUSTER_TOKEN`` is set to ``token`` (or a fresh secret when neither is
+    given) so that the strategy created next finds it. Stop the servers with
+    :func:`stop_in_process_cluster`.
+
+    Example::
+
+        >>> import distrib as ds
+        >>> resolver = ds.testing.create_in_process_cluster(num_workers=3, num_ps=2)
+        >>> sorted(resolver.cluster_spec().jobs), resolver.task_type
+        (['chief', 'ps', 'worker'], 'chief')
+        >>> ds.testing.stop_in_process_cluster(resolver)
+    """
+    from distrib.parameter_server.rpc import TOKEN_ENV
+    from distrib.parameter_server.server import Server
+
+    token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(32)
+    os.environ[TOKEN_ENV] = token
+    cluster = _cluster_dict(num_workers, num_ps, has_chief)
+    servers = [Server(cluster, "ps", i, token=token) for i in range(num_ps)]
+    servers += [Server(cluster, "worker", i, token=token) for i in range(num_workers)]
+    task = ("chief", 0) if has_chief else ("worker", 0)
+    resolver = SimpleClusterResolver(ClusterSpec(cluster), *task)
+    _in_process[id(resolver)] = servers
+    return resolver
+
+
+def stop_in_process_cluster(resolver: SimpleClusterResolver) -> None:
+    """Stop the servers started by :func:`create_in_process_cluster` for ``resolver``."""
+    for server in _in_process.pop(id(resolver), []):
+        server.stop(grace=0)
+
+
+class LocalCluster:
+    """ps and worker tasks as child processes on loopback; this process is the chief.
+
+    Every child gets ``TF_CONFIG`` and ``DISTRIB_CLUSTER_TOKEN`` (and
+    ``OMP_NUM_THREADS=torch_threads`` unless ``env`` says otherwise); its output
+    goes to ``<log_dir>/<job>-<index>.log``. Use it as a context manager, or call
+    :meth:`stop`: every child is killed.
+
+    Example::
+
+        >>> with LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
+        ...     strategy = ds.ParameterServerStrategy(cluster.resolver(), token=cluster.token)
+        ...     cluster.kill("worker", 1); cluster.start_task("worker", 1)
+    """
+
+    def __init__(self, num_workers: int, num_ps: int, *, token: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None, torch_threads: Optional[int] = 1,
+                 log_dir: Optional[str] = None) -> None:
+        self.cluster = _cluster_dict(num_workers, num_ps, has_chief=True)
+        self.token = token or secrets.token_hex(32)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="distrib-cluster-")
+        self._env = dict(env or {})
+        self._threads = torch_threads
+        self._procs: dict[tuple[str, int], subprocess.Popen] = {}
+        try:
+            for i in range(num_ps):
+                self.start_task("ps", i)
+            for i in range(num_workers):
+                self.start_task("worker", i)
+        except BaseException:
+            self.stop()
+            raise
+
+    def resolver(self) -> SimpleClusterResolver:
+        """The chief's resolver (this process)."""
+        return SimpleClusterResolver(ClusterSpec(self.cluster), "chief", 0)
+
+    def start_task(self, job: str, index: int) -> subprocess.Popen:
+        """Start (or restart) one task's process."""
+        from distrib.parameter_server.rpc import TOKEN_ENV
+
+        old = self._procs.get((job, index))
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"/job:{job}/task:{index} is still running (pid {old.pid}); kill it first")
+        env = dict(os.environ)
+        if self._threads is not None:
+            env["OMP_NUM_THREADS"] = str(self._threads)
+        env.update(self._env)
+        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster, "task": {"type": job, "index": index}})
+        env[TOKEN_ENV] = self.token
+        log = open(os.path.join(self.log_dir, f"{job}-{index}.log"), "ab")
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "distrib.parameter_server"], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        finally:
+            log.close()
+        self._procs[(job, index)] = proc
+        return proc
+
+    def kill(self, job: str, index: int) -> None:
+        """Kill one task's process (SIGKILL: no clean shutdown, as a crash would)."""
+        proc = self._procs.get((job, index))
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def alive(self, job: str, index: int) -> bool:
+        proc = self._procs.get((job, index))
+        return proc is not None and proc.poll() is None
+
+    def log(self, job: str, index: int) -> str:
+        """What the task has printed so far."""
+        try:
+            with open(os.path.join(self.log_dir, f"{job}-{index}.log"), encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Return once every task answers a health check; RuntimeError (with its log) if one died."""
+        from distrib.parameter_server import wire
+        from distrib.parameter_server.errors import PeerUnavailableError
+        from distrib.parameter_server.rpc import Connection
+
+        deadline = time.monotonic() + timeout
+        for (job, index), proc in self._procs.items():
+            service = "distrib.ParameterServer" if job == "ps" else "distrib.Worker"
+            conn = Connection(self.cluster[job][index], service, self.token)
+            try:
+                while True:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"/job:{job}/task:{index} exited with {proc.returncode}:\n"
+                                           f"{self.log(job, index)[-3000:]}")
+                    try:
+                        conn.call("Health", wire.encode({}), timeout=1.0, wait_for_ready=True)
+                        break
+                    except PeerUnavailableError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"/job:{job}/task:{index} did not answer within {timeout}s:\n"
+                                               f"{self.log(job, index)[-3000:]}") from None
+            finally:
+                conn.close()
+
+    def stop(self) -> None:
+        """Kill every task's process."""
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
