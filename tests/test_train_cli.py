@@ -50,3 +50,22 @@ def test_a_truncated_idx_file_is_rejected(idx_dir):
         f.write(data[:-10])
     with pytest.raises(ValueError, match="truncated"):
         read_idx(path)
+
+
+def test_train_through_fit_writes_tensorboard_scalars_and_a_metrics_jsonl(idx_dir, tmp_path, capsys):
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    code = main(["train", "--fit", "--strategy", "mirrored", "--replicas", "2", "--epochs", "2",
+                 "--batch-size-per-replica", "32", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt),
+                 "--tensorboard", str(tb), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Epoch 2/2" in out and " - val_accuracy: " in out
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
+    restored = float(re.search(r"without strategy: ([\d.]+)", out).group(1))
+    assert restored == pytest.approx(rows[0]["val_accuracy"] * 100, abs=1e-3)  # epoch 1 is the last checkpoint
+    tags = EventAccumulator(str(tb / "train")).Reload().Tags()["scalars"]
+    assert {"epoch_loss", "epoch_accuracy"} <= set(tags)

@@ -37,9 +37,10 @@ replica context
 """
 
 from distrib import cluster as cluster_resolver
-from distrib import metrics
+from distrib import callbacks, metrics
 from distrib.cluster import ClusterSpec
 from distrib.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
+from distrib.fit import evaluate, fit, predict
 from distrib.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from distrib.input import InputContext
 from distrib.losses import compute_average_loss, scale_regularization_loss
@@ -64,7 +65,11 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
+    "callbacks",
     "compute_average_loss",
+    "evaluate",
+    "fit",
+    "predict",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -58,6 +58,10 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile the model with torch.compile (falls back to eager if it fails)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar during each epoch (default: when stdout is a terminal)")
+    p.add_argument("--fit", action="store_true", help="run the job through ds.fit instead of the custom loop")
+    p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard scalars to DIR (chief only)")
+    p.add_argument("--metrics-file", default=None,
+                   help="one JSON line per epoch (default: CHECKPOINT_DIR/metrics.jsonl, rewritten every run)")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -75,15 +79,19 @@ def _train(args: argparse.Namespace) -> int:
         child = ["-m", "distrib.cli", "train", "--strategy", "multi-worker", "--epochs", str(args.epochs),
                  "--batch-size-per-replica", str(args.batch_size_per_replica), "--checkpoint-dir",
                  args.checkpoint_dir, "--seed", str(args.seed), "--no-progress"]
-        for flag, value in (("--replicas", args.replicas), ("--data-dir", args.data_dir)):
+        for flag, value in (("--replicas", args.replicas), ("--data-dir", args.data_dir),
+                            ("--tensorboard", args.tensorboard), ("--metrics-file", args.metrics_file)):
             if value is not None:
                 child += [flag, str(value)]
+        if args.fit:
+            child.append("--fit")
         return launch(LaunchConfig(command=child, workers=args.workers, max_restarts=args.max_restarts))
 
     config = TrainConfig(
         strategy=strategy, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
         replicas=args.replicas, device=args.device, checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir,
-        seed=args.seed, compile=args.compile, progress=args.progress,
+        seed=args.seed, compile=args.compile, progress=args.progress, fit=args.fit, tensorboard=args.tensorboard,
+        metrics_file=args.metrics_file,
     )
     try:
         train(config)

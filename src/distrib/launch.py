@@ -147,7 +147,8 @@ class _Group:
         self.tasks: list[_Task] = []
         for task_type, addresses in cluster.items():
             for index in range(len(addresses)):
-                env = {**os.environ, **config.env, "PYTHONUNBUFFERED": "1", "DISTRIB_CLUSTER_TOKEN": token,
+                env = {"GRPC_VERBOSITY": "ERROR", **os.environ, **config.env, "PYTHONUNBUFFERED": "1",
+                       "DISTRIB_CLUSTER_TOKEN": token,
                        "DISTRIB_RESTART": str(restart),
                        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
                 runs_server = config.ps > 0 and task_type in ("ps", "worker")

@@ -20,11 +20,16 @@ import torch
 from distrib import context
 from distrib.values import ReduceOp
 
-__all__ = ["Metric", "Mean", "Sum", "SparseCategoricalAccuracy"]
+__all__ = ["Metric", "Mean", "MeanMetricWrapper", "Sum", "SparseCategoricalAccuracy", "get"]
 
 
 class Metric:
-    """Base of distrib's metrics: named additive states, summed over workers on ``result()``."""
+    """Base of distrib's metrics: named additive states, summed over workers on ``result()``.
+
+    Subclasses implement ``deltas(...)``, which returns how much each state grows for the
+    given inputs without touching the state (so a parameter-server worker can compute it
+    and the coordinator add it), and ``_compute(state)``.
+    """
 
     _state_names: tuple[str, ...] = ()
 
@@ -41,8 +46,27 @@ class Metric:
                 state = self._state[k]
                 state.add_(v.detach().to(state.device, state.dtype))
 
-    def update_state(self, *args: Any, **kwargs: Any) -> None:
+    def deltas(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
+        """Accumulate the inputs (TF's argument order, e.g. ``y_true, y_pred``)."""
+        self._add(**self.deltas(*args, **kwargs))
+
+    def merge_deltas(self, deltas: dict[str, torch.Tensor]) -> None:
+        """Add state deltas computed elsewhere (by ``deltas``) into this metric."""
+        self._add(**deltas)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy sent to another process computes deltas only: no lock, no strategy, fresh state
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_strategy", "_state")}
+        state["_state"] = {k: torch.zeros_like(v, device="cpu") for k, v in self._state.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._strategy = context.default_strategy()
 
     def _compute(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -53,6 +77,12 @@ class Metric:
             state = {k: v.clone() for k, v in self._state.items()}
         if self._strategy._num_workers > 1:
             self._strategy._communicator.all_reduce(list(state.values()), ReduceOp.SUM)
+        return self._compute(state).to(torch.float32).cpu()
+
+    def local_result(self) -> torch.Tensor:
+        """The metric over this worker's replicas only: no collective, for per-step progress display."""
+        with self._lock:
+            state = {k: v.clone() for k, v in self._state.items()}
         return self._compute(state).to(torch.float32).cpu()
 
     def reset_state(self) -> None:
@@ -97,13 +127,12 @@ class Mean(Metric):
 
     _state_names = ("total", "count")
 
-    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+    def deltas(self, values: Any, sample_weight: Any = None) -> dict[str, torch.Tensor]:
         values = torch.as_tensor(values)
         if sample_weight is None:
-            self._add(total=values.sum(), count=torch.tensor(values.numel()))
-        else:
-            w = torch.broadcast_to(torch.as_tensor(sample_weight, device=values.device), values.shape)
-            self._add(total=(values * w).sum(), count=w.sum())
+            return {"total": values.sum(), "count": torch.tensor(values.numel())}
+        w = torch.broadcast_to(torch.as_tensor(sample_weight, device=values.device), values.shape)
+        return {"total": (values * w).sum(), "count": w.sum()}
 
     def _compute(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         return _divide_no_nan(state["total"], state["count"])
@@ -114,11 +143,11 @@ class Sum(Metric):
 
     _state_names = ("total",)
 
-    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+    def deltas(self, values: Any, sample_weight: Any = None) -> dict[str, torch.Tensor]:
         values = torch.as_tensor(values)
         if sample_weight is not None:
             values = values * torch.as_tensor(sample_weight, device=values.device)
-        self._add(total=values.sum())
+        return {"total": values.sum()}
 
     def _compute(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         return state["total"]
@@ -139,15 +168,55 @@ class SparseCategoricalAccuracy(Metric):
 
     _state_names = ("correct", "count")
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+    def deltas(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, torch.Tensor]:
         y_pred = torch.as_tensor(y_pred)
         y_true = torch.as_tensor(y_true, device=y_pred.device).reshape(y_pred.shape[:-1])
         hits = (y_pred.argmax(dim=-1) == y_true.to(torch.long)).to(torch.float64)
         if sample_weight is None:
-            self._add(correct=hits.sum(), count=torch.tensor(hits.numel()))
-        else:
-            w = torch.broadcast_to(torch.as_tensor(sample_weight, device=hits.device, dtype=hits.dtype), hits.shape)
-            self._add(correct=(hits * w).sum(), count=w.sum())
+            return {"correct": hits.sum(), "count": torch.tensor(hits.numel())}
+        w = torch.broadcast_to(torch.as_tensor(sample_weight, device=hits.device, dtype=hits.dtype), hits.shape)
+        return {"correct": (hits * w).sum(), "count": w.sum()}
 
     def _compute(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         return _divide_no_nan(state["correct"], state["count"])
+
+
+class MeanMetricWrapper(Mean):
+    """The mean over examples of ``fn(y_true, y_pred)`` (per-example values), e.g. ``mae``."""
+
+    def __init__(self, fn: Any, name: Optional[str] = None) -> None:
+        super().__init__(name=name or getattr(fn, "__name__", "mean_metric"))
+        self._fn = fn
+
+    def deltas(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return super().deltas(self._fn(torch.as_tensor(y_true), torch.as_tensor(y_pred)), sample_weight)
+
+
+def _per_example(values: torch.Tensor) -> torch.Tensor:
+    return values.reshape(values.shape[0], -1).mean(1) if values.dim() > 1 else values
+
+
+def mean_squared_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return _per_example((y_pred - y_true.to(y_pred.dtype)).pow(2))
+
+
+def mean_absolute_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return _per_example((y_pred - y_true.to(y_pred.dtype)).abs())
+
+
+def get(identifier: Any) -> Metric:
+    """A metric from a Keras name (``"accuracy"``, ``"mse"``, ``"mae"``) or a Metric (returned as is)."""
+    if isinstance(identifier, Metric):
+        return identifier
+    names = {
+        "accuracy": lambda: SparseCategoricalAccuracy(name="accuracy"),
+        "acc": lambda: SparseCategoricalAccuracy(name="accuracy"),
+        "sparse_categorical_accuracy": lambda: SparseCategoricalAccuracy(name="sparse_categorical_accuracy"),
+        "mse": lambda: MeanMetricWrapper(mean_squared_error, name="mse"),
+        "mean_squared_error": lambda: MeanMetricWrapper(mean_squared_error, name="mean_squared_error"),
+        "mae": lambda: MeanMetricWrapper(mean_absolute_error, name="mae"),
+        "mean_absolute_error": lambda: MeanMetricWrapper(mean_absolute_error, name="mean_absolute_error"),
+    }
+    if isinstance(identifier, str) and identifier.lower() in names:
+        return names[identifier.lower()]()
+    raise ValueError(f"unknown metric {identifier!r}: use one of {sorted(names)} or a ds.metrics.Metric instance")

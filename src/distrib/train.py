@@ -43,6 +43,9 @@ class TrainConfig:
     seed: int = 0
     compile: bool = False
     progress: Optional[bool] = None  # None: when stdout is a terminal
+    fit: bool = False  # run the job through ds.fit instead of the custom loop
+    tensorboard: Optional[str] = None  # write TensorBoard scalars here (chief only)
+    metrics_file: Optional[str] = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
 
 
 class TensorBatches:
@@ -154,6 +157,11 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         train_accuracy = ds.metrics.SparseCategoricalAccuracy(name="train_accuracy")
         test_accuracy = ds.metrics.SparseCategoricalAccuracy(name="test_accuracy")
     forward = models.maybe_compile(model, config.compile)
+    reporters = _reporters(config, model, optimizer, strategy)
+    if config.fit:
+        _train_with_fit(config, strategy, forward, model, optimizer, checkpoint, checkpoint_prefix,
+                        train_batches, test_batches, reporters)
+        return _finish(config, chief, global_batch_size, test_split, [])
     train_step, test_step = make_steps(forward, optimizer, global_batch_size, train_accuracy, test_loss, test_accuracy)
 
     show = chief and (sys.stdout.isatty() if config.progress is None else config.progress)
@@ -180,15 +188,57 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         history.append(row)
         if chief:
             print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
+        reporters.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
+                                       "val_loss": row["test_loss"], "val_accuracy": row["test_accuracy"] / 100,
+                                       "examples_per_sec": row["examples_per_sec"]})
         test_loss.reset_states()
         train_accuracy.reset_states()
         test_accuracy.reset_states()
 
+    reporters.on_train_end()
+    return _finish(config, chief, global_batch_size, test_split, history)
+
+
+def _reporters(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               strategy: ds.Strategy) -> Any:
+    """The metrics.jsonl writer and, if asked, TensorBoard: callbacks shared by both loops."""
+    from distrib.callbacks import CallbackList, JsonlLogger, TensorBoard
+    from distrib.fit import Loop
+
+    path = config.metrics_file or os.path.join(config.checkpoint_dir, "metrics.jsonl")
+    if strategy.is_chief and os.path.exists(path):
+        os.remove(path)  # one file per run
+    callbacks: list[Any] = [JsonlLogger(path)]
+    if config.tensorboard:
+        callbacks.append(TensorBoard(config.tensorboard))
+    reporters = CallbackList(callbacks)
+    reporters.set_loop(Loop(model, optimizer, strategy))
+    return reporters
+
+
+def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, checkpoint: ds.Checkpoint, checkpoint_prefix: str,
+                    train_batches: TensorBatches, test_batches: TensorBatches, reporters: Any) -> None:
+    """The same job through ``ds.fit``: Keras-style progress, a checkpoint every 2 epochs as the seed."""
+    from distrib.callbacks import Callback
+
+    class SeedCheckpoints(Callback):
+        def on_epoch_end(self, epoch: int, logs: Optional[dict[str, float]] = None) -> None:
+            if epoch % 2 == 0:
+                checkpoint.save(checkpoint_prefix)
+
+    ds.fit(model, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
+           metrics=["accuracy"], validation_data=test_batches, verbose=1 if config.progress else 2,
+           callbacks=[SeedCheckpoints(), *reporters.callbacks])
+
+
+def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any,
+            history: list[dict[str, float]]) -> dict[str, Any]:
     restored = None
     if chief:
         restored = evaluate_restored(config, global_batch_size, test_split)
         print(f"Accuracy after restoring the saved model without strategy: {restored}", flush=True)
-    return {"history": history, "restored_accuracy": restored, "num_replicas_in_sync": strategy.num_replicas_in_sync}
+    return {"history": history, "restored_accuracy": restored}
 
 
 def evaluate_restored(config: TrainConfig, batch_size: int, test_split: Any) -> float:

@@ -1,0 +1,147 @@
+"""ds.fit / evaluate / predict under every strategy; callbacks; TensorBoard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import distrib as ds
+
+from test_multi_worker import launch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def data(n: int = 96, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    y = x[:, :1] * 2 - x[:, 1:2]
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+
+
+def build(strategy: ds.Strategy) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    with strategy.scope():
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def custom_loop(strategy: ds.Strategy, batches: list, epochs: int) -> list[torch.Tensor]:
+    model, optimizer = build(strategy)
+
+    def step(inputs):
+        x, y = inputs
+        loss = ds.compute_average_loss(F.mse_loss(model(x), y, reduction="none").mean(1), global_batch_size=16)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(epochs):
+        for x in strategy.experimental_distribute_dataset(batches):
+            strategy.run(step, args=(x,))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("make", [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])])
+def test_fit_gives_the_weights_of_the_equivalent_custom_loop(make):
+    batches = data()
+    expected = custom_loop(make(), batches, epochs=2)
+    model, optimizer = build(make())
+    history = ds.fit(model, batches, optimizer=optimizer, loss="mse", epochs=2, metrics=["mae"], verbose=0)
+    for p, q in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6)
+    assert history.epoch == [0, 1] and len(history.history["loss"]) == 2
+    assert history.history["loss"][1] < history.history["loss"][0]
+    logs = ds.evaluate(model, batches, loss="mse", metrics=["mae"])
+    with torch.no_grad():
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        direct = F.mse_loss(model(x), y)
+        assert logs["loss"] == pytest.approx(float(direct), rel=1e-5)
+        torch.testing.assert_close(ds.predict(model, batches), model(x))
+
+
+def test_fit_under_an_in_process_parameter_server_cluster_lowers_the_loss_every_epoch():
+    resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=1)
+    try:
+        strategy = ds.ParameterServerStrategy(resolver)
+        with strategy.scope():
+            model = torch.nn.Sequential(torch.nn.Linear(2, 1))
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
+        features = torch.tensor([[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])
+        labels = torch.tensor([[0.3], [0.5], [0.7]])
+        history = ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=5, steps_per_epoch=10,
+                         verbose=0)
+        losses = history.history["loss"]
+        assert all(b < a for a, b in zip(losses, losses[1:])), losses
+        result = ds.evaluate(model, [(features, labels)], loss="mse", steps=4)
+        assert result["loss"] < losses[0]
+        with pytest.raises(ValueError, match="steps_per_epoch"):
+            ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse")
+    finally:
+        ds.testing.stop_in_process_cluster(resolver)
+
+
+def run_fit(*args: str, attempt: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FIT_ATTEMPT": str(attempt), "TF_CONFIG": ""}
+    return subprocess.run([sys.executable, str(SCRIPTS / "fit_worker.py"), *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_backup_and_restore_after_a_kill_mid_epoch_resumes_at_the_exact_step(tmp_path):
+    plain = run_fit("--out", str(tmp_path / "plain.pt"))
+    assert plain.returncode == 0, plain.stderr
+    backup = str(tmp_path / "backup")
+    killed = run_fit("--out", str(tmp_path / "resumed.pt"), "--backup-dir", backup, "--kill-at", "8")
+    assert killed.returncode == -9  # killed in epoch 2 (5 steps per epoch), step 3
+    assert os.path.isdir(backup)
+    resumed = run_fit("--out", str(tmp_path / "resumed.pt"), "--backup-dir", backup, "--kill-at", "8", attempt=1)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Epoch 1/3" not in resumed.stdout and "Epoch 2/3" in resumed.stdout  # epoch 1 was not redone
+    for a, b in zip(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "plain.pt")):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not os.path.exists(backup)  # a finished fit deletes its backup
+
+
+def test_tensorboard_writes_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, optimizer = build(ds.get_strategy())
+    logdir = tmp_path / "tb"
+    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, metrics=["mae"], verbose=0,
+           validation_data=data()[:2], callbacks=[ds.callbacks.TensorBoard(str(logdir))])
+    train = EventAccumulator(str(logdir / "train")).Reload()
+    validation = EventAccumulator(str(logdir / "validation")).Reload()
+    assert set(train.Tags()["scalars"]) == {"epoch_loss", "epoch_mae"}
+    assert set(validation.Tags()["scalars"]) == {"epoch_loss", "epoch_mae"}
+    assert [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
+
+
+def test_on_two_workers_only_the_chief_writes_events_and_prints_progress(tmp_path):
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "fit_worker.py"), "--out", str(tmp_path / "w.pt"),
+                          "--tensorboard", str(tmp_path / "tb"))
+    assert code == 0, out
+    assert "[worker 0] Epoch 3/3" in out and "[worker 0] 5/5 - " in out
+    assert not any(line.startswith("[worker 1] Epoch") or line.startswith("[worker 1] 5/5") for line in out.splitlines())
+    assert (tmp_path / "tb" / "task0" / "train").is_dir()
+    assert not (tmp_path / "tb" / "task1").exists()
+
+
+def test_early_stopping_and_model_checkpoint(tmp_path):
+    model, optimizer = build(ds.get_strategy())
+
+    class Worse(ds.callbacks.Callback):  # a monitored value that never improves after epoch 1
+        def on_epoch_end(self, epoch, logs=None):
+            logs["bad"] = float(epoch)
+
+    stop = ds.callbacks.EarlyStopping(monitor="bad", patience=2, mode="min")
+    save = ds.callbacks.ModelCheckpoint(str(tmp_path / "ckpt-{epoch}"), monitor="loss", save_best_only=True)
+    history = ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=10, verbose=0, callbacks=[Worse(), stop, save])
+    assert history.epoch == [0, 1, 2] and stop.stopped_epoch == 2
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-1.pt", "ckpt-2.pt", "ckpt-3.pt"]
