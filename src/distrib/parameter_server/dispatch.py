@@ -16,6 +16,8 @@ Short functions travel in batches: a free worker takes several queued functions 
 once while their expected run time (a moving average of what each took before) fits
 the coordinator's budget, so a no-op does not cost a whole round trip; a function
 that takes longer goes alone, which keeps load balancing and retries fine-grained.
+And each worker has one batch waiting beside the one it runs, so it never idles
+for a round trip to the coordinator between two functions.
 """
 
 from __future__ import annotations
@@ -87,12 +89,15 @@ class ClosureQueue:
             self.pending.append(closure)
             self.cond.notify()
 
-    def take(self, estimate: Callable[[Closure], float], budget: float, limit: int) -> list[Closure]:
-        """The next functions for one worker: at least one, more while their estimated run time fits ``budget``."""
+    def take(self, estimate: Callable[[Closure], float], budget: float, limit: int, block: bool = True) -> list[Closure]:
+        """The next functions for one worker: one, and more while their estimated run time fits ``budget``.
+
+        Waits for a function when ``block``; otherwise returns ``[]`` if none is queued.
+        """
         with self.cond:
-            while not self.pending and not self.closed:
+            while block and not self.pending and not self.closed:
                 self.cond.wait()
-            if self.closed:
+            if self.closed or not self.pending:
                 return []
             batch = [self.pending.popleft()]
             total = estimate(batch[0])
@@ -186,9 +191,26 @@ class WorkerThread:
             if not batch:
                 return
             self.state = WorkerState.BUSY
-            self._process(batch)
+            self._pipeline(batch)
             if self.state is WorkerState.BUSY:
                 self.state = WorkerState.IDLE
+
+    def _pipeline(self, batch: list[Closure]) -> None:
+        """Run ``batch`` and whatever is queued after it, keeping one more batch on the worker.
+
+        While one batch runs there, the next is already sent, so the worker never waits
+        for a round trip to the coordinator between two functions.
+        """
+        coordinator = self.coordinator
+        current = self._send(batch)
+        while current is not None:
+            following = None
+            if self.state is WorkerState.BUSY:
+                more = coordinator._queue.take(coordinator._estimate, coordinator._batch_seconds,
+                                               coordinator._max_batch, block=False)
+                following = self._send(more) if more else None
+            self._finish(*current)
+            current = following  # if the worker was lost, this one fails too and is requeued
 
     def _probe(self) -> None:
         try:
@@ -206,23 +228,74 @@ class WorkerThread:
         self.sent_datasets.clear()
         self.state = WorkerState.IDLE
 
-    def _process(self, batch: list[Closure]) -> None:
-        queue, policy = self.coordinator._queue, self.coordinator._failure_policy
+    # ------------------------------------------------------------------ one batch
+    def _request(self, batch: list[Closure], force: bool) -> bytes:
+        """The Run request for ``batch``, with the functions and datasets this worker may lack."""
+        datasets: set[str] = set()
+
+        def encode_ref(x: Any) -> Any:
+            if isinstance(x, PerWorkerIterator):
+                datasets.add(x.dataset_id)
+                return ["iter", x.iterator_id, x.dataset_id]
+            return None
+
+        calls = [{"fn": c.payload.digest, "args": fetch_remote_values(c.args), "kwargs": fetch_remote_values(c.kwargs)}
+                 for c in batch]
+        payloads = {c.payload.digest: c.payload.data for c in batch if force or c.payload.digest not in self.sent_functions}
+        request: dict[str, Any] = {"calls": calls, "options": self.coordinator.strategy._optimizer_options(),
+                                   "payloads": payloads}
+        body = wire.encode(request, encode_ref=encode_ref)
+        needed = {d: self.coordinator._datasets[d].data for d in datasets if force or d not in self.sent_datasets}
+        if needed:
+            request["datasets"] = needed
+            body = wire.encode(request, encode_ref=encode_ref)
+        # counted as sent now: a request sent right after this one need not carry them again
+        self.sent_functions.update(c.payload.digest for c in batch)
+        self.sent_datasets.update(datasets)
+        return body
+
+    def _send(self, batch: list[Closure]) -> Optional[tuple[list[Closure], Any]]:
+        """Start the call for ``batch``; None if it could not even be sent (then it has been failed)."""
         for closure in batch:
             closure.value.worker = self.task
         try:
-            replies = self._call(batch)
+            return batch, self.conn.future("Run", self._request(batch, force=False))
+        except Exception as e:  # noqa: BLE001 - unsendable arguments, a failed RemoteValue argument
+            self._fail(batch, 0, e, self.coordinator._failure_policy.decide(FailureKind.PROTOCOL,
+                                                                            batch[0].value.attempts))
+            return None
+
+    def _receive(self, batch: list[Closure], future: Any) -> list[dict]:
+        reply = wire.decode(self.conn.result(future))
+        for _ in range(2):
+            if reply.get("status") != "need":
+                break
+            self.sent_functions.clear()  # the worker forgot (it was restarted): send everything again
+            self.sent_datasets.clear()
+            reply = wire.decode(self.conn.call("Run", self._request(batch, force=True)))
+        if reply.get("status") == "need":
+            raise RemoteProtocolError(f"{self.task} keeps asking for the functions and datasets it was sent")
+        if "results" not in reply:
+            raise RemoteProtocolError(f"{self.task} failed to run a batch: {reply.get('type')}: "
+                                      f"{reply.get('message')}\n{reply.get('traceback', '')}")
+        return [wire.decode(r) for r in reply["results"]]
+
+    def _finish(self, batch: list[Closure], future: Any) -> None:
+        """Wait for the call of ``batch``; settle every closure in it (ready, failed, or back in the queue)."""
+        queue, policy = self.coordinator._queue, self.coordinator._failure_policy
+        try:
+            replies = self._receive(batch, future)
         except WorkerUnavailableError as e:
+            if self.state is not WorkerState.DOWN:
+                log.warning("%s (%s) is unavailable; its functions go to another worker", self.task, self.conn.address)
             self.state = WorkerState.DOWN
-            log.warning("%s (%s) is unavailable; its %d function(s) go to another worker", self.task,
-                        self.conn.address, len(batch))
             for closure in reversed(batch):  # back to the front of the queue, in their order
                 if policy.decide(FailureKind.WORKER_LOST, closure.value.attempts) is Decision.RETRY:
                     queue.requeue(closure)
                 else:
                     queue.fail(closure, e, fatal=False)
             return
-        except Exception as e:  # noqa: BLE001 - refused token, unsendable arguments, a failed RemoteValue argument
+        except Exception as e:  # noqa: BLE001 - refused token, an incompatible worker
             self._fail(batch, 0, e, policy.decide(FailureKind.PROTOCOL, batch[0].value.attempts))
             return
         for i, (closure, reply) in enumerate(zip(batch, replies)):
@@ -256,43 +329,6 @@ class WorkerThread:
             queue.requeue(batch[index])
         else:
             queue.fail(batch[index], error, fatal=decision is Decision.RAISE_FATAL)
-
-    def _call(self, batch: list[Closure]) -> list[dict]:
-        datasets: set[str] = set()
-
-        def encode_ref(x: Any) -> Any:
-            if isinstance(x, PerWorkerIterator):
-                datasets.add(x.dataset_id)
-                return ["iter", x.iterator_id, x.dataset_id]
-            return None
-
-        calls = [{"fn": c.payload.digest, "args": fetch_remote_values(c.args), "kwargs": fetch_remote_values(c.kwargs)}
-                 for c in batch]
-        payloads = {c.payload.digest: c.payload for c in batch}
-        options = self.coordinator.strategy._optimizer_options()
-        force = False
-        for _ in range(3):
-            datasets.clear()
-            request: dict[str, Any] = {"calls": calls, "options": options, "payloads": {
-                d: p.data for d, p in payloads.items() if force or d not in self.sent_functions}}
-            body = wire.encode(request, encode_ref=encode_ref)
-            needed = {d: self.coordinator._datasets[d].data for d in datasets if force or d not in self.sent_datasets}
-            if needed:
-                request["datasets"] = needed
-                body = wire.encode(request, encode_ref=encode_ref)
-            reply = wire.decode(self.conn.call("Run", body))
-            if reply.get("status") == "need":
-                force = True  # the worker forgot (it was restarted): send everything again
-                self.sent_functions.clear()
-                self.sent_datasets.clear()
-                continue
-            if "results" not in reply:
-                raise RemoteProtocolError(f"{self.task} failed to run a batch: {reply.get('type')}: "
-                                          f"{reply.get('message')}\n{reply.get('traceback', '')}")
-            self.sent_functions.update(payloads)
-            self.sent_datasets.update(datasets)
-            return [wire.decode(r) for r in reply["results"]]
-        raise RemoteProtocolError(f"{self.task} keeps asking for the functions and datasets it was sent")
 
 
 def fetch_remote_values(x: Any) -> Any:

@@ -213,6 +213,12 @@ class WorkerService:
                     if reply["status"] != "ok":
                         break
                 return wire.encode({"results": results})
+        except ModuleNotFoundError as e:  # the function was pickled by reference to a module we lack
+            reply = _error_reply(e)
+            reply["message"] += (f"; the scheduled function (or what it captures) refers to module {e.name!r}, "
+                                 "which this worker cannot import: install it on the workers, or on the "
+                                 f"coordinator call cloudpickle.register_pickle_by_value({e.name}) to send its code")
+            return wire.encode(reply)
         except Exception as e:  # noqa: BLE001 - a malformed request
             return wire.encode(_error_reply(e))
 
