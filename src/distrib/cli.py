@@ -39,11 +39,13 @@ def _positive(text: str) -> int:
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", choices=["default", "one-device", "mirrored", "multi-worker"], default=None,
+    p.add_argument("--strategy", choices=["default", "one-device", "mirrored", "multi-worker", "parameter-server"],
+                   default=None,
                    help="distribution strategy (default: mirrored over every local device; "
                         "multi-worker with --workers N)")
     p.add_argument("--workers", type=_positive, default=1,
                    help="run the job on N worker processes (MultiWorkerMirroredStrategy) through distrib launch")
+    p.add_argument("--ps", type=int, default=0, help="parameter-server tasks for --strategy parameter-server")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: restarts of the whole group")
     p.add_argument("--epochs", type=_positive, default=10)
     p.add_argument("--batch-size-per-replica", type=_positive, default=64)
@@ -68,15 +70,22 @@ def _train(args: argparse.Namespace) -> int:
     from distrib.datasets import DatasetNotFoundError
     from distrib.train import TrainConfig, train
 
-    strategy = args.strategy or ("multi-worker" if args.workers > 1 else "mirrored")
-    if args.workers > 1:
-        if strategy != "multi-worker":
-            print(f"distrib train: --workers {args.workers} needs --strategy multi-worker, not {strategy}",
+    strategy = args.strategy or ("parameter-server" if args.ps else "multi-worker" if args.workers > 1 else "mirrored")
+    if args.ps and strategy != "parameter-server":
+        print(f"distrib train: --ps needs --strategy parameter-server, not {strategy}", file=sys.stderr)
+        return 2
+    if args.workers > 1 or args.ps:
+        if strategy not in ("multi-worker", "parameter-server"):
+            print(f"distrib train: --workers {args.workers} needs --strategy multi-worker or parameter-server, "
+                  f"not {strategy}", file=sys.stderr)
+            return 2
+        if strategy == "parameter-server" and not args.ps:
+            print("distrib train: --strategy parameter-server with --workers needs --ps M (e.g. --ps 1)",
                   file=sys.stderr)
             return 2
         from distrib.launch import LaunchConfig, launch
 
-        child = ["-m", "distrib.cli", "train", "--strategy", "multi-worker", "--epochs", str(args.epochs),
+        child = ["-m", "distrib.cli", "train", "--strategy", strategy, "--epochs", str(args.epochs),
                  "--batch-size-per-replica", str(args.batch_size_per_replica), "--checkpoint-dir",
                  args.checkpoint_dir, "--seed", str(args.seed), "--no-progress"]
         for flag, value in (("--replicas", args.replicas), ("--data-dir", args.data_dir),
@@ -85,7 +94,7 @@ def _train(args: argparse.Namespace) -> int:
                 child += [flag, str(value)]
         if args.fit:
             child.append("--fit")
-        return launch(LaunchConfig(command=child, workers=args.workers, max_restarts=args.max_restarts))
+        return launch(LaunchConfig(command=child, workers=args.workers, ps=args.ps, max_restarts=args.max_restarts))
 
     config = TrainConfig(
         strategy=strategy, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,

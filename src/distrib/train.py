@@ -8,6 +8,7 @@ last checkpoint is restored into a fresh model *without* any strategy and evalua
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -90,11 +91,18 @@ def make_strategy(name: str, replicas: Optional[int] = None, device: Optional[st
             return ds.MirroredStrategy()
         prefix = "cuda" if torch.cuda.is_available() else "cpu"
         return ds.MirroredStrategy([f"{prefix}:{i}" for i in range(replicas)])
+    if name == "parameter-server":
+        if ds.cluster_resolver.TFConfigClusterResolver.detect():
+            resolver = ds.cluster_resolver.TFConfigClusterResolver()
+        else:  # no cluster given: one in this process, as seed 003's notebook builds it
+            resolver = ds.testing.create_in_process_cluster(num_workers=replicas or 2, num_ps=1)
+        return ds.ParameterServerStrategy(resolver)
     if name == "multi-worker":
         devices = None if replicas is None else [f"{'cuda' if torch.cuda.is_available() else 'cpu'}:{i}"
                                                  for i in range(replicas)]
         return ds.MultiWorkerMirroredStrategy(devices=devices)
-    raise ValueError(f"unknown strategy {name!r}; choose one of: default, one-device, mirrored, multi-worker")
+    raise ValueError(f"unknown strategy {name!r}; choose one of: default, one-device, mirrored, multi-worker, "
+                     "parameter-server")
 
 
 def _progress(iterable: Any, enabled: bool, desc: str) -> Any:
@@ -158,6 +166,10 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         test_accuracy = ds.metrics.SparseCategoricalAccuracy(name="test_accuracy")
     forward = models.maybe_compile(model, config.compile)
     reporters = _reporters(config, model, optimizer, strategy)
+    if isinstance(strategy, ds.ParameterServerStrategy):
+        _train_on_parameter_servers(config, model, optimizer, checkpoint, checkpoint_prefix, reporters,
+                                    len(train_split.labels), len(test_split.labels))
+        return _finish(config, chief, global_batch_size, test_split, [])
     if config.fit:
         _train_with_fit(config, strategy, forward, model, optimizer, checkpoint, checkpoint_prefix,
                         train_batches, test_batches, reporters)
@@ -230,6 +242,44 @@ def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, mo
     ds.fit(model, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
            metrics=["accuracy"], validation_data=test_batches, verbose=1 if config.progress else 2,
            callbacks=[SeedCheckpoints(), *reporters.callbacks])
+
+
+class FashionMnistBatches:
+    """A per-worker dataset function: each worker reads the IDX files itself and cycles through its batches.
+
+    Picklable by reference (a class of this module), so a parameter-server worker gets a few
+    bytes instead of the whole dataset.
+    """
+
+    def __init__(self, data_dir: Optional[str], split: str, batch_size: int, seed: int) -> None:
+        self.data_dir, self.split, self.batch_size, self.seed = data_dir, split, batch_size, seed
+
+    def __call__(self, input_context: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        train, test = load_fashion_mnist(self.data_dir)
+        split = train if self.split == "train" else test
+        batches = TensorBatches(*split, batch_size=self.batch_size, shuffle=self.split == "train",
+                                seed=self.seed + 1000 * input_context.input_pipeline_id)
+        for epoch in itertools.count():
+            batches.set_epoch(epoch)
+            yield from batches
+
+
+def _train_on_parameter_servers(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                checkpoint: ds.Checkpoint, checkpoint_prefix: str, reporters: Any,
+                                n_train: int, n_test: int) -> None:
+    """The job under ParameterServerStrategy: steps scheduled on the workers through ``ds.fit``."""
+    from distrib.callbacks import Callback
+
+    class SeedCheckpoints(Callback):
+        def on_epoch_end(self, epoch: int, logs: Optional[dict[str, float]] = None) -> None:
+            if epoch % 2 == 0:
+                checkpoint.save(checkpoint_prefix)
+
+    batch = config.batch_size_per_replica
+    ds.fit(model, FashionMnistBatches(config.data_dir, "train", batch, config.seed), optimizer=optimizer,
+           loss="cross_entropy", epochs=config.epochs, steps_per_epoch=-(-n_train // batch), metrics=["accuracy"],
+           validation_data=FashionMnistBatches(config.data_dir, "test", batch, config.seed),
+           validation_steps=-(-n_test // batch), verbose=2, callbacks=[SeedCheckpoints(), *reporters.callbacks])
 
 
 def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any,
