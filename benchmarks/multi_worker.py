@@ -5,7 +5,9 @@
 One run measures, on the seed CNN (Fashion-MNIST shapes, batch 64 per worker, Adam):
 
 (a) scaling: examples/s of 2 workers x 1 thread against 1 worker x 1 thread
-    (efficiency = throughput_2 / (2 x throughput_1); target >= 0.90);
+    (efficiency = throughput_2 / (2 x throughput_1); target >= 0.90). Each round
+    first times worker 0 alone (worker 1 waits at a barrier), then both, so the
+    ratio compares like with like on a noisy machine; raw DDP's is printed too;
 (b) step time of distrib's MultiWorkerMirroredStrategy loop against a raw
     DistributedDataParallel loop on the same 2 workers, same model and batch,
     interleaved round by round (target ratio <= 1.05);
@@ -29,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -46,10 +50,11 @@ def _batches(n: int, batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Te
     return [(torch.rand(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
 
 
-def _time_distrib(strategy, steps: int, batch: int, global_batch: int) -> float:  # type: ignore[no-untyped-def]
+def _distrib_loop(strategy, batch: int, global_batch: int) -> Callable[[Any], None]:  # type: ignore[no-untyped-def]
     import distrib as ds
 
     with strategy.scope():
+        torch.manual_seed(0)
         model = _cnn()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
@@ -61,40 +66,36 @@ def _time_distrib(strategy, steps: int, batch: int, global_batch: int) -> float:
         opt.zero_grad()
         return loss
 
-    data = _batches(steps + 5, batch, strategy._worker_index)
-    for b in data[:5]:
-        strategy.run(step, args=(b,))
-    strategy._barrier()
-    start = time.perf_counter()
-    for b in data[5:]:
-        strategy.run(step, args=(b,))
-    strategy._barrier()
-    return (time.perf_counter() - start) / steps
+    return lambda b: strategy.run(step, args=(b,))
 
 
-def _time_ddp(steps: int, batch: int, rank: int) -> float:
-    import torch.distributed as dist
+def _ddp_loop() -> Callable[[Any], None]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = DDP(_cnn())
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    data = _batches(steps + 5, batch, rank)
 
-    def step(x, y):  # type: ignore[no-untyped-def]
+    def step(b):  # type: ignore[no-untyped-def]
+        x, y = b
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
 
-    for x, y in data[:5]:
-        step(x, y)
-    dist.barrier()
+    return step
+
+
+def _time(step: Callable[[Any], None], data: list, barrier: Callable[[], None]) -> float:
+    """Seconds per step over ``data``, after a warm-up of 10 steps; all workers start and stop together."""
+    for b in data[:10]:
+        step(b)
+    barrier()
     start = time.perf_counter()
-    for x, y in data[5:]:
-        step(x, y)
-    dist.barrier()
-    return (time.perf_counter() - start) / steps
+    for b in data[10:]:
+        step(b)
+    barrier()
+    return (time.perf_counter() - start) / (len(data) - 10)
 
 
 def _allreduce_throughput(strategy, rounds: int) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
@@ -135,19 +136,27 @@ def _allreduce_throughput(strategy, rounds: int) -> tuple[float, float, float]: 
 
 
 def worker(args: argparse.Namespace) -> None:
+    """Round after round: worker 0 alone (worker 1 waits), then both with distrib, then both with raw DDP."""
     torch.set_num_threads(1)
     import distrib as ds
 
     strategy = ds.MultiWorkerMirroredStrategy()
-    results: dict[str, list[float]] = {"distrib_step_s": [], "ddp_step_s": []}
-    global_batch = 64 * strategy.num_replicas_in_sync
-    for _ in range(args.rounds):
-        results["distrib_step_s"].append(_time_distrib(strategy, args.steps, 64, global_batch))
-        if strategy.num_replicas_in_sync > 1:
-            results["ddp_step_s"].append(_time_ddp(args.steps, 64, strategy._worker_index))
-    if strategy.num_replicas_in_sync > 1:
-        steady, cold, bare = _allreduce_throughput(strategy, args.rounds)
-        results["reducer_gbps"], results["reducer_cold_gbps"], results["allreduce_gbps"] = [steady], [cold], [bare]
+    import torch.distributed as dist
+
+    loops = {"solo_step_s": _distrib_loop(ds.OneDeviceStrategy("cpu"), 64, 64) if strategy.is_chief else None,
+             "distrib_step_s": _distrib_loop(strategy, 64, 64 * strategy.num_replicas_in_sync),
+             "ddp_step_s": _ddp_loop()}
+    data = _batches(args.steps + 10, 64, strategy._worker_index)
+    results: dict[str, list[float]] = {k: [] for k in loops}
+    for r in range(args.rounds):
+        if strategy.is_chief:
+            results["solo_step_s"].append(_time(loops["solo_step_s"], data, lambda: None))
+        strategy._barrier()
+        order = ["distrib_step_s", "ddp_step_s"] if r % 2 == 0 else ["ddp_step_s", "distrib_step_s"]
+        for name in order:  # alternate, so neither always goes first
+            results[name].append(_time(loops[name], data, dist.barrier))
+    steady, cold, bare = _allreduce_throughput(strategy, args.rounds)
+    results["reducer_gbps"], results["reducer_cold_gbps"], results["allreduce_gbps"] = [steady], [cold], [bare]
     if strategy.is_chief:
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -160,8 +169,6 @@ def _run_cluster(workers: int, args: argparse.Namespace, out: str) -> dict[str, 
     procs = []
     for i in range(workers):
         env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
-        if workers == 1:
-            env["TF_CONFIG"] = ""
         cmd = [sys.executable, HERE, "--worker", "--out", out, "--steps", str(args.steps), "--rounds", str(args.rounds)]
         procs.append(subprocess.Popen(cmd, env=env))
     try:
@@ -186,24 +193,26 @@ def main() -> None:
     if args.worker:
         return worker(args)
     with tempfile.TemporaryDirectory() as tmp:
-        one = _run_cluster(1, args, os.path.join(tmp, "one.json"))
-        two = _run_cluster(2, args, os.path.join(tmp, "two.json"))
-    med = {k: statistics.median(v) for k, v in two.items()}
-    one_step = statistics.median(one["distrib_step_s"])
+        raw = _run_cluster(2, args, os.path.join(tmp, "two.json"))
+    med = {k: statistics.median(v) for k, v in raw.items()}
+    efficiency = [s / d for s, d in zip(raw["solo_step_s"], raw["distrib_step_s"])]  # (128/d) / (2 * 64/s)
+    ddp_ratio = [d / r for d, r in zip(raw["distrib_step_s"], raw["ddp_step_s"])]
+    ddp_efficiency = [s / r for s, r in zip(raw["solo_step_s"], raw["ddp_step_s"])]
     result = {
-        "workers_1_examples_per_s": 64 / one_step,
+        "workers_1_examples_per_s": 64 / med["solo_step_s"],
         "workers_2_examples_per_s": 128 / med["distrib_step_s"],
-        "scaling_efficiency": (128 / med["distrib_step_s"]) / (2 * 64 / one_step),
+        "scaling_efficiency": statistics.median(efficiency),
+        "ddp_scaling_efficiency": statistics.median(ddp_efficiency),
         "distrib_step_ms": med["distrib_step_s"] * 1e3,
         "ddp_step_ms": med["ddp_step_s"] * 1e3,
-        "step_time_vs_ddp": med["distrib_step_s"] / med["ddp_step_s"],
+        "step_time_vs_ddp": statistics.median(ddp_ratio),
         "reducer_gb_per_s": med["reducer_gbps"],
         "reducer_cold_gb_per_s": med["reducer_cold_gbps"],
-        "cold_throughput_ratio": med["reducer_cold_gbps"] / med["allreduce_gbps"],
         "allreduce_gb_per_s": med["allreduce_gbps"],
         "allreduce_throughput_ratio": med["reducer_gbps"] / med["allreduce_gbps"],
+        "cold_throughput_ratio": med["reducer_cold_gbps"] / med["allreduce_gbps"],
         "rounds": args.rounds, "steps_per_round": args.steps,
-        "raw": {"one_worker": one, "two_workers": two},
+        "raw": raw,
     }
     print(json.dumps(result, indent=2))
     if args.json:
