@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,7 @@ class LocalCluster:
                  log_dir: Optional[str] = None) -> None:
         self.cluster = _cluster_dict(num_workers, num_ps, has_chief=True)
         self.token = token or secrets.token_hex(32)
+        self._owns_log_dir = log_dir is None  # a directory we made is removed by stop()
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="distrib-cluster-")
         self._env = dict(env or {})
         self._threads = torch_threads
@@ -193,6 +195,8 @@ class LocalCluster:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if self._owns_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self
