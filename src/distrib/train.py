@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import distrib as ds
 from distrib import models
+from distrib.callbacks import Callback
 from distrib.datasets import load_fashion_mnist
 
 __all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "train"]
@@ -228,20 +229,24 @@ def _reporters(config: TrainConfig, model: torch.nn.Module, optimizer: torch.opt
     return reporters
 
 
+class _SeedCheckpoints(Callback):
+    """Seed 000's schedule: a checkpoint after epochs 1, 3, 5, ... (``epoch % 2 == 0``)."""
+
+    def __init__(self, checkpoint: ds.Checkpoint, prefix: str) -> None:
+        self.checkpoint, self.prefix = checkpoint, prefix
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict[str, float]] = None) -> None:
+        if epoch % 2 == 0:
+            self.checkpoint.save(self.prefix)
+
+
 def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, checkpoint: ds.Checkpoint, checkpoint_prefix: str,
                     train_batches: TensorBatches, test_batches: TensorBatches, reporters: Any) -> None:
     """The same job through ``ds.fit``: Keras-style progress, a checkpoint every 2 epochs as the seed."""
-    from distrib.callbacks import Callback
-
-    class SeedCheckpoints(Callback):
-        def on_epoch_end(self, epoch: int, logs: Optional[dict[str, float]] = None) -> None:
-            if epoch % 2 == 0:
-                checkpoint.save(checkpoint_prefix)
-
     ds.fit(model, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
            metrics=["accuracy"], validation_data=test_batches, verbose=1 if config.progress else 2,
-           callbacks=[SeedCheckpoints(), *reporters.callbacks])
+           callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks])
 
 
 class FashionMnistBatches:
@@ -268,18 +273,11 @@ def _train_on_parameter_servers(config: TrainConfig, model: torch.nn.Module, opt
                                 checkpoint: ds.Checkpoint, checkpoint_prefix: str, reporters: Any,
                                 n_train: int, n_test: int) -> None:
     """The job under ParameterServerStrategy: steps scheduled on the workers through ``ds.fit``."""
-    from distrib.callbacks import Callback
-
-    class SeedCheckpoints(Callback):
-        def on_epoch_end(self, epoch: int, logs: Optional[dict[str, float]] = None) -> None:
-            if epoch % 2 == 0:
-                checkpoint.save(checkpoint_prefix)
-
     batch = config.batch_size_per_replica
     ds.fit(model, FashionMnistBatches(config.data_dir, "train", batch, config.seed), optimizer=optimizer,
            loss="cross_entropy", epochs=config.epochs, steps_per_epoch=-(-n_train // batch), metrics=["accuracy"],
            validation_data=FashionMnistBatches(config.data_dir, "test", batch, config.seed),
-           validation_steps=-(-n_test // batch), verbose=2, callbacks=[SeedCheckpoints(), *reporters.callbacks])
+           validation_steps=-(-n_test // batch), verbose=2, callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks])
 
 
 def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any,
