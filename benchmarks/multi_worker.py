@@ -140,7 +140,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import distrib as ds
 
-    strategy = ds.MultiWorkerMirroredStrategy()
+    strategy = ds.MultiWorkerMirroredStrategy(
+        communication_options=ds.CommunicationOptions(bytes_per_pack=args.bytes_per_pack))
     import torch.distributed as dist
 
     loops = {"solo_step_s": _distrib_loop(ds.OneDeviceStrategy("cpu"), 64, 64) if strategy.is_chief else None,
@@ -169,7 +170,8 @@ def _run_cluster(workers: int, args: argparse.Namespace, out: str) -> dict[str, 
     procs = []
     for i in range(workers):
         env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
-        cmd = [sys.executable, HERE, "--worker", "--out", out, "--steps", str(args.steps), "--rounds", str(args.rounds)]
+        cmd = [sys.executable, HERE, "--worker", "--out", out, "--steps", str(args.steps), "--rounds", str(args.rounds),
+               "--bytes-per-pack", str(args.bytes_per_pack)]
         procs.append(subprocess.Popen(cmd, env=env))
     try:
         codes = [p.wait(timeout=1200) for p in procs]
@@ -186,6 +188,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--bytes-per-pack", type=int, default=0, help="gradient bucket size (0: distrib's default)")
     p.add_argument("--json", default=None, help="also write the JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
