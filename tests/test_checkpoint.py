@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import types
 
 import pytest
@@ -275,14 +274,13 @@ def test_mismatched_names(tmp_path):
         Checkpoint(model=torch.nn.Linear(3, 2), epoch=epoch).restore(path)
 
 
-def test_non_chief_writes_nothing_but_keeps_numbering(tmp_path, monkeypatch):
+def test_non_chief_writes_nothing_but_keeps_numbering(tmp_path):
     barriers: list[int] = []
     strategy = types.SimpleNamespace(is_chief=False, _barrier=lambda: barriers.append(1))
-    fake = types.ModuleType("distrib.context")
-    fake.get_strategy = lambda: strategy  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "distrib.context", fake)
+    model = torch.nn.Linear(1, 1)
+    model._distrib_owner = strategy  # what a strategy's scope sets on the modules it distributes
 
-    ckpt = Checkpoint(w=torch.zeros(1))
+    ckpt = Checkpoint(model=model, w=torch.zeros(1))
     assert ckpt.save(tmp_path / "ckpt") == str(tmp_path / "ckpt-1")
     manager = CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1)
     assert manager.save() == str(tmp_path / "run" / "ckpt-2")

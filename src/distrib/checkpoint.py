@@ -21,7 +21,7 @@ import os
 import pickle
 import re
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -39,30 +39,36 @@ class CheckpointError(ValueError):
 
 
 # --------------------------------------------------------------- strategy hooks
-def _strategy() -> Any:
-    """The current distrib strategy, or None while the strategy core cannot be imported."""
-    try:
-        from distrib.context import get_strategy
+def _strategy(objects: Mapping[str, Any]) -> Any:
+    """The strategy whose chief owns the files of a checkpoint of ``objects``.
 
-        return get_strategy()  # may import the default strategy lazily
+    The strategy that distributes a tracked module or optimizer; else the current one if it
+    is not the default; else a multi-worker strategy made in this process (``save`` is often
+    called outside the scope, as in the tutorials); else the default. None while the
+    strategy core cannot be imported.
+    """
+    for obj in objects.values():
+        owner = getattr(obj, "_distrib_owner", None) or getattr(obj, "_distrib_strategy", None)
+        if owner is not None:
+            return owner
+    try:
+        from distrib import context
     except ImportError:
         return None
+    current = context.get_strategy()
+    if getattr(context, "has_strategy", lambda: True)():
+        return current
+    return getattr(context, "cluster_strategy", lambda: None)() or current
 
 
-def _should_write() -> bool:
+def _should_write(strategy: Any) -> bool:
     """True on the worker that owns the files: the chief, or the only process."""
-    try:
-        from distrib.context import get_strategy
-
-        strategy = get_strategy()
-    except ImportError:
-        return True
     return bool(getattr(strategy, "is_chief", True))
 
 
-def _barrier() -> None:
+def _barrier(strategy: Any) -> None:
     """Wait for all workers so nobody returns before the chief's file exists."""
-    barrier = getattr(_strategy(), "_barrier", None)
+    barrier = getattr(strategy, "_barrier", None)
     if callable(barrier):
         barrier()
 
@@ -202,7 +208,8 @@ class Checkpoint:
         """Write ``<file_prefix>-<n>`` (n = save_counter + 1), record it in the index, return it."""
         n = self._save_counter + 1
         path = f"{os.fspath(file_prefix)}-{n}"
-        if _should_write():
+        strategy = _strategy(self._objects)
+        if _should_write(strategy):
             self._write_data(path, n)
             directory, base = os.path.split(path)
             directory = directory or "."
@@ -210,15 +217,16 @@ class Checkpoint:
             kept = [x for x in index.get("all", []) if x != base] + [base]
             _write_index(directory, base, kept)
         self._save_counter = n
-        _barrier()
+        _barrier(strategy)
         return path
 
     def write(self, path: str | os.PathLike[str]) -> str:
         """Write exactly ``<path>.pt``; neither the counter nor the index changes."""
         path = os.fspath(path)
-        if _should_write():
+        strategy = _strategy(self._objects)
+        if _should_write(strategy):
             self._write_data(path, self._save_counter)
-        _barrier()
+        _barrier(strategy)
         return path
 
     def _write_data(self, path: str, counter: int) -> None:
@@ -342,7 +350,7 @@ class CheckpointManager:
         self.directory = os.fspath(directory)
         self.max_to_keep = max_to_keep
         self.checkpoint_name = checkpoint_name
-        if _should_write():
+        if _should_write(_strategy(checkpoint._objects)):
             os.makedirs(self.directory, exist_ok=True)
         index = _read_index(self.directory) or {}
         pattern = re.compile(re.escape(checkpoint_name) + r"-\d+")
@@ -371,7 +379,8 @@ class CheckpointManager:
         removed: list[str] = []
         if self.max_to_keep is not None and len(kept) > self.max_to_keep:
             removed, kept = kept[:-self.max_to_keep], kept[-self.max_to_keep:]
-        if _should_write():
+        strategy = _strategy(ckpt._objects)
+        if _should_write(strategy):
             ckpt._write_data(path, counter)
             _write_index(self.directory, base, kept)
             for name in removed:
@@ -379,7 +388,7 @@ class CheckpointManager:
                     os.remove(os.path.join(self.directory, name + ".pt"))
         ckpt._save_counter = counter
         self._kept = kept
-        _barrier()
+        _barrier(strategy)
         return path
 
     def restore_or_initialize(self) -> str | None:

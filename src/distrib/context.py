@@ -15,6 +15,7 @@ returns its (single) replica context, as TF does.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -28,6 +29,19 @@ _thread = threading.local()
 # that the user's main thread entered.
 _scope_stack: list["Strategy"] = []
 _default: Optional["Strategy"] = None
+# The latest strategy of this process that spans several workers: checkpoints saved outside
+# any scope still write on its chief only.
+_cluster: Optional["weakref.ref[Strategy]"] = None
+
+
+def register_cluster_strategy(strategy: "Strategy") -> None:
+    global _cluster
+    _cluster = weakref.ref(strategy)
+
+
+def cluster_strategy() -> Optional["Strategy"]:
+    """The latest multi-worker strategy made in this process (alive), or None."""
+    return _cluster() if _cluster is not None else None
 
 
 def current_replica() -> Optional["ReplicaContext"]:

@@ -1,8 +1,12 @@
 """Uneven shards: worker 0 has 5 batches, worker 1 has 2; both must end the epoch at the same step.
 
-    distrib launch --workers 2 tests/scripts/mw_uneven.py
-Prints "steps=N examples=M" on every worker (M counted by a Sum metric over all workers).
+    distrib launch --workers 2 tests/scripts/mw_uneven.py CHECKPOINT_BASE
+Prints "steps=N examples=M" on every worker (M counted by a Sum metric over all workers), then every
+worker saves a checkpoint to CHECKPOINT_BASE/w<index>/ckpt: only the chief's may exist.
 """
+
+import os
+import sys
 
 import torch
 
@@ -26,3 +30,5 @@ for x in strategy.distribute_datasets_from_function(dataset_fn):
     strategy.reduce("SUM", torch.tensor(1.0))  # a collective every step, as training would have
     steps += 1
 print(f"steps={steps} examples={int(examples.result())} weight={int(weights.result())}", flush=True)
+path = ds.Checkpoint(steps=torch.tensor(steps)).save(os.path.join(sys.argv[1], f"w{strategy._worker_index}", "ckpt"))
+print(f"saved {path}", flush=True)

@@ -61,6 +61,8 @@ class Strategy:
         self._mirrored = MirroredModules(self)
         self._threads: Optional[ReplicaThreads] = None
         self._replica_contexts = [ReplicaContext(self, k) for k in range(len(self._devices))]
+        if self._communicator.world_size > 1:
+            context.register_cluster_strategy(self)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -255,8 +257,6 @@ class Strategy:
 
     def _reduce_local_values(self, op: ReduceOp, values: Sequence[Any], axis: Optional[int]) -> Any:
         """Reduce one value per local replica over all replicas of all workers."""
-        if values and not isinstance(values[0], torch.Tensor) and _is_structure(values[0]):
-            return regroup_reduce(self, op, values, axis)
         device = self._devices[0]
         tensors = [to_tensor(v, device).detach() for v in values]
         if axis is None:
@@ -314,16 +314,3 @@ def _contains_per_replica(value: Any) -> bool:
     found = []
     map_leaves(lambda x: found.append(isinstance(x, PerReplica)), value)
     return any(found)
-
-
-def _is_structure(value: Any) -> bool:
-    return isinstance(value, (tuple, list, dict))
-
-
-def regroup_reduce(strategy: Strategy, op: ReduceOp, values: Sequence[Any], axis: Optional[int]) -> Any:
-    """Reduce a list of same-shaped structures leaf by leaf."""
-    grouped = regroup(list(values)) if len(values) > 1 else values[0]
-    return map_leaves(
-        lambda leaf: strategy._reduce_local_values(op, local_values(leaf, len(values)) if len(values) > 1 else (leaf,), axis),
-        grouped,
-    )
