@@ -90,8 +90,7 @@ def test_reduce_mean_axis0_counts_uneven_batches_exactly():
     per_replica = strategy.run(lambda v: v * 1.0, args=(x,))
     torch.testing.assert_close(strategy.reduce("MEAN", per_replica, axis=0), values.mean(0))
     torch.testing.assert_close(strategy.reduce("SUM", per_replica, axis=0), values.sum(0))
-    # axis=None averages per-replica values, not examples: (2x2 + 2x2 + 1x2 + 1x2) shaped values can't stack,
-    # so use per-replica scalars
+    # axis=None averages the per-replica values themselves (here each replica's sum), not examples
     scalars = strategy.run(lambda v: v.sum(), args=(x,))
     torch.testing.assert_close(strategy.reduce("MEAN", scalars), values.sum() / 4)
     gathered = strategy.gather(per_replica, axis=0)
@@ -111,6 +110,11 @@ def test_replica_context_ids_and_all_reduce():
     assert ids.values == (0, 1, 2)
     assert [float(v) for v in sums.values] == [6.0, 6.0, 6.0]
     assert [float(v) for v in means.values] == [2.0, 2.0, 2.0]
+    structured = strategy.run(lambda: ds.get_replica_context().all_reduce(
+        "SUM", {"a": torch.ones(2), "b": (torch.tensor(float(ds.get_replica_context().replica_id_in_sync_group)),)}))
+    for value in structured["a"].values:
+        assert value.tolist() == [3.0, 3.0]
+    assert [float(v) for v in structured["b"][0].values] == [3.0, 3.0, 3.0]
     assert ds.get_replica_context() is not None and ds.get_replica_context().num_replicas_in_sync == 1
     with strategy.scope():
         assert ds.get_replica_context() is None

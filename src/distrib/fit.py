@@ -117,12 +117,13 @@ class _Batches:
         self.data, self.start, self.cycle = data, start, cycle
 
     def __iter__(self) -> Iterator[Any]:
+        skip = self.start
         for n_pass in itertools.count() if self.cycle else [None]:
             if n_pass is not None and hasattr(self.data, "set_epoch"):
                 self.data.set_epoch(n_pass)
             for batch in self.data:
-                if self.start > 0:
-                    self.start -= 1
+                if skip > 0:
+                    skip -= 1
                     continue
                 x, y = batch[0], batch[1]
                 yield x, y, len(x)
@@ -209,7 +210,7 @@ def fit(model: torch.nn.Module, data: Iterable[Any], *, optimizer: torch.optim.O
         loop.epoch += 1
         loop.step_in_epoch.zero_()
         cbs.on_epoch_end(epoch, logs)
-    cbs.on_train_end(history.history and {k: v[-1] for k, v in history.history.items()})
+    cbs.on_train_end({k: v[-1] for k, v in history.history.items()})
     return history
 
 

@@ -9,6 +9,7 @@ epoch's logs count every step exactly once.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -100,7 +101,7 @@ def fit_parameter_server(loop: "Loop", data: Any, loss_fn: Callable[..., torch.T
         loop.step_in_epoch.fill_(loop.steps_per_epoch)
         logs = _logs(loss_metric, metric_objs)
         if validation_data is not None:
-            logs.update(evaluate_parameter_server(strategy, model, validation_data, loss_fn, *_fresh(strategy, metric_objs),
+            logs.update(evaluate_parameter_server(strategy, model, validation_data, loss_fn, *_fresh_metrics(metric_objs),
                                                   validation_steps or 1, "val_"))
         bar.update(loop.steps_per_epoch, logs, finalize=True)
         loop.epoch += 1
@@ -109,16 +110,9 @@ def fit_parameter_server(loop: "Loop", data: Any, loss_fn: Callable[..., torch.T
     cbs.on_train_end()
 
 
-def _fresh(strategy: "Strategy", metric_objs: Sequence[metrics_lib.Metric]) -> tuple[metrics_lib.Metric, list[metrics_lib.Metric]]:
-    return metrics_lib.Mean(name="loss"), [_clone(m) for m in metric_objs]
-
-
-def _clone(metric: metrics_lib.Metric) -> metrics_lib.Metric:
-    import copy
-
-    twin = copy.copy(metric)
-    twin.__setstate__(metric.__getstate__())
-    return twin
+def _fresh_metrics(metric_objs: Sequence[metrics_lib.Metric]) -> tuple[metrics_lib.Metric, list[metrics_lib.Metric]]:
+    """Empty copies for validation (a Metric's copy starts from zero state: see ``Metric.__getstate__``)."""
+    return metrics_lib.Mean(name="loss"), [copy.deepcopy(m) for m in metric_objs]
 
 
 def evaluate_parameter_server(strategy: "Strategy", model: torch.nn.Module, data: Any,

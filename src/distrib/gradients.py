@@ -120,7 +120,6 @@ class BucketedGradientReducer:
         bucket = self._buckets[b]
         with torch.no_grad():
             if self._synced:
-                assert bucket.delta is not None or not any(id(p) in self._seen for p in bucket.params)
                 if bucket.delta is None:
                     bucket.delta = torch.zeros_like(bucket.buffer)
                 for i, p in enumerate(bucket.params):

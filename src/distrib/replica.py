@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from distrib import context
-from distrib.values import ReduceOp
+from distrib.values import ReduceOp, local_values, map_leaves, regroup
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -71,8 +71,10 @@ class ReplicaContext:
         op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
 
         def merge(values: list) -> list:
-            reduced = self.strategy._reduce_local_values(op, values, axis=None)
-            return [self.strategy._to_replica_device(reduced, i) for i in range(len(values))]
+            n = len(values)
+            reduced = map_leaves(lambda leaf: self.strategy._reduce_local_values(op, local_values(leaf, n), None),
+                                 regroup(values))
+            return [self.strategy._to_replica_device(reduced, i) for i in range(n)]
 
         return self.merge(value, merge)
 

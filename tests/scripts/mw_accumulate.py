@@ -4,7 +4,10 @@
 Each worker takes its half of every batch; after loss.backward() the gradients are the global sums,
 so clip_grad_norm_ sees what one device would see.
 """
-import os, sys, json, torch, torch.nn.functional as F
+import sys
+
+import torch
+
 import distrib as ds
 s = ds.MultiWorkerMirroredStrategy()
 with s.scope():
