@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from distrib import models
+    from distrib.app import models
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from distrib import models
+    from distrib.app import models
 
 BATCH = 64
 Step = Callable[[torch.Tensor, torch.Tensor], None]

@@ -40,7 +40,7 @@ HERE = os.path.abspath(__file__)
 
 
 def _cnn() -> torch.nn.Module:
-    from distrib.models import fashion_mnist_cnn
+    from distrib.app.models import fashion_mnist_cnn
 
     return fashion_mnist_cnn()
 
@@ -104,12 +104,12 @@ def _allreduce_throughput(strategy, rounds: int) -> tuple[float, float, float]: 
     bare all_reduce of one flat tensor."""
     import torch.distributed as dist
 
-    from distrib.gradients import BucketedGradientReducer
+    from distrib.comm.gradient_reducer import BucketedGradientReducer
 
     numel = 25_000_000 // 4
     sizes = (numel // 2, numel // 4, numel // 8, numel - numel // 2 - numel // 4 - numel // 8)
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-    reducer = BucketedGradientReducer(params, strategy._communicator, strategy.communication_options.bucket_bytes)
+    reducer = BucketedGradientReducer(params, strategy.communicator, strategy.communication_options.bucket_bytes)
     flat = torch.ones(numel)
     steady, cold, bare = [], [], []
     for r in range(rounds + 1):
@@ -147,12 +147,12 @@ def worker(args: argparse.Namespace) -> None:
     loops = {"solo_step_s": _distrib_loop(ds.OneDeviceStrategy("cpu"), 64, 64) if strategy.is_chief else None,
              "distrib_step_s": _distrib_loop(strategy, 64, 64 * strategy.num_replicas_in_sync),
              "ddp_step_s": _ddp_loop()}
-    data = _batches(args.steps + 10, 64, strategy._worker_index)
+    data = _batches(args.steps + 10, 64, strategy.worker_index)
     results: dict[str, list[float]] = {k: [] for k in loops}
     for r in range(args.rounds):
         if strategy.is_chief:
             results["solo_step_s"].append(_time(loops["solo_step_s"], data, lambda: None))
-        strategy._barrier()
+        strategy.barrier()
         order = ["distrib_step_s", "ddp_step_s"] if r % 2 == 0 else ["ddp_step_s", "distrib_step_s"]
         for name in order:  # alternate, so neither always goes first
             results[name].append(_time(loops[name], data, dist.barrier))
@@ -164,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _run_cluster(workers: int, args: argparse.Namespace, out: str) -> dict[str, list[float]]:
-    from distrib.launch import make_cluster
+    from distrib.cluster.launch import make_cluster
 
     cluster = make_cluster(workers, 0, False)
     procs = []

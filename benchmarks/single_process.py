@@ -30,15 +30,15 @@ import torch
 import torch.nn.functional as F
 
 import distrib as ds
-from distrib import models
-from distrib.train import TensorBatches, make_steps
+from distrib.app import models
+from distrib.app.train import TensorBatches, make_steps
 
 BATCH = 64
 
 
 def load_data(data_dir: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
     try:
-        from distrib.datasets import load_fashion_mnist
+        from distrib.app.datasets import load_fashion_mnist
 
         train, _ = load_fashion_mnist(data_dir)
         return train.images, train.labels, "fashion-mnist"

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import distrib as ds
-from distrib.datasets import load_fashion_mnist
-from distrib.models import fashion_mnist_cnn
-from distrib.train import TensorBatches
+from distrib.app.datasets import load_fashion_mnist
+from distrib.app.models import fashion_mnist_cnn
+from distrib.app.train import TensorBatches
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=10)

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrib as ds
-from distrib.datasets import load_fashion_mnist
-from distrib.train import TensorBatches
+from distrib.app.datasets import load_fashion_mnist
+from distrib.app.train import TensorBatches
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--data-dir", default=None, help="IDX files (default: Debian's Fashion-MNIST)")
@@ -73,7 +73,7 @@ with strategy.scope():
 
 # --- Shard the data between workers --------------------------------------------------------
 per_worker_batch_size = 64
-num_workers = strategy.num_replicas_in_sync // strategy._num_local_replicas
+num_workers = strategy.num_replicas_in_sync // strategy.num_local_replicas
 global_batch_size = per_worker_batch_size * num_workers
 
 datasets = []  # keep this worker's pipeline to set its epoch

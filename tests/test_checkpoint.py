@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import types
+
 
 import pytest
 import torch
 
 import distrib.checkpoint as dc
+from distrib import context
+from distrib.strategies import DefaultStrategy
 from distrib.checkpoint import Checkpoint, CheckpointError, CheckpointManager, latest_checkpoint
 
 
@@ -274,11 +276,26 @@ def test_mismatched_names(tmp_path):
         Checkpoint(model=torch.nn.Linear(3, 2), epoch=epoch).restore(path)
 
 
+class _Worker(DefaultStrategy):
+    """A strategy whose chief role is set by the test: the checkpoint contract is all Checkpoint uses."""
+
+    def __init__(self, chief: bool, barriers: list[int]) -> None:
+        super().__init__()
+        self.chief, self.barriers = chief, barriers
+
+    @property
+    def is_chief(self) -> bool:
+        return self.chief
+
+    def barrier(self, timeout=None) -> None:
+        self.barriers.append(1)
+
+
 def test_non_chief_writes_nothing_but_keeps_numbering(tmp_path):
     barriers: list[int] = []
-    strategy = types.SimpleNamespace(is_chief=False, _barrier=lambda: barriers.append(1))
+    strategy = _Worker(chief=False, barriers=barriers)
     model = torch.nn.Linear(1, 1)
-    model._distrib_owner = strategy  # what a strategy's scope sets on the modules it distributes
+    context.set_owner(model, strategy)  # what a strategy's scope records for the modules it distributes
 
     ckpt = Checkpoint(model=model, w=torch.zeros(1))
     assert ckpt.save(tmp_path / "ckpt") == str(tmp_path / "ckpt-1")
@@ -288,7 +305,7 @@ def test_non_chief_writes_nothing_but_keeps_numbering(tmp_path):
     assert list(tmp_path.iterdir()) == []  # not even the manager's directory
     assert ckpt.save_counter == 2 and len(barriers) == 3
 
-    strategy.is_chief = True
+    strategy.chief = True
     path = manager.save()
     assert path == str(tmp_path / "run" / "ckpt-3") and os.path.isfile(path + ".pt")
     assert len(barriers) == 4

@@ -22,7 +22,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def launch(*args: str, timeout: float = 120) -> tuple[int, str, float]:
     """Run `distrib launch ARGS` in its own process group; kill the whole group if it overruns."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "distrib.cli", "launch", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "distrib.app.cli", "launch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -17,7 +17,7 @@ from torch import nn
 
 import distrib as ds
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
-from distrib.parameter_server import wire
+from distrib.parameter_server.transport import wire
 from distrib.parameter_server.errors import ClosureCancelledError, ScheduledFunctionError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
@@ -201,7 +201,7 @@ def test_calls_without_the_cluster_token_are_refused_and_logged(cluster):
             channel.unary_unary("/distrib.Worker/Run")(b"\x80\x04anything", timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # nothing was created: with the token, the key is unknown
-    from distrib.parameter_server.rpc import Connection
+    from distrib.parameter_server.transport.rpc import Connection
 
     conn = Connection(address, "distrib.ParameterServer", cluster.token)
     reply = wire.decode(conn.call("Pull", wire.encode({"keys": ["intruder/v0/part_0"], "since": [0]}), timeout=10))

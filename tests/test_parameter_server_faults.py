@@ -15,7 +15,7 @@ from torch import nn
 
 import distrib as ds
 from distrib.parameter_server.errors import ParameterServerUnavailableError
-from distrib.parameter_server.remote_value import RemoteValueStatus
+from distrib.parameter_server.client.remote_value import RemoteValueStatus
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

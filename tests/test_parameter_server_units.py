@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import distrib as ds
-from distrib.parameter_server import wire
+from distrib.parameter_server.transport import wire
 from distrib.parameter_server.errors import ScheduledFunctionError, scheduled_function_error
-from distrib.parameter_server.failure_policy import Decision, FailureKind, FailurePolicy
+from distrib.parameter_server.client.failure_policy import Decision, FailureKind, FailurePolicy
 from distrib.parameter_server.optimizer_state import merge_shard_states, split_state
 from distrib.parameter_server.partitioners import shard_offsets
-from distrib.parameter_server.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
 from distrib.parameter_server.variables import Placer, split_gradient
 
 
@@ -270,7 +270,7 @@ def _make_certificates(directory):
 
 def test_mutual_tls_and_token_are_both_required(tmp_path):
     from distrib.parameter_server.errors import AuthenticationError, PeerUnavailableError
-    from distrib.parameter_server.rpc import Connection, TLSConfig
+    from distrib.parameter_server.transport.rpc import Connection, TLSConfig
 
     paths, ca = _make_certificates(tmp_path)
     tls = TLSConfig(*paths["task"], ca_file=ca)

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from distrib.cli import main
-from distrib.datasets import DatasetNotFoundError, load_fashion_mnist, read_idx
+from distrib.app.cli import main
+from distrib.app.datasets import DatasetNotFoundError, load_fashion_mnist, read_idx
 
 LINE = re.compile(r"Epoch (\d+), Loss: ([\d.]+), Accuracy: ([\d.]+), Test Loss: ([\d.]+), "
                   r"Test Accuracy: ([\d.]+), Examples/s: (\d+)")

@@ -18,10 +18,11 @@ replica
     ``num_replicas_in_sync`` counts them over all workers.
 worker
     One process taking part in synchronous training; it drives one or more
-    local replicas.
+    local replicas (``strategy.worker_index`` of ``strategy.num_workers``).
 chief
     The worker that does the extra bookkeeping: it alone writes checkpoints and
-    summaries. The ``chief`` task if the cluster has one, else worker 0.
+    summaries (``strategy.is_chief``). The ``chief`` task if the cluster has one,
+    else worker 0.
 ps
     A parameter-server task: it holds (shards of) the parameters under
     ``ParameterServerStrategy``.
@@ -34,53 +35,88 @@ cross-replica context
 replica context
     Code inside the function given to ``strategy.run``: it sees its own
     replica's values (``get_replica_context()``).
+
+Layout: the strategy core here and in :mod:`distrib.strategies`; communication
+between processes in :mod:`distrib.comm`; clusters and the launcher in
+:mod:`distrib.cluster`; ``fit`` and callbacks in :mod:`distrib.keras`; parameter
+servers in :mod:`distrib.parameter_server` (loaded on first use: ``import distrib``
+imports neither grpc nor cloudpickle); the ``distrib train`` app in :mod:`distrib.app`.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from distrib import cluster as cluster_resolver
-from distrib import callbacks, metrics
+from distrib import metrics, testing
+from distrib.checkpoint import Checkpoint, CheckpointError, CheckpointManager, latest_checkpoint
 from distrib.cluster import ClusterSpec
-from distrib.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
-from distrib.fit import evaluate, fit, predict
+from distrib.comm import CollectiveError, CommunicationOptions
 from distrib.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from distrib.input import InputContext
+from distrib.keras import callbacks
+from distrib.keras.loop import evaluate, fit, predict
 from distrib.losses import compute_average_loss, scale_regularization_loss
-from distrib.replica import ReplicaContext
-from distrib.collectives import CommunicationOptions
+from distrib.parameter_server import partitioners
 from distrib.strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
+from distrib.strategies.replica import ReplicaContext
 from distrib.values import PerReplica, ReduceOp
+
+if TYPE_CHECKING:
+    from distrib.parameter_server import ParameterServerStrategy, Server
+    from distrib.parameter_server.client import coordinator
 
 __version__ = "0.1.0"
 
+# Parameter-server names: loaded on first use, so that grpc and cloudpickle are imported only when needed.
+_LAZY = {
+    "ParameterServerStrategy": "distrib.parameter_server.strategy",
+    "Server": "distrib.parameter_server.server.server",
+    "coordinator": "distrib.parameter_server.client.coordinator",
+}
+
 __all__ = [
     "Checkpoint",
-    "CommunicationOptions",
-    "MultiWorkerMirroredStrategy",
-    "ClusterSpec",
-    "cluster_resolver",
+    "CheckpointError",
     "CheckpointManager",
+    "ClusterSpec",
+    "CollectiveError",
+    "CommunicationOptions",
     "InputContext",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
+    "Server",
     "Strategy",
     "callbacks",
+    "cluster_resolver",
     "compute_average_loss",
+    "coordinator",
     "evaluate",
     "fit",
-    "predict",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
     "latest_checkpoint",
     "metrics",
+    "partitioners",
+    "predict",
     "scale_regularization_loss",
+    "testing",
 ]
 
-# Parameter-server training (issue 4): strategy, servers, coordinator, partitioners, test clusters.
-from distrib import testing
-from distrib.parameter_server import ParameterServerStrategy, Server, coordinator, partitioners
 
-__all__ += ["ParameterServerStrategy", "Server", "coordinator", "partitioners", "testing"]
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'distrib' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if name == "coordinator" else getattr(module, name)
+    globals()[name] = value
+    return value

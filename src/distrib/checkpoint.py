@@ -21,9 +21,15 @@ import os
 import pickle
 import re
 import tempfile
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
+import torch.utils._pytree as pytree
+
+from distrib import context
+
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointError", "latest_checkpoint"]
 
@@ -38,57 +44,46 @@ class CheckpointError(ValueError):
     """A checkpoint file is unreadable, unsafe, or does not match the tracked objects."""
 
 
-# --------------------------------------------------------------- strategy hooks
-def _strategy(objects: Mapping[str, Any]) -> Any:
+# --------------------------------------------------------------- the strategy contract
+def _strategy(objects: Mapping[str, Any]) -> "Strategy":
     """The strategy whose chief owns the files of a checkpoint of ``objects``.
 
     The strategy that distributes a tracked module or optimizer; else the current one if it
     is not the default; else a multi-worker strategy made in this process (``save`` is often
-    called outside the scope, as in the tutorials); else the default. None while the
-    strategy core cannot be imported.
+    called outside the scope, as in the tutorials); else the default.
     """
     for obj in objects.values():
-        owner = getattr(obj, "_distrib_owner", None) or getattr(obj, "_distrib_strategy", None)
+        owner = context.owner_of(obj)
         if owner is not None:
             return owner
-    try:
-        from distrib import context
-    except ImportError:
-        return None
-    current = context.get_strategy()
-    if getattr(context, "has_strategy", lambda: True)():
-        return current
-    return getattr(context, "cluster_strategy", lambda: None)() or current
+    if context.has_strategy():
+        return context.get_strategy()
+    return context.cluster_strategy() or context.get_strategy()
 
 
-def _should_write(strategy: Any) -> bool:
-    """True on the worker that owns the files: the chief, or the only process."""
-    return bool(getattr(strategy, "is_chief", True))
-
-
-def _barrier(strategy: Any) -> None:
-    """Wait for all workers so nobody returns before the chief's file exists."""
-    barrier = getattr(strategy, "_barrier", None)
-    if callable(barrier):
-        barrier()
+def _state(strategy: "Strategy", obj: Any) -> Any:
+    """The whole, plain state of one tracked object, as the strategy gathers it."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    return strategy.checkpoint_state(obj)
 
 
 # --------------------------------------------------------------- file helpers
+def _cpu_leaf(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = x.detach().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def _to_cpu(obj: Any) -> Any:
-    """Recursively detach tensors to the CPU; views become whole, compact tensors."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
-            t = t.clone(memory_format=torch.contiguous_format)
-        return t
-    if isinstance(obj, dict):
-        out = type(obj)((k, _to_cpu(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # module state_dict versions, used by load_state_dict
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+    """Every tensor of ``obj`` detached to the CPU; views become whole, compact tensors."""
+    out = pytree.tree_map(_cpu_leaf, obj)
+    if hasattr(obj, "_metadata"):  # a module state_dict's versions, used by load_state_dict
+        out._metadata = obj._metadata
+    return out
 
 
 def _atomic_write(final: str, write: Callable[[Any], None]) -> None:
@@ -200,6 +195,11 @@ class Checkpoint:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
+    def objects(self) -> dict[str, Any]:
+        """The tracked objects by name."""
+        return dict(self._objects)
+
+    @property
     def save_counter(self) -> int:
         """Number of successful ``save`` calls, carried through save/restore."""
         return self._save_counter
@@ -209,30 +209,36 @@ class Checkpoint:
         n = self._save_counter + 1
         path = f"{os.fspath(file_prefix)}-{n}"
         strategy = _strategy(self._objects)
-        if _should_write(strategy):
-            self._write_data(path, n)
+        payload = self._payload(strategy)
+        if strategy.is_chief:
+            self._write_data(path, n, payload)
             directory, base = os.path.split(path)
             directory = directory or "."
             index = _read_index(directory) or {}
             kept = [x for x in index.get("all", []) if x != base] + [base]
             _write_index(directory, base, kept)
         self._save_counter = n
-        _barrier(strategy)
+        strategy.barrier()
         return path
 
     def write(self, path: str | os.PathLike[str]) -> str:
         """Write exactly ``<path>.pt``; neither the counter nor the index changes."""
         path = os.fspath(path)
         strategy = _strategy(self._objects)
-        if _should_write(strategy):
-            self._write_data(path, self._save_counter)
-        _barrier(strategy)
+        payload = self._payload(strategy)
+        if strategy.is_chief:
+            self._write_data(path, self._save_counter, payload)
+        strategy.barrier()
         return path
 
-    def _write_data(self, path: str, counter: int) -> None:
-        """Atomically write the data file ``<path>.pt`` recording ``counter``."""
-        payload = {name: _to_cpu(obj if isinstance(obj, torch.Tensor) else obj.state_dict())
-                   for name, obj in self._objects.items()}
+    def _payload(self, strategy: "Strategy") -> dict[str, Any]:
+        """Every tracked object's whole state, on the CPU on the chief (gathered on every worker:
+        a strategy may need all of them to assemble a sharded value)."""
+        states = {name: _state(strategy, obj) for name, obj in self._objects.items()}
+        return {name: _to_cpu(state) for name, state in states.items()} if strategy.is_chief else states
+
+    def _write_data(self, path: str, counter: int, payload: dict[str, Any]) -> None:
+        """Atomically write the data file ``<path>.pt`` holding ``payload`` and recording ``counter``."""
         data = {"format": _FORMAT, "version": _VERSION, "save_counter": counter,
                 "objects": payload}
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -264,13 +270,14 @@ class Checkpoint:
                     got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
                     raise CheckpointError(f"Checkpoint {data_file!r}: {name!r} has shape "
                                           f"{tuple(obj.shape)} but the file holds {got}")
+        strategy = _strategy(self._objects)
         for name, obj in self._objects.items():
             try:
                 if isinstance(obj, torch.Tensor):
                     with torch.no_grad():
                         obj.copy_(stored[name])
                 else:
-                    obj.load_state_dict(stored[name])
+                    strategy.restore_checkpoint_state(obj, stored[name])
             except (RuntimeError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"Restoring {name!r} from {data_file!r} failed: {e}") from e
         self._save_counter = int(data.get("save_counter", 0))
@@ -350,7 +357,7 @@ class CheckpointManager:
         self.directory = os.fspath(directory)
         self.max_to_keep = max_to_keep
         self.checkpoint_name = checkpoint_name
-        if _should_write(_strategy(checkpoint._objects)):
+        if _strategy(checkpoint.objects).is_chief:
             os.makedirs(self.directory, exist_ok=True)
         index = _read_index(self.directory) or {}
         pattern = re.compile(re.escape(checkpoint_name) + r"-\d+")
@@ -379,16 +386,17 @@ class CheckpointManager:
         removed: list[str] = []
         if self.max_to_keep is not None and len(kept) > self.max_to_keep:
             removed, kept = kept[:-self.max_to_keep], kept[-self.max_to_keep:]
-        strategy = _strategy(ckpt._objects)
-        if _should_write(strategy):
-            ckpt._write_data(path, counter)
+        strategy = _strategy(ckpt.objects)
+        payload = ckpt._payload(strategy)
+        if strategy.is_chief:
+            ckpt._write_data(path, counter, payload)
             _write_index(self.directory, base, kept)
             for name in removed:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.directory, name + ".pt"))
         ckpt._save_counter = counter
         self._kept = kept
-        _barrier(strategy)
+        strategy.barrier()
         return path
 
     def restore_or_initialize(self) -> str | None:

@@ -1,4 +1,4 @@
-"""Which strategy is current, and which replica (if any) the calling thread runs.
+"""Which strategy is current, which replica the calling thread runs, and who owns an object.
 
 Two kinds of context, as in ``tf.distribute``:
 
@@ -6,21 +6,31 @@ Two kinds of context, as in ``tf.distribute``:
   ``get_strategy()`` returns the scope's strategy and ``get_replica_context()``
   returns ``None``;
 * the *replica context*: inside the function given to ``strategy.run``;
-  ``get_replica_context()`` returns the calling replica's :class:`ReplicaContext`.
+  ``get_replica_context()`` returns the calling replica's ``ReplicaContext``.
 
 Outside any scope the default strategy is current, and ``get_replica_context()``
 returns its (single) replica context, as TF does.
+
+Ownership: a strategy that distributes a module or an optimizer records itself as
+the object's owner in a weak-key registry (:func:`set_owner` / :func:`owner_of`), so
+that checkpoints, ``fit`` and metrics find the strategy of an object without any
+attribute being set on it.
+
+This module imports no strategy: the strategies package installs the default
+strategy (:func:`install_default`) when it is imported, which ``import distrib``
+always does first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
-    from distrib.replica import ReplicaContext
     from distrib.strategies.base import Strategy
+    from distrib.strategies.replica import ReplicaContext
 
 __all__ = ["get_strategy", "has_strategy", "get_replica_context", "in_cross_replica_context"]
 
@@ -28,13 +38,49 @@ _thread = threading.local()
 # Scopes nest per process, not per thread: replica threads must see the scope
 # that the user's main thread entered.
 _scope_stack: list["Strategy"] = []
-_default: Optional["Strategy"] = None
+_default: Optional[tuple["Strategy", "ReplicaContext"]] = None
+_default_factory: Optional[Callable[[], tuple["Strategy", "ReplicaContext"]]] = None
 # The latest strategy of this process that spans several workers: checkpoints saved outside
 # any scope still write on its chief only.
 _cluster: Optional["weakref.ref[Strategy]"] = None
+_owners: "weakref.WeakKeyDictionary[Any, Strategy]" = weakref.WeakKeyDictionary()
+
+
+def install_default(factory: Callable[[], tuple["Strategy", "ReplicaContext"]]) -> None:
+    """Tell this module how to make the default strategy and its replica context (done once, by strategies)."""
+    global _default_factory
+    _default_factory = factory
+
+
+def _default_pair() -> tuple["Strategy", "ReplicaContext"]:
+    global _default
+    if _default is None:
+        if _default_factory is None:  # pragma: no cover - distrib/__init__ imports the strategies first
+            raise RuntimeError("distrib.strategies was not imported; import distrib first")
+        _default = _default_factory()
+    return _default
+
+
+def default_strategy() -> "Strategy":
+    """The process-wide default strategy: one replica, the current device, no placement."""
+    return _default_pair()[0]
+
+
+def set_owner(obj: Any, strategy: "Strategy") -> None:
+    """Record that ``strategy`` distributes ``obj`` (a module, an optimizer)."""
+    _owners[obj] = strategy
+
+
+def owner_of(obj: Any) -> Optional["Strategy"]:
+    """The strategy that distributes ``obj``, or None."""
+    try:
+        return _owners.get(obj)
+    except TypeError:  # not weak-referenceable (a plain tensor subclass, a dict): nobody owns it
+        return None
 
 
 def register_cluster_strategy(strategy: "Strategy") -> None:
+    """Remember ``strategy`` as this process's multi-worker strategy (weakly)."""
     global _cluster
     _cluster = weakref.ref(strategy)
 
@@ -56,14 +102,27 @@ def set_current_replica(ctx: Optional["ReplicaContext"]) -> Optional["ReplicaCon
     return previous
 
 
-def default_strategy() -> "Strategy":
-    """The process-wide default strategy: one replica, the current device, no placement."""
-    global _default
-    if _default is None:
-        from distrib.strategies.default import DefaultStrategy
+def current_scope() -> Optional["Strategy"]:
+    """The strategy of the innermost open ``scope()``, or None (always None on a detached thread)."""
+    if not _scope_stack or getattr(_thread, "detached", False):
+        return None
+    return _scope_stack[-1]
 
-        _default = DefaultStrategy()
-    return _default
+
+@contextlib.contextmanager
+def detached() -> Iterator[None]:
+    """Run the block on this thread as if no scope were open.
+
+    For threads that serve other processes (a parameter server of an in-process
+    cluster): objects they build must not be captured by the scope the user's
+    thread has open.
+    """
+    previous = getattr(_thread, "detached", False)
+    _thread.detached = True
+    try:
+        yield
+    finally:
+        _thread.detached = previous
 
 
 def get_strategy() -> "Strategy":
@@ -71,19 +130,17 @@ def get_strategy() -> "Strategy":
     ctx = current_replica()
     if ctx is not None:
         return ctx.strategy
-    if _scope_stack:
-        return _scope_stack[-1]
-    return default_strategy()
+    return current_scope() or default_strategy()
 
 
 def has_strategy() -> bool:
     """True inside a non-default strategy's scope or replica function."""
-    return get_strategy() is not _default
+    return get_strategy() is not default_strategy()
 
 
 def in_cross_replica_context() -> bool:
     """True inside a scope and outside ``run``."""
-    return current_replica() is None and bool(_scope_stack)
+    return current_replica() is None and current_scope() is not None
 
 
 def get_replica_context() -> Optional["ReplicaContext"]:
@@ -95,12 +152,13 @@ def get_replica_context() -> Optional["ReplicaContext"]:
     ctx = current_replica()
     if ctx is not None:
         return ctx
-    if _scope_stack:
+    if current_scope() is not None:
         return None
-    return default_strategy()._default_replica_context()
+    return _default_pair()[1]
 
 
 def push_scope(strategy: "Strategy") -> None:
+    """Enter ``strategy``'s scope; nested scopes must be of the same strategy."""
     if _scope_stack and _scope_stack[-1] is not strategy:
         raise RuntimeError(
             f"cannot enter {type(strategy).__name__}.scope() inside the scope of a different "
@@ -111,10 +169,7 @@ def push_scope(strategy: "Strategy") -> None:
 
 
 def pop_scope(strategy: "Strategy") -> None:
+    """Leave ``strategy``'s scope (the innermost one)."""
     if not _scope_stack or _scope_stack[-1] is not strategy:
         raise RuntimeError("strategy scopes were exited out of order")
     _scope_stack.pop()
-
-
-def scope_depth(strategy: "Strategy") -> int:
-    return sum(1 for s in _scope_stack if s is strategy)

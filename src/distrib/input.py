@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from distrib.values import ReduceOp, regroup
+from distrib.values import regroup
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -130,11 +130,11 @@ class _SplitIterator:
     def __next__(self) -> Any:
         batch = next(self._it)
         s = self._strategy
-        devices = s._devices
+        devices = s.local_devices
         if s.num_replicas_in_sync == 1:
             return _to_device(batch, devices[0])
-        n = s._num_local_replicas
-        first = s._worker_index * n
+        n = s.num_local_replicas
+        first = s.worker_index * n
         parts = split_batch(batch, s.num_replicas_in_sync)[first:first + n]
         return regroup([_to_device(p, d) for p, d in zip(parts, devices)])
 
@@ -150,8 +150,8 @@ class DistributedDatasetsFromFunction:
     def __init__(self, dataset_fn: Callable[[InputContext], Iterable[Any]], strategy: "Strategy") -> None:
         self._strategy = strategy
         self.input_context = InputContext(
-            num_input_pipelines=strategy._num_workers,
-            input_pipeline_id=strategy._worker_index,
+            num_input_pipelines=strategy.num_workers,
+            input_pipeline_id=strategy.worker_index,
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
         self._dataset = dataset_fn(self.input_context)
@@ -190,23 +190,20 @@ class _PerReplicaIterator:
 
     def __next__(self) -> Any:
         s = self._strategy
-        devices = s._devices
+        devices = s.local_devices
         batches: list[Any] = []
         for _ in devices:
             batch = self._next_local()
             if batch is None:
                 break
             batches.append(batch)
-        if s._num_workers > 1:
+        if s.num_workers > 1:
             flags = torch.tensor([float(bool(batches)), float(self._template is None)])
-            s._communicator.all_reduce([flags], ReduceOp.SUM)
+            s.communicator.all_reduce([flags])
             if flags[0] == 0:
                 raise StopIteration
             if flags[1] > 0:  # someone never saw a batch: learn the structure from a worker that did
-                import torch.distributed as dist
-
-                templates: list[Any] = [None] * s._num_workers
-                dist.all_gather_object(templates, self._template)
+                templates = s.communicator.all_gather_object(self._template)
                 self._template = self._template or next(t for t in templates if t is not None)
         elif not batches:
             raise StopIteration

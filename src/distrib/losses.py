@@ -5,17 +5,26 @@ Each replica sees only its share of the global batch, and ``optimizer.step()``
 loss over the global batch, each replica divides its summed per-example loss by
 the *global* batch size, not by its own batch size. Averaging per replica
 (``loss.mean()``) would be wrong as soon as replicas get unequal shares.
+
+Per-example loss functions by Keras name (``"mse"``, ``"sparse_categorical_crossentropy"``,
+...) live here too, in one registry that ``fit`` (losses) and ``ds.metrics.get``
+(``"mse"``, ``"mae"`` as metrics) share.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 
 from distrib import context
 
-__all__ = ["compute_average_loss", "scale_regularization_loss"]
+__all__ = ["compute_average_loss", "scale_regularization_loss", "per_example_loss", "LossLike", "PER_EXAMPLE_LOSSES",
+           "mean_squared_error", "mean_absolute_error"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossLike = Union[str, torch.nn.Module, LossFn]
 
 
 def _replicas_in_sync() -> int:
@@ -64,3 +73,84 @@ def scale_regularization_loss(regularization_loss: Union[torch.Tensor, Sequence[
     if isinstance(regularization_loss, (list, tuple)):
         regularization_loss = torch.stack([torch.as_tensor(x) for x in regularization_loss]).sum()
     return regularization_loss / _replicas_in_sync()
+
+
+def _per_example(values: torch.Tensor) -> torch.Tensor:
+    """Mean over every dimension but the first: one value per example."""
+    return values.reshape(values.shape[0], -1).mean(1) if values.dim() > 1 else values
+
+
+def mean_squared_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """Per-example mean squared error (Keras' argument order)."""
+    return _per_example((y_pred - y_true.to(y_pred.dtype)).pow(2))
+
+
+def mean_absolute_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """Per-example mean absolute error (Keras' argument order)."""
+    return _per_example((y_pred - y_true.to(y_pred.dtype)).abs())
+
+
+def _sparse_categorical_crossentropy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(y_pred, y_true.reshape(-1).long(), reduction="none")
+
+
+def _cross_entropy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(y_pred, y_true.long(), reduction="none")
+
+
+def _binary_crossentropy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return _per_example(F.binary_cross_entropy_with_logits(y_pred, y_true.to(y_pred.dtype), reduction="none"))
+
+
+#: Keras names -> per-example loss ``fn(y_true, y_pred)`` (logits for the cross-entropies).
+PER_EXAMPLE_LOSSES: dict[str, LossFn] = {
+    "mse": mean_squared_error,
+    "mean_squared_error": mean_squared_error,
+    "mae": mean_absolute_error,
+    "mean_absolute_error": mean_absolute_error,
+    "sparse_categorical_crossentropy": _sparse_categorical_crossentropy,
+    "cross_entropy": _cross_entropy,
+    "binary_crossentropy": _binary_crossentropy,
+}
+
+
+def per_example_loss(loss: LossLike) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn(y_pred, y_true) -> losses of shape [batch]`` from a Keras name, a torch loss module or a function.
+
+    A function is called as PyTorch losses are, ``loss(y_pred, y_true)``, and must
+    return per-example values (``reduction="none"``).
+
+    Example::
+
+        >>> per_example_loss("mse")(torch.tensor([[1.0], [3.0]]), torch.tensor([[1.0], [1.0]]))
+        tensor([0., 4.])
+    """
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    if isinstance(loss, str):
+        by_name = PER_EXAMPLE_LOSSES.get(loss.lower())
+        if by_name is None:
+            raise ValueError(f"unknown loss {loss!r}: use one of {sorted(PER_EXAMPLE_LOSSES)}, a torch loss module "
+                             "or a function")
+        fn = lambda p, y: by_name(y, p)  # noqa: E731 - Keras order (y_true, y_pred) inside
+    elif isinstance(loss, torch.nn.modules.loss._Loss):
+        module = loss
+
+        def fn(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            saved, module.reduction = module.reduction, "none"
+            try:
+                return module(p, y)
+            finally:
+                module.reduction = saved
+    elif callable(loss):
+        fn = loss
+    else:
+        raise TypeError(f"loss must be a name, a torch loss module or a function, got {type(loss).__name__}")
+
+    def checked(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        values = fn(p, y)
+        if values.dim() == 0:
+            raise ValueError("the loss returned a scalar; fit needs per-example losses to scale them by the "
+                             "global batch (use reduction='none')")
+        return _per_example(values)
+
+    return checked

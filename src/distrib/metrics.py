@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from distrib import context
-from distrib.values import ReduceOp
+from distrib.losses import PER_EXAMPLE_LOSSES
 
 __all__ = ["Metric", "Mean", "MeanMetricWrapper", "Sum", "SparseCategoricalAccuracy", "get"]
 
@@ -36,7 +36,7 @@ class Metric:
     def __init__(self, name: Optional[str] = None, dtype: torch.dtype = torch.float64) -> None:
         self.name = name or type(self).__name__.lower()
         self._strategy = context.get_strategy()
-        device = self._strategy._devices[0]
+        device = self._strategy.local_devices[0]
         self._state = {k: torch.zeros((), dtype=dtype, device=device) for k in self._state_names}
         self._lock = threading.Lock()
 
@@ -75,8 +75,8 @@ class Metric:
         """The metric over everything seen by every replica since the last reset (a 0-d float32 tensor)."""
         with self._lock:
             state = {k: v.clone() for k, v in self._state.items()}
-        if self._strategy._num_workers > 1:
-            self._strategy._communicator.all_reduce(list(state.values()), ReduceOp.SUM)
+        if self._strategy.num_workers > 1:
+            self._strategy.communicator.all_reduce(list(state.values()))
         return self._compute(state).to(torch.float32).cpu()
 
     def local_result(self) -> torch.Tensor:
@@ -192,18 +192,6 @@ class MeanMetricWrapper(Mean):
         return super().deltas(self._fn(torch.as_tensor(y_true), torch.as_tensor(y_pred)), sample_weight)
 
 
-def _per_example(values: torch.Tensor) -> torch.Tensor:
-    return values.reshape(values.shape[0], -1).mean(1) if values.dim() > 1 else values
-
-
-def mean_squared_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-    return _per_example((y_pred - y_true.to(y_pred.dtype)).pow(2))
-
-
-def mean_absolute_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-    return _per_example((y_pred - y_true.to(y_pred.dtype)).abs())
-
-
 def get(identifier: Any) -> Metric:
     """A metric from a Keras name (``"accuracy"``, ``"mse"``, ``"mae"``) or a Metric (returned as is)."""
     if isinstance(identifier, Metric):
@@ -212,11 +200,9 @@ def get(identifier: Any) -> Metric:
         "accuracy": lambda: SparseCategoricalAccuracy(name="accuracy"),
         "acc": lambda: SparseCategoricalAccuracy(name="accuracy"),
         "sparse_categorical_accuracy": lambda: SparseCategoricalAccuracy(name="sparse_categorical_accuracy"),
-        "mse": lambda: MeanMetricWrapper(mean_squared_error, name="mse"),
-        "mean_squared_error": lambda: MeanMetricWrapper(mean_squared_error, name="mean_squared_error"),
-        "mae": lambda: MeanMetricWrapper(mean_absolute_error, name="mae"),
-        "mean_absolute_error": lambda: MeanMetricWrapper(mean_absolute_error, name="mean_absolute_error"),
     }
+    for loss_name in ("mse", "mean_squared_error", "mae", "mean_absolute_error"):
+        names[loss_name] = lambda name=loss_name: MeanMetricWrapper(PER_EXAMPLE_LOSSES[name], name=name)
     if isinstance(identifier, str) and identifier.lower() in names:
         return names[identifier.lower()]()
     raise ValueError(f"unknown metric {identifier!r}: use one of {sorted(names)} or a ds.metrics.Metric instance")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from typing import Any, Mapping, Optional
 
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
+from distrib.cluster.launch import free_ports
 
 __all__ = ["create_in_process_cluster", "stop_in_process_cluster", "LocalCluster", "pick_unused_port"]
 
@@ -30,18 +30,17 @@ _in_process: dict[int, list[Any]] = {}
 
 def pick_unused_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _cluster_dict(num_workers: int, num_ps: int, has_chief: bool) -> dict[str, list[str]]:
     if num_workers < 1 or num_ps < 1:
         raise ValueError(f"a parameter-server cluster needs num_workers >= 1 and num_ps >= 1, got {num_workers}, {num_ps}")
-    cluster = {"worker": [f"localhost:{pick_unused_port()}" for _ in range(num_workers)],
-               "ps": [f"localhost:{pick_unused_port()}" for _ in range(num_ps)]}
+    ports = iter(free_ports(num_workers + num_ps + int(has_chief)))  # distinct: all held open while picked
+    cluster = {"worker": [f"localhost:{next(ports)}" for _ in range(num_workers)],
+               "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)]}
     if has_chief:
-        cluster["chief"] = [f"localhost:{pick_unused_port()}"]
+        cluster["chief"] = [f"localhost:{next(ports)}"]
     return cluster
 
 
@@ -61,8 +60,8 @@ def create_in_process_cluster(num_workers: int, num_ps: int, has_chief: bool = T
         (['chief', 'ps', 'worker'], 'chief')
         >>> ds.testing.stop_in_process_cluster(resolver)
     """
-    from distrib.parameter_server.rpc import TOKEN_ENV
-    from distrib.parameter_server.server import Server
+    from distrib.parameter_server.transport.rpc import TOKEN_ENV
+    from distrib.parameter_server.server.server import Server
 
     token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(32)
     os.environ[TOKEN_ENV] = token
@@ -121,7 +120,7 @@ class LocalCluster:
 
     def start_task(self, job: str, index: int) -> subprocess.Popen:
         """Start (or restart) one task's process."""
-        from distrib.parameter_server.rpc import TOKEN_ENV
+        from distrib.parameter_server.transport.rpc import TOKEN_ENV
 
         old = self._procs.get((job, index))
         if old is not None and old.poll() is None:
@@ -162,13 +161,13 @@ class LocalCluster:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Return once every task answers a health check; RuntimeError (with its log) if one died."""
-        from distrib.parameter_server import wire
+        from distrib.parameter_server.transport import wire
         from distrib.parameter_server.errors import PeerUnavailableError
-        from distrib.parameter_server.rpc import Connection
+        from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE, Connection
 
         deadline = time.monotonic() + timeout
         for (job, index), proc in self._procs.items():
-            service = "distrib.ParameterServer" if job == "ps" else "distrib.Worker"
+            service = PS_SERVICE if job == "ps" else WORKER_SERVICE
             conn = Connection(self.cluster[job][index], service, self.token)
             try:
                 while True:

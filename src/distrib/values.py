@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["ReduceOp", "PerReplica", "select_replica", "regroup", "local_values"]
+__all__ = ["ReduceOp", "PerReplica", "parse_reduce_op", "select_replica", "regroup", "local_values"]
 
 
 class ReduceOp(enum.Enum):
@@ -21,6 +21,17 @@ class ReduceOp(enum.Enum):
 
     SUM = "SUM"
     MEAN = "MEAN"
+
+
+def parse_reduce_op(reduce_op: "ReduceOp | str") -> ReduceOp:
+    """``ReduceOp`` from itself or its name in any case (``"sum"``, ``"MEAN"``)."""
+    if isinstance(reduce_op, ReduceOp):
+        return reduce_op
+    try:
+        return ReduceOp(str(reduce_op).upper())
+    except ValueError:
+        raise ValueError(f"unknown reduce op {reduce_op!r}: use ds.ReduceOp.SUM or ds.ReduceOp.MEAN "
+                         "(or 'sum' / 'mean')") from None
 
 
 class PerReplica:

@@ -13,7 +13,7 @@ import signal
 import torch
 
 import distrib as ds
-from distrib.train import TensorBatches
+from distrib.app.train import TensorBatches
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -48,7 +48,7 @@ callbacks = [KillAt()]
 if args.backup_dir:
     callbacks.append(ds.callbacks.BackupAndRestore(args.backup_dir, save_freq=2))
 if args.tensorboard:
-    callbacks.append(ds.callbacks.TensorBoard(os.path.join(args.tensorboard, f"task{strategy._worker_index}")))
+    callbacks.append(ds.callbacks.TensorBoard(os.path.join(args.tensorboard, f"task{strategy.worker_index}")))
 history = ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=3, metrics=["mae"], callbacks=callbacks,
                  validation_data=[(x[:16], y[:16])], verbose=2)
 if strategy.is_chief:

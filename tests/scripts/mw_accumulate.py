@@ -15,7 +15,7 @@ with s.scope():
 g = torch.Generator().manual_seed(1); xs = [torch.randn(8, 4, generator=g) for _ in range(4)]
 def step(a, b, clip):
     for x in (a, b):
-        part = x[s._worker_index*4:(s._worker_index+1)*4]
+        part = x[s.worker_index*4:(s.worker_index+1)*4]
         (m(part).pow(2).sum() / 16).backward()
     if clip: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
     opt.step(); opt.zero_grad()

@@ -11,12 +11,12 @@ import time
 import torch
 
 import distrib as ds
-from distrib.collectives import CollectiveError
+from distrib.comm import CollectiveError
 
 timeout = float(sys.argv[1])
 strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=timeout))
 strategy.reduce("SUM", torch.ones(3))
-if strategy._worker_index == 1:
+if strategy.worker_index == 1:
     os.kill(os.getpid(), signal.SIGSTOP)
 start = time.monotonic()
 try:

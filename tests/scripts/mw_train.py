@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrib as ds
-from distrib.train import TensorBatches
+from distrib.app.train import TensorBatches
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -45,7 +45,7 @@ data = TensorBatches(images, labels, batch_size=args.global_batch, shuffle=True,
 dist_data = strategy.experimental_distribute_dataset(data)
 
 with strategy.scope():
-    torch.manual_seed(int(os.environ.get("SEED_OFFSET", "0")) + strategy._worker_index * 1000)  # differs per worker
+    torch.manual_seed(int(os.environ.get("SEED_OFFSET", "0")) + strategy.worker_index * 1000)  # differs per worker
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 epoch = torch.tensor(0)
@@ -75,7 +75,7 @@ while int(epoch) < args.epochs:
     while int(step_in_epoch) < steps_per_epoch:
         global_step = int(epoch) * steps_per_epoch + int(step_in_epoch)
         if (global_step == args.kill_at and os.environ.get("DISTRIB_RESTART") == "0"
-                and strategy._worker_index == 1):
+                and strategy.worker_index == 1):
             os.kill(os.getpid(), signal.SIGKILL)
         strategy.run(step, args=(next(iterator),))
         step_in_epoch += 1

@@ -30,5 +30,5 @@ for x in strategy.distribute_datasets_from_function(dataset_fn):
     strategy.reduce("SUM", torch.tensor(1.0))  # a collective every step, as training would have
     steps += 1
 print(f"steps={steps} examples={int(examples.result())} weight={int(weights.result())}", flush=True)
-path = ds.Checkpoint(steps=torch.tensor(steps)).save(os.path.join(sys.argv[1], f"w{strategy._worker_index}", "ckpt"))
+path = ds.Checkpoint(steps=torch.tensor(steps)).save(os.path.join(sys.argv[1], f"w{strategy.worker_index}", "ckpt"))
 print(f"saved {path}", flush=True)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from distrib.cluster import TFConfigClusterResolver, TFConfigError
-    from distrib.parameter_server.server import Server
+    from distrib.parameter_server.server.server import Server
 
     try:
         resolver = TFConfigClusterResolver()

@@ -46,19 +46,24 @@ from __future__ import annotations
 import logging
 import types
 import uuid
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import cloudpickle
 import torch
 from torch import nn
 
+from distrib import context
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
 from distrib.input import InputContext
-from distrib.mirroring import optimizer_params, wrap_optimizer
-from distrib.parameter_server import rpc
-from distrib.parameter_server.rpc import TLSConfig
+from distrib.strategies.replication import optimizer_params, wrap_optimizer
+from distrib.parameter_server.transport import rpc
+from distrib.parameter_server.transport.rpc import TLSConfig
+from distrib.parameter_server.datasets import DatasetSource
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
 from distrib.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from distrib.strategies.execution import StepExecutor
 
 __all__ = ["ParameterServerStrategy", "DatasetSource"]
 
@@ -80,24 +85,6 @@ class _Hook:
         return (_Hook, (None, self.kind))
 
 
-class DatasetSource:
-    """A dataset to build on every worker: from ``experimental_distribute_dataset`` or
-    ``distribute_datasets_from_function``; pass it to ``coordinator.create_per_worker_dataset``.
-
-    Iterating it directly (on the coordinator) gives the batches as they are.
-    """
-
-    def __init__(self, dataset: Any = None, dataset_fn: Optional[Callable[[InputContext], Any]] = None) -> None:
-        self._dataset = dataset
-        self._dataset_fn = dataset_fn
-
-    def _build_on_worker(self, context: InputContext) -> Iterable[Any]:
-        return self._dataset_fn(context) if self._dataset_fn is not None else self._dataset
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._build_on_worker(InputContext()))
-
-
 class ParameterServerStrategy(Strategy):
     """Asynchronous training against parameter servers (``tf.distribute.experimental.ParameterServerStrategy``).
 
@@ -108,6 +95,8 @@ class ParameterServerStrategy(Strategy):
     ``connect_timeout`` bounds the wait for the ps tasks when the first module is placed.
     See the module docstring for a runnable example.
     """
+
+    should_use_with_coordinator = True
 
     def __init__(self, cluster_resolver: Any, variable_partitioner: Optional[Callable[..., Sequence[int]]] = None,
                  *, token: Optional[str] = None, tls: Optional[TLSConfig] = None, connect_timeout: float = 60.0) -> None:
@@ -129,15 +118,15 @@ class ParameterServerStrategy(Strategy):
         self._connected = False
         self._session = uuid.uuid4().hex[:12]
         self._placer = Placer(spec.num_tasks("ps"), variable_partitioner, self._session)
-        self._variable_partitioner = variable_partitioner
         self._variables: dict[int, LocalVariable] = {}
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, str]] = {}
-        self._cluster_coordinator: Any = None
+        #: the ClusterCoordinator made for this strategy (there is at most one), or None
+        self.cluster_coordinator: Any = None
         self._warned_run = False
         log.info("ParameterServerStrategy is initialized with cluster_spec: %s", spec)
 
     @classmethod
-    def _on_worker(cls, cluster_spec: ClusterSpec, worker_index: int) -> "ParameterServerStrategy":
+    def for_worker(cls, cluster_spec: ClusterSpec, worker_index: int) -> "ParameterServerStrategy":
         """The strategy object a scheduled function sees on worker ``worker_index``."""
         self = cls.__new__(cls)
         Strategy.__init__(self, [None], cluster_resolver=SimpleClusterResolver(cluster_spec, "worker", worker_index),
@@ -145,7 +134,7 @@ class ParameterServerStrategy(Strategy):
         self._on_coordinator = False
         self._spec = cluster_spec
         self._variables, self._optimizers = {}, {}
-        self._cluster_coordinator = None
+        self.cluster_coordinator = None
         self._warned_run = True
         return self
 
@@ -153,6 +142,33 @@ class ParameterServerStrategy(Strategy):
     def is_chief(self) -> bool:
         """True on the coordinator, which alone writes checkpoints."""
         return self._on_coordinator
+
+    @property
+    def on_coordinator(self) -> bool:
+        """True for the coordinator's strategy; False for the one a scheduled function sees on a worker."""
+        return self._on_coordinator
+
+    @property
+    def cluster_spec(self) -> ClusterSpec:
+        """The cluster: its ``ps``, ``worker`` and ``chief`` tasks."""
+        return self._spec
+
+    @property
+    def cluster_token(self) -> str:
+        """The secret every call to a task of this cluster carries."""
+        return self._token
+
+    @property
+    def tls(self) -> Optional[TLSConfig]:
+        """The TLS certificates for calls to the cluster's tasks, if any."""
+        return self._tls
+
+    def step_executor(self) -> "StepExecutor":
+        """Steps of ``fit``/``evaluate``/``predict`` are scheduled on the workers through the ClusterCoordinator."""
+        from distrib.parameter_server.client.coordinator import ClusterCoordinator
+        from distrib.parameter_server.client.step_executor import ScheduledExecutor
+
+        return ScheduledExecutor(self, ClusterCoordinator(self))
 
     @property
     def _num_ps(self) -> int:
@@ -176,10 +192,10 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ modules
     def _distribute_module(self, module: nn.Module) -> None:
-        if not self._on_coordinator or getattr(module, "_distrib_owner", None) is self:
+        if not self._on_coordinator or context.owner_of(module) is self:
             return  # a module built inside a scheduled function stays on its worker
         for sub in module.modules():
-            owner = getattr(sub, "_distrib_owner", None)
+            owner = context.owner_of(sub)
             if owner is not None and owner is not self:
                 raise ValueError(f"module {type(module).__name__} contains {type(sub).__name__}, which another "
                                  "strategy distributes; build the whole model inside one strategy.scope()")
@@ -193,9 +209,9 @@ class ParameterServerStrategy(Strategy):
             v.versions = [1] * len(v.spec.shards)  # the ps tasks now hold exactly this value, at version 1
             self._variables[id(v.tensor)] = v
         for sub in module.modules():
-            if getattr(sub, "_distrib_owner", None) is self:
+            if context.owner_of(sub) is self:
                 continue  # placed by an earlier scope block, hooks already there
-            sub._distrib_owner = self
+            context.set_owner(sub, self)
             if any(id(p) in self._variables for p in sub.parameters(recurse=False)):
                 sub.register_state_dict_pre_hook(_Hook(self, "read"))
                 sub.register_load_state_dict_post_hook(_Hook(self, "write"))
@@ -211,6 +227,16 @@ class ParameterServerStrategy(Strategy):
         elif kind == "write":
             self._ps.assign([(v.spec, v.tensor.detach()) for v in self._module_variables(module, recurse=False)])
 
+    def checkpoint_state(self, obj: Any) -> Any:
+        """Whole tensors gathered from the ps tasks: a module's parameters, an optimizer's state."""
+        if isinstance(obj, nn.Module) and self._on_coordinator:
+            self._ps.pull(self._module_variables(obj, recurse=True))  # one call per ps for the whole module
+        return obj.state_dict()  # hooks keep it fresh; an optimizer's state_dict gathers its shards
+
+    def restore_checkpoint_state(self, obj: Any, state: Any) -> None:
+        """Whole tensors written back to the ps tasks, re-split for the current shards."""
+        obj.load_state_dict(state)  # the module's post-hook assigns; the optimizer's splits its state
+
     def _module_variables(self, module: nn.Module, recurse: bool) -> list[LocalVariable]:
         return [self._variables[id(p)] for p in module.parameters(recurse=recurse) if id(p) in self._variables]
 
@@ -224,7 +250,7 @@ class ParameterServerStrategy(Strategy):
         if not self._on_coordinator:
             return
         self._claim_captured_modules()
-        optimizer._distrib_strategy = self  # type: ignore[attr-defined]
+        context.set_owner(optimizer, self)
         foreign = [p for p in optimizer_params(optimizer) if id(p) not in self._variables]
         if foreign:
             raise ValueError(
@@ -256,7 +282,7 @@ class ParameterServerStrategy(Strategy):
             self._ps.push(self._optimizers[id(optimizer)][1], items, [_options(g) for g in optimizer.param_groups])
         return loss
 
-    def _optimizer_options(self) -> dict[str, list[dict]]:
+    def optimizer_options(self) -> dict[str, list[dict[str, Any]]]:
         """Every optimizer's current options per group, sent to the workers with each batch of calls."""
         return {opt_id: [_options(g) for g in optimizer.param_groups] for optimizer, opt_id in self._optimizers.values()}
 
@@ -296,7 +322,7 @@ class ParameterServerStrategy(Strategy):
                 self._ps.set_optimizer_state(opt_id, spec, split_state(spec, state), _options(group))
 
     # ------------------------------------------------------------------ pickling for workers
-    def _persistent_id(self, obj: Any) -> Optional[tuple]:
+    def persistent_id(self, obj: Any) -> Optional[tuple[Any, ...]]:
         """How ``obj`` travels inside a scheduled function (None: pickled as usual)."""
         if obj is self:
             return ("strategy",)

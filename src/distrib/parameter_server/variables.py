@@ -23,14 +23,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from distrib.parameter_server import wire
+from distrib.parameter_server.transport import wire
 from distrib.parameter_server.errors import ParameterServerUnavailableError
 from distrib.parameter_server.partitioners import shard_offsets
-from distrib.parameter_server.rpc import Connection, TLSConfig
+from distrib.parameter_server.transport.rpc import PS_SERVICE, Connection, TLSConfig
 
-__all__ = ["ShardSpec", "VariableSpec", "Placer", "LocalVariable", "ParameterClient", "PS_SERVICE"]
+__all__ = ["ShardSpec", "VariableSpec", "Placer", "LocalVariable", "ParameterClient"]
 
-PS_SERVICE = "distrib.ParameterServer"
 
 
 @dataclass(frozen=True)
@@ -241,12 +240,6 @@ class ParameterClient:
         for ps, reply in self._fanout("Push", requests).items():
             for (var, i), shard_reply in zip(targets[ps], reply["shards"]):
                 var.apply(i, shard_reply)
-
-    def read(self, spec: VariableSpec) -> torch.Tensor:
-        """The whole current value of a variable, gathered from its shards."""
-        local = LocalVariable(spec, torch.empty(spec.shape, dtype=spec.torch_dtype))
-        self.pull([local])
-        return local.tensor
 
     def assign(self, items: Sequence[tuple[VariableSpec, torch.Tensor]]) -> None:
         """Overwrite variables with whole values (restoring a checkpoint)."""

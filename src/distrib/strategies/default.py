@@ -1,4 +1,4 @@
-"""The default strategy and ``OneDeviceStrategy``: one replica, no communication."""
+"""The default strategy: what ``ds.get_strategy()`` returns outside every scope."""
 
 from __future__ import annotations
 
@@ -6,17 +6,24 @@ from typing import Any, Iterable
 
 import torch
 
+from distrib import context
 from distrib.strategies.base import Strategy
-from distrib.strategies.devices import parse_device
+from distrib.strategies.replica import ReplicaContext
 
-__all__ = ["DefaultStrategy", "OneDeviceStrategy"]
+__all__ = ["DefaultStrategy"]
 
 
 class DefaultStrategy(Strategy):
-    """What ``ds.get_strategy()`` returns outside every scope: ``run`` calls ``fn`` once, in place.
+    """``run`` calls ``fn`` once, in place: one replica, no placement, no communication.
 
     Nothing is moved to a device and datasets are returned as they are, so a loop
     written against the strategy API costs nothing when no strategy is chosen.
+
+    Example::
+
+        >>> import distrib as ds
+        >>> ds.get_strategy().num_replicas_in_sync
+        1
     """
 
     def __init__(self) -> None:
@@ -29,18 +36,9 @@ class DefaultStrategy(Strategy):
         return dataset
 
 
-class OneDeviceStrategy(Strategy):
-    """Everything on one device: modules built in the scope and input batches are placed on it.
+def _make_default() -> tuple[DefaultStrategy, ReplicaContext]:
+    strategy = DefaultStrategy()
+    return strategy, ReplicaContext(strategy, 0)
 
-    Example::
 
-        >>> import distrib as ds, torch
-        >>> strategy = ds.OneDeviceStrategy("cpu")
-        >>> with strategy.scope():
-        ...     model = torch.nn.Linear(3, 1)
-        >>> strategy.run(lambda x: model(x).shape, args=(torch.ones(4, 3),))
-        torch.Size([4, 1])
-    """
-
-    def __init__(self, device: "str | torch.device") -> None:
-        super().__init__([parse_device(device)], device_names=[str(device)])
+context.install_default(_make_default)

@@ -17,7 +17,8 @@ class MirroredStrategy(Strategy):
 
     ``MirroredStrategy()`` uses every local GPU, or the CPU when there is none.
     ``MirroredStrategy(["cpu:0", "cpu:1"])`` makes two *logical* replicas on the CPU,
-    which is how multi-replica code is tested without GPUs.
+    which is how multi-replica code is tested without GPUs. ``cross_device_ops`` is
+    accepted for TF compatibility and ignored (see docs/migration.md).
 
     Example::
 
@@ -40,6 +41,8 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Optional[Sequence["str | torch.device"]] = None, cross_device_ops: object = None) -> None:
+        # cross_device_ops (TF's NcclAllReduce, HierarchicalCopyAllReduce, ...) is accepted and ignored:
+        # local replicas are summed in place on the first device, and workers talk through the communicator.
         names = list(devices) if devices is not None else local_devices()
         if not names:
             raise ValueError("MirroredStrategy(devices=[]) needs at least one device, e.g. ['cpu:0', 'cpu:1']")

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from distrib import cluster
 from distrib.cluster.resolver import ClusterResolver
-from distrib.collectives import CommunicationOptions, LocalCommunicator, ProcessGroupCommunicator
-from distrib.gradients import BucketedGradientReducer
-from distrib.mirroring import optimizer_params
+from distrib.comm import BucketedGradientReducer, CommunicationOptions, Communicator, LocalCommunicator
+from distrib.comm.hooks import CommHook
+from distrib.comm.process_group import ProcessGroupCommunicator
 from distrib.strategies.base import Strategy
 from distrib.strategies.devices import local_devices, parse_device
+from distrib.strategies.replication import optimizer_params
 
 __all__ = ["MultiWorkerMirroredStrategy", "worker_rank"]
 
@@ -49,6 +51,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         with strategy.scope():
             model = build_model()
             optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+        if strategy.is_chief:
+            print(f"worker {strategy.worker_index} of {strategy.num_workers}")
     """
 
     def __init__(self, cluster_resolver: Optional[ClusterResolver] = None,
@@ -59,6 +63,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         names = list(devices) if devices is not None else local_devices()
         parsed = [parse_device(n) for n in names]
         rank, world = worker_rank(resolver)
+        communicator: Communicator
         if world > 1:
             communicator = ProcessGroupCommunicator(resolver.master(), rank, world, options,
                                                     uses_cuda=parsed[0].type == "cuda")
@@ -66,34 +71,45 @@ class MultiWorkerMirroredStrategy(Strategy):
             communicator = LocalCommunicator()
         super().__init__(parsed, communicator, resolver, device_names=names)
         self._options = options
-        self._reducers: list[BucketedGradientReducer] = []
-        log.info("MultiWorkerMirroredStrategy: worker %d of %d, local devices %s, communication %s",
-                 rank, world, names, getattr(communicator, "backend", "local"))
+        # one bucketed reducer per optimizer; its autograd hooks go when the optimizer goes
+        self._reducers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, BucketedGradientReducer]" = (
+            weakref.WeakKeyDictionary())
+        log.info("MultiWorkerMirroredStrategy: worker %d of %d, local devices %s, communication %r",
+                 rank, world, names, communicator)
 
     @property
     def communication_options(self) -> CommunicationOptions:
+        """The options this strategy was made with."""
         return self._options
 
     @property
     def is_chief(self) -> bool:
-        return self._cluster_resolver.is_chief
+        resolver = self._cluster_resolver
+        assert resolver is not None, "MultiWorkerMirroredStrategy always has a resolver"
+        return resolver.is_chief
+
+    def register_comm_hook(self, hook: CommHook) -> None:
+        super().register_comm_hook(hook)
+        for reducer in self._reducers.values():
+            reducer.set_hook(hook)
 
     def _distribute_module(self, module: torch.nn.Module) -> None:
         super()._distribute_module(module)
-        if self._num_workers > 1:  # every worker starts from the chief's initial values
+        if self.num_workers > 1:  # every worker starts from the chief's initial values
             self._communicator.broadcast(list(module.parameters()) + list(module.buffers()), src=0)
             self._mirrored.refresh(module)
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         super()._on_optimizer_created(optimizer)
-        if self._num_workers > 1 and self._num_local_replicas == 1:
+        if self.num_workers > 1 and self.num_local_replicas == 1:
             reducer = BucketedGradientReducer(optimizer_params(optimizer), self._communicator,
-                                              self._options.bucket_bytes)
-            optimizer._distrib_reducer = reducer  # type: ignore[attr-defined]
-            self._reducers.append(reducer)
+                                              self._options.bucket_bytes, self._comm_hook)
+            self._reducers[optimizer] = reducer
+            weakref.finalize(optimizer, reducer.close)
 
-    def _apply_update(self, optimizer, step, args, kwargs):  # type: ignore[no-untyped-def]
-        reducer = getattr(optimizer, "_distrib_reducer", None)
+    def _apply_update(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        reducer = self._reducers.get(optimizer)
         if reducer is None:
             return super()._apply_update(optimizer, step, args, kwargs)
         reducer.synchronize()
@@ -101,8 +117,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._mirrored.refresh(average_buffers=True)
         return result
 
-    def _optimizer_zero_grad(self, optimizer, zero_grad, set_to_none):  # type: ignore[no-untyped-def]
-        reducer = getattr(optimizer, "_distrib_reducer", None)
+    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., None],
+                             set_to_none: bool) -> None:
+        reducer = self._reducers.get(optimizer)
         if reducer is not None:
             reducer.discard()
         super()._optimizer_zero_grad(optimizer, zero_grad, set_to_none)

@@ -24,7 +24,9 @@ from typing import Any, Callable, Optional
 import cloudpickle
 import torch
 
-from distrib.parameter_server import wire
+from distrib import context
+
+from distrib.parameter_server.transport import wire
 
 __all__ = ["ParameterStore"]
 
@@ -61,14 +63,13 @@ class _Shard:
             self.row_version[rows] = self.version
 
 
-def _build_optimizer(cls: type, param: torch.nn.Parameter, options: dict) -> torch.optim.Optimizer:
+def _build_optimizer(cls: type, param: torch.nn.Parameter, options: dict[str, Any]) -> torch.optim.Optimizer:
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in options.items() if k in accepted}
-    optimizer = cls.__new__(cls)
-    # Marked as already claimed: with an in-process cluster, a strategy scope open on the
-    # coordinator's thread must not capture the optimizers this ps builds.
-    optimizer._distrib_strategy = None
-    optimizer.__init__([{"params": [param], **options}], **kwargs)
+    # detached: with an in-process cluster, a strategy scope open on the coordinator's thread
+    # must not capture the optimizers this ps builds
+    with context.detached():
+        optimizer: torch.optim.Optimizer = cls([{"params": [param], **options}], **kwargs)
     return optimizer
 
 

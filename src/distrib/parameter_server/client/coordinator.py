@@ -3,14 +3,14 @@
 Two state machines run it:
 
 * each scheduled function's :class:`~distrib.coordinator.RemoteValue` (see
-  :mod:`~distrib.parameter_server.remote_value` for the transitions: PENDING,
+  :mod:`~distrib.parameter_server.client.remote_value` for the transitions: PENDING,
   RUNNING, READY, FAILED, CANCELLED);
 * each worker, driven by one coordinator thread (CONNECTING, IDLE, BUSY, DOWN; see
-  :mod:`~distrib.parameter_server.dispatch`), whose failures a
-  :class:`~distrib.parameter_server.failure_policy.FailurePolicy` turns into a retry
+  :mod:`~distrib.parameter_server.client.dispatch`), whose failures a
+  :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy` turns into a retry
   on another worker or an error raised by ``join``.
 
-A function is pickled once (see :mod:`~distrib.parameter_server.pickling`) and sent
+A function is pickled once (see :mod:`~distrib.parameter_server.transport.pickling`) and sent
 to each worker once; later calls send only its digest and arguments. Short functions
 share a round trip (batches of up to 2 ms of expected work).
 
@@ -34,12 +34,14 @@ import time
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-from distrib.parameter_server import pickling, wire
-from distrib.parameter_server.dispatch import (Closure, ClosureQueue, PerWorkerIterator, WorkerThread,
+import torch.utils._pytree as pytree
+
+from distrib.parameter_server.transport import pickling, wire
+from distrib.parameter_server.client.dispatch import (Closure, ClosureQueue, PerWorkerIterator, WorkerThread,
                                                fetch_remote_values)
 from distrib.parameter_server.errors import PeerUnavailableError
-from distrib.parameter_server.failure_policy import FailurePolicy
-from distrib.parameter_server.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.client.failure_policy import FailurePolicy
+from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
 
 __all__ = ["ClusterCoordinator", "RemoteValue", "RemoteValueStatus", "PerWorkerDataset", "PerWorkerIterator",
            "FailurePolicy"]
@@ -63,13 +65,13 @@ class ClusterCoordinator:
 
     One per strategy: creating a second one for the same strategy returns the first.
     ``failure_policy`` decides retries (default: TF's, see
-    :class:`~distrib.parameter_server.failure_policy.FailurePolicy`); ``probe_interval``
+    :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy`); ``probe_interval``
     is how often (seconds) an unreachable worker is asked whether it is back.
     See the module docstring for a runnable example.
     """
 
     def __new__(cls, strategy: Any, *args: Any, **kwargs: Any) -> "ClusterCoordinator":
-        existing = getattr(strategy, "_cluster_coordinator", None)
+        existing = getattr(strategy, "cluster_coordinator", None)
         if isinstance(existing, cls):
             return existing
         return super().__new__(cls)
@@ -79,7 +81,7 @@ class ClusterCoordinator:
             return
         from distrib.parameter_server.strategy import ParameterServerStrategy
 
-        if not isinstance(strategy, ParameterServerStrategy) or not strategy._on_coordinator:
+        if not isinstance(strategy, ParameterServerStrategy) or not strategy.on_coordinator:
             raise ValueError(f"ClusterCoordinator(strategy) needs the coordinator's ParameterServerStrategy, got "
                              f"{strategy!r}")
         self.strategy = strategy
@@ -93,9 +95,9 @@ class ClusterCoordinator:
         self._seconds: dict[str, float] = {}
         self._functions: collections.OrderedDict[Any, pickling.Payload] = collections.OrderedDict()
         self._datasets: dict[str, pickling.Payload] = {}
-        addresses = strategy._spec.job_tasks("worker")
+        addresses = strategy.cluster_spec.job_tasks("worker")
         self._workers = [WorkerThread(self, i, a) for i, a in enumerate(addresses)]
-        strategy._cluster_coordinator = self
+        strategy.cluster_coordinator = self
         self._initialized = True
 
     def __reduce__(self) -> tuple:
@@ -120,7 +122,7 @@ class ClusterCoordinator:
         payload = self._functions.get(key)
         if payload is None:
             try:
-                payload = pickling.dumps(fn, self.strategy._persistent_id)
+                payload = pickling.dumps(fn, self.strategy.persistent_id)
             except Exception as e:
                 raise TypeError(f"cannot send {getattr(fn, '__qualname__', fn)!r} to the workers: {e}. A scheduled "
                                 "function and everything it refers to must be picklable by cloudpickle") from e
@@ -145,17 +147,11 @@ class ClusterCoordinator:
         self._queue.put(closure)
         return closure.value
 
-    def _check_iterators(self, x: Any) -> None:
-        if isinstance(x, PerWorkerIterator):
-            if x.dataset_id not in self._datasets:
+    def _check_iterators(self, structure: Any) -> None:
+        for x in pytree.tree_leaves(structure):
+            if isinstance(x, PerWorkerIterator) and x.dataset_id not in self._datasets:
                 raise ValueError("a per-worker iterator from another ClusterCoordinator was passed to schedule(); "
                                  "call create_per_worker_dataset on this coordinator and iterate that")
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                self._check_iterators(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                self._check_iterators(v)
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait until every scheduled function has finished; raise the first error among them.
@@ -194,7 +190,7 @@ class ClusterCoordinator:
         """
         dataset_id = uuid.uuid4().hex[:16]
         try:
-            self._datasets[dataset_id] = pickling.dumps(dataset_fn, self.strategy._persistent_id)
+            self._datasets[dataset_id] = pickling.dumps(dataset_fn, self.strategy.persistent_id)
         except Exception as e:
             raise TypeError(f"cannot send the dataset function to the workers: {e}. It must be picklable by "
                             "cloudpickle (build the dataset inside the function rather than capturing it)") from e
@@ -226,5 +222,5 @@ class ClusterCoordinator:
         for w in self._workers:
             w.thread.join(timeout=5)
             w.conn.close()
-        if getattr(self.strategy, "_cluster_coordinator", None) is self:
-            self.strategy._cluster_coordinator = None
+        if self.strategy.cluster_coordinator is self:
+            self.strategy.cluster_coordinator = None

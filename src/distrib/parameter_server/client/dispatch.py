@@ -30,21 +30,22 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from distrib.parameter_server import pickling, wire
+import torch.utils._pytree as pytree
+
+from distrib.parameter_server.transport import pickling, wire
 from distrib.parameter_server.errors import (ClosureCancelledError, ParameterServerUnavailableError,
                                              PeerUnavailableError, RemoteProtocolError, WorkerUnavailableError,
                                              scheduled_function_error)
-from distrib.parameter_server.failure_policy import Decision, FailureKind
-from distrib.parameter_server.remote_value import RemoteValue, RemoteValueStatus
-from distrib.parameter_server.rpc import Connection
-from distrib.parameter_server.worker_service import WORKER_SERVICE
+from distrib.parameter_server.client.failure_policy import Decision, FailureKind
+from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.transport.rpc import WORKER_SERVICE, Connection
 
 if TYPE_CHECKING:
-    from distrib.parameter_server.coordinator import ClusterCoordinator
+    from distrib.parameter_server.client.coordinator import ClusterCoordinator
 
 __all__ = ["WorkerState", "Closure", "ClosureQueue", "PerWorkerIterator", "WorkerThread", "fetch_remote_values"]
 
-log = logging.getLogger("distrib.parameter_server.coordinator")
+log = logging.getLogger("distrib.parameter_server.client.coordinator")
 
 
 class WorkerState(enum.Enum):
@@ -172,7 +173,7 @@ class WorkerThread:
         self.task = f"/job:worker/replica:0/task:{index}"
         self.coordinator = coordinator
         strategy = coordinator.strategy
-        self.conn = Connection(address, WORKER_SERVICE, strategy._token, strategy._tls, task=self.task,
+        self.conn = Connection(address, WORKER_SERVICE, strategy.cluster_token, strategy.tls, task=self.task,
                                unavailable=WorkerUnavailableError)
         self.state = WorkerState.CONNECTING
         self.sent_functions: set[str] = set()
@@ -242,7 +243,7 @@ class WorkerThread:
         calls = [{"fn": c.payload.digest, "args": fetch_remote_values(c.args), "kwargs": fetch_remote_values(c.kwargs)}
                  for c in batch]
         payloads = {c.payload.digest: c.payload.data for c in batch if force or c.payload.digest not in self.sent_functions}
-        request: dict[str, Any] = {"calls": calls, "options": self.coordinator.strategy._optimizer_options(),
+        request: dict[str, Any] = {"calls": calls, "options": self.coordinator.strategy.optimizer_options(),
                                    "payloads": payloads}
         body = wire.encode(request, encode_ref=encode_ref)
         needed = {d: self.coordinator._datasets[d].data for d in datasets if force or d not in self.sent_datasets}
@@ -331,13 +332,6 @@ class WorkerThread:
             queue.fail(batch[index], error, fatal=decision is Decision.RAISE_FATAL)
 
 
-def fetch_remote_values(x: Any) -> Any:
-    if isinstance(x, RemoteValue):
-        return x.fetch()
-    if isinstance(x, list):
-        return [fetch_remote_values(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(fetch_remote_values(v) for v in x)
-    if isinstance(x, dict):
-        return {k: fetch_remote_values(v) for k, v in x.items()}
-    return x
+def fetch_remote_values(structure: Any) -> Any:
+    """``structure`` with every RemoteValue in it replaced by its result (blocks until known)."""
+    return pytree.tree_map(lambda x: x.fetch() if isinstance(x, RemoteValue) else x, structure)

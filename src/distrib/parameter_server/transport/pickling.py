@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import cloudpickle
 import torch
 
-from distrib.parameter_server import wire
+from distrib.parameter_server.transport import wire
 
 __all__ = ["Payload", "dumps", "loads"]
 

@@ -19,7 +19,6 @@ restarted); the coordinator sends them and calls again.
 from __future__ import annotations
 
 import collections
-import inspect
 import logging
 import threading
 import time
@@ -29,20 +28,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
+import torch.utils._pytree as pytree
 
+from distrib import context
 from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
-from distrib.parameter_server import pickling, wire
+from distrib.parameter_server.datasets import call_dataset_fn
+from distrib.parameter_server.transport import pickling, wire
 from distrib.parameter_server.errors import ParameterServerUnavailableError
-from distrib.parameter_server.rpc import TLSConfig
+from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, VariableSpec
 
 if TYPE_CHECKING:
     from distrib.parameter_server.strategy import ParameterServerStrategy
 
-__all__ = ["WorkerService", "RemoteOptimizer", "WORKER_SERVICE"]
+__all__ = ["WorkerService", "RemoteOptimizer"]
 
-WORKER_SERVICE = "distrib.Worker"
 _MAX_FUNCTIONS = 512
 log = logging.getLogger("distrib.parameter_server.worker")
 
@@ -149,7 +150,7 @@ class WorkerService:
         if self._strategy is None:
             from distrib.parameter_server.strategy import ParameterServerStrategy
 
-            self._strategy = ParameterServerStrategy._on_worker(self._spec, self._index)
+            self._strategy = ParameterServerStrategy.for_worker(self._spec, self._index)
         return self._strategy
 
     def _load(self, data: bytes, used: list[LocalVariable]) -> Any:
@@ -179,7 +180,7 @@ class WorkerService:
             dataset_fn = self._datasets[ref.dataset_id]
             num_workers = self._spec.num_tasks("worker")
             context = InputContext(num_input_pipelines=num_workers, input_pipeline_id=self._index, num_replicas_in_sync=1)
-            dataset = _call_dataset_fn(dataset_fn, context)
+            dataset = call_dataset_fn(dataset_fn, context)
             it = self._iterators[ref.iterator_id] = iter(dataset)
         return it
 
@@ -234,8 +235,8 @@ class WorkerService:
         for ds_id, payload in (message.get("datasets") or {}).items():
             if ds_id not in self._datasets:
                 self._datasets[ds_id] = self._load(payload, [])
-        refs: list[IteratorRef] = []
-        _collect_refs([(c["args"], c["kwargs"]) for c in message["calls"]], refs)
+        refs = [x for x in pytree.tree_leaves([(c["args"], c["kwargs"]) for c in message["calls"]])
+                if isinstance(x, IteratorRef)]
         functions = sorted({c["fn"] for c in message["calls"] if c["fn"] not in self._functions})
         datasets = sorted({r.dataset_id for r in refs if r.dataset_id not in self._datasets})
         return {"status": "need", "functions": functions, "datasets": datasets} if functions or datasets else None
@@ -245,11 +246,13 @@ class WorkerService:
         self._functions.move_to_end(call["fn"])
         start = time.perf_counter()
         try:
-            args, kwargs = _substitute((call["args"], call["kwargs"]), self._iterator)
+            args, kwargs = pytree.tree_map(lambda x: self._iterator(x) if isinstance(x, IteratorRef) else x,
+                                           (call["args"], call["kwargs"]))
             for var in entry.variables:
                 var.tensor.grad = None
             self._ps.pull(entry.variables)
-            result = entry.fn(*args, **kwargs)
+            with context.detached():  # an in-process cluster: the coordinator's open scope is not ours
+                result = entry.fn(*args, **kwargs)
             return {"status": "ok", "result": result, "seconds": time.perf_counter() - start}
         except ParameterServerUnavailableError as e:
             for var in entry.variables:
@@ -266,39 +269,3 @@ def _error_reply(e: BaseException) -> dict:
 def _unknown_persistent_id(pid: Any) -> Exception:
     return TypeError(f"unknown persistent object {pid!r} in a scheduled function (coordinator and worker run "
                      "different distrib versions?)")
-
-
-def _call_dataset_fn(dataset_fn: Any, context: InputContext) -> Any:
-    if hasattr(dataset_fn, "_build_on_worker"):
-        return dataset_fn._build_on_worker(context)
-    if not callable(dataset_fn):
-        return dataset_fn
-    try:
-        params = [p for p in inspect.signature(dataset_fn).parameters.values()
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    return dataset_fn(context) if params else dataset_fn()
-
-
-def _collect_refs(x: Any, out: list) -> None:
-    if isinstance(x, IteratorRef):
-        out.append(x)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _collect_refs(v, out)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _collect_refs(v, out)
-
-
-def _substitute(x: Any, iterator: Callable[[IteratorRef], Any]) -> Any:
-    if isinstance(x, IteratorRef):
-        return iterator(x)
-    if isinstance(x, list):
-        return [_substitute(v, iterator) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_substitute(v, iterator) for v in x)
-    if isinstance(x, dict):
-        return {k: _substitute(v, iterator) for k, v in x.items()}
-    return x

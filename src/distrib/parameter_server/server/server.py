@@ -17,22 +17,22 @@ import threading
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from distrib.cluster import ClusterSpec
-from distrib.parameter_server import rpc
-from distrib.parameter_server.ps_service import ParameterStore
-from distrib.parameter_server.rpc import TLSConfig
-from distrib.parameter_server.variables import PS_SERVICE
-from distrib.parameter_server.worker_service import WORKER_SERVICE, WorkerService
+from distrib.parameter_server.transport import rpc
+from distrib.parameter_server.server.ps_service import ParameterStore
+from distrib.parameter_server.transport.rpc import TLSConfig
+from distrib.parameter_server.server.worker_service import WorkerService
+from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE
 
 __all__ = ["Server"]
 
-log = logging.getLogger("distrib.parameter_server.server")
+log = logging.getLogger("distrib.parameter_server.server.server")
 
 
 class Server:
     """Serves one ``ps`` or ``worker`` task of a cluster on that task's address.
 
     ``token`` defaults to ``DISTRIB_CLUSTER_TOKEN`` and ``tls`` to the
-    ``DISTRIB_TLS_*`` variables (see :mod:`distrib.parameter_server.rpc`). The server
+    ``DISTRIB_TLS_*`` variables (see :mod:`distrib.parameter_server.transport.rpc`). The server
     listens on exactly the address the cluster spec gives the task, and starts at
     once unless ``start=False``. ``config`` (a TF ``ConfigProto``) is accepted for TF
     compatibility and ignored; ``protocol`` may only be ``"grpc"``.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from distrib import context
-from distrib.values import ReduceOp, local_values, map_leaves, regroup
+from distrib.values import ReduceOp, local_values, map_leaves, parse_reduce_op, regroup
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -52,7 +52,7 @@ class ReplicaContext:
     @property
     def replica_id_in_sync_group(self) -> int:
         """This replica's index among all replicas of all workers."""
-        return self.strategy._worker_index * self.strategy._num_local_replicas + self.local_replica_id
+        return self.strategy.worker_index * self.strategy.num_local_replicas + self.local_replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -61,14 +61,14 @@ class ReplicaContext:
     @property
     def device(self) -> Optional[torch.device]:
         """The device this replica computes on (None: wherever tensors already are)."""
-        return self.strategy._devices[self.local_replica_id]
+        return self.strategy.local_devices[self.local_replica_id]
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduce ``value`` (a tensor or a structure of them) over every replica in sync.
 
         Every replica must call it, in the same order; each gets the result on its own device.
         """
-        op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
+        op = parse_reduce_op(reduce_op)
 
         def merge(values: list) -> list:
             n = len(values)

@@ -22,12 +22,12 @@ import torch
 from distrib.checkpoint import Checkpoint, CheckpointManager
 
 if TYPE_CHECKING:
-    from distrib.fit import Loop
+    from distrib.keras.loop import Loop
 
 __all__ = ["Callback", "CallbackList", "History", "ModelCheckpoint", "BackupAndRestore", "EarlyStopping",
            "TensorBoard", "JsonlLogger"]
 
-Logs = dict[str, float]
+Logs = dict[str, Any]
 
 
 class Callback:
@@ -155,9 +155,7 @@ class BackupAndRestore(Callback):
         checkpoint = Checkpoint(model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch,
                                 step_in_epoch=loop.step_in_epoch)
         self._manager = CheckpointManager(checkpoint, self.backup_dir, max_to_keep=1)
-        restored = self._manager.restore_or_initialize()
-        if restored:
-            loop.resumed_from = restored
+        self._manager.restore_or_initialize()
 
     def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
         self._steps += 1

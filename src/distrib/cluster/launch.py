@@ -40,7 +40,7 @@ from typing import IO, Optional, Sequence
 
 __all__ = ["LaunchConfig", "launch", "free_ports", "make_cluster"]
 
-log = logging.getLogger("distrib.launch")
+log = logging.getLogger("distrib.cluster.launch")
 _print_lock = threading.Lock()
 
 

@@ -1,4 +1,4 @@
-"""Modules and optimizers created under ``strategy.scope()``.
+"""Modules and optimizers created under ``strategy.scope()``: capture, then copies.
 
 *Capture.* While a scope is open, torch's global registration hooks tell us which
 modules receive parameters, buffers or submodules; when the scope closes (or an
@@ -6,12 +6,16 @@ optimizer is created inside it) the outermost of those modules, the *roots*, are
 handed to the strategy. No constructor is patched for modules. Optimizers have no
 such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is open.
 
-*Mirroring.* A root module is the primary copy, on the first local device. Every
+*Copies.* A root module is the primary copy, on the first local device. Every
 other local replica gets a copy: on the same physical device the copy's parameters
 share storage with the primary's (separate autograd leaves, so separate ``.grad``),
 so an update to the primary is seen by every copy for free; on another device the
 copy is a real one, refreshed after each update. Calling the module (or any of its
 submodules) inside ``run`` dispatches to the calling replica's copy.
+
+Nothing is stored on the user's objects: owners live in :mod:`distrib.context`'s
+weak-key registry and copies in :class:`MirroredModules`; the only change to a
+module is its ``forward`` (an instance attribute that dispatches by replica).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import copy
 import threading
 import types
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
@@ -31,7 +36,8 @@ from distrib import context
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["ModuleCapture", "MirroredModules", "wrap_optimizer"]
+__all__ = ["ModuleCapture", "MirroredModules", "wrap_optimizer", "optimizer_params", "install_capture_hooks",
+           "remove_capture_hooks"]
 
 
 # --------------------------------------------------------------------------- capture
@@ -52,7 +58,7 @@ _capture = _CaptureState()
 def _capturing_strategy() -> Optional["Strategy"]:
     if context.current_replica() is not None:
         return None
-    return context._scope_stack[-1] if context._scope_stack else None
+    return context.current_scope()
 
 
 def _on_leaf_registered(module: nn.Module, name: str, value: Any) -> None:
@@ -71,11 +77,12 @@ def _optimizer_init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> N
     assert _capture.original_optimizer_init is not None
     _capture.original_optimizer_init(self, *args, **kwargs)
     strategy = _capturing_strategy()
-    if strategy is not None and not hasattr(self, "_distrib_strategy"):
+    if strategy is not None and context.owner_of(self) is None:
         strategy._on_optimizer_created(self)
 
 
 def install_capture_hooks() -> None:
+    """Start capturing (nested scopes share one set of hooks)."""
     with _capture.lock:
         _capture.depth += 1
         if _capture.depth > 1:
@@ -90,6 +97,7 @@ def install_capture_hooks() -> None:
 
 
 def remove_capture_hooks() -> None:
+    """Stop capturing once the outermost scope closes."""
     with _capture.lock:
         _capture.depth -= 1
         if _capture.depth > 0:
@@ -109,6 +117,9 @@ class ModuleCapture:
         self._seen: list[weakref.ref[nn.Module]] = []
         self._seen_ids: set[int] = set()
         self._children: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._seen)
 
     def saw(self, module: nn.Module, child: Optional[nn.Module] = None) -> None:
         for m in (module, child):
@@ -130,16 +141,28 @@ class ModuleCapture:
         return roots
 
 
-# --------------------------------------------------------------------------- mirroring
+# --------------------------------------------------------------------------- copies
+
+@dataclass(frozen=True)
+class _Mirror:
+    """A submodule's copies on every local replica (index 0: the module itself)."""
+
+    owner: "Strategy"
+    replicas: tuple[nn.Module, ...]
+
+
+_mirrors: "weakref.WeakKeyDictionary[nn.Module, _Mirror]" = weakref.WeakKeyDictionary()
+
 
 def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    mirror = _mirrors.get(self)
     ctx = context.current_replica()
-    if ctx is not None and ctx.local_replica_id and ctx.strategy is self._distrib_owner:
-        replica = self._distrib_replicas[ctx.local_replica_id]
+    if mirror is not None and ctx is not None and ctx.local_replica_id and ctx.strategy is mirror.owner:
+        replica = mirror.replicas[ctx.local_replica_id]
         for mine, theirs in zip(self.modules(), replica.modules()):
             theirs.training = mine.training  # model.train()/eval() was called on the primary only
         return replica.forward(*args, **kwargs)
-    return self._distrib_forward(*args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)  # a copy.deepcopy of the module lands here too
 
 
 class MirroredModules:
@@ -148,53 +171,44 @@ class MirroredModules:
     def __init__(self, strategy: "Strategy") -> None:
         self._strategy = strategy
         self._roots: list[tuple[nn.Module, list[nn.Module]]] = []
-        # id(primary parameter) -> copies on local replicas 1..n-1 (None where storage is shared)
+        # id(primary parameter) -> copies on local replicas 1..n-1
         self._param_copies: dict[int, list[nn.Parameter]] = {}
-        self._shared: dict[int, list[bool]] = {}
 
     def __contains__(self, param: object) -> bool:
         return id(param) in self._param_copies
 
-    @property
-    def roots(self) -> list[nn.Module]:
-        return [r for r, _ in self._roots]
-
     def distribute(self, root: nn.Module) -> None:
         """Place ``root`` on the first local device and give every other replica its copy."""
-        if getattr(root, "_distrib_owner", None) is not None:
-            if root._distrib_owner is not self._strategy:
+        owner = context.owner_of(root)
+        if owner is not None:
+            if owner is not self._strategy:
                 raise ValueError(
                     f"module {type(root).__name__} is already distributed by another strategy; "
                     "build a new module under this strategy's scope"
                 )
             return
         for sub in root.modules():
-            if getattr(sub, "_distrib_owner", None) is not None:
+            if context.owner_of(sub) is not None:
                 raise ValueError(
                     f"module {type(root).__name__} contains {type(sub).__name__}, which was built in an "
                     "earlier strategy.scope() block; build the whole model inside one scope block"
                 )
-        devices = self._strategy._devices
+        devices = self._strategy.local_devices
         if devices[0] is not None:
             root.to(devices[0])
         copies = [self._replicate(root, d) for d in devices[1:]]
         params = list(root.parameters())
         for p in params:
             self._param_copies[id(p)] = []
-            self._shared[id(p)] = []
         for c in copies:
             for p, pc in zip(params, c.parameters()):
                 self._param_copies[id(p)].append(pc)
-                self._shared[id(p)].append(pc.data_ptr() == p.data_ptr())
         if copies:
-            names = [n for n, _ in root.named_modules()]
-            for name in names:
-                sub = root.get_submodule(name)
-                sub._distrib_forward = sub.forward
-                sub._distrib_replicas = (sub, *(c.get_submodule(name) for c in copies))
-                sub.forward = types.MethodType(_dispatching_forward, sub)
+            for name, sub in root.named_modules():
+                _mirrors[sub] = _Mirror(self._strategy, (sub, *(c.get_submodule(name) for c in copies)))
+                sub.forward = types.MethodType(_dispatching_forward, sub)  # type: ignore[method-assign]
         for sub in root.modules():
-            sub._distrib_owner = self._strategy
+            context.set_owner(sub, self._strategy)
         root.register_load_state_dict_post_hook(lambda module, keys: self.refresh(module))
         self._roots.append((root, copies))
 
@@ -209,17 +223,11 @@ class MirroredModules:
                 pc.data = p.data
         return clone
 
-    def copies_of(self, root: nn.Module) -> list[nn.Module]:
-        for r, copies in self._roots:
-            if r is root:
-                return copies
-        return []
-
-    def replica_grads(self, param: nn.Parameter) -> list[Optional[torch.Tensor]]:
+    def replica_grads(self, param: torch.Tensor) -> list[Optional[torch.Tensor]]:
         """The gradients of ``param``'s copies on local replicas 1..n-1."""
         return [pc.grad for pc in self._param_copies.get(id(param), ())]
 
-    def zero_copy_grads(self, params: Iterable[nn.Parameter], replica: Optional[int], set_to_none: bool) -> None:
+    def zero_copy_grads(self, params: Iterable[torch.Tensor], replica: Optional[int], set_to_none: bool) -> None:
         """Clear the gradients of the copies of ``params`` (on one replica, or on all if None)."""
         for p in params:
             copies = self._param_copies.get(id(p), ())
@@ -258,11 +266,11 @@ class MirroredModules:
 
 # --------------------------------------------------------------------------- optimizers
 
-def wrap_optimizer(
-    optimizer: torch.optim.Optimizer,
-    step: Callable[[torch.optim.Optimizer, Callable[..., Any], tuple, dict], Any],
-    zero_grad: Callable[[torch.optim.Optimizer, Callable[..., Any], bool], None],
-) -> None:
+StepFn = Callable[[torch.optim.Optimizer, Callable[..., Any], tuple, dict], Any]
+ZeroGradFn = Callable[[torch.optim.Optimizer, Callable[..., None], bool], None]
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, step: StepFn, zero_grad: ZeroGradFn) -> None:
     """Route ``optimizer.step`` and ``optimizer.zero_grad`` through the strategy.
 
     The replacements are bound methods so that ``torch.optim.lr_scheduler``, which
@@ -282,4 +290,5 @@ def wrap_optimizer(
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter an optimizer updates, in group order."""
     return [p for group in optimizer.param_groups for p in group["params"]]

@@ -20,13 +20,15 @@ import torch
 import torch.nn.functional as F
 
 import distrib as ds
-from distrib import models
-from distrib.callbacks import Callback
-from distrib.datasets import load_fashion_mnist
+from distrib.app import models
+from distrib.app.datasets import load_fashion_mnist
+from distrib.keras.callbacks import Callback, CallbackList, JsonlLogger, TensorBoard
+from distrib.keras.loop import Loop
+from distrib.strategies import registry
 
 __all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "train"]
 
-log = logging.getLogger("distrib.train")
+log = logging.getLogger("distrib.app.train")
 
 EPOCH_TEMPLATE = "Epoch {}, Loss: {}, Accuracy: {}, Test Loss: {}, Test Accuracy: {}, Examples/s: {:.0f}"
 
@@ -82,28 +84,9 @@ class TensorBatches:
 
 
 def make_strategy(name: str, replicas: Optional[int] = None, device: Optional[str] = None) -> ds.Strategy:
-    """The strategy ``distrib train --strategy NAME`` uses."""
-    if name == "default":
-        return ds.get_strategy()
-    if name == "one-device":
-        return ds.OneDeviceStrategy(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    if name == "mirrored":
-        if replicas is None:
-            return ds.MirroredStrategy()
-        prefix = "cuda" if torch.cuda.is_available() else "cpu"
-        return ds.MirroredStrategy([f"{prefix}:{i}" for i in range(replicas)])
-    if name == "parameter-server":
-        if ds.cluster_resolver.TFConfigClusterResolver.detect():
-            resolver = ds.cluster_resolver.TFConfigClusterResolver()
-        else:  # no cluster given: one in this process, as seed 003's notebook builds it
-            resolver = ds.testing.create_in_process_cluster(num_workers=replicas or 2, num_ps=1)
-        return ds.ParameterServerStrategy(resolver)
-    if name == "multi-worker":
-        devices = None if replicas is None else [f"{'cuda' if torch.cuda.is_available() else 'cpu'}:{i}"
-                                                 for i in range(replicas)]
-        return ds.MultiWorkerMirroredStrategy(devices=devices)
-    raise ValueError(f"unknown strategy {name!r}; choose one of: default, one-device, mirrored, multi-worker, "
-                     "parameter-server")
+    """The strategy ``distrib train --strategy NAME`` uses (see :mod:`distrib.strategies.registry`)."""
+    return registry.build(name, registry.StrategyRequest(replicas=replicas, device=device,
+                                                         workers=replicas or 2, ps=1))
 
 
 def _progress(iterable: Any, enabled: bool, desc: str) -> Any:
@@ -167,7 +150,7 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         test_accuracy = ds.metrics.SparseCategoricalAccuracy(name="test_accuracy")
     forward = models.maybe_compile(model, config.compile)
     reporters = _reporters(config, model, optimizer, strategy)
-    if isinstance(strategy, ds.ParameterServerStrategy):
+    if strategy.should_use_with_coordinator:  # steps are scheduled on workers: only fit drives them
         _train_on_parameter_servers(config, model, optimizer, checkpoint, checkpoint_prefix, reporters,
                                     len(train_split.labels), len(test_split.labels))
         return _finish(config, chief, global_batch_size, test_split, [])
@@ -215,9 +198,6 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
 def _reporters(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                strategy: ds.Strategy) -> Any:
     """The metrics.jsonl writer and, if asked, TensorBoard: callbacks shared by both loops."""
-    from distrib.callbacks import CallbackList, JsonlLogger, TensorBoard
-    from distrib.fit import Loop
-
     path = config.metrics_file or os.path.join(config.checkpoint_dir, "metrics.jsonl")
     if strategy.is_chief and os.path.exists(path):
         os.remove(path)  # one file per run
@@ -244,7 +224,7 @@ def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, mo
                     optimizer: torch.optim.Optimizer, checkpoint: ds.Checkpoint, checkpoint_prefix: str,
                     train_batches: TensorBatches, test_batches: TensorBatches, reporters: Any) -> None:
     """The same job through ``ds.fit``: Keras-style progress, a checkpoint every 2 epochs as the seed."""
-    ds.fit(model, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
+    ds.fit(forward, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
            metrics=["accuracy"], validation_data=test_batches, verbose=1 if config.progress else 2,
            callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks])
 

@@ -1,15 +1,15 @@
-"""Gradient all-reduce across workers, bucketed and overlapped with the backward pass.
+"""Gradient reduction across workers: bucketed, overlapped with backward, through a comm hook.
 
-This is the mechanism of PyTorch's DDP, kept small and with SUM semantics (the
-user scaled the loss by the global batch, so nothing divides):
+:class:`BucketedGradientReducer` is the mechanism of PyTorch's DDP, kept small and
+with SUM semantics (the user scaled the loss by the global batch, so nothing divides):
 
 * parameters are grouped into buckets of about ``bucket_bytes``, in reverse
   registration order, which is roughly the order backward produces gradients;
   each bucket owns one flat buffer, and after the first step every ``param.grad``
   is a view into it, so nothing is flattened or copied back;
 * a post-accumulate-grad hook marks a parameter ready; when a bucket is complete
-  and every earlier bucket has been launched, an asynchronous all-reduce of its
-  buffer starts while backward goes on;
+  and every earlier bucket has been launched, the comm hook (see
+  :mod:`distrib.comm.hooks`) starts reducing its buffer while backward goes on;
 * at the end of the backward pass (a callback queued on autograd's engine, as DDP
   does) the rest is launched and everything is waited for: when ``loss.backward()``
   returns, ``param.grad`` holds the gradient summed over all workers, so clipping
@@ -19,20 +19,22 @@ Buckets are always launched in index order, so workers whose backward passes
 produce gradients in different orders, or skip a parameter, still pair up the same
 collectives. A second backward before ``step()`` (gradient accumulation) reduces
 only the new contribution, captured by a tensor hook into a side buffer.
+
+:func:`reduce_gradients` does the same synchronously for gradients that are
+already complete (several local replicas summed first, then one reduction).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+from torch.futures import Future
 
-if TYPE_CHECKING:
-    import torch.distributed as dist
+from distrib.comm.communicator import Communicator
+from distrib.comm.hooks import CommHook, GradBucket, allreduce_hook
 
-    from distrib.collectives import ProcessGroupCommunicator
-
-__all__ = ["BucketedGradientReducer"]
+__all__ = ["BucketedGradientReducer", "reduce_gradients"]
 
 
 class _Bucket:
@@ -51,40 +53,51 @@ class _Bucket:
         return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
 
-class BucketedGradientReducer:
-    """Sums the gradients of ``params`` over all workers, overlapping communication with backward."""
+def _group(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``params`` of one dtype and device, about ``bucket_bytes`` each."""
+    groups: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        if not groups or size >= bucket_bytes or p.dtype != groups[-1][0].dtype or p.device != groups[-1][0].device:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * p.element_size()
+    return groups
 
-    def __init__(self, params: Sequence[torch.Tensor], communicator: "ProcessGroupCommunicator",
-                 bucket_bytes: int) -> None:
+
+class BucketedGradientReducer:
+    """Sums the gradients of ``params`` over all workers, overlapping communication with backward.
+
+    Call :meth:`synchronize` from ``optimizer.step()``, :meth:`discard` from
+    ``zero_grad()`` and :meth:`close` when the optimizer goes away (it removes the
+    autograd hooks).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], communicator: Communicator, bucket_bytes: int,
+                 hook: CommHook = allreduce_hook) -> None:
         self._comm = communicator
+        self._hook = hook
         trainable = [p for p in params if p.requires_grad]
-        groups: list[list[torch.Tensor]] = []
-        size = 0
-        for p in reversed(trainable):
-            if not groups or size >= bucket_bytes or p.dtype != groups[-1][0].dtype or p.device != groups[-1][0].device:
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += p.numel() * p.element_size()
-        self._buckets = [_Bucket(g) for g in groups]
+        self._buckets = [_Bucket(g) for g in _group(list(reversed(trainable)), bucket_bytes)]
         self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         self._handles = [h for p in trainable for h in (p.register_post_accumulate_grad_hook(self._on_grad_ready),
                                                          p.register_hook(self._make_contribution_hook(p)))]
         self._synced = False
         self._reset_pass()
 
-    @property
-    def num_buckets(self) -> int:
-        return len(self._buckets)
+    def set_hook(self, hook: CommHook) -> None:
+        """Reduce buckets with ``hook`` from the next backward pass on."""
+        self._hook = hook
 
     def _reset_pass(self) -> None:
         self._ready = [0] * len(self._buckets)
         self._seen: set[int] = set()
-        self._work: list[Optional["dist.Work"]] = [None] * len(self._buckets)
+        self._work: list[Optional[Future[torch.Tensor]]] = [None] * len(self._buckets)
         self._next = 0
         self._callback_queued = False
 
-    def _make_contribution_hook(self, param: torch.Tensor):  # type: ignore[no-untyped-def]
+    def _make_contribution_hook(self, param: torch.Tensor) -> Any:
         def hook(grad: torch.Tensor) -> None:
             if self._synced:  # accumulating onto already-summed gradients: keep this pass's part apart
                 b, i = self._where[id(param)]
@@ -127,7 +140,7 @@ class BucketedGradientReducer:
                         bucket.view(i, bucket.delta).zero_()
                     elif p.grad is not None:
                         p.grad.sub_(bucket.view(i, bucket.delta))  # back to the summed gradient
-                self._work[b] = self._comm.all_reduce_async(bucket.delta)
+                self._work[b] = self._hook(self._comm, GradBucket(b, bucket.delta, bucket.params))
                 return
             for i, p in enumerate(bucket.params):
                 view = bucket.view(i, bucket.buffer)
@@ -135,7 +148,7 @@ class BucketedGradientReducer:
                     view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
-            self._work[b] = self._comm.all_reduce_async(bucket.buffer)
+            self._work[b] = self._hook(self._comm, GradBucket(b, bucket.buffer, bucket.params))
 
     def finish(self) -> None:
         """Launch what is left, wait for every bucket, and leave the sums in ``param.grad``."""
@@ -144,19 +157,22 @@ class BucketedGradientReducer:
             with torch.no_grad():
                 for b, bucket in enumerate(self._buckets):
                     work = self._work[b]
-                    assert work is not None
-                    self._comm.wait(work)
+                    assert work is not None, "every bucket is launched before it is waited for"
+                    flat = bucket.delta if self._synced else bucket.buffer
+                    assert flat is not None
+                    result = self._comm.wait(work)
+                    if result is not flat:
+                        flat.copy_(result)
                     for i, p in enumerate(bucket.params):
                         if self._synced:
-                            assert bucket.delta is not None
-                            reduced = bucket.view(i, bucket.delta)
+                            reduced = bucket.view(i, flat)
                             if p.grad is None:
                                 p.grad = reduced.clone()
                             else:
                                 p.grad.add_(reduced)
-                        elif p.grad is not None or bucket.view(i, bucket.buffer).any():
+                        elif p.grad is not None or bucket.view(i, flat).any():
                             # a parameter no worker computed a gradient for keeps grad None, as on one device
-                            p.grad = bucket.view(i, bucket.buffer)
+                            p.grad = bucket.view(i, flat)
         finally:
             self._synced = True
             self._reset_pass()
@@ -173,6 +189,26 @@ class BucketedGradientReducer:
             self.finish()
         self._synced = False
 
-    def remove(self) -> None:
+    def close(self) -> None:
+        """Remove the autograd hooks: this reducer reduces nothing from now on."""
         for h in self._handles:
             h.remove()
+        self._handles = []
+
+
+def reduce_gradients(communicator: Communicator, grads: Sequence[torch.Tensor], bucket_bytes: int,
+                     hook: CommHook = allreduce_hook) -> None:
+    """Sum complete gradients over all workers in place, bucket by bucket through ``hook``."""
+    if not grads:
+        return
+    pending = []
+    for index, group in enumerate(_group(list(grads), bucket_bytes)):
+        flat = torch.cat([g.reshape(-1) for g in group])
+        pending.append((group, flat, hook(communicator, GradBucket(index, flat, group))))
+    with torch.no_grad():
+        for group, flat, future in pending:
+            result = communicator.wait(future)
+            offset = 0
+            for g in group:
+                g.copy_(result[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()

@@ -1,7 +1,7 @@
 """The RPC layer: gRPC unary calls carrying wire messages, authenticated by a cluster token.
 
 No ``.proto`` files: every method is ``bytes -> bytes`` through gRPC's generic
-handlers, and the bytes are :mod:`~distrib.parameter_server.wire` messages.
+handlers, and the bytes are :mod:`~distrib.parameter_server.transport.wire` messages.
 
 Security, in order of the checks a call meets:
 
@@ -27,13 +27,16 @@ import grpc
 
 from distrib.parameter_server.errors import AuthenticationError, PeerUnavailableError, RemoteProtocolError
 
-__all__ = ["TOKEN_ENV", "TLSConfig", "cluster_token", "make_server", "Connection", "Handler"]
+__all__ = ["TOKEN_ENV", "PS_SERVICE", "WORKER_SERVICE", "TLSConfig", "cluster_token", "make_server", "Connection", "Handler"]
 
 TOKEN_ENV = "DISTRIB_CLUSTER_TOKEN"
+#: the gRPC service names of a ps task and of a worker task
+PS_SERVICE = "distrib.ParameterServer"
+WORKER_SERVICE = "distrib.Worker"
 TOKEN_METADATA = "x-distrib-cluster-token"
 _TLS_ENV = ("DISTRIB_TLS_CERT", "DISTRIB_TLS_KEY", "DISTRIB_TLS_CA")
 
-log = logging.getLogger("distrib.parameter_server.rpc")
+log = logging.getLogger("distrib.parameter_server.transport.rpc")
 
 Handler = Callable[[bytes], bytes]
 

@@ -1,0 +1,199 @@
+"""The ``distrib`` command line, built from a registry of subcommands.
+
+    distrib train [--strategy mirrored] [--epochs 10] ...   the main job (seed 000's workload)
+    distrib launch --workers 2 script.py                    a local cluster, one process per task
+
+Each subcommand registers a function that adds its arguments to a parser and a
+function that runs it; ``main`` returns the process exit code. Strategy names come
+from :mod:`distrib.strategies.registry`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+from distrib.strategies import registry
+
+__all__ = ["main", "register", "build_parser", "forwarded_arguments"]
+
+
+class Command(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+# options of `distrib train` that concern the launcher, not the job each worker runs
+_LAUNCHER_OPTIONS = ("workers", "ps", "max_restarts")
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    """Add a subcommand to ``distrib``."""
+    COMMANDS[name] = Command(help, add_arguments, run)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _strategy_help() -> str:
+    return "; ".join(f"{name}: {registry.get(name).description}" for name in registry.names())
+
+
+def _train_options() -> list[tuple[str, dict[str, Any]]]:
+    """``distrib train``'s options: (flag, ``add_argument`` keywords). One table adds and forwards them."""
+    return [
+        ("--strategy", dict(choices=registry.names(), default=None,
+                            help="distribution strategy (default: mirrored; multi-worker with --workers N; "
+                                 f"parameter-server with --ps M). {_strategy_help()}")),
+        ("--workers", dict(type=_positive, default=1, help="run the job on N worker processes through distrib launch")),
+        ("--ps", dict(type=int, default=0, help="parameter-server tasks for --strategy parameter-server")),
+        ("--max-restarts", dict(type=int, default=0, help="with --workers: restarts of the whole group")),
+        ("--epochs", dict(type=_positive, default=10)),
+        ("--batch-size-per-replica", dict(type=_positive, default=64)),
+        ("--replicas", dict(type=_positive, default=None,
+                            help="number of replicas for --strategy mirrored (logical CPU replicas without a GPU)")),
+        ("--device", dict(default=None, help="device for --strategy one-device (default: cuda:0 or cpu)")),
+        ("--checkpoint-dir", dict(default="./training_checkpoints")),
+        ("--data-dir", dict(default=None, help="directory of the Fashion-MNIST IDX files "
+                                               "(default: /usr/share/datasets/fashion-mnist)")),
+        ("--seed", dict(type=int, default=0)),
+        ("--compile", dict(action=argparse.BooleanOptionalAction, default=False,
+                           help="compile the model with torch.compile (falls back to eager if it fails)")),
+        ("--progress", dict(action=argparse.BooleanOptionalAction, default=None,
+                            help="progress bar during each epoch (default: when stdout is a terminal)")),
+        ("--fit", dict(action="store_true", default=False,
+                       help="run the job through ds.fit instead of the custom loop")),
+        ("--tensorboard", dict(metavar="DIR", default=None, help="write TensorBoard scalars to DIR (chief only)")),
+        ("--metrics-file", dict(default=None, help="one JSON line per epoch (default: CHECKPOINT_DIR/metrics.jsonl, "
+                                                   "rewritten every run)")),
+    ]
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    for flag, kwargs in _train_options():
+        p.add_argument(flag, **kwargs)
+
+
+def forwarded_arguments(args: argparse.Namespace, skip: Sequence[str] = _LAUNCHER_OPTIONS) -> list[str]:
+    """``distrib train``'s ``args`` written back as options, every option but ``skip``.
+
+    What each worker process of ``distrib train --workers N`` is started with: parsing
+    the result gives ``args`` again (tested for every option), so no option is lost.
+    """
+    argv: list[str] = []
+    for flag, kwargs in _train_options():
+        dest = flag[2:].replace("-", "_")
+        value = getattr(args, dest)
+        if dest in skip or value == kwargs.get("default"):
+            continue
+        action = kwargs.get("action")
+        if action is argparse.BooleanOptionalAction:
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif action == "store_true":
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _train(args: argparse.Namespace) -> int:
+    from distrib.app.datasets import DatasetNotFoundError
+    from distrib.app.train import TrainConfig, train
+
+    if args.strategy:
+        name = args.strategy
+    elif args.ps:
+        name = next(n for n in registry.names() if registry.get(n).parameter_servers)
+    else:
+        name = "multi-worker" if args.workers > 1 else "mirrored"
+    entry = registry.get(name)
+    if args.ps and not entry.parameter_servers:
+        print(f"distrib train: --ps needs a parameter-server strategy, not {name}", file=sys.stderr)
+        return 2
+    if args.workers > 1 or args.ps:
+        if not entry.multi_worker:
+            print(f"distrib train: --workers {args.workers} needs a multi-worker strategy "
+                  f"({', '.join(n for n in registry.names() if registry.get(n).multi_worker)}), not {name}",
+                  file=sys.stderr)
+            return 2
+        if entry.parameter_servers and not args.ps:
+            print(f"distrib train: --strategy {name} with --workers needs --ps M (e.g. --ps 1)", file=sys.stderr)
+            return 2
+        from distrib.cluster.launch import LaunchConfig, launch
+
+        args.strategy = name
+        if args.progress is None:
+            args.progress = False  # workers' output goes through the launcher's pipes, never a terminal
+        child = ["-m", "distrib", *(["-v"] if args.verbose else []), "train", *forwarded_arguments(args)]
+        return launch(LaunchConfig(command=child, workers=args.workers, ps=args.ps, max_restarts=args.max_restarts))
+
+    config = TrainConfig(
+        strategy=name, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
+        replicas=args.replicas, device=args.device, checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir,
+        seed=args.seed, compile=args.compile, progress=args.progress, fit=args.fit, tensorboard=args.tensorboard,
+        metrics_file=args.metrics_file,
+    )
+    try:
+        train(config)
+    except DatasetNotFoundError as e:
+        print(f"distrib train: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+register("train", "train the Fashion-MNIST CNN of the tf.distribute tutorial (the main job)", _train_arguments, _train)
+
+
+def _launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive, default=1, help="worker tasks")
+    p.add_argument("--ps", type=int, default=0, help="parameter-server tasks (the chief then runs the script)")
+    p.add_argument("--chief", action="store_true", help="add a 'chief' task besides the workers")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="on a failure, stop the whole group and start it again, at most K times")
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                   help="the script each task runs (or -m MODULE)")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from distrib.cluster.launch import LaunchConfig, launch
+
+    command = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not command:
+        print("distrib launch: name the script to run, e.g. distrib launch --workers 2 train.py", file=sys.stderr)
+        return 2
+    return launch(LaunchConfig(command=command, workers=args.workers, ps=args.ps, chief=args.chief,
+                               max_restarts=args.max_restarts))
+
+
+register("launch", "run a local cluster: one process per task, each with its TF_CONFIG", _launch_arguments, _launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``distrib`` parser, with every registered subcommand."""
+    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute-style training for PyTorch")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""Communication between worker processes: the communicator seam and gradient reduction.
+
+* :mod:`~distrib.comm.communicator`: the :class:`Communicator` protocol every
+  strategy holds, and :class:`LocalCommunicator` (one process);
+* :mod:`~distrib.comm.process_group`: the implementation over ``torch.distributed``,
+  imported on first use;
+* :mod:`~distrib.comm.options`: :class:`CommunicationOptions`;
+* :mod:`~distrib.comm.hooks` and :mod:`~distrib.comm.gradient_reducer`: how gradients
+  are reduced, bucket by bucket, through a pluggable comm hook.
+"""
+
+from distrib.comm.communicator import CollectiveError, Communicator, LocalCommunicator
+from distrib.comm.gradient_reducer import BucketedGradientReducer, reduce_gradients
+from distrib.comm.hooks import CommHook, GradBucket, allreduce_hook
+from distrib.comm.options import CommunicationOptions
+
+__all__ = ["BucketedGradientReducer", "CollectiveError", "CommHook", "CommunicationOptions", "Communicator",
+           "GradBucket", "LocalCommunicator", "allreduce_hook", "reduce_gradients"]

@@ -1,0 +1,227 @@
+"""``ProcessGroupCommunicator``: the :class:`~distrib.comm.communicator.Communicator` over
+``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+This is the only module of distrib that imports ``torch.distributed``. Joining is a
+rendezvous at the chief's ``host:port`` that waits at most the configured timeout
+for every worker; every later collective fails with :class:`CollectiveError` within
+the same timeout when a peer is dead or hung, instead of waiting for ever.
+
+Clean exit. A gloo worker thread frees a finished work (and so the work's tensors)
+a moment after the caller has seen it complete; freeing a tensor that Python has
+seen takes the GIL. If the script ends within that moment, the thread asks for the
+GIL while the interpreter finalizes, Python ends the thread, and the process aborts
+(``terminate called without an active exception``, exit 134) at the end of a
+correct job. So at exit, before the interpreter finalizes, :func:`_shutdown` waits
+(at most 2 s) until gloo's threads are idle, then destroys the group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import pickle
+import time
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from distrib.comm.communicator import CollectiveError
+from distrib.comm.options import CommunicationOptions
+
+__all__ = ["ProcessGroupCommunicator"]
+
+log = logging.getLogger("distrib.comm")
+
+T = TypeVar("T")
+
+
+class ProcessGroupCommunicator:
+    """A communicator over the default ``torch.distributed`` process group.
+
+    ``master_address`` is the chief's ``host:port``. When ``torch.distributed`` is
+    already initialised with the same rank and world size, that group is used.
+    The group is destroyed when the interpreter exits, after pending work is done,
+    so that a finished job exits cleanly.
+    """
+
+    def __init__(self, master_address: str, rank: int, world_size: int,
+                 options: CommunicationOptions, uses_cuda: bool = False) -> None:
+        self.options = options
+        self._rank, self._world_size = rank, world_size
+        self.backend = options.backend(uses_cuda)
+        host, _, port = master_address.rpartition(":")
+        if host in ("localhost", "127.0.0.1", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # keep loopback clusters off other interfaces
+        if dist.is_initialized():
+            if dist.get_world_size() != world_size or dist.get_rank() != rank:
+                raise CollectiveError(
+                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, but this cluster says rank {rank} of {world_size}")
+            self.backend = str(dist.get_backend())
+            return
+        log.info("worker %d/%d joining at %s (%s, timeout %.0fs)", rank, world_size, master_address,
+                 self.backend, options.timeout)
+        try:
+            dist.init_process_group(self.backend, init_method=f"tcp://{host.strip('[]')}:{port}", rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=options.timeout))
+        except Exception as e:  # noqa: BLE001 - re-raised with what to check
+            raise CollectiveError(
+                f"worker {rank} could not join the {world_size}-worker cluster at {master_address} within "
+                f"{options.timeout:.0f}s: {e}. Check that every worker is started with the same cluster "
+                "and that the chief's address is reachable") from e
+        atexit.register(_shutdown)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupCommunicator(rank={self._rank}, world_size={self._world_size}, backend={self.backend!r})"
+
+    def _failed(self, what: str, error: BaseException) -> CollectiveError:
+        return CollectiveError(
+            f"{what} across {self._world_size} workers failed on worker {self._rank}: {error}. A peer died "
+            f"or did not answer within {self.options.timeout:.0f}s (CommunicationOptions(timeout_seconds=...)); "
+            "see the other workers' logs")
+
+    def _guard(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, timeouts, a dead store
+            raise self._failed(what, e) from e
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not tensors:
+            return
+        if len(tensors) == 1:
+            self._guard("all-reduce", lambda: dist.all_reduce(tensors[0]))
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self._guard("all-reduce", lambda: dist.all_reduce(flat))
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
+        def start() -> Future[torch.Tensor]:
+            work = dist.all_reduce(tensor, async_op=True)
+            assert work is not None
+            # fut.value() re-raises a failed all-reduce: the chained future must fail too
+            return work.get_future().then(lambda fut: (fut.value(), tensor)[1])
+
+        return self._guard("all-reduce", start)
+
+    def wait(self, future: Future[Any]) -> Any:
+        return self._guard("all-reduce", future.wait)
+
+    def all_gather(self, tensor: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        def gather() -> torch.Tensor:
+            size = torch.tensor([tensor.shape[axis]], device=tensor.device)
+            sizes = [torch.zeros_like(size) for _ in range(self._world_size)]
+            dist.all_gather(sizes, size)
+            longest = int(max(int(s.item()) for s in sizes))
+            pad = list(tensor.shape)
+            pad[axis] = longest - tensor.shape[axis]
+            padded = torch.cat([tensor, tensor.new_zeros(pad)], dim=axis).contiguous()
+            parts = [torch.empty_like(padded) for _ in range(self._world_size)]
+            dist.all_gather(parts, padded)
+            return torch.cat([p.narrow(axis, 0, int(s.item())) for p, s in zip(parts, sizes)], dim=axis)
+
+        return self._guard("all-gather", gather)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        gathered = self.all_gather(data, 0)  # sizes differ: all_gather exchanges them first
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
+        size = torch.tensor([data.numel()])
+        self._guard("all-gather", lambda: dist.all_gather(sizes, size))
+        out, offset = [], 0
+        for n in (int(s.item()) for s in sizes):
+            out.append(pickle.loads(gathered[offset:offset + n].numpy().tobytes()))
+            offset += n
+        return out
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        if not tensors:
+            return
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        self._guard("broadcast", lambda: dist.broadcast(flat, src))
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.all_gather_object(obj if self._rank == src else None)[src]
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.shape[0] % self._world_size:
+            raise ValueError(f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the number of "
+                             f"workers ({self._world_size})")
+        out = tensor.new_empty((tensor.shape[0] // self._world_size, *tensor.shape[1:]))
+        self._guard("reduce-scatter", lambda: dist.reduce_scatter_tensor(out, tensor.contiguous()))
+        return out
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        if timeout is None:
+            self._guard("barrier", lambda: dist.barrier())
+            return
+        # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's
+        # monitored barrier takes a timeout; other backends fall back to the group's
+        if self.backend == "gloo":
+            self._guard("barrier", lambda: dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout)))
+        else:
+            self._guard("barrier", lambda: dist.barrier())
+
+
+def _gloo_threads_busy() -> Optional[bool]:
+    """Whether a gloo worker thread of this process is running (None where /proc cannot tell)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if "gloo" not in f.read():
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        if state not in ("S", "D"):
+            return True
+    return False
+
+
+def _shutdown(limit: float = 2.0) -> None:
+    """At exit: let gloo's threads finish freeing their last work while Python still runs, then destroy the group.
+
+    Sleeping releases the GIL, so a gloo thread waiting for it gets it; three idle
+    looks 10 ms apart mean every thread is back to waiting for work.
+    """
+    deadline = time.monotonic() + limit
+    idle = 0
+    while idle < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        busy = _gloo_threads_busy()
+        if busy is None:  # no /proc: a fixed pause instead
+            time.sleep(0.2)
+            break
+        idle = 0 if busy else idle + 1
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone: nothing left to clean
+            pass

@@ -1,0 +1,71 @@
+"""Per-worker datasets: what every worker builds and reads itself under parameter servers.
+
+* :class:`DatasetSource`: what ``strategy.experimental_distribute_dataset`` and
+  ``distribute_datasets_from_function`` return under ``ParameterServerStrategy``;
+  give it to ``coordinator.create_per_worker_dataset``;
+* :func:`call_dataset_fn`: how a worker calls a dataset function (with or without the
+  input context);
+* :class:`WorkerBatches`: ``fit``'s per-worker dataset, ``(x, y, batch_size)`` for ever.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from distrib.input import InputContext
+from distrib.strategies.execution import numbered_batches, split_xy
+
+__all__ = ["DatasetSource", "WorkerBatches", "call_dataset_fn"]
+
+
+class DatasetSource:
+    """A dataset to build on every worker: from ``experimental_distribute_dataset`` or
+    ``distribute_datasets_from_function``; pass it to ``coordinator.create_per_worker_dataset``.
+
+    Iterating it directly (on the coordinator) gives the batches as they are.
+    """
+
+    def __init__(self, dataset: Any = None, dataset_fn: Optional[Callable[[InputContext], Any]] = None) -> None:
+        self._dataset = dataset
+        self._dataset_fn = dataset_fn
+
+    def build(self, context: InputContext) -> Iterable[Any]:
+        """The dataset of the worker described by ``context``."""
+        return self._dataset_fn(context) if self._dataset_fn is not None else self._dataset
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.build(InputContext()))
+
+
+def call_dataset_fn(dataset_fn: Any, context: InputContext) -> Any:
+    """``dataset_fn(context)``, or ``dataset_fn()`` when it takes no argument; a dataset is returned as it is."""
+    if isinstance(dataset_fn, DatasetSource):
+        return dataset_fn.build(context)
+    if not callable(dataset_fn) or hasattr(dataset_fn, "__iter__"):
+        return dataset_fn
+    try:
+        params = [p for p in inspect.signature(dataset_fn).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return dataset_fn(context) if params else dataset_fn()
+
+
+class WorkerBatches:
+    """A per-worker dataset function: ``(x, y, batch_size)`` for ever, from ``data`` built on the worker.
+
+    ``data`` is a dataset (cycled through) or a function of the input context that
+    returns an iterator (used as it is: it decides when to repeat).
+    """
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __call__(self, context: InputContext) -> Iterator[tuple[Any, Any, int]]:
+        if callable(self.data) and not hasattr(self.data, "__iter__"):
+            for batch in call_dataset_fn(self.data, context):
+                x, y = split_xy(batch)
+                yield x, y, len(x)
+        else:
+            yield from numbered_batches(self.data, cycle=True)

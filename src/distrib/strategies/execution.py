@@ -1,0 +1,107 @@
+"""How a high-level loop (``ds.fit``) executes its steps under a strategy.
+
+``fit``, ``evaluate`` and ``predict`` are written once; what differs between
+strategies is only *where* a step runs, behind :class:`StepExecutor`:
+
+* :class:`SynchronousExecutor` (every synchronous strategy): each global batch is
+  split over the replicas and the step runs at once, in place or on every local
+  replica, through ``strategy.run``;
+* under parameter servers the step is *scheduled* on whichever worker is free, and
+  its result is known later (``distrib.parameter_server.client.step_executor``).
+
+A step function is called as ``fn(x, y, global_batch_size)`` on each replica and
+returns a value; :meth:`StepExecutor.completed` yields each step's ``strategy.run``
+result, in step order, as soon as it is known.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol
+
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
+
+__all__ = ["StepExecutor", "SynchronousExecutor", "StepFn", "numbered_batches", "split_xy"]
+
+StepFn = Callable[[Any, Any, int], Any]
+
+
+class StepExecutor(Protocol):
+    """Runs the steps of a loop: feed it data, submit a step per input, collect results in order."""
+
+    def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
+             per_worker: bool = False) -> Iterable[Any]:
+        """The step inputs for ``steps`` steps of ``data`` (None: one pass), from global position ``start``.
+
+        ``data`` yields batches ``x``, ``(x,)`` or ``(x, y, ...)``. With ``cycle`` the data is
+        read again from the start when it ends. ``per_worker``: every worker may read
+        the data itself (parameter servers); ignored by synchronous strategies.
+        """
+        ...
+
+    def submit(self, fn: StepFn, step_input: Any) -> None:
+        """Run (or schedule) one step of ``fn`` on ``step_input``."""
+        ...
+
+    def completed(self, wait: bool) -> Iterator[Any]:
+        """Results of submitted steps, in submission order: all of them if ``wait``, else those known now."""
+        ...
+
+
+def split_xy(batch: Any) -> tuple[Any, Any]:
+    """``(x, y)`` of a batch ``x``, ``(x,)`` or ``(x, y, ...)`` (``y`` is None when absent)."""
+    if isinstance(batch, (tuple, list)):
+        return batch[0], (batch[1] if len(batch) > 1 else None)
+    return batch, None
+
+
+def numbered_batches(data: Iterable[Any], start: int = 0, cycle: bool = False) -> Iterator[tuple[Any, Any, int]]:
+    """``(x, y, global_batch_size)`` for the batches of ``data`` from position ``start``.
+
+    Position p is the p-th batch since the start; with ``cycle`` the data is read
+    again when it ends, calling its ``set_epoch(pass)`` when it has one, so a resumed
+    run replays the same batches from the same place.
+
+    Example::
+
+        >>> import torch
+        >>> [(x.tolist(), n) for x, _, n in numbered_batches([torch.ones(2), torch.zeros(3)], start=1)]
+        [([0.0, 0.0, 0.0], 3)]
+    """
+    skip = start
+    passes: Iterable[Optional[int]] = itertools.count() if cycle else [None]
+    for n_pass in passes:
+        if n_pass is not None and hasattr(data, "set_epoch"):
+            data.set_epoch(n_pass)
+        empty = True
+        for batch in data:
+            empty = False
+            if skip > 0:
+                skip -= 1
+                continue
+            x, y = split_xy(batch)
+            yield x, y, len(x)
+        if empty:
+            return
+
+
+class SynchronousExecutor:
+    """Steps of a synchronous strategy: each global batch split over the replicas, run at once."""
+
+    def __init__(self, strategy: "Strategy") -> None:
+        self._strategy = strategy
+        self._results: deque[Any] = deque()
+
+    def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
+             per_worker: bool = False) -> Iterable[Any]:
+        batches = self._strategy.experimental_distribute_dataset(numbered_batches(data, start, cycle))
+        return itertools.islice(batches, steps)
+
+    def submit(self, fn: StepFn, step_input: Any) -> None:
+        self._results.append(self._strategy.run(fn, args=step_input))
+
+    def completed(self, wait: bool) -> Iterator[Any]:
+        while self._results:
+            yield self._results.popleft()

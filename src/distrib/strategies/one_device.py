@@ -1,0 +1,27 @@
+"""``OneDeviceStrategy``: one replica on one chosen device."""
+
+from __future__ import annotations
+
+import torch
+
+from distrib.strategies.base import Strategy
+from distrib.strategies.devices import parse_device
+
+__all__ = ["OneDeviceStrategy"]
+
+
+class OneDeviceStrategy(Strategy):
+    """Everything on one device: modules built in the scope and input batches are placed on it.
+
+    Example::
+
+        >>> import distrib as ds, torch
+        >>> strategy = ds.OneDeviceStrategy("cpu")
+        >>> with strategy.scope():
+        ...     model = torch.nn.Linear(3, 1)
+        >>> strategy.run(lambda x: model(x).shape, args=(torch.ones(4, 3),))
+        torch.Size([4, 1])
+    """
+
+    def __init__(self, device: "str | torch.device") -> None:
+        super().__init__([parse_device(device)], device_names=[str(device)])

@@ -1,0 +1,129 @@
+"""Strategies by name: what ``distrib train --strategy NAME`` (and anything else that picks a
+strategy from a string) builds, each with a one-line description.
+
+An entry says how to build the strategy from a :class:`StrategyRequest` and what
+the command line may launch for it (several worker processes, parameter-server
+tasks). Registering a new strategy is one :func:`register` call; nothing else
+branches on strategy names or classes.
+
+Example::
+
+    >>> from distrib.strategies import registry
+    >>> registry.get("mirrored").description
+    'synchronous, one replica per local device (every GPU, or the CPU)'
+    >>> registry.build("mirrored", registry.StrategyRequest(replicas=2)).num_replicas_in_sync
+    2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
+
+__all__ = ["StrategyRequest", "StrategyEntry", "register", "get", "names", "build"]
+
+
+@dataclass(frozen=True)
+class StrategyRequest:
+    """What a caller may ask of a strategy by name: local replicas, a device, the in-process cluster size."""
+
+    replicas: Optional[int] = None
+    device: Optional[str] = None
+    workers: int = 2
+    ps: int = 1
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """A registered strategy: its name, a one-line description and how to build it.
+
+    ``multi_worker``: it runs on several worker processes (``--workers N``).
+    ``parameter_servers``: it needs ps tasks (``--ps M``).
+    """
+
+    name: str
+    description: str
+    build: Callable[[StrategyRequest], "Strategy"]
+    multi_worker: bool = False
+    parameter_servers: bool = False
+
+
+_ENTRIES: dict[str, StrategyEntry] = {}
+
+
+def register(entry: StrategyEntry) -> None:
+    """Add (or replace) a strategy by name."""
+    _ENTRIES[entry.name] = entry
+
+
+def names() -> list[str]:
+    """Every registered name, in registration order."""
+    return list(_ENTRIES)
+
+
+def get(name: str) -> StrategyEntry:
+    """The entry registered as ``name``; ValueError naming the choices otherwise."""
+    try:
+        return _ENTRIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(_ENTRIES)}") from None
+
+
+def build(name: str, request: Optional[StrategyRequest] = None) -> "Strategy":
+    """Build the strategy registered as ``name``."""
+    return get(name).build(request or StrategyRequest())
+
+
+def _local_device_names(count: int) -> list[str]:
+    prefix = "cuda" if torch.cuda.is_available() else "cpu"
+    return [f"{prefix}:{i}" for i in range(count)]
+
+
+def _default(request: StrategyRequest) -> "Strategy":
+    from distrib.context import default_strategy
+
+    return default_strategy()
+
+
+def _one_device(request: StrategyRequest) -> "Strategy":
+    from distrib.strategies.one_device import OneDeviceStrategy
+
+    return OneDeviceStrategy(request.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+
+
+def _mirrored(request: StrategyRequest) -> "Strategy":
+    from distrib.strategies.mirrored import MirroredStrategy
+
+    return MirroredStrategy(None if request.replicas is None else _local_device_names(request.replicas))
+
+
+def _multi_worker(request: StrategyRequest) -> "Strategy":
+    from distrib.strategies.multi_worker import MultiWorkerMirroredStrategy
+
+    devices = None if request.replicas is None else _local_device_names(request.replicas)
+    return MultiWorkerMirroredStrategy(devices=devices)
+
+
+def _parameter_server(request: StrategyRequest) -> "Strategy":
+    from distrib import testing
+    from distrib.cluster import TFConfigClusterResolver
+    from distrib.parameter_server.strategy import ParameterServerStrategy
+
+    if TFConfigClusterResolver.detect():
+        return ParameterServerStrategy(TFConfigClusterResolver())
+    # no cluster given: one in this process, as seed 003's notebook builds it
+    return ParameterServerStrategy(testing.create_in_process_cluster(num_workers=request.workers, num_ps=request.ps))
+
+
+register(StrategyEntry("default", "no distribution: the step runs once, in place", _default))
+register(StrategyEntry("one-device", "one replica on one device (--device, default cuda:0 or cpu)", _one_device))
+register(StrategyEntry("mirrored", "synchronous, one replica per local device (every GPU, or the CPU)", _mirrored))
+register(StrategyEntry("multi-worker", "synchronous over worker processes (TF_CONFIG, torchrun or Slurm)",
+                       _multi_worker, multi_worker=True))
+register(StrategyEntry("parameter-server", "asynchronous: parameters on ps tasks, steps scheduled on workers",
+                       _parameter_server, multi_worker=True, parameter_servers=True))
