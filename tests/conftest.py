@@ -33,3 +33,6 @@ def make_idx_dir(directory: Path, n_train: int = 512, n_test: int = 256, seed: i
 @pytest.fixture
 def idx_dir(tmp_path: Path) -> Path:
     return make_idx_dir(tmp_path / "fashion")
+
+# helper scripts run as their own processes; never import them as test modules
+collect_ignore = ["scripts", "helpers.py"]

@@ -71,8 +71,10 @@ def scale_regularization_loss(regularization_loss: Union[torch.Tensor, Sequence[
     A list of losses is summed first.
     """
     if isinstance(regularization_loss, (list, tuple)):
-        regularization_loss = torch.stack([torch.as_tensor(x) for x in regularization_loss]).sum()
-    return regularization_loss / _replicas_in_sync()
+        total = torch.stack([torch.as_tensor(x) for x in regularization_loss]).sum()
+    else:
+        total = torch.as_tensor(regularization_loss)
+    return total / _replicas_in_sync()
 
 
 def _per_example(values: torch.Tensor) -> torch.Tensor:

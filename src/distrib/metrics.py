@@ -12,8 +12,9 @@ through ``torch.distributed`` themselves.
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -196,13 +197,13 @@ def get(identifier: Any) -> Metric:
     """A metric from a Keras name (``"accuracy"``, ``"mse"``, ``"mae"``) or a Metric (returned as is)."""
     if isinstance(identifier, Metric):
         return identifier
-    names = {
+    names: dict[str, Callable[[], Metric]] = {
         "accuracy": lambda: SparseCategoricalAccuracy(name="accuracy"),
         "acc": lambda: SparseCategoricalAccuracy(name="accuracy"),
         "sparse_categorical_accuracy": lambda: SparseCategoricalAccuracy(name="sparse_categorical_accuracy"),
     }
     for loss_name in ("mse", "mean_squared_error", "mae", "mean_absolute_error"):
-        names[loss_name] = lambda name=loss_name: MeanMetricWrapper(PER_EXAMPLE_LOSSES[name], name=name)
+        names[loss_name] = functools.partial(MeanMetricWrapper, PER_EXAMPLE_LOSSES[loss_name], name=loss_name)
     if isinstance(identifier, str) and identifier.lower() in names:
         return names[identifier.lower()]()
     raise ValueError(f"unknown metric {identifier!r}: use one of {sorted(names)} or a ds.metrics.Metric instance")

@@ -33,6 +33,9 @@ args = p.parse_args()
 
 if args.strategy == "multi-worker":
     strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=60))
+elif args.strategy == "multi-worker2":  # two logical replicas on every worker: merged locally, then reduced
+    strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=60),
+                                              devices=["cpu:0", "cpu:1"])
 elif args.strategy == "mirrored2":
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
 else:
@@ -85,4 +88,5 @@ while int(epoch) < args.epochs:
     step_in_epoch.zero_()
 if strategy.is_chief:
     torch.save([p.detach() for p in model.parameters()], args.out)
-print("done", flush=True)
+print(f"done: worker {strategy.worker_index} of {strategy.num_workers}, "
+      f"{strategy.num_replicas_in_sync} replicas in sync", flush=True)

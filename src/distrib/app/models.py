@@ -103,7 +103,7 @@ class FashionMNISTCNN(nn.Sequential):
             nn.Linear(64, NUM_CLASSES),  # 9
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(_channels_last(x))
 
 

@@ -239,7 +239,7 @@ class FashionMnistBatches:
     def __init__(self, data_dir: Optional[str], split: str, batch_size: int, seed: int) -> None:
         self.data_dir, self.split, self.batch_size, self.seed = data_dir, split, batch_size, seed
 
-    def __call__(self, input_context: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, input_context: Any) -> Iterator[tuple[torch.Tensor, ...]]:
         train, test = load_fashion_mnist(self.data_dir)
         split = train if self.split == "train" else test
         batches = TensorBatches(*split, batch_size=self.batch_size, shuffle=self.split == "train",

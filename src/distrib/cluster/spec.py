@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 __all__ = ["ClusterSpec", "TASK_TYPES", "parse_address"]
 
@@ -37,7 +37,8 @@ class ClusterSpec:
         if not isinstance(cluster, Mapping):
             raise ValueError(f"cluster: expected a mapping of task type to addresses, got {type(cluster).__name__}")
         self._jobs: dict[str, list[str]] = {}
-        for job, tasks in cluster.items():
+        for job, given in cluster.items():
+            tasks: Any = given
             if isinstance(tasks, Mapping):  # TF's sparse form {index: address}
                 tasks = [tasks[k] for k in sorted(tasks, key=int)]
             if isinstance(tasks, str) or not isinstance(tasks, Sequence):

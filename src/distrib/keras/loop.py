@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -42,6 +42,8 @@ from distrib.strategies.execution import StepExecutor
 __all__ = ["fit", "evaluate", "predict", "Loop"]
 
 Logs = dict[str, float]
+#: what fit/evaluate read: an iterable of ``(x, y)`` batches, or (parameter servers) a per-worker dataset function
+Data = Union[Iterable[Any], Callable[..., Iterable[Any]]]
 
 
 @dataclass
@@ -113,8 +115,8 @@ def _len(data: Any) -> Optional[int]:
         return None
 
 
-def fit(model: torch.nn.Module, data: Iterable[Any], *, optimizer: torch.optim.Optimizer, loss: LossLike,
-        epochs: int = 1, steps_per_epoch: Optional[int] = None, validation_data: Optional[Iterable[Any]] = None,
+def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer, loss: LossLike,
+        epochs: int = 1, steps_per_epoch: Optional[int] = None, validation_data: Optional[Data] = None,
         validation_steps: Optional[int] = None, metrics: Sequence[Any] = (), callbacks: Sequence[Callback] = (),
         verbose: Union[str, int] = "auto") -> History:
     """Train ``model`` on ``data`` (an iterable of global ``(x, y)`` batches); return the History.
@@ -185,7 +187,7 @@ def fit(model: torch.nn.Module, data: Iterable[Any], *, optimizer: torch.optim.O
     return history
 
 
-def _evaluate(model: torch.nn.Module, data: Iterable[Any], loss_fn: Any, tracked: _Tracked, steps: Optional[int],
+def _evaluate(model: torch.nn.Module, data: Data, loss_fn: Any, tracked: _Tracked, steps: Optional[int],
               cbs: CallbackList, verbosity: int, prefix: str = "") -> Logs:
     """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras."""
     executor: StepExecutor = tracked.strategy.step_executor()
@@ -220,7 +222,7 @@ def _evaluate(model: torch.nn.Module, data: Iterable[Any], loss_fn: Any, tracked
     return logs
 
 
-def evaluate(model: torch.nn.Module, data: Iterable[Any], *, loss: LossLike, steps: Optional[int] = None,
+def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optional[int] = None,
              metrics: Sequence[Any] = (), return_dict: bool = True, verbose: Union[str, int] = 0,
              callbacks: Sequence[Callback] = ()) -> Any:
     """The loss and metrics of ``model`` over ``data`` (``steps`` batches, or all), over every replica.

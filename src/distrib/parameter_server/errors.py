@@ -85,13 +85,14 @@ def scheduled_function_error(remote_type: str, message: str, remote_traceback: s
     cls: type = ScheduledFunctionError
     base = getattr(builtins, remote_type, None)
     if isinstance(base, type) and issubclass(base, Exception) and base not in (Exception, RuntimeError):
-        cls = _subclasses.get(remote_type)
-        if cls is None:
+        known = _subclasses.get(remote_type)
+        if known is None:
             try:
-                cls = type(remote_type, (ScheduledFunctionError, base), {"__module__": __name__})
+                known = type(remote_type, (ScheduledFunctionError, base), {"__module__": __name__})
             except TypeError:  # incompatible instance layouts (e.g. OSError): keep the plain class
-                cls = ScheduledFunctionError
-            _subclasses[remote_type] = cls
+                known = ScheduledFunctionError
+            _subclasses[remote_type] = known
+        cls = known
     text = (f"scheduled function raised {remote_type} on {worker}: {message}\n\n"
             f"Remote traceback (most recent call last, on {worker}):\n{remote_traceback.rstrip()}")
     try:

@@ -268,7 +268,7 @@ class ParameterClient:
         replies = self._fanout("GetOptimizerState", {
             ps: {"opt": optimizer_id, "keys": [s.key for s in spec.shards if s.ps == ps]}
             for ps in {s.ps for s in spec.shards}})
-        by_key = {}
+        by_key: dict[str, dict[str, Any]] = {}
         for ps, reply in replies.items():
             by_key.update(zip([s.key for s in spec.shards if s.ps == ps], reply["states"]))
         return [by_key[s.key] for s in spec.shards]

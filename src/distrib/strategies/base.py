@@ -24,6 +24,7 @@ checkpoint contract (``checkpoint_state``, ``restore_checkpoint_state``) and
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -191,10 +192,9 @@ class Strategy:
             return run_in_replica(self._replica_contexts[0], fn, tuple(args), kwargs, grad, inference)
         if self._threads is None:
             self._threads = ReplicaThreads(n, type(self).__name__)
-        tasks = [
-            (lambda k=k: run_in_replica(
-                self._replica_contexts[k], fn, select_replica(k, tuple(args)), select_replica(k, kwargs),
-                grad, inference))
+        tasks: list[Callable[[], Any]] = [
+            functools.partial(run_in_replica, self._replica_contexts[k], fn, select_replica(k, tuple(args)),
+                              select_replica(k, kwargs), grad, inference)
             for k in range(n)
         ]
         return regroup(self._threads.run(tasks))
@@ -318,7 +318,9 @@ class Strategy:
             if self.num_workers > 1:
                 self._communicator.all_reduce([total])
         else:
-            total = sum(t.sum(dim=axis).to(tensors[0].device) for t in tensors)  # type: ignore[assignment]
+            total = tensors[0].sum(dim=axis)
+            for t in tensors[1:]:
+                total = total + t.sum(dim=axis).to(total.device)
             count = torch.tensor(float(sum(t.shape[axis] for t in tensors)), device=total.device)
             if self.num_workers > 1:
                 self._communicator.all_reduce([total, count])

@@ -206,7 +206,7 @@ class MirroredModules:
         if copies:
             for name, sub in root.named_modules():
                 _mirrors[sub] = _Mirror(self._strategy, (sub, *(c.get_submodule(name) for c in copies)))
-                sub.forward = types.MethodType(_dispatching_forward, sub)  # type: ignore[method-assign]
+                sub.forward = types.MethodType(_dispatching_forward, sub)
         for sub in root.modules():
             context.set_owner(sub, self._strategy)
         root.register_load_state_dict_post_hook(lambda module, keys: self.refresh(module))

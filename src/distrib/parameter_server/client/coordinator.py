@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import time
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch.utils._pytree as pytree
 
@@ -42,6 +42,10 @@ from distrib.parameter_server.client.dispatch import (Closure, ClosureQueue, Per
 from distrib.parameter_server.errors import PeerUnavailableError
 from distrib.parameter_server.client.failure_policy import FailurePolicy
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.transport.rpc import Connection
+
+if TYPE_CHECKING:
+    from distrib.parameter_server.strategy import ParameterServerStrategy
 
 __all__ = ["ClusterCoordinator", "RemoteValue", "RemoteValueStatus", "PerWorkerDataset", "PerWorkerIterator",
            "FailurePolicy"]
@@ -67,6 +71,7 @@ class ClusterCoordinator:
     ``failure_policy`` decides retries (default: TF's, see
     :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy`); ``probe_interval``
     is how often (seconds) an unreachable worker is asked whether it is back.
+    ``connect`` makes the connection to each worker (a fake one in the dispatch tests).
     See the module docstring for a runnable example.
     """
 
@@ -76,12 +81,11 @@ class ClusterCoordinator:
             return existing
         return super().__new__(cls)
 
-    def __init__(self, strategy: Any, failure_policy: Optional[FailurePolicy] = None, probe_interval: float = 0.25) -> None:
+    def __init__(self, strategy: "ParameterServerStrategy", failure_policy: Optional[FailurePolicy] = None,
+                 probe_interval: float = 0.25, connect: Callable[..., Connection] = Connection) -> None:
         if getattr(self, "_initialized", False):
             return
-        from distrib.parameter_server.strategy import ParameterServerStrategy
-
-        if not isinstance(strategy, ParameterServerStrategy) or not strategy.on_coordinator:
+        if not getattr(strategy, "should_use_with_coordinator", False) or not strategy.on_coordinator:
             raise ValueError(f"ClusterCoordinator(strategy) needs the coordinator's ParameterServerStrategy, got "
                              f"{strategy!r}")
         self.strategy = strategy
@@ -96,7 +100,7 @@ class ClusterCoordinator:
         self._functions: collections.OrderedDict[Any, pickling.Payload] = collections.OrderedDict()
         self._datasets: dict[str, pickling.Payload] = {}
         addresses = strategy.cluster_spec.job_tasks("worker")
-        self._workers = [WorkerThread(self, i, a) for i, a in enumerate(addresses)]
+        self._workers = [WorkerThread(self, i, a, connect) for i, a in enumerate(addresses)]
         strategy.cluster_coordinator = self
         self._initialized = True
 
@@ -167,7 +171,7 @@ class ClusterCoordinator:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"join(): {len(q.pending)} function(s) pending and {q.inflight} running "
-                                       f"after {timeout}s; workers: {self._worker_states()}")
+                                       f"after {timeout}s; workers: {self.worker_states()}")
                 q.cond.wait(left)
             q.raise_error(clear=True)
 
@@ -197,7 +201,8 @@ class ClusterCoordinator:
         return PerWorkerDataset(dataset_id)
 
     # ------------------------------------------------------------------ introspection
-    def _worker_states(self) -> dict[str, str]:
+    def worker_states(self) -> dict[str, str]:
+        """Each worker's state as the coordinator sees it: ``connecting``, ``idle``, ``busy`` or ``down``."""
         return {w.task: w.state.value for w in self._workers}
 
     def worker_stats(self) -> list[dict]:

@@ -168,13 +168,14 @@ class PerWorkerIterator:
 class WorkerThread:
     """One worker task and the coordinator thread that feeds it."""
 
-    def __init__(self, coordinator: "ClusterCoordinator", index: int, address: str) -> None:
+    def __init__(self, coordinator: "ClusterCoordinator", index: int, address: str,
+                 connect: Callable[..., Connection] = Connection) -> None:
         self.index = index
         self.task = f"/job:worker/replica:0/task:{index}"
         self.coordinator = coordinator
         strategy = coordinator.strategy
-        self.conn = Connection(address, WORKER_SERVICE, strategy.cluster_token, strategy.tls, task=self.task,
-                               unavailable=WorkerUnavailableError)
+        self.conn = connect(address, WORKER_SERVICE, strategy.cluster_token, strategy.tls, task=self.task,
+                            unavailable=WorkerUnavailableError)
         self.state = WorkerState.CONNECTING
         self.sent_functions: set[str] = set()
         self.sent_datasets: set[str] = set()

@@ -15,12 +15,13 @@ import itertools
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
+from distrib.parameter_server.client.dispatch import PerWorkerIterator
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
 from distrib.parameter_server.datasets import WorkerBatches
 from distrib.strategies.execution import StepFn, numbered_batches
 
 if TYPE_CHECKING:
-    from distrib.parameter_server.client.coordinator import ClusterCoordinator, PerWorkerIterator
+    from distrib.parameter_server.client.coordinator import ClusterCoordinator
     from distrib.parameter_server.strategy import ParameterServerStrategy
 
 __all__ = ["ScheduledExecutor"]
@@ -67,8 +68,6 @@ class ScheduledExecutor:
         return wrapped
 
     def submit(self, fn: StepFn, step_input: Any) -> None:
-        from distrib.parameter_server.client.coordinator import PerWorkerIterator
-
         if isinstance(step_input, PerWorkerIterator):
             value = self._coordinator.schedule(self._step(fn, True), args=(step_input,))
         else:

@@ -64,7 +64,7 @@ class _Shard:
 
 
 def _build_optimizer(cls: type, param: torch.nn.Parameter, options: dict[str, Any]) -> torch.optim.Optimizer:
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in options.items() if k in accepted}
     # detached: with an in-process cluster, a strategy scope open on the coordinator's thread
     # must not capture the optimizers this ps builds

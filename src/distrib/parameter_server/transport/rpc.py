@@ -21,7 +21,7 @@ import logging
 import os
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import grpc
 
@@ -124,7 +124,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token.encode()
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         given = ""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == TOKEN_METADATA:

@@ -61,7 +61,7 @@ class _Encoder:
         if t.dtype not in _NAMES:
             raise WireError(f"cannot send a tensor of dtype {t.dtype}; supported: {', '.join(DTYPES)}")
         flat = t.contiguous().reshape(-1)
-        raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        raw = flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
         return [_NAMES[t.dtype], list(t.shape), self.buffer(raw)]
 
     def node(self, x: Any) -> Any:

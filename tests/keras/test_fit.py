@@ -13,9 +13,7 @@ import torch.nn.functional as F
 
 import distrib as ds
 
-from test_multi_worker import launch
-
-SCRIPTS = Path(__file__).parent / "scripts"
+from helpers import SCRIPTS, launch
 
 
 def data(n: int = 96, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -86,6 +84,82 @@ def test_fit_under_an_in_process_parameter_server_cluster_lowers_the_loss_every_
             ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse")
     finally:
         ds.testing.stop_in_process_cluster(resolver)
+
+
+class Recorder(ds.callbacks.Callback):
+    """Every hook call, in order, as (hook, batch or epoch)."""
+
+    def __init__(self, backup_dir: str = "") -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.backup_dir = backup_dir
+        self.backup_at_first_epoch_end: object = None
+        self.train_end_logs: object = None
+
+    def __getattribute__(self, name: str):  # record every on_* hook without writing each one
+        if name.startswith("on_"):
+            calls = object.__getattribute__(self, "calls")
+            special = object.__getattribute__(self, "_special")
+
+            def hook(*args: object) -> None:
+                calls.append((name, args[0] if args and isinstance(args[0], int) else None))
+                special(name, args)
+
+            return hook
+        return object.__getattribute__(self, name)
+
+    def _special(self, name: str, args: tuple) -> None:
+        if name == "on_epoch_end" and args[0] == 0 and self.backup_dir:
+            self.backup_at_first_epoch_end = ds.latest_checkpoint(self.backup_dir)
+        if name == "on_train_end":
+            self.train_end_logs = args[0] if args else None
+
+    def count(self, hook: str) -> int:
+        return sum(1 for name, _ in self.calls if name == hook)
+
+    def batches(self, hook: str) -> list[object]:
+        return [i for name, i in self.calls if name == hook]
+
+
+def test_under_parameter_servers_every_hook_fires_batch_ends_in_step_order_and_backups_are_mid_epoch(tmp_path):
+    resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=1)
+    try:
+        strategy = ds.ParameterServerStrategy(resolver)
+        with strategy.scope():
+            model = torch.nn.Sequential(torch.nn.Linear(2, 1))
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
+        features = torch.tensor([[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])
+        labels = torch.tensor([[0.3], [0.5], [0.7]])
+        backup = str(tmp_path / "backup")
+        recorder = Recorder(backup_dir=backup)
+        ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
+               validation_data=[(features, labels)], validation_steps=2, verbose=0,
+               callbacks=[ds.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False), recorder])
+        assert recorder.count("on_train_batch_end") == 30
+        assert recorder.batches("on_train_batch_end") == list(range(10)) * 3  # in step order, every epoch
+        assert recorder.count("on_train_batch_begin") == 30
+        assert recorder.backup_at_first_epoch_end is not None  # written by save_freq=4, before the epoch ended
+        assert recorder.count("on_test_batch_end") == 6 and recorder.count("on_test_end") == 3
+        assert set(recorder.train_end_logs) == {"loss", "val_loss"}
+        ds.predict(model, [features, features], callbacks=[recorder])
+        assert recorder.batches("on_predict_batch_end") == [0, 1] and recorder.count("on_predict_end") == 1
+    finally:
+        ds.testing.stop_in_process_cluster(resolver)
+
+
+@pytest.mark.parametrize("make", [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])])
+def test_every_hook_fires_under_synchronous_strategies(make):
+    model, optimizer = build(make())
+    recorder = Recorder()
+    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, validation_data=data(32), verbose=0,
+           callbacks=[recorder])
+    assert recorder.batches("on_train_batch_end") == list(range(6)) * 2
+    assert recorder.count("on_test_batch_end") == 4 and recorder.count("on_epoch_end") == 2
+    assert set(recorder.train_end_logs) == {"loss", "val_loss"}
+    out = ds.predict(model, data(32), callbacks=[recorder])
+    assert out.shape == (32, 1) and recorder.batches("on_predict_batch_end") == [0, 1]
+    assert [name for name, _ in recorder.calls if "predict" in name] == [
+        "on_predict_begin", "on_predict_batch_begin", "on_predict_batch_end", "on_predict_batch_begin",
+        "on_predict_batch_end", "on_predict_end"]
 
 
 def run_fit(*args: str, attempt: int = 0) -> subprocess.CompletedProcess:

@@ -14,29 +14,7 @@ import pytest
 import torch
 
 import distrib as ds
-from distrib.cluster import TFConfigClusterResolver, TFConfigError
-
-SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def launch(*args: str, timeout: float = 120) -> tuple[int, str, float]:
-    """Run `distrib launch ARGS` in its own process group; kill the whole group if it overruns."""
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "distrib.app.cli", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"distrib launch {' '.join(args)} did not finish in {timeout}s:\n{out}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing it started may outlive the test
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out, time.monotonic() - start
-
+from helpers import SCRIPTS, assert_params_equal, launch
 
 def run_script(tmp_path: Path, strategy: str) -> list[torch.Tensor]:
     out = tmp_path / f"{strategy}.pt"
@@ -46,21 +24,23 @@ def run_script(tmp_path: Path, strategy: str) -> list[torch.Tensor]:
     return torch.load(out)
 
 
-def assert_params_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-
-
 def test_two_workers_two_local_replicas_and_one_replica_end_with_the_same_parameters(tmp_path):
     code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_train.py"), "--out", str(tmp_path / "mw.pt"))
     assert code == 0, out
-    assert out.count("done") == 2 and "[worker 1] done" in out
+    assert "[worker 1] done: worker 1 of 2, 2 replicas in sync" in out and out.count("done") == 2
     two_workers = torch.load(tmp_path / "mw.pt")
     one_replica = run_script(tmp_path, "default")
     two_replicas = run_script(tmp_path, "mirrored2")
     assert_params_equal(two_workers, one_replica)
     assert_params_equal(two_replicas, one_replica)
+
+
+def test_two_workers_of_two_local_replicas_each_merge_locally_then_reduce_to_one_replica_s_parameters(tmp_path):
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_train.py"), "--out", str(tmp_path / "mw22.pt"),
+                          "--strategy", "multi-worker2")
+    assert code == 0, out
+    assert "[worker 0] done: worker 0 of 2, 4 replicas in sync" in out
+    assert_params_equal(torch.load(tmp_path / "mw22.pt"), run_script(tmp_path, "default"))
 
 
 def test_a_worker_killed_mid_epoch_resumes_under_max_restarts_to_the_uninterrupted_parameters(tmp_path):
@@ -112,43 +92,3 @@ def test_uneven_shards_end_the_epoch_together_and_count_every_example_once(tmp_p
     # every worker called save and got its path back; only the chief wrote anything
     assert "[worker 1] saved " in out and (tmp_path / "w0" / "ckpt-1.pt").is_file()
     assert not (tmp_path / "w1").exists()
-
-
-def test_launch_returns_the_first_failures_exit_code(tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text("import json, os, sys, time\n"
-                      "t = json.loads(os.environ['TF_CONFIG'])['task']\n"
-                      "sys.exit(7) if t['index'] == 1 else time.sleep(60)\n")
-    code, out, elapsed = launch("--workers", "2", str(script), timeout=60)
-    assert code == 7 and "worker 1 failed with exit code 7" in out
-    assert elapsed < 30  # the sleeping worker was stopped, not waited for
-
-
-@pytest.mark.parametrize("config, field", [
-    ("{not json", "not valid JSON"),
-    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "boss", "index": 0}}', "task.type"),
-    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}', "task.index"),
-    ('{"cluster": {"worker": ["localhost:1", "localhost:1"]}, "task": {"type": "worker", "index": 0}}',
-     r"cluster.worker\[1\]"),
-    ('{"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}', r"cluster.worker\[0\]"),
-    ('{"cluster": {"wrkr": ["localhost:1"]}, "task": {"type": "worker", "index": 0}}', "cluster.wrkr"),
-    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "ps", "index": 0}}', "task.type"),
-])
-def test_malformed_tf_config_names_the_field_at_fault(config, field):
-    with pytest.raises(TFConfigError, match=field):
-        TFConfigClusterResolver(environ={"TF_CONFIG": config})
-
-
-def test_tf_config_chief_and_ranks():
-    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]}
-    r = TFConfigClusterResolver(environ={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}})})
-    assert (r.task_type, r.task_id, r.is_chief, r.master()) == ("worker", 1, False, "localhost:1")
-    from distrib.strategies.multi_worker import worker_rank
-
-    assert worker_rank(r) == (2, 3)
-    torchrun = ds.cluster_resolver.resolve({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9"})
-    assert (torchrun.task_type, torchrun.task_id, torchrun.master()) == ("worker", 1, "h:9")
-    slurm = ds.cluster_resolver.SlurmClusterResolver(environ={
-        "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "node[01-02]"})
-    assert slurm.cluster_spec().as_dict() == {"worker": ["node01:8888", "node01:8889", "node02:8888", "node02:8889"]}
-    assert slurm.task_id == 3 and not slurm.is_chief

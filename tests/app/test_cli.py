@@ -1,0 +1,49 @@
+"""`distrib` command line: every `train` option reaches the worker processes; strategies come from the registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from distrib.app.cli import build_parser, forwarded_arguments
+from distrib.strategies import registry
+
+# a value other than the default for every option of `distrib train`
+EVERY_OPTION = ["--strategy", "multi-worker", "--workers", "3", "--ps", "0", "--max-restarts", "2", "--epochs", "4",
+                "--batch-size-per-replica", "16", "--replicas", "2", "--device", "cpu", "--checkpoint-dir", "/c",
+                "--data-dir", "/d", "--seed", "7", "--compile", "--no-progress", "--fit", "--tensorboard", "/tb",
+                "--metrics-file", "/m.jsonl"]
+
+
+def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_own():
+    args = build_parser().parse_args(["train", *EVERY_OPTION])
+    child = forwarded_arguments(args)
+    assert "--compile" in child and "--workers" not in child and "--max-restarts" not in child
+    again = build_parser().parse_args(["train", *child])
+    launcher_only = {"workers", "max_restarts", "ps"}
+    for name, value in vars(args).items():
+        if name not in launcher_only:
+            assert getattr(again, name) == value, name
+    # and every option of the parser is in EVERY_OPTION, so a new option cannot be left out of this test
+    parser_options = {o for o in build_parser().parse_args(["train"]).__dict__} - {"command", "verbose"}
+    assert parser_options == {o.lstrip("-").replace("-", "_") for o in EVERY_OPTION if o.startswith("--")
+                              and not o.startswith("--no-")} | {"progress"}
+
+
+def test_defaults_are_not_forwarded_and_booleans_keep_their_sense():
+    args = build_parser().parse_args(["train", "--progress"])
+    assert forwarded_arguments(args) == ["--progress"]
+
+
+def test_strategy_choices_and_help_come_from_the_registry(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = capsys.readouterr().out
+    for name in registry.names():
+        assert name in text and registry.get(name).description.split()[0] in text
+
+
+def test_a_strategy_that_cannot_run_on_workers_is_refused(capsys):
+    from distrib.app.cli import main
+
+    assert main(["train", "--strategy", "mirrored", "--workers", "2"]) == 2
+    assert "needs a multi-worker strategy" in capsys.readouterr().err

@@ -1,0 +1,192 @@
+"""The coordinator's dispatch state machine, driven by fake workers (no network, no processes).
+
+Each fake worker answers the coordinator's calls from a script the test writes:
+results, a lost connection, a function error, a lost parameter server. What is
+checked is what the coordinator does with them: the RemoteValue transitions, retries
+on another worker, probing a lost worker back into use, cancelling, failing for good.
+The real workers are exercised in test_parameter_server*.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import pytest
+
+from distrib.cluster import ClusterSpec
+from distrib.parameter_server.client.coordinator import ClusterCoordinator
+from distrib.parameter_server.client.remote_value import RemoteValueStatus
+from distrib.parameter_server.errors import (ClosureCancelledError, ParameterServerUnavailableError,
+                                             PeerUnavailableError, ScheduledFunctionError)
+from distrib.parameter_server.transport import wire
+
+# what a fake worker does with call argument x: ("ok", value) | ("lost",) | ("error", message) | ("ps_lost",)
+Script = Callable[["FakeWorker", int], tuple[Any, ...]]
+
+
+class FakeStrategy:
+    should_use_with_coordinator = True
+    on_coordinator = True
+    cluster_token = "token"
+    tls = None
+
+    def __init__(self, workers: int) -> None:
+        self.cluster_spec = ClusterSpec({"worker": [f"w{i}:1" for i in range(workers)], "ps": ["p:1"]})
+        self.cluster_coordinator: Optional[ClusterCoordinator] = None
+
+    def persistent_id(self, obj: Any) -> None:
+        return None
+
+    def optimizer_options(self) -> dict[str, Any]:
+        return {}
+
+
+class FakeWorker:
+    def __init__(self, script: Script, address: str, service: str, token: str, tls: Any = None,
+                 task: Optional[str] = None, unavailable: type[PeerUnavailableError] = PeerUnavailableError) -> None:
+        self.script, self.address, self.task, self.unavailable = script, address, task, unavailable
+        self.index = int(address[1:].split(":")[0])
+        self.up = True
+        self.ran: list[int] = []
+        self.lock = threading.Lock()
+
+    def _down(self) -> PeerUnavailableError:
+        return self.unavailable(self.address, "connection refused", self.task)
+
+    def call(self, method: str, payload: bytes, timeout: Optional[float] = None, wait_for_ready: bool = False) -> bytes:
+        if not self.up:
+            raise self._down()
+        if method == "Health":
+            return wire.encode({"ok": True})
+        return self.result(payload)
+
+    def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> bytes:
+        return payload  # the call happens when its result is asked for
+
+    def result(self, payload: bytes) -> bytes:
+        if not self.up:
+            raise self._down()
+        results = []
+        for call in wire.decode(payload)["calls"]:
+            (x,) = call["args"]
+            with self.lock:
+                outcome = self.script(self, x)
+            if outcome[0] == "lost":
+                self.up = False
+                raise self._down()
+            if outcome[0] == "ok":
+                self.ran.append(x)
+                results.append(wire.encode({"status": "ok", "result": outcome[1], "seconds": 0.0}))
+                continue
+            if outcome[0] == "error":
+                reply = {"status": "error", "type": "ValueError", "message": outcome[1], "traceback": "Traceback..."}
+            else:
+                reply = {"status": "ps_unavailable", "address": "p:1", "task": "/job:ps/task:0", "message": "gone"}
+            results.append(wire.encode(reply))
+            break
+        return wire.encode({"results": results})
+
+    def close(self) -> None:
+        pass
+
+
+def _coordinator(script: Script, workers: int = 2,
+                 down: tuple[int, ...] = ()) -> tuple[ClusterCoordinator, dict[int, FakeWorker]]:
+    fakes: dict[int, FakeWorker] = {}
+
+    def connect(*args: Any, **kwargs: Any) -> FakeWorker:
+        fake = FakeWorker(script, *args, **kwargs)
+        fake.up = fake.index not in down
+        fakes[fake.index] = fake
+        return fake
+
+    coordinator = ClusterCoordinator(FakeStrategy(workers), probe_interval=0.01, connect=connect)  # type: ignore[arg-type]
+    return coordinator, fakes
+
+
+def _state(coordinator: ClusterCoordinator, worker: int) -> str:
+    return coordinator.worker_states()[f"/job:worker/replica:0/task:{worker}"]
+
+
+def _identity(x: int) -> int:
+    return x
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_every_function_runs_once_and_its_value_goes_pending_running_ready():
+    coordinator, fakes = _coordinator(lambda w, x: ("ok", x * 10))
+    values = [coordinator.schedule(_identity, args=(i,)) for i in range(20)]
+    coordinator.join(timeout=10)
+    assert coordinator.fetch(values) == [i * 10 for i in range(20)]
+    assert sorted(fakes[0].ran + fakes[1].ran) == list(range(20))
+    assert all(v.status is RemoteValueStatus.READY and v.attempts == 1 for v in values)
+    coordinator.close()
+
+
+def test_a_lost_worker_s_function_runs_again_on_another_and_the_worker_is_used_again_when_back():
+    def script(worker: FakeWorker, x: int) -> tuple[Any, ...]:
+        if worker.index == 0 and x == 3 and 3 not in lost:
+            lost.add(3)
+            return ("lost",)
+        return ("ok", x)
+
+    lost: set[int] = set()
+    coordinator, fakes = _coordinator(script, down=(1,))  # only worker 0 takes the first functions
+    assert _state(coordinator, 1) == "connecting"
+    values = [coordinator.schedule(_identity, args=(i,)) for i in range(4)]
+    _wait_for(lambda: not fakes[0].up)  # worker 0 was lost while running function 3
+    assert _state(coordinator, 0) == "down"
+    fakes[1].up = True
+    coordinator.join(timeout=10)
+    assert coordinator.fetch(values) == [0, 1, 2, 3]
+    assert values[3].attempts == 2 and values[3].worker == "/job:worker/replica:0/task:1"
+    fakes[0].up = True  # back: probed, then used again
+    _wait_for(lambda: _state(coordinator, 0) == "idle")
+    fakes[1].up = False
+    more = [coordinator.schedule(_identity, args=(i,)) for i in range(10, 13)]
+    coordinator.join(timeout=10)
+    assert coordinator.fetch(more) == [10, 11, 12] and {10, 11, 12} <= set(fakes[0].ran)
+    coordinator.close()
+
+
+def test_a_function_error_fails_it_cancels_the_rest_and_join_raises_once():
+    gate = threading.Event()
+
+    def script(worker: FakeWorker, x: int) -> tuple[Any, ...]:
+        if x == 0:
+            gate.wait(5)  # hold worker 0 so that the error comes while others are queued
+        return ("error", "bad input 2") if x == 2 else ("ok", x)
+
+    coordinator, fakes = _coordinator(script, workers=1)
+    values = [coordinator.schedule(_identity, args=(i,)) for i in range(6)]
+    gate.set()
+    with pytest.raises(ScheduledFunctionError, match="bad input 2") as raised:
+        coordinator.join(timeout=10)
+    assert isinstance(raised.value, ValueError)  # the builtin class of the remote error
+    assert values[2].status is RemoteValueStatus.FAILED
+    assert {values[i].status for i in range(3, 6)} == {RemoteValueStatus.CANCELLED}
+    with pytest.raises(ClosureCancelledError):
+        values[5].fetch()
+    again = coordinator.schedule(_identity, args=(7,))  # the error was raised: scheduling works again
+    coordinator.join(timeout=10)
+    assert again.fetch() == 7
+    coordinator.close()
+
+
+def test_a_lost_parameter_server_fails_the_coordinator_for_good():
+    coordinator, _ = _coordinator(lambda w, x: ("ps_lost",) if x == 1 else ("ok", x), workers=1)
+    values = [coordinator.schedule(_identity, args=(i,)) for i in range(3)]
+    with pytest.raises(ParameterServerUnavailableError, match="restart the cluster"):
+        coordinator.join(timeout=10)
+    assert values[0].fetch() == 0 and values[1].status is RemoteValueStatus.FAILED
+    with pytest.raises(ParameterServerUnavailableError):
+        coordinator.schedule(_identity, args=(9,))
+    coordinator.close()

@@ -1,0 +1,55 @@
+"""The package as a whole: what `import distrib` loads, its import graph, and what it leaves on user objects."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import distrib as ds
+
+ROOT = Path(__file__).resolve().parents[1]
+CYCLES_TOOL = ROOT.parent / "shared" / "tools" / "import_cycles.py"
+
+
+def test_import_distrib_loads_no_parameter_server_dependency():
+    code = "import distrib, sys; print(sorted({'grpc', 'cloudpickle'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    code = "import distrib as ds, sys; ds.ParameterServerStrategy; print('grpc' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"  # loaded on first use
+
+
+@pytest.mark.skipif(not CYCLES_TOOL.is_file(), reason="the shared import-cycle tool is not beside this checkout")
+def test_no_runtime_import_cycle_inside_the_package():
+    result = subprocess.run([sys.executable, str(CYCLES_TOOL), str(ROOT / "src"), "distrib"], capture_output=True,
+                            text=True)
+    assert '"cycles": []' in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("make", [lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]), lambda: ds.OneDeviceStrategy("cpu")])
+def test_distributing_sets_no_attribute_on_the_user_s_objects(make):
+    strategy = make()
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for mine, theirs in zip(model.modules(), plain.modules()):
+        # `forward` is the one documented change (replica dispatch, with several local replicas)
+        assert set(vars(mine)) - {"forward"} == set(vars(theirs))
+    assert set(vars(optimizer)) - {"step", "zero_grad"} == set(vars(plain_optimizer))
+    assert ds.context.owner_of(model) is strategy and ds.context.owner_of(optimizer) is strategy
+
+
+def test_every_strategy_has_a_public_topology():
+    for strategy in (ds.get_strategy(), ds.OneDeviceStrategy("cpu"), ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+                     ds.MultiWorkerMirroredStrategy(devices=["cpu:0"])):
+        assert (strategy.worker_index, strategy.num_workers, strategy.is_chief) == (0, 1, True)
+        assert strategy.num_local_replicas * strategy.num_workers == strategy.num_replicas_in_sync
+        assert len(strategy.local_devices) == strategy.num_local_replicas
+        strategy.barrier()
