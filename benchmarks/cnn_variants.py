@@ -50,7 +50,7 @@ class AmaxPoolCNN(models.FashionMNISTCNN):
                 x = x[:, :, : h // 2 * 2, : w // 2 * 2]
                 x = x.unflatten(3, (w // 2, 2)).unflatten(2, (h // 2, 2)).amax(dim=(3, 5))
             else:
-                x = layer(models._channels_last(x) if i == 0 else x)
+                x = layer(models.channels_last(x) if i == 0 else x)
         return x
 
 

@@ -84,3 +84,12 @@ def test_train_on_parameter_servers_through_launch(idx_dir, tmp_path, capsys):
     restored = float(re.search(r"without strategy: ([\d.]+)", out).group(1))
     assert accuracy > 0.3 and restored > 30.0
     assert (ckpt / "ckpt-1.pt").exists()
+
+
+def test_compile_reaches_every_worker_process(idx_dir, tmp_path, capsys):
+    code = main(["train", "--workers", "2", "--compile", "--epochs", "1", "--batch-size-per-replica", "64",
+                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(tmp_path / "ckpt")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for worker in (0, 1):  # `compiled` here; `fell back to eager` where this machine cannot compile
+        assert re.search(rf"\[worker {worker}\] torch.compile: (compiled|fell back to eager) on worker {worker}", out)

@@ -70,7 +70,7 @@ def keras_init_(module: nn.Module) -> nn.Module:
     return module
 
 
-def _channels_last(x: torch.Tensor) -> torch.Tensor:
+def channels_last(x: torch.Tensor) -> torch.Tensor:
     """Return ``x`` (N, C, H, W) with channels-last strides; a view when C == 1."""
     if x.dim() != 4:
         return x
@@ -104,7 +104,7 @@ class FashionMNISTCNN(nn.Sequential):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(_channels_last(x))
+        return super().forward(channels_last(x))
 
 
 def fashion_mnist_cnn() -> nn.Module:
@@ -154,6 +154,11 @@ class _CompiledOrEager(nn.Module):
         self.model = model  # shares parameters with the caller's model
         self._compiled: Optional[Callable[..., Any]] = compiled
         self._backward_checked = False
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiled forward and backward both ran (False once it fell back to eager)."""
+        return self._compiled is not None and self._backward_checked
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled is None:

@@ -182,6 +182,10 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
             "examples_per_sec": len(train_split.labels) / seconds,
         }
         history.append(row)
+        if config.compile and epoch == 0:  # every worker says whether its model runs compiled
+            compiled = getattr(forward, "compiled", False)
+            print(f"torch.compile: {'compiled' if compiled else 'fell back to eager'} on worker "
+                  f"{strategy.worker_index}", flush=True)
         if chief:
             print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
         reporters.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,

@@ -11,7 +11,12 @@ __all__ = ["ClusterResolver", "SimpleClusterResolver"]
 
 
 class ClusterResolver:
-    """A cluster spec plus this process's task. Subclasses read one environment each."""
+    """A cluster spec plus this process's task. Subclasses read one environment each.
+
+    ``rpc_layer`` is kept as TF reads it (from ``TF_CONFIG``) but does not choose a
+    transport: workers always talk through ``torch.distributed`` (gloo or NCCL) and
+    parameter servers through gRPC (see docs/migration.md).
+    """
 
     rpc_layer: Optional[str] = "grpc"
 
@@ -36,7 +41,13 @@ class ClusterResolver:
             return True
         return (self.task_type, self.task_id or 0) == spec.chief()
 
-    def num_accelerators(self) -> dict[str, int]:
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: object = None) -> dict[str, int]:
+        """The accelerators of this machine, ``{"GPU": n}`` (``{}`` without CUDA).
+
+        TF asks the given task; distrib can only see this process's machine, so
+        ``task_type``, ``task_id`` and ``config_proto`` are accepted and ignored.
+        """
         import torch
 
         return {"GPU": torch.cuda.device_count()} if torch.cuda.is_available() else {}

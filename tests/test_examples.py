@@ -1,0 +1,41 @@
+"""Every example under examples/ runs, on small data the test makes (the parameter-server ones are in
+tests/parameter_server/test_ps_units.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import make_idx_dir
+from helpers import launch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_custom_training_seed_000(tmp_path):
+    data = make_idx_dir(tmp_path / "data", n_train=1280)  # the iterator section takes 10 steps of 128
+    result = subprocess.run([sys.executable, str(EXAMPLES / "custom_training.py"), "--replicas", "2", "--epochs", "1",
+                             "--data-dir", str(data), "--checkpoint-dir", str(tmp_path / "ckpt")],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Number of devices: 2" in result.stdout
+    assert len(re.findall(r"Epoch 1, Loss: [\d.]+, Accuracy: [\d.]+", result.stdout)) == 3
+    assert "Accuracy after restoring the saved model without strategy" in result.stdout
+
+
+def test_multi_worker_ctl_seed_001_on_two_workers(tmp_path):
+    data = make_idx_dir(tmp_path / "data")
+    code, out, _ = launch("--workers", "2", str(EXAMPLES / "multi_worker_ctl.py"), "--data-dir", str(data),
+                          "--epochs", "2", "--steps-per-epoch", "3", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert code == 0, out
+    for worker in (0, 1):
+        assert f"[worker {worker}] Epoch: 1, accuracy:" in out
+
+
+def test_ps_fit_seed_003_in_process():
+    result = subprocess.run([sys.executable, str(EXAMPLES / "ps_fit.py")], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    losses = [float(x) for x in re.findall(r"10/10 - \S+ - loss: ([\d.]+)", result.stdout)]
+    assert len(losses) == 5 and all(b < a for a, b in zip(losses, losses[1:])), result.stdout
