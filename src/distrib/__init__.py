@@ -45,7 +45,6 @@ imports neither grpc nor cloudpickle); the ``distrib train`` app in :mod:`distri
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from distrib import cluster as cluster_resolver
@@ -58,6 +57,7 @@ from distrib.input import InputContext
 from distrib.keras import callbacks
 from distrib.keras.loop import evaluate, fit, predict
 from distrib.losses import compute_average_loss, scale_regularization_loss
+from distrib import parameter_server
 from distrib.parameter_server import partitioners
 from distrib.strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 from distrib.strategies.replica import ReplicaContext
@@ -69,12 +69,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# Parameter-server names: loaded on first use, so that grpc and cloudpickle are imported only when needed.
-_LAZY = {
-    "ParameterServerStrategy": "distrib.parameter_server.strategy",
-    "Server": "distrib.parameter_server.server.server",
-    "coordinator": "distrib.parameter_server.client.coordinator",
-}
+# Parameter-server names come from distrib.parameter_server, which loads them (and grpc) on first use.
+_FROM_PARAMETER_SERVER = ("ParameterServerStrategy", "Server", "coordinator")
 
 __all__ = [
     "Checkpoint",
@@ -113,10 +109,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
+    if name not in _FROM_PARAMETER_SERVER:
         raise AttributeError(f"module 'distrib' has no attribute {name!r}")
-    module = importlib.import_module(module_name)
-    value = module if name == "coordinator" else getattr(module, name)
+    value = getattr(parameter_server, name)
     globals()[name] = value
     return value

@@ -65,25 +65,30 @@ def test_fit_gives_the_weights_of_the_equivalent_custom_loop(make):
         torch.testing.assert_close(ds.predict(model, batches), model(x))
 
 
-def test_fit_under_an_in_process_parameter_server_cluster_lowers_the_loss_every_epoch():
+@pytest.fixture
+def seed_003():
+    """Seed 003's regression on an in-process cluster: (model, optimizer, features, labels)."""
     resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=1)
     try:
         strategy = ds.ParameterServerStrategy(resolver)
         with strategy.scope():
             model = torch.nn.Sequential(torch.nn.Linear(2, 1))
             optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
-        features = torch.tensor([[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])
-        labels = torch.tensor([[0.3], [0.5], [0.7]])
-        history = ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=5, steps_per_epoch=10,
-                         verbose=0)
-        losses = history.history["loss"]
-        assert all(b < a for a, b in zip(losses, losses[1:])), losses
-        result = ds.evaluate(model, [(features, labels)], loss="mse", steps=4)
-        assert result["loss"] < losses[0]
-        with pytest.raises(ValueError, match="steps_per_epoch"):
-            ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse")
+        yield model, optimizer, torch.tensor([[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]]), torch.tensor([[0.3], [0.5], [0.7]])
     finally:
         ds.testing.stop_in_process_cluster(resolver)
+
+
+def test_fit_under_an_in_process_parameter_server_cluster_lowers_the_loss_every_epoch(seed_003):
+    model, optimizer, features, labels = seed_003
+    history = ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=5, steps_per_epoch=10,
+                     verbose=0)
+    losses = history.history["loss"]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    result = ds.evaluate(model, [(features, labels)], loss="mse", steps=4)
+    assert result["loss"] < losses[0]
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse")
 
 
 class Recorder(ds.callbacks.Callback):
@@ -120,30 +125,22 @@ class Recorder(ds.callbacks.Callback):
         return [i for name, i in self.calls if name == hook]
 
 
-def test_under_parameter_servers_every_hook_fires_batch_ends_in_step_order_and_backups_are_mid_epoch(tmp_path):
-    resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=1)
-    try:
-        strategy = ds.ParameterServerStrategy(resolver)
-        with strategy.scope():
-            model = torch.nn.Sequential(torch.nn.Linear(2, 1))
-            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
-        features = torch.tensor([[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])
-        labels = torch.tensor([[0.3], [0.5], [0.7]])
-        backup = str(tmp_path / "backup")
-        recorder = Recorder(backup_dir=backup)
-        ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
-               validation_data=[(features, labels)], validation_steps=2, verbose=0,
-               callbacks=[ds.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False), recorder])
-        assert recorder.count("on_train_batch_end") == 30
-        assert recorder.batches("on_train_batch_end") == list(range(10)) * 3  # in step order, every epoch
-        assert recorder.count("on_train_batch_begin") == 30
-        assert recorder.backup_at_first_epoch_end is not None  # written by save_freq=4, before the epoch ended
-        assert recorder.count("on_test_batch_end") == 6 and recorder.count("on_test_end") == 3
-        assert set(recorder.train_end_logs) == {"loss", "val_loss"}
-        ds.predict(model, [features, features], callbacks=[recorder])
-        assert recorder.batches("on_predict_batch_end") == [0, 1] and recorder.count("on_predict_end") == 1
-    finally:
-        ds.testing.stop_in_process_cluster(resolver)
+def test_under_parameter_servers_every_hook_fires_batch_ends_in_step_order_and_backups_are_mid_epoch(tmp_path,
+                                                                                                     seed_003):
+    model, optimizer, features, labels = seed_003
+    backup = str(tmp_path / "backup")
+    recorder = Recorder(backup_dir=backup)
+    ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
+           validation_data=[(features, labels)], validation_steps=2, verbose=0,
+           callbacks=[ds.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False), recorder])
+    assert recorder.count("on_train_batch_end") == 30
+    assert recorder.batches("on_train_batch_end") == list(range(10)) * 3  # in step order, every epoch
+    assert recorder.count("on_train_batch_begin") == 30
+    assert recorder.backup_at_first_epoch_end is not None  # written by save_freq=4, before the epoch ended
+    assert recorder.count("on_test_batch_end") == 6 and recorder.count("on_test_end") == 3
+    assert set(recorder.train_end_logs) == {"loss", "val_loss"}
+    ds.predict(model, [features, features], callbacks=[recorder])
+    assert recorder.batches("on_predict_batch_end") == [0, 1] and recorder.count("on_predict_end") == 1
 
 
 @pytest.mark.parametrize("make", [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])])
