@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The full fault suite (issue 10): every scenario with its full number of trials, real processes on
+# loopback, each printing its figure. The README's test command runs a fast variant of each scenario.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec python3 -m pytest -q -s -p no:cacheprovider tests/faults -m "faults_full or not faults_full" "$@"
