@@ -52,7 +52,8 @@ from distrib import metrics, testing
 from distrib.checkpoint import Checkpoint, CheckpointError, CheckpointManager, latest_checkpoint
 from distrib.cluster import ClusterSpec
 from distrib.comm import CollectiveError, CommunicationOptions
-from distrib.context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
+from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
+                             in_cross_replica_context)
 from distrib.input import InputContext
 from distrib.keras import callbacks
 from distrib.keras.loop import evaluate, fit, predict
@@ -60,6 +61,7 @@ from distrib.losses import compute_average_loss, scale_regularization_loss
 from distrib import parameter_server
 from distrib.parameter_server import partitioners
 from distrib.strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
+from distrib.strategies.base import RunOptions, UnscaledLossWarning, ValueContext
 from distrib.strategies.replica import ReplicaContext
 from distrib.values import PerReplica, ReduceOp
 
@@ -87,14 +89,18 @@ __all__ = [
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
+    "RunOptions",
     "Server",
     "Strategy",
+    "UnscaledLossWarning",
+    "ValueContext",
     "callbacks",
     "cluster_resolver",
     "compute_average_loss",
     "coordinator",
     "evaluate",
     "fit",
+    "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

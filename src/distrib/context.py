@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
     from distrib.strategies.replica import ReplicaContext
 
-__all__ = ["get_strategy", "has_strategy", "get_replica_context", "in_cross_replica_context"]
+__all__ = ["get_strategy", "has_strategy", "get_replica_context", "get_cross_replica_context",
+           "in_cross_replica_context"]
 
 _thread = threading.local()
 # Scopes nest per process, not per thread: replica threads must see the scope
@@ -141,6 +142,13 @@ def has_strategy() -> bool:
 def in_cross_replica_context() -> bool:
     """True inside a scope and outside ``run``."""
     return current_replica() is None and current_scope() is not None
+
+
+def get_cross_replica_context() -> Optional["Strategy"]:
+    """The current strategy in a cross-replica context (the default one outside every scope); None inside ``run``."""
+    if current_replica() is not None:
+        return None
+    return current_scope() or default_strategy()
 
 
 def get_replica_context() -> Optional["ReplicaContext"]:

@@ -15,18 +15,21 @@ Two entry points, as in ``tf.distribute``:
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.utils._pytree as pytree
 
+from distrib.comm import CollectiveError
 from distrib.values import regroup
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["InputContext", "DistributedDataset", "DistributedDatasetsFromFunction", "split_batch"]
+__all__ = ["InputContext", "DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator",
+           "OptionalValue", "OutOfRangeError", "TensorSpec", "split_batch", "spec_of"]
 
 
 @dataclass(frozen=True)
@@ -101,34 +104,29 @@ def _empty_like(batch: Any) -> Any:
 class DistributedDataset:
     """Global batches of ``dataset``, each split over the replicas in sync.
 
-    Iterate it with ``for x in dist_ds`` or ``iter``/``next``; each element is what
-    ``strategy.run`` takes: the local replicas' parts (a structure of PerReplica
-    leaves when this process has several replicas, the plain part when it has one).
-    Under multi-worker strategies every worker must see the same global batches
-    (same data, same shuffle seed); each keeps its replicas' parts.
+    Iterate it with ``for x in dist_ds`` or ``iter``/``next`` (or TF's ``get_next()``);
+    each element is what ``strategy.run`` takes: the local replicas' parts (a structure
+    of PerReplica leaves when this process has several replicas, the plain part when it
+    has one). Under multi-worker strategies every worker must see the same global
+    batches (same data, same shuffle seed); each keeps its replicas' parts. The workers
+    check this at every step (one small all-reduce): a worker whose data ends early, or
+    whose batch differs, is a :class:`~distrib.CollectiveError` on every worker.
     """
 
     def __init__(self, dataset: Iterable[Any], strategy: "Strategy") -> None:
+        _refuse_per_worker_sampler(dataset, strategy)
         self._dataset = dataset
         self._strategy = strategy
+        self._spec: Any = None
 
-    def __iter__(self) -> Iterator[Any]:
-        return _SplitIterator(iter(self._dataset), self._strategy)
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(self._split_batches(), self._strategy)
 
-    def __len__(self) -> int:
-        return len(self._dataset)  # type: ignore[arg-type]
+    def _split_batches(self) -> Iterator[Any]:
+        for batch in _agreed(iter(self._dataset), self._strategy):
+            yield self._split(batch)
 
-
-class _SplitIterator:
-    def __init__(self, iterator: Iterator[Any], strategy: "Strategy") -> None:
-        self._it = iterator
-        self._strategy = strategy
-
-    def __iter__(self) -> "_SplitIterator":
-        return self
-
-    def __next__(self) -> Any:
-        batch = next(self._it)
+    def _split(self, batch: Any) -> Any:
         s = self._strategy
         devices = s.local_devices
         if s.num_replicas_in_sync == 1:
@@ -137,6 +135,19 @@ class _SplitIterator:
         first = s.worker_index * n
         parts = split_batch(batch, s.num_replicas_in_sync)[first:first + n]
         return regroup([_to_device(p, d) for p, d in zip(parts, devices)])
+
+    @property
+    def element_spec(self) -> Any:
+        """The :class:`TensorSpec` structure of one replica's element (batch dimension None); reads one batch."""
+        if self._spec is None:
+            first = next(iter(self._dataset), None)
+            if first is None:
+                raise ValueError("element_spec of an empty dataset is unknown")
+            self._spec = spec_of(first)
+        return self._spec
+
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]
 
 
 class DistributedDatasetsFromFunction:
@@ -156,8 +167,8 @@ class DistributedDatasetsFromFunction:
         )
         self._dataset = dataset_fn(self.input_context)
 
-    def __iter__(self) -> Iterator[Any]:
-        return _PerReplicaIterator(iter(self._dataset), self._strategy)
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(_PerReplicaIterator(iter(self._dataset), self._strategy), self._strategy)
 
 
 class _PerReplicaIterator:
@@ -210,3 +221,166 @@ class _PerReplicaIterator:
         while len(batches) < len(devices):
             batches.append(self._template)
         return regroup([_to_device(b, d) for b, d in zip(batches, devices)])
+
+
+# --------------------------------------------------------------------------- TF's iterator API
+
+class OutOfRangeError(StopIteration):
+    """``get_next()`` at the end of the data (``tf.errors.OutOfRangeError``); a ``StopIteration`` too."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The shape (``None`` for the batch dimension) and dtype of a tensor (``tf.TensorSpec``)."""
+
+    shape: tuple[Optional[int], ...]
+    dtype: torch.dtype
+
+
+def spec_of(batch: Any) -> Any:
+    """``batch``'s structure with every tensor replaced by its :class:`TensorSpec` (batch dimension None)."""
+    return pytree.tree_map(
+        lambda x: TensorSpec((None, *x.shape[1:]) if x.dim() else (), x.dtype) if isinstance(x, torch.Tensor) else x,
+        batch)
+
+
+class OptionalValue:
+    """What ``get_next_as_optional()`` returns (``tf.experimental.Optional``): a value, or nothing at the end."""
+
+    def __init__(self, value: Any = None, has_value: bool = False) -> None:
+        self._value, self._has_value = value, has_value
+
+    def has_value(self) -> bool:
+        return self._has_value
+
+    def get_value(self) -> Any:
+        if not self._has_value:
+            raise OutOfRangeError("the iterator is exhausted: check has_value() before get_value()")
+        return self._value
+
+
+class DistributedIterator:
+    """``iter(distributed_dataset)``: ``next()``, and TF's ``get_next()``, ``get_next_as_optional()``, ``element_spec``.
+
+    Example::
+
+        >>> import distrib as ds, torch
+        >>> it = iter(ds.MirroredStrategy(["cpu:0", "cpu:1"]).experimental_distribute_dataset([torch.arange(4.0)]))
+        >>> it.element_spec
+        TensorSpec(shape=(None,), dtype=torch.float32)
+        >>> it.get_next().values
+        (tensor([0., 1.]), tensor([2., 3.]))
+        >>> it.get_next_as_optional().has_value()
+        False
+    """
+
+    def __init__(self, elements: Iterator[Any], strategy: "Strategy") -> None:
+        self._elements = elements
+        self._strategy = strategy
+        self._peeked: list[Any] = []
+        self._spec: Any = None
+
+    def __iter__(self) -> "DistributedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._peeked:
+            return self._peeked.pop()
+        element = next(self._elements)
+        if self._spec is None:
+            self._spec = spec_of(self._strategy.experimental_local_results(element)[0])
+        return element
+
+    def get_next(self) -> Any:
+        """The next element; :class:`OutOfRangeError` at the end, as TF."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence") from None
+
+    def get_next_as_optional(self) -> OptionalValue:
+        """The next element as an :class:`OptionalValue` (empty at the end), as TF."""
+        try:
+            return OptionalValue(next(self), True)
+        except StopIteration:
+            return OptionalValue()
+
+    @property
+    def element_spec(self) -> Any:
+        """The :class:`TensorSpec` structure of one replica's element (reads ahead one element if none was read)."""
+        if self._spec is None:
+            self._peeked.append(next(self))
+        return self._spec
+
+
+# --------------------------------------------------------------------------- checks
+
+def _refuse_per_worker_sampler(dataset: Any, strategy: "Strategy") -> None:
+    """A DataLoader that already shards per worker must not be split again over the workers."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    if strategy.num_workers == 1 or not isinstance(dataset, DataLoader):
+        return
+    samplers = [dataset.sampler, getattr(dataset.batch_sampler, "sampler", None)]
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        raise ValueError(
+            "experimental_distribute_dataset got a DataLoader with a DistributedSampler: it already gives each "
+            "worker 1/num_workers of the data, and distrib would split every batch again over the workers, so "
+            "each worker would train on a fraction of its fraction. Either give the DataLoader the whole data "
+            "(no DistributedSampler; every worker reads the same global batches), or build per-worker data with "
+            "strategy.distribute_datasets_from_function(lambda ctx: DataLoader(..., sampler=DistributedSampler("
+            "data, ctx.num_input_pipelines, ctx.input_pipeline_id)))")
+
+
+def _fingerprint(batch: Any) -> int:
+    """A cheap checksum of a global batch: shapes and the first bytes of every tensor."""
+    crc = 0
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            head = leaf.detach().reshape(-1)[:256].contiguous().cpu()
+            crc = zlib.crc32(str(tuple(leaf.shape)).encode(), crc)
+            crc = zlib.crc32(head.view(torch.uint8).numpy().tobytes() if head.numel() else b"", crc)
+    return crc
+
+
+def _agreed(batches: Iterator[Any], strategy: "Strategy") -> Iterator[Any]:
+    """The global batches of one worker, checked against every other worker's at each step.
+
+    Every worker must read the same global batches: a worker whose data ends while others
+    go on, or whose batch differs, raises :class:`CollectiveError` on every worker, naming
+    the step, instead of a hang or a silently wrong split.
+    """
+    if strategy.num_workers == 1:
+        yield from batches
+        return
+    comm, rank, step = strategy.communicator, strategy.worker_index, 0
+    while True:
+        batch = next(batches, None)
+        rows = torch.zeros(strategy.num_workers, 3, dtype=torch.int64)
+        if batch is not None:
+            rows[rank] = torch.tensor([1, _batch_len(batch), _fingerprint(batch)])
+        comm.all_reduce([rows])
+        has = rows[:, 0].tolist()
+        if not any(has):
+            return
+        if not all(has):
+            ended = [i for i, h in enumerate(has) if not h]
+            raise CollectiveError(
+                f"experimental_distribute_dataset: the data of worker(s) {ended} ended after {step} global "
+                f"batches while worker(s) {[i for i, h in enumerate(has) if h]} have more. Every worker must read "
+                "the same global batches (same data, same order); for per-worker data use "
+                "strategy.distribute_datasets_from_function")
+        if bool((rows[:, 1:] != rows[0, 1:]).any()):
+            raise CollectiveError(
+                f"experimental_distribute_dataset: global batch {step} differs between workers (sizes "
+                f"{rows[:, 1].tolist()}). Every worker must read the same global batches: seed the shuffle the "
+                "same way on every worker, or give each worker its own data with "
+                "strategy.distribute_datasets_from_function")
+        step += 1
+        yield batch
+
+
+def _batch_len(batch: Any) -> int:
+    sizes = [x.shape[0] for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    return sizes[0] if sizes else 0

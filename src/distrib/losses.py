@@ -27,20 +27,31 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossLike = Union[str, torch.nn.Module, LossFn]
 
 
-def _replicas_in_sync() -> int:
+def _replicas_in_sync(caller: str) -> int:
+    """Replicas in sync for a loss helper called in a replica (or with no strategy); records the call."""
+    if context.in_cross_replica_context():
+        raise RuntimeError(
+            f"You are calling `{caller}` in cross replica context (inside strategy.scope() but outside "
+            f"strategy.run): it scales one replica's loss. Call it inside the function given to strategy.run")
     ctx = context.get_replica_context()
-    return ctx.num_replicas_in_sync if ctx is not None else context.get_strategy().num_replicas_in_sync
+    assert ctx is not None, "outside a cross-replica context there is always a replica context"
+    ctx.record_scaled_loss()
+    return ctx.num_replicas_in_sync
 
 
 def compute_average_loss(
-    per_example_loss: torch.Tensor,
-    sample_weight: Optional[Union[torch.Tensor, float]] = None,
+    per_example_loss: Union[torch.Tensor, Sequence[float]],
+    sample_weight: Optional[Union[torch.Tensor, float, Sequence[float]]] = None,
     global_batch_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Sum of the (weighted) per-example losses divided by the global batch size.
 
     ``global_batch_size`` defaults to this replica's batch size times
-    ``num_replicas_in_sync``. A replica with an empty batch contributes 0.
+    ``num_replicas_in_sync``. A replica with an empty batch contributes 0. The losses
+    must have a batch dimension (rank >= 1): a scalar is usually a loss already
+    averaged per replica (PyTorch's default ``reduction="mean"``), which would make
+    gradients ``num_replicas_in_sync`` times too large. Called in a cross-replica
+    context (inside ``scope()``, outside ``run``) it raises, as in TF.
 
     Example::
 
@@ -49,15 +60,21 @@ def compute_average_loss(
     """
     if not isinstance(per_example_loss, torch.Tensor):
         per_example_loss = torch.as_tensor(per_example_loss, dtype=torch.get_default_dtype())
+    if per_example_loss.dim() == 0:
+        raise ValueError(
+            "Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1, got a scalar: "
+            "pass the per-example losses (e.g. cross_entropy(..., reduction='none')), not their mean")
+    replicas = _replicas_in_sync("compute_average_loss")
     if sample_weight is not None:
-        per_example_loss = per_example_loss * sample_weight
+        weight = torch.as_tensor(sample_weight, dtype=per_example_loss.dtype, device=per_example_loss.device)
+        try:
+            torch.broadcast_shapes(weight.shape, per_example_loss.shape)
+        except RuntimeError:
+            raise ValueError(f"Incompatible shapes: sample_weight {list(weight.shape)} vs per_example_loss "
+                             f"{list(per_example_loss.shape)}: give one weight, or one per example") from None
+        per_example_loss = per_example_loss * weight
     if global_batch_size is None:
-        if per_example_loss.dim() == 0:
-            raise ValueError(
-                "compute_average_loss got a scalar loss and no global_batch_size; pass the per-example "
-                "losses (shape [batch, ...], e.g. cross_entropy(..., reduction='none')) or global_batch_size"
-            )
-        global_batch_size = per_example_loss.shape[0] * _replicas_in_sync()
+        global_batch_size = per_example_loss.shape[0] * replicas
         if global_batch_size == 0:
             return per_example_loss.sum()
     elif isinstance(global_batch_size, bool) or int(global_batch_size) <= 0:
@@ -66,15 +83,21 @@ def compute_average_loss(
 
 
 def scale_regularization_loss(regularization_loss: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
-    """``regularization_loss / num_replicas_in_sync``, so that summing over replicas counts it once.
+    """The sum of ``regularization_loss`` divided by ``num_replicas_in_sync``: summed over replicas, it counts once.
 
-    A list of losses is summed first.
+    A tensor of several losses, or a list of them, is summed first (as TF). Called in a
+    cross-replica context it raises, as in TF.
+
+    Example::
+
+        >>> scale_regularization_loss(torch.tensor([1.0, 2.0]))
+        tensor(3.)
     """
     if isinstance(regularization_loss, (list, tuple)):
         total = torch.stack([torch.as_tensor(x) for x in regularization_loss]).sum()
     else:
-        total = torch.as_tensor(regularization_loss)
-    return total / _replicas_in_sync()
+        total = torch.as_tensor(regularization_loss).sum()
+    return total / _replicas_in_sync("scale_regularization_loss")
 
 
 def _per_example(values: torch.Tensor) -> torch.Tensor:

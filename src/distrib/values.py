@@ -56,7 +56,14 @@ class PerReplica:
         self.values = tuple(values)
 
     def __len__(self) -> int:
-        return len(self.values)
+        # ported code reads len(x) as the batch size; here it would be the replica count: refuse
+        raise TypeError(
+            f"a PerReplica value has no len(): it holds one value per local replica ({len(self.values)} here), "
+            "not a batch. Use x.values (a tuple, one per replica), or take len() inside the replica function")
+
+    def __iter__(self) -> Any:
+        raise TypeError("a PerReplica value is not iterable: use .values (a tuple, one per replica), or "
+                        "strategy.experimental_local_results(x)")
 
     def __repr__(self) -> str:
         inner = ",\n  ".join(f"{i}: {v!r}" for i, v in enumerate(self.values))

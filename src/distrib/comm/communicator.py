@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 import torch
 from torch.futures import Future
 
-__all__ = ["CollectiveError", "Communicator", "LocalCommunicator", "completed_future"]
+__all__ = ["CollectiveError", "Communicator", "LocalCommunicator", "completed_future", "describe_tensors"]
 
 
 class CollectiveError(RuntimeError):
@@ -82,6 +82,15 @@ class Communicator(Protocol):
         """Return once every worker has called it (``timeout`` seconds at most; None: the default)."""
         ...
 
+    def verify_same(self, signature: str, what: str) -> None:
+        """Check that every worker passes the same ``signature`` (e.g. shapes and dtypes) before a collective.
+
+        Raises :class:`CollectiveError` on every worker, naming what each worker has, when
+        they differ: a collective over mismatched tensors would otherwise abort a process
+        or return garbage.
+        """
+        ...
+
 
 def completed_future(value: Any) -> Future[Any]:
     """A future that already holds ``value``."""
@@ -138,5 +147,23 @@ class LocalCommunicator:
     def barrier(self, timeout: Optional[float] = None) -> None:
         return None
 
+    def verify_same(self, signature: str, what: str) -> None:
+        return None
+
     def __repr__(self) -> str:
         return "LocalCommunicator()"
+
+
+def describe_tensors(tensors: Sequence[torch.Tensor], skip_dim: Optional[int] = None) -> str:
+    """A signature of tensors for :meth:`Communicator.verify_same`: dtypes and shapes (``skip_dim`` left out).
+
+    Example::
+
+        >>> describe_tensors([torch.zeros(2, 3), torch.ones(4, dtype=torch.int64)], skip_dim=0)
+        'float32[*, 3], int64[*]'
+    """
+    parts = []
+    for t in tensors:
+        dims = ["*" if i == skip_dim else str(d) for i, d in enumerate(t.shape)]
+        parts.append(f"{str(t.dtype).removeprefix('torch.')}[{', '.join(dims)}]")
+    return ", ".join(parts)

@@ -22,7 +22,9 @@ import datetime
 import logging
 import os
 import pickle
+import threading
 import time
+import zlib
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
@@ -65,14 +67,7 @@ class ProcessGroupCommunicator:
             return
         log.info("worker %d/%d joining at %s (%s, timeout %.0fs)", rank, world_size, master_address,
                  self.backend, options.timeout)
-        try:
-            dist.init_process_group(self.backend, init_method=f"tcp://{host.strip('[]')}:{port}", rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=options.timeout))
-        except Exception as e:  # noqa: BLE001 - re-raised with what to check
-            raise CollectiveError(
-                f"worker {rank} could not join the {world_size}-worker cluster at {master_address} within "
-                f"{options.timeout:.0f}s: {e}. Check that every worker is started with the same cluster "
-                "and that the chief's address is reachable") from e
+        _join(self.backend, f"tcp://{host.strip('[]')}:{port}", rank, world_size, options.timeout, master_address)
         atexit.register(_shutdown)
 
     @property
@@ -173,6 +168,18 @@ class ProcessGroupCommunicator:
         self._guard("reduce-scatter", lambda: dist.reduce_scatter_tensor(out, tensor.contiguous()))
         return out
 
+    def verify_same(self, signature: str, what: str) -> None:
+        # one small all-reduce: every worker fills its own row with a checksum of its signature
+        rows = torch.zeros(self._world_size, 2, dtype=torch.int64)
+        rows[self._rank] = torch.tensor([1, _crc(signature)])
+        self._guard(what, lambda: dist.all_reduce(rows))
+        if bool((rows[:, 0] == 1).all()) and bool((rows[:, 1] == rows[0, 1]).all()):
+            return
+        signatures = self.all_gather_object(signature)  # every worker found the mismatch: all take this path
+        described = "; ".join(f"worker {i}: {sig}" for i, sig in enumerate(signatures))
+        raise CollectiveError(f"{what} differs between workers ({described}); every worker must call it with "
+                              "the same structure, shapes and dtypes")
+
     def barrier(self, timeout: Optional[float] = None) -> None:
         if timeout is None:
             self._guard("barrier", lambda: dist.barrier())
@@ -183,6 +190,33 @@ class ProcessGroupCommunicator:
             self._guard("barrier", lambda: dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout)))
         else:
             self._guard("barrier", lambda: dist.barrier())
+
+
+def _join(backend: str, init_method: str, rank: int, world_size: int, timeout: float, address: str) -> None:
+    """``init_process_group``, bounded by ``timeout`` whatever phase hangs (store connect retries, gloo's mesh)."""
+    outcome: dict[str, BaseException] = {}
+
+    def rendezvous() -> None:
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=rendezvous, name="distrib-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout + 2.0)  # torch's own timeout error, when it comes, is the more precise one
+    error = outcome.get("error")
+    if thread.is_alive() or error is not None:
+        detail = f": {error}" if error is not None else " (still connecting)"
+        raise CollectiveError(
+            f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:.0f}s"
+            f"{detail}. Check that every worker is started with the same cluster and that the chief's address "
+            "is reachable from this host (CommunicationOptions(timeout_seconds=...) sets the bound)") from error
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
 
 
 def _gloo_threads_busy() -> Optional[bool]:

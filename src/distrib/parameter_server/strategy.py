@@ -336,13 +336,14 @@ class ParameterServerStrategy(Strategy):
         return None
 
     # ------------------------------------------------------------------ run, input
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
+            options: Any = None) -> Any:
         """Run ``fn`` once, here: on a worker inside a scheduled function (the normal use), or on the coordinator."""
         if self._on_coordinator and not self._warned_run:
             self._warned_run = True
             log.warning("ParameterServerStrategy.run() was called on the coordinator, so it runs here; schedule "
                         "the function with ClusterCoordinator.schedule to run it on the workers")
-        return super().run(fn, args, kwargs)
+        return super().run(fn, args, kwargs, options)
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DatasetSource:
         """A dataset to give to ``coordinator.create_per_worker_dataset`` (each worker iterates all of it)."""

@@ -25,26 +25,79 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distrib import context
 from distrib.comm import Communicator, LocalCommunicator
 from distrib.comm.hooks import CommHook, allreduce_hook
 from distrib.comm.gradient_reducer import reduce_gradients
 from distrib.comm.options import DEFAULT_BYTES_PER_PACK
+from distrib.strategies.extended import StrategyExtended
 from distrib.strategies.replica import ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import (MirroredModules, ModuleCapture, install_capture_hooks,
                                             optimizer_params, remove_capture_hooks, wrap_optimizer)
-from distrib.values import (PerReplica, ReduceOp, local_values, map_leaves, parse_reduce_op, regroup, select_replica,
-                            to_tensor)
+from distrib.strategies.reduction import Axis, gather_structure, reduce_structure
+from distrib.values import PerReplica, ReduceOp, map_leaves, parse_reduce_op, regroup, select_replica
 
 if TYPE_CHECKING:
     from distrib.cluster.resolver import ClusterResolver
     from distrib.strategies.execution import StepExecutor
 
-__all__ = ["Strategy"]
+__all__ = ["Strategy", "RunOptions", "ValueContext", "UnscaledLossWarning"]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options of one ``strategy.run`` call (``tf.distribute.RunOptions``).
+
+    ``loss_scaled_by_hand``: the step divides its loss by the global batch itself, without
+    ``ds.compute_average_loss``; do not warn that the loss looks unscaled. TF's own options
+    (``experimental_enable_dynamic_batch_size``, ...) have no PyTorch counterpart and are not taken.
+
+    Example::
+
+        >>> RunOptions(loss_scaled_by_hand=True).loss_scaled_by_hand
+        True
+    """
+
+    loss_scaled_by_hand: bool = False
+
+
+@dataclass(frozen=True)
+class ValueContext:
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` is told (``tf.distribute.ValueContext``)."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+class UnscaledLossWarning(UserWarning):
+    """A step's loss was not scaled by the global batch while several replicas are in sync."""
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"strategy.{old} is TF's deprecated name of strategy.{new}; use {new}", DeprecationWarning,
+                  stacklevel=3)
+
+
+def _check_optimizer_owner(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A global ``optimizer.step`` pre-hook: inside ``run`` with several replicas, the optimizer must be the strategy's."""
+    ctx = context.current_replica()
+    if ctx is None or ctx.strategy.num_replicas_in_sync == 1 or context.owner_of(optimizer) is ctx.strategy:
+        return None
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.step() is called inside {type(ctx.strategy).__name__}.run with "
+        f"{ctx.strategy.num_replicas_in_sync} replicas in sync, but the optimizer was built outside the "
+        "strategy's scope: its update would use one replica's gradients, and the replicas would drift apart. "
+        "Build the model and the optimizer inside `with strategy.scope():`")
+
+
+register_optimizer_step_pre_hook(_check_optimizer_owner)
 
 
 class Strategy:
@@ -75,6 +128,8 @@ class Strategy:
         self._threads: Optional[ReplicaThreads] = None
         self._replica_contexts = [ReplicaContext(self, k) for k in range(len(self._devices))]
         self._comm_hook: CommHook = allreduce_hook
+        self._run_options = RunOptions()
+        self._warned_unscaled = False
         if self._communicator.world_size > 1:
             context.register_cluster_strategy(self)
 
@@ -175,16 +230,18 @@ class Strategy:
         wrap_optimizer(optimizer, self._optimizer_step, self._optimizer_zero_grad)
 
     # ------------------------------------------------------------------ run
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None,
+            options: Optional[RunOptions] = None) -> Any:
         """Run ``fn`` once per local replica; PerReplica arguments give each replica its element.
 
         Returns the plain result when this process has one replica, else a structure
-        whose leaves are :class:`~distrib.PerReplica`.
+        whose leaves are :class:`~distrib.PerReplica`. ``options``: see :class:`RunOptions`.
         """
         if context.current_replica() is not None:
             raise RuntimeError("strategy.run() was called inside a replica function; call it from the training loop")
         if self._capture:
             self._claim_captured_modules()
+        self._run_options = options or RunOptions()
         kwargs = kwargs or {}
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         n = self.num_local_replicas
@@ -198,6 +255,35 @@ class Strategy:
             for k in range(n)
         ]
         return regroup(self._threads.run(tasks))
+
+    def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+                            kwargs: Optional[dict[str, Any]] = None, options: Optional[RunOptions] = None) -> Any:
+        """TF's older name of :meth:`run` (deprecated there, kept for ported code)."""
+        _deprecated("experimental_run_v2", "run")
+        return self.run(fn, args, kwargs, options)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """``value_fn(ValueContext)`` once per local replica: a PerReplica value (plain with one replica).
+
+        Example::
+
+            >>> import distrib as ds, torch
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> v = s.experimental_distribute_values_from_function(lambda ctx: torch.tensor(ctx.replica_id_in_sync_group))
+            >>> s.experimental_local_results(v)
+            (tensor(0), tensor(1))
+        """
+        values = []
+        for k in range(self.num_local_replicas):
+            replica = self._replica_contexts[k]
+            value = value_fn(ValueContext(replica.replica_id_in_sync_group, self.num_replicas_in_sync))
+            values.append(self._to_replica_device(value, k))
+        return values[0] if len(values) == 1 else PerReplica(values)
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """TF's ``strategy.extended``: ``reduce_to``, ``batch_reduce_to``, devices, ``should_checkpoint``, ..."""
+        return StrategyExtended(self)
 
     def _merge(self, ctx: ReplicaContext, value: Any, merge_fn: Callable[[list[Any]], Sequence[Any]]) -> Any:
         if self.num_local_replicas == 1:
@@ -224,7 +310,27 @@ class Strategy:
         if (args or kwargs.get("closure") is not None) and self.num_local_replicas > 1:
             raise ValueError("optimizer.step(closure) is not supported with several local replicas; "
                              "call loss.backward() and optimizer.step() in the replica function")
-        return ctx.merge(None, lambda values: [self._apply_update(optimizer, step, args, kwargs)] * len(values))
+
+        def merge(scaled: list[bool]) -> list[Any]:
+            self._check_loss_scaling(scaled)
+            return [self._apply_update(optimizer, step, args, kwargs)] * len(scaled)
+
+        return ctx.merge(ctx.scaled_loss_recorded, merge)
+
+    def _check_loss_scaling(self, scaled: list[bool]) -> None:
+        """Warn once when a step's loss was not scaled by distrib's helpers while several replicas are in sync."""
+        if all(scaled) or self.num_replicas_in_sync == 1 or self._warned_unscaled or \
+                self._run_options.loss_scaled_by_hand:
+            return
+        self._warned_unscaled = True
+        warnings.warn(
+            f"optimizer.step() ran in strategy.run without the loss being scaled by ds.compute_average_loss or "
+            f"ds.scale_regularization_loss, with {self.num_replicas_in_sync} replicas in sync. Gradients are "
+            f"summed over replicas, so a loss averaged per replica (PyTorch's default reduction='mean') gives "
+            f"gradients {self.num_replicas_in_sync} times too large. Fix: loss = ds.compute_average_loss("
+            "F.cross_entropy(logits, labels, reduction='none'), global_batch_size=GLOBAL_BATCH). If you already "
+            "divide by the global batch yourself, pass options=ds.RunOptions(loss_scaled_by_hand=True) to run.",
+            UnscaledLossWarning, stacklevel=2)
 
     def _apply_update(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -283,63 +389,27 @@ class Strategy:
             return tuple(select_replica(k, value) for k in range(self.num_local_replicas))
         return (value,)
 
-    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: Optional[int] = None) -> Any:
-        """Combine a per-replica ``value`` over every replica of every worker.
+    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: Axis = None) -> Any:
+        """Combine a per-replica ``value`` (any structure of them) over every replica of every worker.
 
-        ``axis=None`` reduces across replicas only; ``axis=0`` also along the batch
-        dimension, ``MEAN`` then dividing by the true number of elements (uneven and
-        empty per-replica batches are counted exactly).
+        ``axis=None`` reduces across replicas only; ``axis=0`` (or a tuple of dims) also
+        along those dimensions, ``MEAN`` then dividing by the true number of elements
+        (uneven and empty per-replica batches are counted exactly). Structures (tuples,
+        dicts) keep their structure. ``reduce_op`` may be a name in any case (``"sum"``).
         """
         op = parse_reduce_op(reduce_op)
         if context.current_replica() is not None:
             raise RuntimeError("strategy.reduce() is a cross-replica call; inside run use "
                                "ds.get_replica_context().all_reduce()")
-        if isinstance(value, PerReplica) or not _contains_per_replica(value):
-            return self._reduce_one(op, value, axis)
-        return map_leaves(lambda leaf: self._reduce_one(op, leaf, axis), value)
-
-    def _reduce_one(self, op: ReduceOp, value: Any, axis: Optional[int]) -> torch.Tensor:
-        if not isinstance(value, PerReplica) and self.num_local_replicas > 1:
-            if op is ReduceOp.SUM and axis is None:
-                raise ValueError(
-                    "strategy.reduce(SUM, value) got a plain value, but this process has "
-                    f"{self.num_local_replicas} replicas: pass the PerReplica value that strategy.run returned"
-                )
-            value = PerReplica([value] * self.num_local_replicas)
-        return self._reduce_local_values(op, local_values(value, self.num_local_replicas), axis)
-
-    def _reduce_local_values(self, op: ReduceOp, values: Sequence[Any], axis: Optional[int]) -> Any:
-        """Reduce one value per local replica over all replicas of all workers."""
-        device = self._devices[0]
-        tensors = [to_tensor(v, device).detach() for v in values]
-        if axis is None:
-            total = tensors[0].clone() if len(tensors) == 1 else torch.stack([t.to(tensors[0].device) for t in tensors]).sum(0)
-            count = torch.tensor(float(self.num_replicas_in_sync))
-            if self.num_workers > 1:
-                self._communicator.all_reduce([total])
-        else:
-            total = tensors[0].sum(dim=axis)
-            for t in tensors[1:]:
-                total = total + t.sum(dim=axis).to(total.device)
-            count = torch.tensor(float(sum(t.shape[axis] for t in tensors)), device=total.device)
-            if self.num_workers > 1:
-                self._communicator.all_reduce([total, count])
-        if op is ReduceOp.MEAN:
-            if not total.is_floating_point():
-                total = total.to(torch.get_default_dtype())
-            return total / count.to(total.device)
-        return total
+        return reduce_structure(self, op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate a per-replica ``value`` along ``axis`` over every replica of every worker."""
-        def gather_one(leaf: Any) -> torch.Tensor:
-            parts = [to_tensor(v, self._devices[0]) for v in local_values(leaf, self.num_local_replicas)]
-            local = torch.cat([p.to(parts[0].device) for p in parts], dim=axis)
-            return self._communicator.all_gather(local, axis) if self.num_workers > 1 else local
-
-        if isinstance(value, PerReplica) or not _contains_per_replica(value):
-            return gather_one(value)
-        return map_leaves(gather_one, value)
+        """Concatenate a per-replica ``value`` (any structure of them) along ``axis`` over every replica of every
+        worker; sizes along ``axis`` may differ between replicas."""
+        if context.current_replica() is not None:
+            raise RuntimeError("strategy.gather() is a cross-replica call; inside run use "
+                               "ds.get_replica_context().all_gather()")
+        return gather_structure(self, value, axis)
 
     def _to_replica_device(self, value: Any, local_replica_id: int) -> Any:
         device = self._devices[local_replica_id]
@@ -367,6 +437,12 @@ class Strategy:
         from distrib.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(dataset_fn, self)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
+                                                       options: Any = None) -> Any:
+        """TF's older name of :meth:`distribute_datasets_from_function` (deprecated there, kept for ported code)."""
+        _deprecated("experimental_distribute_datasets_from_function", "distribute_datasets_from_function")
+        return self.distribute_datasets_from_function(dataset_fn, options)
 
 
 class _ReusableScope:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
 import torch
 
 from distrib import context
@@ -16,7 +14,7 @@ __all__ = ["DefaultStrategy"]
 class DefaultStrategy(Strategy):
     """``run`` calls ``fn`` once, in place: one replica, no placement, no communication.
 
-    Nothing is moved to a device and datasets are returned as they are, so a loop
+    Nothing is moved to a device and batches are passed on as they are, so a loop
     written against the strategy API costs nothing when no strategy is chosen.
 
     Example::
@@ -31,9 +29,6 @@ class DefaultStrategy(Strategy):
 
     def _distribute_module(self, module: torch.nn.Module) -> None:
         return None
-
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Iterable[Any]:
-        return dataset
 
 
 def _make_default() -> tuple[DefaultStrategy, ReplicaContext]:

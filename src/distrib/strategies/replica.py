@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from distrib import context
-from distrib.values import ReduceOp, local_values, map_leaves, parse_reduce_op, regroup
+from distrib.strategies.reduction import gather_local_values, reduce_local_values
+from distrib.values import ReduceOp, local_values, map_leaves, parse_reduce_op, regroup, select_replica
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
 __all__ = ["ReplicaContext"]
 
-MergeFn = Callable[[list], Sequence[Any]]
+MergeFn = Callable[[list[Any]], Sequence[Any]]
 
 
 class ReplicaContext:
@@ -48,6 +49,16 @@ class ReplicaContext:
     def __init__(self, strategy: "Strategy", local_replica_id: int) -> None:
         self.strategy = strategy
         self.local_replica_id = local_replica_id
+        self._scaled_loss = False
+
+    def record_scaled_loss(self) -> None:
+        """Called by ``compute_average_loss`` / ``scale_regularization_loss``: this step's loss was scaled."""
+        self._scaled_loss = True
+
+    @property
+    def scaled_loss_recorded(self) -> bool:
+        """Whether the current ``run`` call scaled a loss with distrib's helpers on this replica."""
+        return self._scaled_loss
 
     @property
     def replica_id_in_sync_group(self) -> int:
@@ -63,6 +74,11 @@ class ReplicaContext:
         """The device this replica computes on (None: wherever tensors already are)."""
         return self.strategy.local_devices[self.local_replica_id]
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """TF's ``ReplicaContext.devices``: the name of this replica's device."""
+        return (str(self.device) if self.device is not None else "default",)
+
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduce ``value`` (a tensor or a structure of them) over every replica in sync.
 
@@ -72,11 +88,47 @@ class ReplicaContext:
 
         def merge(values: list) -> list:
             n = len(values)
-            reduced = map_leaves(lambda leaf: self.strategy._reduce_local_values(op, local_values(leaf, n), None),
+            reduced = map_leaves(lambda leaf: reduce_local_values(self.strategy, op, local_values(leaf, n), None),
                                  regroup(values))
             return [self.strategy._to_replica_device(reduced, i) for i in range(n)]
 
         return self.merge(value, merge)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenate ``value`` (a tensor or a structure of them) along ``axis`` over every replica in sync.
+
+        Every replica gets the whole result, on its own device; sizes along ``axis`` may
+        differ between replicas. ``options`` (TF's ``CommunicationOptions``) is ignored.
+        """
+        def merge(values: list[Any]) -> list[Any]:
+            n = len(values)
+            gathered = map_leaves(lambda leaf: gather_local_values(self.strategy, local_values(leaf, n), axis),
+                                  regroup(values))
+            return [self.strategy._to_replica_device(gathered, i) for i in range(n)]
+
+        return self.merge(value, merge)
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
+                   kwargs: Optional[dict[str, Any]] = None) -> Any:
+        """Call ``merge_fn(strategy, *args, **kwargs)`` once, in a cross-replica context (TF's ``merge_call``).
+
+        Every local replica must call it; each replica's ``args`` become one
+        ``PerReplica`` argument (plain when this process has one replica). The result
+        is given to every replica: a ``PerReplica`` in it gives each replica its element.
+        """
+        def merge(values: list[Any]) -> list[Any]:
+            grouped_args, grouped_kwargs = regroup(values)
+            strategy = self.strategy
+            previous = context.set_current_replica(None)
+            context.push_scope(strategy)  # merge_fn sees the cross-replica context of this strategy
+            try:
+                result = merge_fn(strategy, *grouped_args, **grouped_kwargs)
+            finally:
+                context.pop_scope(strategy)
+                context.set_current_replica(previous)
+            return [select_replica(i, result) for i in range(len(values))]
+
+        return self.merge((tuple(args), dict(kwargs or {})), merge)
 
     def merge(self, value: Any, merge_fn: MergeFn) -> Any:
         """Wait until every local replica has called ``merge``; run ``merge_fn`` once on all values.
@@ -214,6 +266,7 @@ def run_in_replica(ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwa
                    grad_enabled: bool, inference: bool) -> Any:
     """Call ``fn`` with ``ctx`` as this thread's replica context and the caller's autograd mode."""
     previous = context.set_current_replica(ctx)
+    ctx._scaled_loss = False
     try:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
             return fn(*args, **kwargs)
