@@ -47,3 +47,17 @@ def test_a_strategy_that_cannot_run_on_workers_is_refused(capsys):
 
     assert main(["train", "--strategy", "mirrored", "--workers", "2"]) == 2
     assert "needs a multi-worker strategy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["train", "--ps", "-1"], ["train", "--max-restarts", "-1"],
+                                  ["train", "--workers", "0"], ["train", "--epochs", "-3"],
+                                  ["launch", "--ps", "-1", "x.py"], ["launch", "--max-restarts", "-2", "x.py"],
+                                  ["train", "--workers", "two"]])
+def test_bad_counts_are_an_argparse_error_not_a_traceback(argv, capsys):
+    from distrib.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument" in err and "Traceback" not in err

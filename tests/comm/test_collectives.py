@@ -25,3 +25,11 @@ def test_a_dead_peer_fails_the_overlapped_all_reduce_within_the_timeout():
     found = re.search(r"DEAD PEER CollectiveError after ([\d.]+)s", out)
     assert found, out
     assert float(found.group(1)) < 30  # the 3 s timeout (gloo may also see the closed socket at once)
+
+
+def test_a_barrier_of_its_own_length_outlasts_the_communication_timeout_and_a_plain_one_does_not():
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_barrier.py"), "1", timeout=90)
+    assert code == 0, out
+    for worker in (0, 1):  # worker 1 sleeps 4 s; the communication timeout is 2 s
+        assert f"[worker {worker}] long barrier passed" in out, out
+        assert f"[worker {worker}] short barrier failed" in out, out

@@ -45,6 +45,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _strategy_help() -> str:
     return "; ".join(f"{name}: {registry.get(name).description}" for name in registry.names())
 
@@ -56,8 +63,8 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
                             help="distribution strategy (default: mirrored; multi-worker with --workers N; "
                                  f"parameter-server with --ps M). {_strategy_help()}")),
         ("--workers", dict(type=_positive, default=1, help="run the job on N worker processes through distrib launch")),
-        ("--ps", dict(type=int, default=0, help="parameter-server tasks for --strategy parameter-server")),
-        ("--max-restarts", dict(type=int, default=0, help="with --workers: restarts of the whole group")),
+        ("--ps", dict(type=_non_negative, default=0, help="parameter-server tasks for --strategy parameter-server")),
+        ("--max-restarts", dict(type=_non_negative, default=0, help="with --workers: restarts of the whole group")),
         ("--epochs", dict(type=_positive, default=10)),
         ("--batch-size-per-replica", dict(type=_positive, default=64)),
         ("--replicas", dict(type=_positive, default=None,
@@ -66,7 +73,7 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
         ("--checkpoint-dir", dict(default="./training_checkpoints")),
         ("--data-dir", dict(default=None, help="directory of the Fashion-MNIST IDX files "
                                                "(default: /usr/share/datasets/fashion-mnist)")),
-        ("--seed", dict(type=int, default=0)),
+        ("--seed", dict(type=_non_negative, default=0)),
         ("--compile", dict(action=argparse.BooleanOptionalAction, default=False,
                            help="compile the model with torch.compile (falls back to eager if it fails)")),
         ("--progress", dict(action=argparse.BooleanOptionalAction, default=None,
@@ -156,9 +163,9 @@ register("train", "train the Fashion-MNIST CNN of the tf.distribute tutorial (th
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_positive, default=1, help="worker tasks")
-    p.add_argument("--ps", type=int, default=0, help="parameter-server tasks (the chief then runs the script)")
+    p.add_argument("--ps", type=_non_negative, default=0, help="parameter-server tasks (the chief then runs the script)")
     p.add_argument("--chief", action="store_true", help="add a 'chief' task besides the workers")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=_non_negative, default=0,
                    help="on a failure, stop the whole group and start it again, at most K times")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
                    help="the script each task runs (or -m MODULE)")

@@ -176,20 +176,21 @@ class ProcessGroupCommunicator:
         if bool((rows[:, 0] == 1).all()) and bool((rows[:, 1] == rows[0, 1]).all()):
             return
         signatures = self.all_gather_object(signature)  # every worker found the mismatch: all take this path
-        described = "; ".join(f"worker {i}: {sig}" for i, sig in enumerate(signatures))
-        raise CollectiveError(f"{what} differs between workers ({described}); every worker must call it with "
-                              "the same structure, shapes and dtypes")
+        raise CollectiveError(f"{what} differs between workers ({_difference(signatures)}); every worker must "
+                              "call it with the same structure, shapes and dtypes")
 
     def barrier(self, timeout: Optional[float] = None) -> None:
-        if timeout is None:
+        if timeout is None or self.backend != "gloo":
+            # NCCL's barrier is bounded by the group's own watchdog timeout
             self._guard("barrier", lambda: dist.barrier())
             return
-        # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's
-        # monitored barrier takes a timeout; other backends fall back to the group's
-        if self.backend == "gloo":
-            self._guard("barrier", lambda: dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout)))
-        else:
+        # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        backend.set_timeout(datetime.timedelta(seconds=timeout))
+        try:
             self._guard("barrier", lambda: dist.barrier())
+        finally:
+            backend.set_timeout(datetime.timedelta(seconds=self.options.timeout))
 
 
 def _join(backend: str, init_method: str, rank: int, world_size: int, timeout: float, address: str) -> None:
@@ -213,6 +214,17 @@ def _join(backend: str, init_method: str, rank: int, world_size: int, timeout: f
             f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:.0f}s"
             f"{detail}. Check that every worker is started with the same cluster and that the chief's address "
             "is reachable from this host (CommunicationOptions(timeout_seconds=...) sets the bound)") from error
+
+
+def _difference(signatures: list[str]) -> str:
+    """Each worker's signature, or for long ``"; "``-separated ones the first entry where they differ."""
+    items = [sig.split("; ") for sig in signatures]
+    first = next((i for i in range(max(map(len, items))) if len({tuple(x[i:i + 1]) for x in items}) > 1), 0)
+    if len(items[0]) > 1:
+        described = [f"worker {w}: {x[first] if first < len(x) else f'nothing after {len(x)} entries'}"
+                     for w, x in enumerate(items)]
+        return f"entry {first}: " + "; ".join(described)
+    return "; ".join(f"worker {w}: {sig[:300]}" for w, sig in enumerate(signatures))
 
 
 def _crc(text: str) -> int:

@@ -96,7 +96,11 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _distribute_module(self, module: torch.nn.Module) -> None:
         super()._distribute_module(module)
         if self.num_workers > 1:  # every worker starts from the chief's initial values
-            self._communicator.broadcast(list(module.parameters()) + list(module.buffers()), src=0)
+            named = [*module.named_parameters(), *module.named_buffers()]
+            self._communicator.verify_same(
+                "; ".join(f"{name}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for name, t in named),
+                f"the {type(module).__name__} built in strategy.scope()")
+            self._communicator.broadcast([t for _, t in named], src=0)
             self._mirrored.refresh(module)
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
