@@ -60,7 +60,8 @@ from distrib.keras.loop import evaluate, fit, predict
 from distrib.losses import compute_average_loss, scale_regularization_loss
 from distrib import parameter_server
 from distrib.parameter_server import partitioners
-from distrib.strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
+from distrib.strategies import (CentralStorageStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy,
+                                Strategy)
 from distrib.strategies.base import RunOptions, UnscaledLossWarning, ValueContext
 from distrib.strategies.replica import ReplicaContext
 from distrib.values import PerReplica, ReduceOp
@@ -75,6 +76,7 @@ __version__ = "0.1.0"
 _FROM_PARAMETER_SERVER = ("ParameterServerStrategy", "Server", "coordinator")
 
 __all__ = [
+    "CentralStorageStrategy",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",

@@ -1,15 +1,16 @@
 """Strategies: how one replica function is run over devices and workers.
 
 :class:`~distrib.strategies.base.Strategy` is the one base; each strategy is a
-file of its own (``default``, ``one_device``, ``mirrored``, ``multi_worker``;
+file of its own (``default``, ``one_device``, ``mirrored``, ``central_storage``, ``multi_worker``;
 ``ParameterServerStrategy`` lives in :mod:`distrib.parameter_server`).
 :mod:`~distrib.strategies.registry` names them for the command line.
 """
 
 from distrib.strategies.base import Strategy
+from distrib.strategies.central_storage import CentralStorageStrategy
 from distrib.strategies.default import DefaultStrategy
 from distrib.strategies.mirrored import MirroredStrategy
 from distrib.strategies.multi_worker import MultiWorkerMirroredStrategy
 from distrib.strategies.one_device import OneDeviceStrategy
 
-__all__ = ["Strategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]
+__all__ = ["Strategy", "CentralStorageStrategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]

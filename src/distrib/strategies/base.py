@@ -150,6 +150,11 @@ class Strategy:
         return self._devices
 
     @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Where the parameters live: every replica's device (each holds a copy), unless a strategy centralises them."""
+        return tuple(str(d) if d is not None else "default" for d in self._devices)
+
+    @property
     def worker_index(self) -> int:
         """This process's index among the workers in sync (0 on the chief)."""
         return self._communicator.rank
@@ -218,8 +223,8 @@ class Strategy:
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         self._claim_captured_modules()
         context.set_owner(optimizer, self)
-        if self.num_replicas_in_sync == 1:
-            return
+        if self.num_replicas_in_sync == 1 and not self._mirrored.central:
+            return  # one replica computing on the parameters themselves: nothing to merge
         foreign = [p for p in optimizer_params(optimizer) if p not in self._mirrored]
         if foreign:
             raise ValueError(
@@ -362,10 +367,10 @@ class Strategy:
         if ctx is None:
             zero_grad(set_to_none)
             self._mirrored.zero_copy_grads(params, None, set_to_none)
-        elif ctx.local_replica_id == 0:
-            zero_grad(set_to_none)
-        else:
-            self._mirrored.zero_copy_grads(params, ctx.local_replica_id, set_to_none)
+            return
+        if ctx.local_replica_id == 0:
+            zero_grad(set_to_none)  # the primary's gradients (the sums of the last step)
+        self._mirrored.zero_copy_grads(params, ctx.local_replica_id, set_to_none)
 
     # ------------------------------------------------------------------ checkpoint contract
     def checkpoint_state(self, obj: Any) -> Any:

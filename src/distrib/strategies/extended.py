@@ -55,8 +55,8 @@ class StrategyExtended:
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
-        """Where parameters live: the replicas' devices (every replica holds a copy)."""
-        return self.worker_devices
+        """Where parameters live (every replica's device, or the central one)."""
+        return self._strategy.parameter_devices
 
     @property
     def should_checkpoint(self) -> bool:

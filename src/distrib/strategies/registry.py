@@ -102,6 +102,12 @@ def _mirrored(request: StrategyRequest) -> "Strategy":
     return MirroredStrategy(None if request.replicas is None else _local_device_names(request.replicas))
 
 
+def _central_storage(request: StrategyRequest) -> "Strategy":
+    from distrib.strategies.central_storage import CentralStorageStrategy
+
+    return CentralStorageStrategy(None if request.replicas is None else _local_device_names(request.replicas))
+
+
 def _multi_worker(request: StrategyRequest) -> "Strategy":
     from distrib.strategies.multi_worker import MultiWorkerMirroredStrategy
 
@@ -123,6 +129,8 @@ def _parameter_server(request: StrategyRequest) -> "Strategy":
 register(StrategyEntry("default", "no distribution: the step runs once, in place", _default))
 register(StrategyEntry("one-device", "one replica on one device (--device, default cuda:0 or cpu)", _one_device))
 register(StrategyEntry("mirrored", "synchronous, one replica per local device (every GPU, or the CPU)", _mirrored))
+register(StrategyEntry("central-storage", "synchronous, parameters on one device, compute on every local device",
+                       _central_storage))
 register(StrategyEntry("multi-worker", "synchronous over worker processes (TF_CONFIG, torchrun or Slurm)",
                        _multi_worker, multi_worker=True))
 register(StrategyEntry("parameter-server", "asynchronous: parameters on ps tasks, steps scheduled on workers",

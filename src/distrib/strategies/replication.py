@@ -145,10 +145,11 @@ class ModuleCapture:
 
 @dataclass(frozen=True)
 class _Mirror:
-    """A submodule's copies on every local replica (index 0: the module itself)."""
+    """The module each local replica calls in place of one submodule (index: local replica id)."""
 
     owner: "Strategy"
     replicas: tuple[nn.Module, ...]
+    primary_computes: bool  # replica 0 computes on the module itself (Mirrored) or on a copy (central storage)
 
 
 _mirrors: "weakref.WeakKeyDictionary[nn.Module, _Mirror]" = weakref.WeakKeyDictionary()
@@ -157,7 +158,8 @@ _mirrors: "weakref.WeakKeyDictionary[nn.Module, _Mirror]" = weakref.WeakKeyDicti
 def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     mirror = _mirrors.get(self)
     ctx = context.current_replica()
-    if mirror is not None and ctx is not None and ctx.local_replica_id and ctx.strategy is mirror.owner:
+    if (mirror is not None and ctx is not None and ctx.strategy is mirror.owner
+            and (ctx.local_replica_id or not mirror.primary_computes)):
         replica = mirror.replicas[ctx.local_replica_id]
         for mine, theirs in zip(self.modules(), replica.modules()):
             theirs.training = mine.training  # model.train()/eval() was called on the primary only
@@ -166,19 +168,32 @@ def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 class MirroredModules:
-    """The root modules a strategy mirrors, and each parameter's copies on the other replicas."""
+    """The root modules a strategy mirrors, and each parameter's copies on the replicas.
 
-    def __init__(self, strategy: "Strategy") -> None:
+    Mirrored (``parameter_device=None``): the primary lives on the first replica's device
+    and replica 0 computes on it; replicas 1..n-1 get copies. Central storage
+    (``parameter_device`` given): the primary lives on that device and every replica
+    computes on a copy of its own; gradients are summed from all copies into the primary.
+    """
+
+    def __init__(self, strategy: "Strategy", parameter_device: Optional[torch.device] = None) -> None:
         self._strategy = strategy
+        self._parameter_device = parameter_device
+        self._first = 0 if parameter_device is not None else 1  # local replica id of the first copy
         self._roots: list[tuple[nn.Module, list[nn.Module]]] = []
-        # id(primary parameter) -> copies on local replicas 1..n-1
+        # id(primary parameter) -> its copies, one per replica that does not compute on the primary
         self._param_copies: dict[int, list[nn.Parameter]] = {}
 
     def __contains__(self, param: object) -> bool:
         return id(param) in self._param_copies
 
+    @property
+    def central(self) -> bool:
+        """True when no replica computes on the primary (central storage): gradients always need merging."""
+        return not self._first
+
     def distribute(self, root: nn.Module) -> None:
-        """Place ``root`` on the first local device and give every other replica its copy."""
+        """Place ``root`` (on the parameter device, or the first local one) and give replicas their copies."""
         owner = context.owner_of(root)
         if owner is not None:
             if owner is not self._strategy:
@@ -194,9 +209,10 @@ class MirroredModules:
                     "earlier strategy.scope() block; build the whole model inside one scope block"
                 )
         devices = self._strategy.local_devices
-        if devices[0] is not None:
-            root.to(devices[0])
-        copies = [self._replicate(root, d) for d in devices[1:]]
+        home = self._parameter_device or devices[0]
+        if home is not None:
+            root.to(home)
+        copies = [self._replicate(root, d) for d in devices[self._first:]]
         params = list(root.parameters())
         for p in params:
             self._param_copies[id(p)] = []
@@ -205,7 +221,9 @@ class MirroredModules:
                 self._param_copies[id(p)].append(pc)
         if copies:
             for name, sub in root.named_modules():
-                _mirrors[sub] = _Mirror(self._strategy, (sub, *(c.get_submodule(name) for c in copies)))
+                mine = (sub,) if self._first else ()
+                _mirrors[sub] = _Mirror(self._strategy, (*mine, *(c.get_submodule(name) for c in copies)),
+                                        primary_computes=bool(self._first))
                 sub.forward = types.MethodType(_dispatching_forward, sub)
         for sub in root.modules():
             context.set_owner(sub, self._strategy)
@@ -224,14 +242,18 @@ class MirroredModules:
         return clone
 
     def replica_grads(self, param: torch.Tensor) -> list[Optional[torch.Tensor]]:
-        """The gradients of ``param``'s copies on local replicas 1..n-1."""
+        """The gradients of ``param``'s copies (the replicas that do not compute on ``param`` itself)."""
         return [pc.grad for pc in self._param_copies.get(id(param), ())]
 
     def zero_copy_grads(self, params: Iterable[torch.Tensor], replica: Optional[int], set_to_none: bool) -> None:
-        """Clear the gradients of the copies of ``params`` (on one replica, or on all if None)."""
+        """Clear the gradients of the copies of ``params`` (of one local replica, or of all if None)."""
         for p in params:
             copies = self._param_copies.get(id(p), ())
-            chosen = copies if replica is None else copies[replica - 1: replica]
+            if replica is None:
+                chosen = list(copies)
+            else:
+                index = replica - self._first
+                chosen = [copies[index]] if 0 <= index < len(copies) else []
             for pc in chosen:
                 if pc.grad is None:
                     continue
@@ -244,7 +266,7 @@ class MirroredModules:
         """Make every copy equal to its primary again (after an update or a restore).
 
         Parameters that share storage need nothing. Floating buffers (e.g. BatchNorm
-        running statistics) are averaged over replicas first when ``average_buffers``.
+        running statistics) are averaged over the computing replicas first when ``average_buffers``.
         """
         with torch.no_grad():
             for r, copies in self._roots:
@@ -256,12 +278,14 @@ class MirroredModules:
                             pc.copy_(p)
                 for b, *bcs in zip(r.buffers(), *(c.buffers() for c in copies)):
                     if average_buffers and b.is_floating_point():
-                        total = b.clone()
-                        for bc in bcs:
+                        computed = [b, *bcs] if self._first else list(bcs)
+                        total = computed[0].clone().to(b.device)
+                        for bc in computed[1:]:
                             total += bc.to(b.device)
-                        b.copy_(total / (len(bcs) + 1))
+                        b.copy_(total / len(computed))
                     for bc in bcs:
-                        bc.copy_(b)
+                        if bc.data_ptr() != b.data_ptr():
+                            bc.copy_(b)
 
 
 # --------------------------------------------------------------------------- optimizers
