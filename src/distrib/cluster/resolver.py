@@ -1,78 +1,320 @@
-"""The base of cluster resolvers: who is in the cluster and which task this process is."""
+"""Cluster resolvers: who is in the cluster and which task this process is (TF's ``cluster_resolver``).
+
+``ClusterResolver`` is the base, ``SimpleClusterResolver`` takes explicit values and
+``UnionClusterResolver`` merges several, all with TF's semantics (see docs/migration.md
+for the few differences). Two members are distrib's own:
+
+- ``rendezvous_address()``: the chief's ``host:port`` without any ``rpc_layer`` prefix, where
+  the workers of ``MultiWorkerMirroredStrategy`` meet. TF's ``master()`` is something else
+  (the address of *this* task, or a session master, prefixed ``grpc://``), kept as TF has it.
+- ``worker_rank(resolver)``: ``(rank, world_size)`` of this task among the chief and workers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import abc
+from typing import Any, Mapping, Optional, Union
 
-from distrib.cluster.spec import ClusterSpec
+from distrib.cluster.spec import ClusterSpec, parse_task_index
 
-__all__ = ["ClusterResolver", "SimpleClusterResolver"]
+__all__ = ["ClusterResolver", "SimpleClusterResolver", "UnionClusterResolver", "UnionResolver",
+           "format_master_url", "worker_rank"]
 
 
-class ClusterResolver:
-    """A cluster spec plus this process's task. Subclasses read one environment each.
+def format_master_url(master: str, rpc_layer: Optional[str] = None) -> str:
+    """``"grpc://host:port"`` for ``rpc_layer="grpc"``; ``master`` unchanged without a layer (as TF)."""
+    return f"{rpc_layer}://{master}" if rpc_layer else master
 
-    ``rpc_layer`` is kept as TF reads it (from ``TF_CONFIG``) but does not choose a
+
+def _task_type(value: object) -> Optional[str]:
+    return None if value is None else str(value)
+
+
+def _task_id(value: object, where: str = "task_id") -> Optional[int]:
+    return None if value is None else parse_task_index(value, where)
+
+
+class ClusterResolver(abc.ABC):
+    """A cluster spec plus this process's task (``tf.distribute.cluster_resolver.ClusterResolver``).
+
+    Subclasses implement ``cluster_spec()`` and set ``task_type``, ``task_id`` and
+    ``rpc_layer``. ``rpc_layer`` is kept and used in ``master()`` as TF does, but chooses no
     transport: workers always talk through ``torch.distributed`` (gloo or NCCL) and
-    parameter servers through gRPC (see docs/migration.md).
+    parameter servers through gRPC.
+
+    Example (a resolver of your own)::
+
+        >>> class Fixed(ClusterResolver):
+        ...     def cluster_spec(self):
+        ...         return ClusterSpec({"worker": ["w0:2222", "w1:2222"]})
+        >>> r = Fixed(); r.task_type, r.task_id = "worker", "1"
+        >>> r.task_id, r.master(), r.rendezvous_address(), r.is_chief
+        (1, 'w1:2222', 'w0:2222', False)
     """
 
-    rpc_layer: Optional[str] = "grpc"
+    _task_type: Optional[str] = None
+    _task_id: Optional[int] = None
+    _rpc_layer: Optional[str] = None
+    _environment: Optional[str] = ""
 
+    @abc.abstractmethod
     def cluster_spec(self) -> ClusterSpec:
-        raise NotImplementedError
+        """The cluster as a ``ClusterSpec``."""
 
-    task_type: Optional[str] = None
-    task_id: Optional[int] = None
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
+        """The address of the given task, default this process's task, prefixed ``rpc_layer://``; ``""``
+        when neither is known (TF's Slurm and base semantics). Not where collectives meet: see
+        ``rendezvous_address()``."""
+        task_type = task_type if task_type is not None else self.task_type
+        task_id = task_id if task_id is not None else self.task_id
+        if task_type is None or task_id is None:
+            return ""
+        return format_master_url(self.cluster_spec().task_address(task_type, task_id), rpc_layer or self.rpc_layer)
 
-    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None) -> str:
-        """Address of the given task (default: the chief), where collectives rendezvous."""
+    def rendezvous_address(self) -> str:
+        """``host:port`` of the chief (the ``chief`` task, else worker 0), where the workers of a
+        synchronous strategy rendezvous. Never prefixed by ``rpc_layer``. distrib's own."""
         spec = self.cluster_spec()
-        if task_type is None:
-            task_type, task_id = spec.chief()
-        return spec.task_address(task_type, task_id or 0)
+        return spec.task_address(*spec.chief())
+
+    @property
+    def task_type(self) -> Optional[str]:
+        """This process's job (``"chief"``, ``"worker"``, ``"ps"``, ``"evaluator"``), or None."""
+        return self._task_type
+
+    @task_type.setter
+    def task_type(self, task_type: Optional[str]) -> None:
+        self._task_type = _task_type(task_type)
+
+    @property
+    def task_id(self) -> Optional[int]:
+        """This process's index in its job, or None. Set from an int or a string of digits, as TF casts."""
+        return self._task_id
+
+    @task_id.setter
+    def task_id(self, task_id: Union[int, str, None]) -> None:
+        self._task_id = _task_id(task_id)
+
+    @property
+    def rpc_layer(self) -> Optional[str]:
+        """The protocol prefix ``master()`` puts before addresses (``"grpc"``), or None."""
+        return self._rpc_layer
+
+    @rpc_layer.setter
+    def rpc_layer(self, rpc_layer: Optional[str]) -> None:
+        self._rpc_layer = rpc_layer
+
+    @property
+    def environment(self) -> Optional[str]:
+        """The environment TF runs in (``""`` outside Google); kept as given."""
+        return self._environment
 
     @property
     def is_chief(self) -> bool:
-        """True for the ``chief`` task, or worker 0 when the cluster has no chief (or for no task)."""
-        spec = self.cluster_spec()
+        """True for the chief task (the ``chief`` task, else worker 0), or for a process with no task."""
         if self.task_type is None:
             return True
-        return (self.task_type, self.task_id or 0) == spec.chief()
+        try:
+            chief = self.cluster_spec().chief()
+        except ValueError:  # no chief and no worker: an evaluator or ps alone is not the chief
+            return False
+        return (self.task_type, self.task_id or 0) == chief
 
     def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
                          config_proto: object = None) -> dict[str, int]:
         """The accelerators of this machine, ``{"GPU": n}`` (``{}`` without CUDA).
 
-        TF asks the given task; distrib can only see this process's machine, so
-        ``task_type``, ``task_id`` and ``config_proto`` are accepted and ignored.
+        TF asks the given task through a session; distrib can only see this process's machine,
+        so ``task_type``, ``task_id`` and ``config_proto`` are accepted and ignored.
         """
         import torch
 
-        return {"GPU": torch.cuda.device_count()} if torch.cuda.is_available() else {}
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return {"GPU": count} if count else {}
 
 
-@dataclass
-class SimpleClusterResolver(ClusterResolver):
-    """A resolver from explicit values (``tf.distribute.cluster_resolver.SimpleClusterResolver``).
+def worker_rank(resolver: ClusterResolver) -> tuple[int, int]:
+    """``(rank, world_size)`` of this task among the cluster's chief and worker tasks (chief first).
+
+    ``(0, 1)`` for a cluster with no chief or worker (a single process). A sparse chief or
+    worker job is refused: a synchronous strategy needs every worker listed.
 
     Example::
 
-        >>> r = SimpleClusterResolver(ClusterSpec({"worker": ["localhost:1111", "localhost:2222"]}), "worker", 1)
-        >>> r.is_chief, r.master()
-        (False, 'localhost:1111')
+        >>> r = SimpleClusterResolver(ClusterSpec({"chief": ["c:1"], "worker": ["w0:1", "w1:1"]}), "worker", 1)
+        >>> worker_rank(r)
+        (2, 3)
+    """
+    spec = resolver.cluster_spec()
+    jobs = [job for job in ("chief", "worker") if job in spec.jobs]
+    tasks = [(job, index) for job in jobs for index in spec.task_indices(job)]
+    if not tasks:
+        return 0, 1
+    for job in jobs:
+        indices = spec.task_indices(job)
+        if indices != list(range(len(indices))):
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy needs every {job} task listed, but cluster.{job} has the indices "
+                f"{indices}: list all of them (0..n-1) in every task's TF_CONFIG")
+    if resolver.task_type not in ("chief", "worker"):
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, but this task is "
+            f"{resolver.task_type!r}: check TF_CONFIG's 'task.type'")
+    task = (resolver.task_type, resolver.task_id or 0)
+    if task not in tasks:
+        raise ValueError(f"this task ({task[0]} {task[1]}) is not in the cluster {spec!r}: check TF_CONFIG's 'task.index'")
+    return tasks.index(task), len(tasks)
+
+
+class SimpleClusterResolver(ClusterResolver):
+    """A resolver from explicit values (``tf.distribute.cluster_resolver.SimpleClusterResolver``).
+
+    Arguments after ``cluster_spec`` are best given by keyword, as TF's own tests do.
+    Positionally, distrib's order is ``(cluster_spec, task_type, task_id)`` (TF's is
+    ``(cluster_spec, master, task_type, ...)``); a ``task_type`` that is not a job of the
+    cluster is a ValueError, so TF's positional ``master`` is caught, not misread.
+
+    Example::
+
+        >>> spec = ClusterSpec({"worker": ["localhost:1111", "localhost:2222"]})
+        >>> r = SimpleClusterResolver(spec, task_type="worker", task_id=1, rpc_layer="grpc")
+        >>> r.is_chief, r.master("worker", 0), r.rendezvous_address()
+        (False, 'grpc://localhost:1111', 'localhost:1111')
     """
 
-    spec: ClusterSpec
-    task_type: Optional[str] = None
-    task_id: Optional[int] = None
-    rpc_layer: Optional[str] = "grpc"
-
-    def __post_init__(self) -> None:
-        self.spec = ClusterSpec(self.spec)
-        if self.task_type is not None:
-            self.spec.task_address(self.task_type, self.task_id or 0)  # validates both
+    def __init__(self, cluster_spec: Union[ClusterSpec, Mapping[str, Any]], task_type: Optional[str] = None,
+                 task_id: Optional[int] = None, *, master: str = "", environment: str = "",
+                 num_accelerators: Optional[dict[str, int]] = None, rpc_layer: Optional[str] = None) -> None:
+        self._cluster_spec = cluster_spec if isinstance(cluster_spec, ClusterSpec) else ClusterSpec(cluster_spec)
+        if not isinstance(master, str):
+            raise TypeError(f"SimpleClusterResolver(master={master!r}): master must be a string")
+        self.task_type, self.task_id = task_type, task_id
+        if self.task_type is not None and self.task_type != "evaluator":
+            if self.task_type not in self._cluster_spec.jobs:
+                raise ValueError(
+                    f"SimpleClusterResolver(task_type={task_type!r}): not a job of the cluster "
+                    f"(jobs: {', '.join(self._cluster_spec.jobs) or 'none'}). distrib's positional order is "
+                    "(cluster_spec, task_type, task_id); pass TF's master by keyword: master='grpc://host:port'")
+            self._cluster_spec.task_address(self.task_type, self.task_id or 0)  # the index must be listed
+        self._master = master
+        self._environment = environment
+        self._num_accelerators = num_accelerators
+        self._rpc_layer = rpc_layer
 
     def cluster_spec(self) -> ClusterSpec:
-        return self.spec
+        return self._cluster_spec
+
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
+        """The given task's address, else the ``master`` given to the constructor (TF: the session
+        master, ``""`` by default), prefixed ``rpc_layer://``."""
+        if task_type is not None and task_id is not None:
+            address = self.cluster_spec().task_address(task_type, task_id)
+        else:
+            address = self._master
+        return format_master_url(address, rpc_layer or self._rpc_layer)
+
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: object = None) -> dict[str, int]:
+        """The ``num_accelerators`` given to the constructor (``{}`` if none); nothing is detected, as TF."""
+        return dict(self._num_accelerators or {})
+
+
+class UnionClusterResolver(ClusterResolver):
+    """The union of several resolvers (``tf.distribute.cluster_resolver.UnionResolver``).
+
+    ``cluster_spec()`` merges theirs: jobs given as lists by every resolver are concatenated in
+    order; if any gives a job as a dict, all its parts are merged as dicts and a task index given
+    twice is a ``KeyError`` (as TF). Task type, task id, rpc layer, environment and accelerators
+    come from the first resolver unless overridden (``task_type=``, ``task_id=``, ``rpc_layer=``).
+
+    Example::
+
+        >>> workers = SimpleClusterResolver(ClusterSpec({"worker": ["w0:2222", "w1:2222"]}), "worker", 0)
+        >>> ps = SimpleClusterResolver(ClusterSpec({"ps": ["ps0:2222"]}))
+        >>> union = UnionClusterResolver(workers, ps, rpc_layer="grpc")
+        >>> union.cluster_spec(), union.task_type, union.master("ps", 0)
+        (ClusterSpec({'ps': ['ps0:2222'], 'worker': ['w0:2222', 'w1:2222']}), 'worker', 'grpc://ps0:2222')
+    """
+
+    def __init__(self, *args: ClusterResolver, **kwargs: Any) -> None:
+        self._rpc_layer = kwargs.pop("rpc_layer", None)
+        self._task_type = _task_type(kwargs.pop("task_type", None))
+        self._task_id = _task_id(kwargs.pop("task_id", None))
+        if kwargs:
+            raise ValueError(f"UnionClusterResolver: unexpected keyword arguments {kwargs!r} "
+                             "(it takes rpc_layer, task_type and task_id)")
+        if not args:
+            raise ValueError("UnionClusterResolver needs at least one ClusterResolver")
+        for resolver in args:
+            if not isinstance(resolver, ClusterResolver):
+                raise TypeError(f"UnionClusterResolver: every argument must be a ClusterResolver, got {resolver!r}")
+        self._cluster_resolvers = args
+
+    def cluster_spec(self) -> ClusterSpec:
+        """The merged cluster; ``KeyError`` when two resolvers give the same index of a job."""
+        parts: dict[str, list[Union[list[str], dict[int, str]]]] = {}
+        for resolver in self._cluster_resolvers:
+            for job, tasks in resolver.cluster_spec().as_dict().items():
+                parts.setdefault(job, []).append(tasks)
+        merged: dict[str, Union[list[str], dict[int, str]]] = {}
+        for job, tasks_list in parts.items():
+            lists = [tasks for tasks in tasks_list if isinstance(tasks, list)]
+            if len(lists) == len(tasks_list):
+                merged[job] = [address for tasks in lists for address in tasks]
+                continue
+            as_dict: dict[int, str] = {}
+            for tasks in tasks_list:
+                part = dict(enumerate(tasks)) if isinstance(tasks, list) else dict(tasks)
+                clash = set(part) & set(as_dict)
+                if clash:
+                    raise KeyError(f"Duplicate keys detected when merging two ClusterSpecs: job {job!r} "
+                                   f"task index(es) {sorted(clash)} given twice")
+                as_dict.update(part)
+            merged[job] = as_dict
+        return ClusterSpec(merged)
+
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
+        """The given task's address, else the first resolver's ``master(rpc_layer=...)`` (as TF)."""
+        if task_type is not None and task_id is not None:
+            return format_master_url(self.cluster_spec().task_address(task_type, task_id),
+                                     rpc_layer or self._rpc_layer)
+        return self._cluster_resolvers[0].master(rpc_layer=rpc_layer)
+
+    @property
+    def task_type(self) -> Optional[str]:
+        return self._task_type if self._task_type is not None else self._cluster_resolvers[0].task_type
+
+    @task_type.setter
+    def task_type(self, task_type: Optional[str]) -> None:
+        self._task_type = _task_type(task_type)
+
+    @property
+    def task_id(self) -> Optional[int]:
+        return self._task_id if self._task_id is not None else self._cluster_resolvers[0].task_id
+
+    @task_id.setter
+    def task_id(self, task_id: Union[int, str, None]) -> None:
+        self._task_id = _task_id(task_id)
+
+    @property
+    def rpc_layer(self) -> Optional[str]:
+        return self._rpc_layer or self._cluster_resolvers[0].rpc_layer
+
+    @rpc_layer.setter
+    def rpc_layer(self, rpc_layer: Optional[str]) -> None:
+        self._rpc_layer = rpc_layer
+
+    @property
+    def environment(self) -> Optional[str]:
+        return self._cluster_resolvers[0].environment
+
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: object = None) -> dict[str, int]:
+        return self._cluster_resolvers[0].num_accelerators(task_type, task_id, config_proto)
+
+
+#: TF exports ``UnionClusterResolver`` as ``tf.distribute.cluster_resolver.UnionResolver``.
+UnionResolver = UnionClusterResolver

@@ -1,54 +1,337 @@
-"""``SlurmClusterResolver``: a worker cluster from the variables Slurm sets for each task."""
+"""``SlurmClusterResolver``: a cluster from the variables ``srun`` sets for each task, as TF reads them.
+
+Read (TF's step variables first, then the job's):
+
+- ``SLURM_PROCID``: this task's rank in the step;
+- ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``): how many tasks, when ``jobs`` is not given;
+- ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``): the nodes, in order;
+- ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PER_NODE``): e.g. ``"3(x2),2,1"``;
+- ``SLURM_STEP_ID``: the port offset of this job step when ``port_base`` is left unset;
+- ``SLURMD_NODENAME``, ``SLURM_LOCALID`` when set: checked against the layout computed.
+
+Tasks are laid out block by block in node order (Slurm's default distribution): the
+first node's tasks get ranks 0..k-1 and ports ``port_base``, ``port_base+1``, ...; ranks
+are then given to the jobs in the order of their sorted names (``{"ps": 1, "worker": 2}``:
+rank 0 is ps 0, ranks 1-2 are workers 0-1), as TF does.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Mapping, Optional
+import shutil
+import subprocess
+import sys
+import warnings
+from typing import Mapping, MutableMapping, Optional, Union
 
 from distrib.cluster.resolver import ClusterResolver
-from distrib.cluster.spec import ClusterSpec
+from distrib.cluster.spec import TASK_TYPES, ClusterSpec, parse_address
 
-__all__ = ["SlurmClusterResolver", "expand_hostlist"]
+__all__ = ["SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
+
+_MAX_HOSTS = 1 << 16
+_DEFAULT_PORT_BASE = 8888
+_STEP_PORT_STRIDE = 100  # job step k uses ports 8888 + 100*k ... when port_base is not given
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand Slurm's compressed host list: ``"n[01-03,07],gpu5"`` -> n01, n02, n03, n07, gpu5."""
+    """Expand Slurm's compressed host list, in order: ``"n[01-03,07],gpu5"`` -> n01, n02, n03, n07, gpu5.
+
+    Zero padding is kept; several ranges in one name (``"r[1-2]n[1-2]"``) are expanded in order.
+
+    Example::
+
+        >>> expand_hostlist("n[1-2],m5,o[009-011]")
+        ['n1', 'n2', 'm5', 'o009', 'o010', 'o011']
+    """
     hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            lo, _, hi = r.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
+    for part in _split_outside_brackets(hostlist):
+        names = [""]
+        for literal, ranges in re.findall(r"([^\[\]]*)(?:\[([^\[\]]*)\])?", part):
+            values = _expand_ranges(ranges, hostlist) if ranges else [""]
+            names = [name + literal + value for name in names for value in values]
+            if len(hosts) + len(names) > _MAX_HOSTS:
+                raise ValueError(f"invalid Slurm host list {hostlist!r}: more than {_MAX_HOSTS} hosts")
+        hosts.extend(names)
     return hosts
 
 
-class SlurmClusterResolver(ClusterResolver):
-    """Every Slurm task is a worker; worker addresses are ``node:port_base+k`` for the k-th task on a node."""
+def _split_outside_brackets(hostlist: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for c in hostlist:
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            raise ValueError(f"invalid Slurm host list {hostlist!r}: unbalanced brackets")
+        if c == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += c
+    if depth:
+        raise ValueError(f"invalid Slurm host list {hostlist!r}: unbalanced brackets")
+    parts.append(current)
+    if not all(parts):
+        raise ValueError(f"invalid Slurm host list {hostlist!r}: an empty host name")
+    return parts
 
-    def __init__(self, port_base: int = 8888, environ: Optional[Mapping[str, str]] = None) -> None:
-        env = os.environ if environ is None else environ
-        missing = [v for v in ("SLURM_PROCID", "SLURM_NTASKS") if v not in env]
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        if missing or not nodelist:
-            raise ValueError("not inside a Slurm job step: SLURM_PROCID, SLURM_NTASKS and SLURM_STEP_NODELIST "
-                             "(or SLURM_JOB_NODELIST) must be set; run this under srun")
-        nodes = expand_hostlist(nodelist)
-        ntasks = int(env["SLURM_NTASKS"])
-        per_node = -(-ntasks // len(nodes))
-        addresses = [f"{nodes[i // per_node]}:{port_base + i % per_node}" for i in range(ntasks)]
-        self._spec = ClusterSpec({"worker": addresses})
-        self.task_type, self.task_id = "worker", int(env["SLURM_PROCID"])
+
+def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
+    values: list[str] = []
+    for r in ranges.split(","):
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", r)
+        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"invalid Slurm host list {hostlist!r}: bad range {r!r} (expected e.g. 01-04 or 7)")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) - int(lo) >= _MAX_HOSTS:
+            raise ValueError(f"invalid Slurm host list {hostlist!r}: range {r!r} has more than {_MAX_HOSTS} hosts")
+        values += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
+    return values
+
+
+def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
+    """Expand Slurm's tasks-per-node list, in node order: ``"3(x2),2,1"`` -> ``[3, 3, 2, 1]``.
+
+    Example::
+
+        >>> expand_tasks_per_node("3(x2),2,11(x4)")
+        [3, 3, 2, 11, 11, 11, 11]
+    """
+    result: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"\s*([0-9]{1,6})(?:\(x([0-9]{1,6})\))?\s*", part)
+        if not m:
+            raise ValueError(f"invalid Slurm tasks-per-node list {tasks_per_node!r}: bad part {part!r} "
+                             "(expected e.g. '3(x2),2,1')")
+        result += [int(m.group(1))] * int(m.group(2) or 1)
+        if len(result) > _MAX_HOSTS:
+            raise ValueError(f"invalid Slurm tasks-per-node list {tasks_per_node!r}: more than {_MAX_HOSTS} nodes")
+    return result
+
+
+def _count_gpus(env: Mapping[str, str]) -> int:
+    """GPUs on this node: ``CUDA_VISIBLE_DEVICES`` if set (``""``: none), else ``nvidia-smi -L``, else 0."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "--list-gpus"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+class SlurmClusterResolver(ClusterResolver):
+    """A cluster from Slurm's variables (``tf.distribute.cluster_resolver.SlurmClusterResolver``).
+
+    ``jobs`` maps job names to task counts (default: every task a ``worker``). ``tasks_per_node``
+    (an int, or a dict host -> count) overrides Slurm's. ``gpus_per_node`` (default: counted)
+    and ``gpus_per_task`` (default: an even share) choose each task's GPUs; with ``auto_set_gpu``,
+    ``cluster_spec()`` sets ``CUDA_VISIBLE_DEVICES`` to them, as TF does (GPU *k* is the *k*-th
+    already visible one when Slurm has narrowed ``CUDA_VISIBLE_DEVICES``). ``port_base``: the
+    first port on each node (default 8888, shifted by 100 per job step so that concurrent
+    steps on a node do not collide). ``environ`` (distrib's) reads another mapping than ``os.environ``.
+
+    Example (``srun -N 2 --ntasks-per-node 2 python train.py``, task 3)::
+
+        >>> r = SlurmClusterResolver(environ={"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4",
+        ...     "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"})
+        >>> r.cluster_spec()
+        ClusterSpec({'worker': ['node01:8888', 'node01:8889', 'node02:8888', 'node02:8889']})
+        >>> r.task_type, r.task_id, r.master(), r.rendezvous_address()
+        ('worker', 3, 'grpc://node02:8889', 'node01:8888')
+    """
+
+    def __init__(self, jobs: Optional[Mapping[str, int]] = None, port_base: Optional[int] = None,
+                 gpus_per_node: Optional[int] = None, gpus_per_task: Optional[int] = None,
+                 tasks_per_node: Union[int, Mapping[str, int], None] = None, auto_set_gpu: bool = True,
+                 rpc_layer: Optional[str] = "grpc", *, environ: Optional[Mapping[str, str]] = None) -> None:
+        env: Mapping[str, str] = os.environ if environ is None else environ
+        self._env = env
+        in_step = "SLURM_STEP_NODELIST" in env or "SLURM_STEP_NUM_TASKS" in env
+        step_tasks = _int_var(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+        if not in_step and (step_tasks or 1) > 1:
+            raise RuntimeError(
+                f"this process runs in a Slurm allocation of {step_tasks} tasks but not inside a job step "
+                "(SLURM_STEP_NODELIST is not set): start every task with srun, e.g. `srun python train.py` "
+                "in the batch script; started directly, only one task would run and the others never come")
+        if "SLURM_PROCID" not in env:
+            raise RuntimeError("SLURM_PROCID is not set: not inside a Slurm job step; start the tasks with srun")
+        rank = _int_var(env, "SLURM_PROCID")
+        assert rank is not None
+        config = self._task_configuration(env, tasks_per_node)
+        num_tasks = sum(config.values())
+        if step_tasks is not None and step_tasks != num_tasks:
+            raise RuntimeError(f"SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) is {step_tasks} but the tasks per node add up "
+                               f"to {num_tasks} ({_describe(config)}); pass tasks_per_node to match the step")
+        jobs = _check_jobs({"worker": num_tasks} if jobs is None else jobs)
+        if sum(jobs.values()) != num_tasks:
+            raise RuntimeError(f"Requested {sum(jobs.values())} tasks (jobs={dict(jobs)}) but Slurm assigned "
+                               f"{num_tasks} ({_describe(config)}); make them agree")
+        if not 0 <= rank < num_tasks:
+            raise RuntimeError(f"SLURM_PROCID={rank} is out of range for the {num_tasks} tasks of this step")
+        if port_base is None:
+            step = _int_var(env, "SLURM_STEP_ID", "SLURM_STEPID") or 0
+            port_base = _DEFAULT_PORT_BASE + _STEP_PORT_STRIDE * (step % 500)
+        max_per_node = max(config.values())
+        if isinstance(port_base, bool) or not isinstance(port_base, int) or not 0 < port_base <= 65536 - max_per_node:
+            raise ValueError(f"SlurmClusterResolver(port_base={port_base!r}): need 1 <= port_base and "
+                             f"port_base + {max_per_node - 1} <= 65535")
+        if gpus_per_node is None:
+            gpus_per_node = _count_gpus(env)
+        if gpus_per_task is None:
+            gpus_per_task = gpus_per_node // max_per_node
+        if max_per_node * gpus_per_task > gpus_per_node:
+            raise RuntimeError(f"Requested more GPUs per node than available: {max_per_node} tasks per node x "
+                               f"gpus_per_task={gpus_per_task} > gpus_per_node={gpus_per_node}")
+        # GPU k of a node is the k-th visible one: Slurm may have made only some visible (e.g. "4,5,6,7")
+        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        names = visible if len(visible) >= max_per_node * gpus_per_task else [str(g) for g in range(gpus_per_node)]
+        tasks: list[str] = []
+        gpus: list[str] = []
+        hosts: list[tuple[str, int]] = []
+        for host, count in config.items():
+            for k in range(count):
+                tasks.append(f"{host}:{port_base + k}")
+                gpus.append(",".join(names[k * gpus_per_task:(k + 1) * gpus_per_task]))
+                hosts.append((host, k))
+        self._check_placement(env, rank, *hosts[rank])
+        cluster: dict[str, list[str]] = {}
+        start = 0
+        for job, count in sorted(jobs.items()):
+            cluster[job] = tasks[start:start + count]
+            if start <= rank < start + count:
+                self.task_type, self.task_id = job, rank - start
+            start += count
+        try:
+            self._spec = ClusterSpec(cluster)
+        except ValueError as e:
+            raise RuntimeError(f"the Slurm variables give a malformed cluster: {e}") from None
+        self._rank = rank
+        self._jobs = dict(jobs)
+        self._port_base = port_base
+        self._gpus_per_node, self._gpus_per_task = gpus_per_node, gpus_per_task
+        self._gpu_allocation = gpus
+        self._auto_set_gpu = auto_set_gpu
+        self._rpc_layer = rpc_layer
+
+    @staticmethod
+    def _task_configuration(env: Mapping[str, str], tasks_per_node: Union[int, Mapping[str, int], None]) -> dict[str, int]:
+        """Host -> number of tasks on it, in node order."""
+        if isinstance(tasks_per_node, Mapping):
+            config = dict(tasks_per_node)
+        else:
+            name, nodelist = _var(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+            try:
+                hosts = expand_hostlist(nodelist)
+            except ValueError as e:
+                raise RuntimeError(f"{name}={nodelist!r}: {e}") from None
+            if tasks_per_node is not None:
+                config = {host: tasks_per_node for host in hosts}
+            else:
+                counts_name, counts_text = _var(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+                try:
+                    counts = expand_tasks_per_node(counts_text)
+                except ValueError as e:
+                    raise RuntimeError(f"{counts_name}={counts_text!r}: {e}") from None
+                if len(counts) != len(hosts):
+                    raise RuntimeError(f"{counts_name}={counts_text!r} gives {len(counts)} node(s) but "
+                                       f"{name}={nodelist!r} lists {len(hosts)}")
+                config = dict(zip(hosts, counts))
+        for host, count in config.items():
+            parse_address(f"{host}:1", f"Slurm node {host!r}")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"SlurmClusterResolver(tasks_per_node=...): the count for {host!r} must be a "
+                                 f"non-negative integer, got {count!r}")
+        if not config or not sum(config.values()):
+            raise RuntimeError(f"the Slurm step has no tasks ({_describe(config)})")
+        return config
+
+    @staticmethod
+    def _check_placement(env: Mapping[str, str], rank: int, host: str, local: int) -> None:
+        """Refuse a layout that does not match where Slurm really put this task (e.g. cyclic distribution)."""
+        node, local_id = env.get("SLURMD_NODENAME"), env.get("SLURM_LOCALID")
+        wrong = []
+        if node and node.split(".")[0] != host.split(".")[0]:
+            wrong.append(f"on node {node!r}, not {host!r}")
+        if local_id is not None and local_id.strip().isdigit() and int(local_id) != local:
+            wrong.append(f"local task {local_id}, not {local}")
+        if wrong:
+            raise RuntimeError(
+                f"SLURM_PROCID={rank} runs {' and '.join(wrong)}: the tasks are not laid out block by block in "
+                "node order. Use `srun --distribution=block` (the default), or give tasks_per_node to match")
 
     @staticmethod
     def detect(environ: Optional[Mapping[str, str]] = None) -> bool:
+        """True inside an ``srun`` job step, and in an allocation of several tasks started without srun
+        (the constructor then says to use srun)."""
         env = os.environ if environ is None else environ
-        return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+        if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_STEP_NODELIST" in env):
+            return True
+        ntasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
+        return ("SLURM_JOB_ID" in env or "SLURM_JOBID" in env) and ntasks is not None and ntasks.strip() not in ("", "1")
 
     def cluster_spec(self) -> ClusterSpec:
+        """The cluster; with ``auto_set_gpu``, also sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs (as TF)."""
+        if self._auto_set_gpu and self._gpus_per_task > 0:
+            visible = self._gpu_allocation[self._rank]
+            torch = sys.modules.get("torch")
+            if (self._env.get("CUDA_VISIBLE_DEVICES") != visible and torch is not None
+                    and torch.cuda.is_initialized()):
+                warnings.warn(f"SlurmClusterResolver sets CUDA_VISIBLE_DEVICES={visible} after CUDA was initialised: "
+                              "it takes effect only in processes started later. Create the resolver (or the "
+                              "strategy) before any CUDA call, or pass auto_set_gpu=False and pick devices yourself",
+                              RuntimeWarning, stacklevel=2)
+            if isinstance(self._env, MutableMapping):
+                self._env["CUDA_VISIBLE_DEVICES"] = visible
         return self._spec
+
+    def get_task_info(self) -> tuple[Optional[str], Optional[int]]:
+        """``(task_type, task_id)`` of this process."""
+        return self.task_type, self.task_id
+
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: object = None) -> dict[str, int]:
+        """``{"GPU": gpus_per_task}`` (the arguments are unused, as in TF)."""
+        return {"GPU": self._gpus_per_task}
+
+
+def _var(env: Mapping[str, str], *names: str) -> tuple[str, str]:
+    for name in names:
+        if env.get(name, "").strip():
+            return name, env[name].strip()
+    raise RuntimeError(f"{names[0]} is not set (nor {', '.join(names[1:])}): not inside a Slurm job step? "
+                       "Start the tasks with srun")
+
+
+def _int_var(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        text = env.get(name, "").strip()
+        if text:
+            if not text.isascii() or not text.isdigit():
+                raise RuntimeError(f"{name}={env[name]!r} is not a non-negative integer")
+            return int(text)
+    return None
+
+
+def _check_jobs(jobs: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(jobs, Mapping) or not jobs:
+        raise ValueError(f"SlurmClusterResolver(jobs={jobs!r}): expected a dict of job name -> task count, "
+                         "e.g. {'ps': 1, 'worker': 2}")
+    for job, count in jobs.items():
+        if job not in TASK_TYPES:
+            raise ValueError(f"SlurmClusterResolver(jobs=...): unknown job {job!r}; use {', '.join(TASK_TYPES)}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"SlurmClusterResolver(jobs=...): the count of {job!r} must be a non-negative integer, "
+                             f"got {count!r}")
+    return dict(jobs)
+
+
+def _describe(config: Mapping[str, int]) -> str:
+    return ", ".join(f"{host}: {count}" for host, count in config.items()) or "no nodes"

@@ -1,97 +1,273 @@
-"""``TFConfigClusterResolver``: the cluster described by the ``TF_CONFIG`` variable, as in TF."""
+"""``TFConfigClusterResolver``: the cluster described by the ``TF_CONFIG`` variable, as in TF.
+
+``TF_CONFIG`` is checked completely when the resolver is made, so that a mistake is a
+``TFConfigError`` naming the field at fault in every process, at once, instead of a
+rendezvous that waits for a task that will never come: unknown or misspelt keys
+(``"idx"``), duplicate keys, unknown task types, malformed addresses (a space in a host,
+an empty host, a port out of range), bad sparse indices (``{"-1": ...}``, ``{"a": ...}``,
+``{"1": ..., "01": ...}``), two tasks on one address, an index out of range.
+"""
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
 
-from distrib.cluster.resolver import ClusterResolver
-from distrib.cluster.spec import TASK_TYPES, ClusterSpec, parse_address
+from distrib.cluster.resolver import ClusterResolver, format_master_url
+from distrib.cluster.spec import TASK_TYPES, ClusterSpec, parse_address, parse_task_index
 
-__all__ = ["TFConfigClusterResolver", "TFConfigError", "parse_tf_config"]
+__all__ = ["TFConfig", "TFConfigClusterResolver", "TFConfigError", "parse_tf_config"]
+
+#: Top-level keys: TF's own, and ``job`` that Google Cloud's training services add (ignored).
+_TOP_KEYS = ("cluster", "task", "rpc_layer", "session_master", "environment", "job")
+#: Task keys: TF's own, and ``trial``/``cloud`` that Google Cloud's training services add (ignored).
+_TASK_KEYS = ("type", "index", "trial", "cloud")
+_EXAMPLE = '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}'
 
 
 class TFConfigError(ValueError):
-    """``TF_CONFIG`` is malformed; the message names the field at fault."""
+    """``TF_CONFIG`` is malformed; the message names the field at fault and what to write instead.
 
-
-def parse_tf_config(text: str) -> tuple[ClusterSpec, Optional[str], Optional[int], Optional[str]]:
-    """Validate a ``TF_CONFIG`` string; return ``(cluster_spec, task_type, task_id, rpc_layer)``."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TFConfigError(f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {text[:200]!r}") from None
-    if not isinstance(config, Mapping):
-        raise TFConfigError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task', got {type(config).__name__}")
-    unknown = set(config) - {"cluster", "task", "rpc_layer", "environment"}
-    if unknown:
-        raise TFConfigError(f"TF_CONFIG has unknown field(s) {sorted(unknown)}; expected 'cluster' and 'task'")
-    cluster: Any = config.get("cluster", {})
-    if not isinstance(cluster, Mapping):
-        raise TFConfigError(f"TF_CONFIG field 'cluster' must be an object of task type -> addresses, got {cluster!r}")
-    for job in cluster:
-        if job not in TASK_TYPES:
-            raise TFConfigError(f"TF_CONFIG field 'cluster.{job}': unknown task type {job!r}; use one of {', '.join(TASK_TYPES)}")
-    if len(cluster.get("chief", [])) > 1:
-        raise TFConfigError(f"TF_CONFIG field 'cluster.chief' lists {len(cluster['chief'])} tasks; a cluster has at most one chief")
-    try:
-        spec = ClusterSpec(cluster)
-    except ValueError as e:
-        raise TFConfigError(f"TF_CONFIG field {e}") from None
-    seen: dict[tuple[str, int], str] = {}
-    for job, tasks in spec.as_dict().items():
-        for i, address in enumerate(tasks):
-            host, port = parse_address(address, f"cluster.{job}[{i}]")
-            key = (host.lower(), port)
-            if key in seen:
-                raise TFConfigError(
-                    f"TF_CONFIG field 'cluster.{job}[{i}]': address {address!r} is also used by {seen[key]}; "
-                    "every task needs its own host:port")
-            seen[key] = f"cluster.{job}[{i}]"
-    task: Any = config.get("task", {})
-    if not isinstance(task, Mapping):
-        raise TFConfigError(f"TF_CONFIG field 'task' must be an object like {{\"type\": \"worker\", \"index\": 0}}, got {task!r}")
-    task_type, task_id = task.get("type"), task.get("index", 0)
-    if task_type is not None:
-        if task_type not in TASK_TYPES:
-            raise TFConfigError(f"TF_CONFIG field 'task.type': unknown task type {task_type!r}; use one of {', '.join(TASK_TYPES)}")
-        if not spec.num_tasks(task_type):
-            raise TFConfigError(f"TF_CONFIG field 'task.type': {task_type!r} has no tasks in 'cluster' (jobs: {', '.join(spec.jobs)})")
-        if isinstance(task_id, bool) or not isinstance(task_id, int):
-            raise TFConfigError(f"TF_CONFIG field 'task.index' must be an integer, got {task_id!r}")
-        if not 0 <= task_id < spec.num_tasks(task_type):
-            raise TFConfigError(
-                f"TF_CONFIG field 'task.index': {task_id} is out of range; cluster.{task_type} has "
-                f"{spec.num_tasks(task_type)} task(s), so the index must be in 0..{spec.num_tasks(task_type) - 1}")
-    return spec, task_type, (task_id if task_type is not None else None), config.get("rpc_layer", "grpc")
-
-
-class TFConfigClusterResolver(ClusterResolver):
-    """Reads ``TF_CONFIG`` (``{"cluster": {...}, "task": {"type": ..., "index": ...}}``).
+    A ``ValueError``, so ``except ValueError`` catches it too.
 
     Example::
 
-        >>> os.environ["TF_CONFIG"] = '{"cluster": {"worker": ["localhost:12345", "localhost:23456"]}, "task": {"type": "worker", "index": 0}}'
-        >>> r = TFConfigClusterResolver()
-        >>> r.task_type, r.task_id, r.is_chief
-        ('worker', 0, True)
+        >>> try:
+        ...     TFConfigClusterResolver(environ={"TF_CONFIG": '{"cluster": {"worker": ["w 0:2222"]}}'})
+        ... except TFConfigError as e:
+        ...     print(str(e)[:73])
+        TF_CONFIG field 'cluster.worker[0]': the host 'w 0' has invalid character
     """
 
-    def __init__(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+
+class _Object(dict[str, Any]):
+    """A JSON object that remembers the keys it was given more than once."""
+
+    duplicates: list[str]
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    obj.duplicates = [key for i, (key, _) in enumerate(pairs) if key in (k for k, _ in pairs[:i])]
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise TFConfigError(f"TF_CONFIG is not valid JSON: {name} is not a JSON value")
+
+
+def _hint(key: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5) if isinstance(key, str) else []
+    return f"; did you mean {close[0]!r}?" if close else f"; expected one of {', '.join(map(repr, known))}"
+
+
+def _check_object(value: Any, field: str, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TFConfigError(f"TF_CONFIG field '{field}' must be an object {what}, got {value!r}")
+    for key in getattr(value, "duplicates", ()):
+        raise TFConfigError(f"TF_CONFIG field '{field}' has the key {key!r} twice; give each key once")
+    return value
+
+
+@dataclass(frozen=True)
+class TFConfig:
+    """A validated ``TF_CONFIG``."""
+
+    cluster_spec: ClusterSpec
+    task_type: Optional[str]
+    task_id: Optional[int]
+    rpc_layer: Optional[str]
+    session_master: Optional[str]
+    environment: Optional[str]
+
+
+def parse_tf_config(text: str) -> TFConfig:
+    """Validate a ``TF_CONFIG`` string; a ``TFConfigError`` names the first field at fault.
+
+    Example::
+
+        >>> config = parse_tf_config('{"cluster": {"worker": {"0": "w0:2222", "3": "w3:2222"}}, '
+        ...                          '"task": {"type": "worker", "index": "3"}}')
+        >>> config.cluster_spec.task_indices("worker"), config.task_type, config.task_id
+        ([0, 3], 'worker', 3)
+        >>> parse_tf_config('{"cluster": {"worker": ["w0:2222"]}, "task": {"type": "worker", "idx": 0}}')
+        Traceback (most recent call last):
+        ...
+        distrib.cluster.tf_config.TFConfigError: TF_CONFIG field 'task.idx' is not a known key; did you mean 'index'?
+    """
+    try:
+        config = json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
+    except TFConfigError:
+        raise
+    except json.JSONDecodeError as e:
+        raise TFConfigError(f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+                            f"{text[:200]!r}; expected e.g. {_EXAMPLE}") from None
+    except (ValueError, RecursionError) as e:
+        raise TFConfigError(f"TF_CONFIG is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(config, Mapping):
+        raise TFConfigError(f"TF_CONFIG must be a JSON object like {_EXAMPLE}, got {text[:200]!r}")
+    for key in getattr(config, "duplicates", ()):
+        raise TFConfigError(f"TF_CONFIG has the key {key!r} twice; give each key once")
+    for key in config:
+        if key not in _TOP_KEYS:
+            raise TFConfigError(f"TF_CONFIG field {key!r} is not a known key{_hint(key, _TOP_KEYS)}")
+    spec = _parse_cluster(config.get("cluster", {}))
+    task_type, task_id = _parse_task(config.get("task", {}), spec)
+    strings = {}
+    for key in ("rpc_layer", "session_master", "environment"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, str):
+            raise TFConfigError(f"TF_CONFIG field '{key}' must be a string, got {value!r}")
+        strings[key] = value
+    return TFConfig(spec, task_type, task_id, strings["rpc_layer"], strings["session_master"], strings["environment"])
+
+
+def _parse_cluster(cluster: Any) -> ClusterSpec:
+    cluster = _check_object(cluster, "cluster", "of task type -> list of 'host:port' addresses")
+    seen: dict[tuple[str, int], str] = {}
+    for job, tasks in cluster.items():
+        if job not in TASK_TYPES:
+            raise TFConfigError(f"TF_CONFIG field 'cluster.{job}': unknown task type {job!r}{_hint(job, TASK_TYPES)}")
+        if isinstance(tasks, Mapping):
+            _check_object(tasks, f"cluster.{job}", "{index: address}")
+            items: list[tuple[int, Any]] = []
+            for key, address in tasks.items():
+                if not isinstance(key, str) or not key.isascii() or not key.isdigit():
+                    raise TFConfigError(f"TF_CONFIG field 'cluster.{job}': the task index {key!r} is not a "
+                                        "non-negative integer; a sparse job is {\"0\": \"host:port\", \"3\": ...}")
+                index = _wrap(parse_task_index, key, f"cluster.{job}")
+                if index in dict(items):
+                    raise TFConfigError(f"TF_CONFIG field 'cluster.{job}': the task index {index} is given twice "
+                                        f"(as {key!r} and another spelling); give each index once")
+                items.append((index, address))
+        elif isinstance(tasks, list):
+            items = list(enumerate(tasks))
+        else:
+            raise TFConfigError(f"TF_CONFIG field 'cluster.{job}' must be a list of 'host:port' addresses "
+                                f"(or an object {{index: address}}), got {tasks!r}")
+        if job in ("chief", "evaluator") and len(items) > 1:
+            raise TFConfigError(f"TF_CONFIG field 'cluster.{job}' lists {len(items)} tasks; a cluster has at most one {job}")
+        for index, address in items:
+            host, port = _wrap(parse_address, address, f"cluster.{job}[{index}]")
+            key = (host.lower(), port)
+            if key in seen:
+                raise TFConfigError(f"TF_CONFIG field 'cluster.{job}[{index}]': the address {address!r} is also used by "
+                                    f"{seen[key]}; every task needs its own host:port")
+            seen[key] = f"cluster.{job}[{index}]"
+    try:
+        return ClusterSpec(cluster)
+    except (TypeError, ValueError) as e:
+        raise TFConfigError(f"TF_CONFIG field {e}") from None
+
+
+def _parse_task(task: Any, spec: ClusterSpec) -> tuple[Optional[str], Optional[int]]:
+    task = _check_object(task, "task", 'like {"type": "worker", "index": 0}')
+    for key in task:
+        if key not in _TASK_KEYS:
+            raise TFConfigError(f"TF_CONFIG field 'task.{key}' is not a known key{_hint(key, _TASK_KEYS)}")
+    task_type = task.get("type")
+    if task_type is None:
+        if task.get("index") is not None:
+            raise TFConfigError("TF_CONFIG field 'task.type' is missing while 'task.index' is given; "
+                                'write e.g. "task": {"type": "worker", "index": 0}')
+        return None, None
+    if not isinstance(task_type, (str, int)) or isinstance(task_type, bool):
+        raise TFConfigError(f"TF_CONFIG field 'task.type' must be a task type string, got {task_type!r}")
+    task_type = str(task_type)  # TF casts the type to a string
+    if task_type not in TASK_TYPES:
+        raise TFConfigError(f"TF_CONFIG field 'task.type': unknown task type {task_type!r}{_hint(task_type, TASK_TYPES)}")
+    in_cluster = task_type in spec.jobs and spec.num_tasks(task_type) > 0
+    if not in_cluster and task_type != "evaluator":  # TF runs an evaluator outside the cluster
+        raise TFConfigError(f"TF_CONFIG field 'task.type': {task_type!r} has no tasks in 'cluster' "
+                            f"(jobs: {', '.join(spec.jobs) or 'none'})")
+    if "index" not in task or task["index"] is None:
+        raise TFConfigError(f"TF_CONFIG field 'task.index' is missing; write e.g. \"task\": {{\"type\": {task_type!r}, \"index\": 0}}")
+    task_id = _wrap(parse_task_index, task["index"], "TF_CONFIG field 'task.index'")
+    if in_cluster and task_id not in spec.task_indices(task_type):
+        indices = spec.task_indices(task_type)
+        dense = indices == list(range(len(indices)))
+        allowed = f"0..{len(indices) - 1}" if dense else ", ".join(map(str, indices))
+        raise TFConfigError(f"TF_CONFIG field 'task.index': {task_id} is out of range; cluster.{task_type} has "
+                            f"{len(indices)} task(s), so the index must be one of {allowed}")
+    return task_type, task_id
+
+
+def _wrap(parse: Any, value: Any, where: str) -> Any:
+    """``parse(value, where)``, its ValueError (``"where: why"``) raised as ``TFConfigError`` naming the field."""
+    try:
+        return parse(value, where)
+    except ValueError as e:
+        message = str(e)
+        if not message.startswith("TF_CONFIG"):
+            message = f"TF_CONFIG field '{where}'{message[len(where):]}" if message.startswith(where) else \
+                f"TF_CONFIG field {message}"
+        raise TFConfigError(message) from None
+
+
+class TFConfigClusterResolver(ClusterResolver):
+    """Reads ``TF_CONFIG`` (``{"cluster": {...}, "task": {"type": ..., "index": ...}}``), as TF.
+
+    ``task_type``, ``task_id`` and ``rpc_layer`` override what ``TF_CONFIG`` says; ``master()``
+    is TF's (this task's address prefixed ``rpc_layer://``, or ``session_master``, or ``""`` for a
+    one-task cluster); ``rendezvous_address()`` is where workers meet. ``environ`` (distrib's)
+    reads another mapping than ``os.environ``. ``TF_CONFIG`` is read and checked once, here.
+
+    Example::
+
+        >>> env = {"TF_CONFIG": '{"cluster": {"worker": ["localhost:12345", "localhost:23456"]}, '
+        ...                     '"task": {"type": "worker", "index": "1"}, "rpc_layer": "grpc"}'}
+        >>> r = TFConfigClusterResolver(environ=env)
+        >>> r.task_type, r.task_id, r.is_chief, r.master(), r.rendezvous_address()
+        ('worker', 1, False, 'grpc://localhost:23456', 'localhost:12345')
+    """
+
+    def __init__(self, task_type: Optional[str] = None, task_id: Union[int, str, None] = None,
+                 rpc_layer: Optional[str] = None, environment: Optional[str] = None, *,
                  environ: Optional[Mapping[str, str]] = None) -> None:
         env = os.environ if environ is None else environ
         text = env.get("TF_CONFIG", "")
-        if text.strip():
-            self._spec, t_type, t_id, self.rpc_layer = parse_tf_config(text)
-        else:
-            self._spec, t_type, t_id = ClusterSpec({}), None, None
-        self.task_type = task_type if task_type is not None else t_type
-        self.task_id = task_id if task_id is not None else t_id
+        config = parse_tf_config(text) if text.strip() else TFConfig(ClusterSpec({}), None, None, None, None, None)
+        self._spec = config.cluster_spec
+        self._session_master = config.session_master
+        self.task_type = task_type if task_type is not None else config.task_type
+        self.task_id = task_id if task_id is not None else config.task_id
+        self._rpc_layer = rpc_layer if rpc_layer is not None else config.rpc_layer
+        self._environment = environment
+        if (task_type is not None or task_id is not None) and self.task_type not in (None, "evaluator"):
+            if self.task_type not in self._spec.jobs or self.task_id not in self._spec.task_indices(self.task_type):
+                raise ValueError(f"TFConfigClusterResolver(task_type={task_type!r}, task_id={task_id!r}): task "
+                                 f"{self.task_type} {self.task_id} is not in the cluster {self._spec!r}")
 
     @staticmethod
     def detect(environ: Optional[Mapping[str, str]] = None) -> bool:
+        """True when ``TF_CONFIG`` is set and not blank."""
         return bool((os.environ if environ is None else environ).get("TF_CONFIG", "").strip())
 
     def cluster_spec(self) -> ClusterSpec:
         return self._spec
+
+    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+               rpc_layer: Optional[str] = None) -> str:
+        """TF's session master: ``session_master`` if ``TF_CONFIG`` has one; ``""`` for a cluster of at most
+        one task; else the given task's (default: this task's) address, prefixed ``rpc_layer://``."""
+        if self._session_master is not None:
+            return self._session_master
+        spec = self._spec
+        if not spec.jobs or (len(spec.jobs) == 1 and len(spec.job_tasks(spec.jobs[0])) == 1):
+            return ""
+        task_type = task_type if task_type is not None else self.task_type
+        task_id = task_id if task_id is not None else self.task_id
+        if task_type is None or task_id is None:
+            raise ValueError("master(): TF_CONFIG names no task for this process and none was given; "
+                             "pass master(task_type, task_id) or add \"task\" to TF_CONFIG")
+        return format_master_url(spec.task_address(task_type, task_id),
+                                 rpc_layer if rpc_layer is not None else self.rpc_layer)
+
+    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
+                         config_proto: object = None) -> dict[str, int]:
+        """This machine's GPUs (see ``ClusterResolver.num_accelerators``)."""
+        return super().num_accelerators(task_type if task_type is not None else self.task_type,
+                                        task_id if task_id is not None else self.task_id, config_proto)

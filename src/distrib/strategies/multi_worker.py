@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from distrib import cluster
-from distrib.cluster.resolver import ClusterResolver
+from distrib.cluster.resolver import ClusterResolver, worker_rank  # worker_rank: re-exported
 from distrib.comm import BucketedGradientReducer, CommunicationOptions, Communicator, LocalCommunicator
 from distrib.comm.hooks import CommHook
 from distrib.comm.process_group import ProcessGroupCommunicator
@@ -20,19 +20,6 @@ from distrib.strategies.replication import optimizer_params
 __all__ = ["MultiWorkerMirroredStrategy", "worker_rank"]
 
 log = logging.getLogger("distrib.strategies")
-
-
-def worker_rank(resolver: ClusterResolver) -> tuple[int, int]:
-    """``(rank, world_size)`` of this task among the cluster's chief and worker tasks (chief first)."""
-    spec = resolver.cluster_spec()
-    tasks = [("chief", 0)] * spec.num_tasks("chief") + [("worker", i) for i in range(spec.num_tasks("worker"))]
-    if not tasks:
-        return 0, 1
-    if resolver.task_type not in ("chief", "worker"):
-        raise ValueError(
-            f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, but this task is "
-            f"{resolver.task_type!r}: check TF_CONFIG's 'task.type'")
-    return tasks.index((resolver.task_type, resolver.task_id or 0)), len(tasks)
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -65,7 +52,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         rank, world = worker_rank(resolver)
         communicator: Communicator
         if world > 1:
-            communicator = ProcessGroupCommunicator(resolver.master(), rank, world, options,
+            communicator = ProcessGroupCommunicator(resolver.rendezvous_address(), rank, world, options,
                                                     uses_cuda=parsed[0].type == "cuda")
         else:
             communicator = LocalCommunicator()
