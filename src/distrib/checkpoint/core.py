@@ -1,0 +1,253 @@
+"""``Checkpoint``: save, write, restore and read a named group of objects (``tf.train.Checkpoint``).
+
+The strategy contract: a checkpoint asks the strategy that owns its objects for each one's
+whole state (``strategy.checkpoint_state``) on every worker; the chief alone writes; then every
+worker meets at ``strategy.barrier(timeout=...)`` with the checkpoint's own, longer timeout
+(:func:`~distrib.checkpoint.errors.checkpoint_timeout`), and learns whether the chief's write
+succeeded. Restoring loads the file on every worker and hands each state to
+``strategy.restore_checkpoint_state``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from distrib import context
+from distrib.checkpoint import format as fmt
+from distrib.checkpoint import index as idx
+from distrib.checkpoint.errors import CheckpointError, checkpoint_timeout
+from distrib.checkpoint.fileio import atomic_write, describe_os_error, remove_stale_temp_files
+from distrib.checkpoint.restore import LoadStatus, apply, validate
+
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
+
+__all__ = ["Checkpoint"]
+
+_ACCEPTED = ("torch.nn.Module, torch.optim.Optimizer, torch.Tensor, or any object "
+             "with state_dict() and load_state_dict() methods")
+
+
+# --------------------------------------------------------------- the strategy contract
+def _strategy(objects: Mapping[str, Any]) -> "Strategy":
+    """The strategy whose chief owns the files of a checkpoint of ``objects``.
+
+    The strategy that distributes a tracked module or optimizer; else the current one if it
+    is not the default; else a multi-worker strategy made in this process (``save`` is often
+    called outside the scope, as in the tutorials); else the default.
+    """
+    for obj in objects.values():
+        owner = context.owner_of(obj)
+        if owner is not None:
+            return owner
+    if context.has_strategy():
+        return context.get_strategy()
+    return context.cluster_strategy() or context.get_strategy()
+
+
+def _state(strategy: "Strategy", obj: Any) -> Any:
+    """The whole, plain state of one tracked object, as the strategy gathers it."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    return strategy.checkpoint_state(obj)
+
+
+def _cpu_leaf(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = x.detach().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Every tensor of ``obj`` detached to the CPU; views become whole, compact tensors."""
+    out = pytree.tree_map(_cpu_leaf, obj)
+    if hasattr(obj, "_metadata"):  # a module state_dict's versions, used by load_state_dict
+        out._metadata = obj._metadata
+    return out
+
+
+def _check_trackable(name: str, obj: Any) -> None:
+    if not name.isidentifier() or name.startswith("_") or hasattr(Checkpoint, name):
+        raise ValueError(f"Checkpoint name {name!r} must be a valid identifier that "
+                         "does not start with '_' or shadow a Checkpoint method")
+    if not isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) and not (
+            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        hint = (" (for a list or dict of tensors use torch.nn.ParameterList / ParameterDict, or track each "
+                "tensor under its own name)") if isinstance(obj, (list, tuple, dict)) else ""
+        raise TypeError(f"Checkpoint argument {name!r} has type {type(obj).__qualname__}, "
+                        f"which cannot be checkpointed; accepted: {_ACCEPTED}{hint}")
+
+
+def meet(strategy: "Strategy", timeout: Optional[float], error: Optional[BaseException]) -> None:
+    """Every worker waits (checkpoint timeout) for the chief's write, then learns whether it failed."""
+    strategy.barrier(timeout=checkpoint_timeout(timeout))
+    if strategy.num_workers > 1:
+        chief_error = strategy.communicator.broadcast_object(None if error is None else str(error))
+        if error is None and chief_error is not None:
+            raise CheckpointError(f"The chief could not write the checkpoint: {chief_error}")
+    if error is not None:
+        raise error
+
+
+# --------------------------------------------------------------- Checkpoint
+class Checkpoint:
+    """Groups modules, optimizers, tensors and stateful objects for save/restore.
+
+    Tensors are restored in place (``copy_``), so references you hold see the
+    restored value; modules and optimizers via strict ``load_state_dict``. Tracked
+    objects are also attributes (``ckpt.epoch``); assigning one (``ckpt.step = t``)
+    tracks it. Restoring is all or nothing, and the file's checksums are verified first.
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from distrib.checkpoint import latest_checkpoint
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> epoch = torch.tensor(3)
+        >>> ckpt = Checkpoint(model=model, optimizer=opt, epoch=epoch)
+        >>> d = tempfile.mkdtemp()
+        >>> path = ckpt.save(f"{d}/ckpt")
+        >>> path.endswith("ckpt-1")
+        True
+        >>> _ = epoch.fill_(0)
+        >>> _ = ckpt.restore(latest_checkpoint(d)).assert_consumed()
+        >>> int(epoch)
+        3
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        for name, obj in objects.items():
+            _check_trackable(name, obj)
+        self._objects: dict[str, Any] = dict(objects)
+        self._save_counter = 0
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        _check_trackable(name, value)
+        self._objects[name] = value
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The tracked objects by name."""
+        return dict(self._objects)
+
+    @property
+    def save_counter(self) -> int:
+        """Number of successful ``save`` calls, carried through save/restore (not ``write``/``read``)."""
+        return self._save_counter
+
+    # ------------------------------------------------------------------ writing
+    def save(self, file_prefix: "str | os.PathLike[str]", *, timeout: Optional[float] = None) -> str:
+        """Write ``<file_prefix>-<n>`` (n = save_counter + 1), make it the directory's latest, return it.
+
+        ``timeout``: seconds the other workers wait for the chief to write (default
+        ``$DISTRIB_CHECKPOINT_TIMEOUT`` or 1800). A failed write raises :class:`CheckpointError`
+        on every worker and leaves the counter and the previous checkpoints as they were.
+        """
+        n = self._save_counter + 1
+        path = f"{os.fspath(file_prefix)}-{n}"
+        self._write(path, n, timeout, after=lambda: idx.record(path))
+        self._save_counter = n
+        return path
+
+    def write(self, file_prefix: "str | os.PathLike[str]", *, timeout: Optional[float] = None,
+              update_latest: bool = False) -> str:
+        """Write exactly ``<file_prefix>.pt`` and return ``file_prefix``; the save counter does not change.
+
+        ``update_latest=True`` also makes it its directory's latest checkpoint, so that
+        :func:`~distrib.checkpoint.latest_checkpoint` finds it (what Keras' ``save_weights``
+        and ``ModelCheckpoint`` do); by default the index is left alone, as TF's ``write``.
+        """
+        path = os.fspath(file_prefix)
+        self._write(path, self._save_counter, timeout, after=(lambda: idx.record(path)) if update_latest else None)
+        return path
+
+    def _payload(self, strategy: "Strategy") -> dict[str, Any]:
+        """Every tracked object's whole state, on the CPU on the chief (gathered on every worker:
+        a strategy may need all of them to assemble a sharded value)."""
+        states = {name: _state(strategy, obj) for name, obj in self._objects.items()}
+        return {name: _to_cpu(state) for name, state in states.items()} if strategy.is_chief else states
+
+    def _write(self, path: str, counter: int, timeout: Optional[float],
+               after: Optional[Callable[[], None]] = None) -> None:
+        """Gather on every worker; the chief writes ``path.pt`` (then runs ``after``); all meet."""
+        strategy = _strategy(self._objects)
+        checkpoint_timeout(timeout)  # a bad timeout is an error before anything is written
+        payload = self._payload(strategy)
+        error: Optional[BaseException] = None
+        if strategy.is_chief:
+            try:
+                write_data_file(path, counter, payload)
+                if after is not None:
+                    after()
+            except Exception as e:  # shared with the other workers so that none waits in vain
+                error = e
+        meet(strategy, timeout, error)
+
+    # ------------------------------------------------------------------ reading
+    def restore(self, save_path: "str | os.PathLike[str] | None") -> LoadStatus:
+        """Load ``save_path`` (as returned by ``save``) into the tracked objects and the save counter.
+
+        The file may hold more objects than are tracked (restoring only the model from a
+        file that also holds an optimizer): the status returned warns about them unless
+        ``.expect_partial()`` is called. Tracked names the file lacks are an error. Nothing
+        changes unless everything can be restored. ``save_path=None`` (no checkpoint yet)
+        restores nothing and returns a status whose assertions fail, as in TF.
+        """
+        if save_path is None:
+            return LoadStatus(None)
+        return self._load(os.fspath(save_path), restore_counter=True)
+
+    def read(self, save_path: "str | os.PathLike[str]") -> LoadStatus:
+        """Like :meth:`restore`, but the save counter keeps its value (pair with :meth:`write`)."""
+        if save_path is None:
+            raise TypeError("Checkpoint.read(None): give the path that write() returned")
+        return self._load(os.fspath(save_path), restore_counter=False)
+
+    def _load(self, path: str, restore_counter: bool) -> LoadStatus:
+        data_file = idx.data_file(path)
+        data = fmt.load(data_file)
+        stored = data["objects"]
+        missing = sorted(set(self._objects) - set(stored))
+        if missing:
+            raise CheckpointError(
+                f"Checkpoint {data_file!r} does not hold {missing}, which this Checkpoint tracks (the file holds "
+                f"{sorted(stored)}; in the file but not tracked: {sorted(set(stored) - set(self._objects))}). "
+                "Track only names the file holds (e.g. Checkpoint(model=model) to restore just the model), "
+                "with the names used to save.")
+        validate(self._objects, stored, data_file)
+        apply(_strategy(self._objects), self._objects, stored, data_file)
+        if restore_counter:
+            self._save_counter = int(data.get("save_counter", 0))
+        unused = sorted(set(stored) - set(self._objects))
+        return LoadStatus(data_file, restored=list(self._objects) + (["save_counter"] if restore_counter else []),
+                          unused=unused)
+
+
+def write_data_file(path: str, counter: int, payload: dict[str, Any]) -> None:
+    """Atomically write the data file ``<path>.pt``; remove what crashed saves left beside it first."""
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"Cannot write checkpoint {path!r}: creating directory {directory!r} failed: "
+                              f"{describe_os_error(e)}") from e
+    remove_stale_temp_files(directory)
+    data = fmt.encode(counter, payload)
+    atomic_write(path + ".pt", lambda f: torch.save(data, f))

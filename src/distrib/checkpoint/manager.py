@@ -1,0 +1,203 @@
+"""``CheckpointManager``: numbered saves in one directory, keeping the newest (``tf.train.CheckpointManager``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any, Callable, Optional
+
+from distrib.checkpoint import index as idx
+from distrib.checkpoint.core import Checkpoint, _strategy, meet, write_data_file
+from distrib.checkpoint.errors import checkpoint_timeout
+
+__all__ = ["CheckpointManager"]
+
+_log = logging.getLogger("distrib.checkpoint")
+
+
+class CheckpointManager:
+    """Numbered saves ``<directory>/<checkpoint_name>-<n>``, keeping only the newest ``max_to_keep``.
+
+    As in TF: ``max_to_keep=None`` keeps all; with ``keep_checkpoint_every_n_hours`` a
+    checkpoint leaving the kept set is preserved on disk (not deleted, no longer listed)
+    when it is that many hours newer than the last one preserved; with ``step_counter`` and
+    ``checkpoint_interval``, ``save()`` writes only every ``checkpoint_interval`` steps (and
+    returns None otherwise); ``restore_or_initialize()`` restores the newest checkpoint or
+    calls ``init_fn``. A new manager in the same directory continues the previous one's
+    list. Old files are deleted only after the index no longer names them, and only those
+    named ``<checkpoint_name>-<n>`` that a manager saved. ``timeout``: seconds the other
+    workers wait for the chief to write (default ``$DISTRIB_CHECKPOINT_TIMEOUT`` or 1800).
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> step = torch.tensor(0)
+        >>> manager = CheckpointManager(Checkpoint(step=step), tempfile.mkdtemp(), max_to_keep=2)
+        >>> manager.restore_or_initialize() is None
+        True
+        >>> for _ in range(3):
+        ...     _ = step.add_(1)
+        ...     _ = manager.save()
+        >>> [p.rsplit("/", 1)[-1] for p in manager.checkpoints]
+        ['ckpt-2', 'ckpt-3']
+    """
+
+    def __init__(self, checkpoint: Checkpoint, directory: "str | os.PathLike[str]", max_to_keep: Optional[int] = 5,
+                 keep_checkpoint_every_n_hours: Optional[float] = None, checkpoint_name: str = "ckpt",
+                 step_counter: Any = None, checkpoint_interval: Optional[int] = None,
+                 init_fn: Optional[Callable[[], Any]] = None, last_checkpoint_step: Optional[int] = None, *,
+                 timeout: Optional[float] = None) -> None:
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        if not checkpoint_name or os.sep in checkpoint_name or "/" in checkpoint_name:
+            raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
+        if checkpoint_interval is not None and step_counter is None:
+            raise ValueError(f"checkpoint_interval={checkpoint_interval!r} needs a step_counter (e.g. a tensor you "
+                             "increment every step) to count the steps between checkpoints")
+        if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
+            raise ValueError(f"keep_checkpoint_every_n_hours must be positive or None, got "
+                             f"{keep_checkpoint_every_n_hours!r}")
+        checkpoint_timeout(timeout)
+        self.checkpoint = checkpoint
+        self.directory = os.fspath(directory)
+        self.max_to_keep = max_to_keep
+        self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
+        self.checkpoint_name = checkpoint_name
+        self.timeout = timeout
+        self._step_counter = step_counter
+        self._checkpoint_interval = checkpoint_interval
+        self._last_checkpoint_step = last_checkpoint_step
+        self._init_fn = init_fn
+        if _strategy(checkpoint.objects).is_chief:
+            os.makedirs(self.directory, exist_ok=True)
+        index = idx.read_index(self.directory)
+        now = time.time()
+        self._latest = idx.latest_checkpoint(self.directory) if index is not None else None
+        self._last_preserved = now - 1.0
+        self._managed: dict[str, float] = {}  # name -> timestamp, oldest first
+        if index is None:
+            return
+        preserved = index.get("last_preserved_timestamp")
+        self._last_preserved = float(preserved) if preserved is not None else 0.0
+        if now < self._last_preserved:
+            _log.warning("time.time() returned a value %f seconds behind the last preserved checkpoint timestamp.",
+                         self._last_preserved - now)
+            self._last_preserved = now
+        legacy = "timestamps" not in index  # an index of distrib < 0.2: what the pattern names was managed
+        stamps = index.get("timestamps", {})
+        pattern = re.compile(re.escape(checkpoint_name) + r"-\d+")
+        for name in index["all"]:
+            if not pattern.fullmatch(name) or not os.path.isfile(os.path.join(self.directory, name + ".pt")):
+                continue
+            if legacy:
+                self._managed[name] = now
+            elif name in stamps and min(float(stamps[name]), now) > self._last_preserved:
+                self._managed[name] = min(float(stamps[name]), now)
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Paths of the managed checkpoints, oldest first (preserved ones are not listed)."""
+        return [os.path.join(self.directory, n) for n in self._managed]
+
+    @property
+    def latest_checkpoint(self) -> Optional[str]:
+        """Path of the newest checkpoint in the directory, or None before the first save."""
+        return self._latest
+
+    @property
+    def checkpoint_interval(self) -> Optional[int]:
+        """Least number of steps between two checkpoints, or None."""
+        return self._checkpoint_interval
+
+    def _sweep(self) -> tuple[list[str], list[str]]:
+        """(deleted, preserved) names once the managed set is cut to ``max_to_keep``."""
+        deleted: list[str] = []
+        preserved: list[str] = []
+        while self.max_to_keep is not None and len(self._managed) > self.max_to_keep:
+            name = next(iter(self._managed))
+            stamp = self._managed.pop(name)
+            hours = self.keep_checkpoint_every_n_hours
+            if hours and stamp - hours * 3600.0 >= self._last_preserved:
+                self._last_preserved = stamp
+                preserved.append(name)
+            else:
+                deleted.append(name)
+        return deleted, preserved
+
+    def save(self, checkpoint_number: Any = None, check_interval: bool = True) -> Optional[str]:
+        """Save ``<directory>/<name>-<n>`` and return it (n: ``checkpoint_number``, else the new save counter).
+
+        With ``checkpoint_interval``, returns None without saving when fewer than
+        ``checkpoint_interval`` steps passed since the last checkpoint (``check_interval=False``:
+        save anyway), or when this step was already saved.
+        """
+        if self._checkpoint_interval is not None:
+            step = int(self._step_counter)
+            if self._last_checkpoint_step is not None:
+                if step == self._last_checkpoint_step:
+                    return None
+                if check_interval and step < self._last_checkpoint_step + self._checkpoint_interval:
+                    return None
+        ckpt = self.checkpoint
+        counter = ckpt.save_counter + 1
+        number = counter if checkpoint_number is None else int(checkpoint_number)
+        base = f"{self.checkpoint_name}-{number}"
+        path = os.path.join(self.directory, base)
+        strategy = _strategy(ckpt.objects)
+        checkpoint_timeout(self.timeout)
+        payload = ckpt._payload(strategy)
+        managed, last_preserved = dict(self._managed), self._last_preserved
+        self._managed.pop(base, None)
+        self._managed[base] = time.time()
+        deleted, preserved = self._sweep()
+        error: Optional[BaseException] = None
+        if strategy.is_chief:
+            try:
+                write_data_file(path, counter, payload)
+                self._commit(base, deleted + preserved)
+                for name in deleted:  # the save is committed: a file that cannot be deleted is only noted
+                    try:
+                        os.remove(os.path.join(self.directory, name + ".pt"))
+                    except FileNotFoundError:
+                        pass
+                    except OSError as e:
+                        _log.warning("Could not delete old checkpoint %s.pt: %s", name, e)
+            except Exception as e:
+                error = e
+        try:
+            meet(strategy, self.timeout, error)
+        except BaseException:
+            self._managed, self._last_preserved = managed, last_preserved
+            raise
+        ckpt._save_counter = counter
+        self._latest = path
+        if self._checkpoint_interval is not None:
+            self._last_checkpoint_step = int(self._step_counter)
+        return path
+
+    def _commit(self, base: str, dropped: list[str]) -> None:
+        """Write the index naming ``base`` as latest, without the dropped names (the commit point)."""
+        index = idx.read_index(self.directory) or {}
+        gone = set(dropped) | {base}
+        index["all"] = [n for n in index.get("all", []) if n not in gone] + [base]
+        index["latest"] = base
+        index["timestamps"] = dict(self._managed)  # one manager per directory, as in TF: what it no longer
+        # manages (preserved, or older than a clock reset) stays listed without a time and is never deleted
+        index["last_preserved_timestamp"] = self._last_preserved
+        idx.write_index(self.directory, index)
+
+    def restore_or_initialize(self) -> Optional[str]:
+        """Restore the newest checkpoint and return its path; else call ``init_fn`` (if given) and return None."""
+        if self._latest is not None:
+            self.checkpoint.restore(self._latest)
+            if self._checkpoint_interval is not None:
+                self._last_checkpoint_step = int(self._step_counter)
+            return self._latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+    def sync(self) -> None:
+        """Nothing to wait for: saves are synchronous (TF's async-checkpoint API)."""
