@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,101 @@ def test_early_stopping_and_model_checkpoint(tmp_path):
     history = ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=10, verbose=0, callbacks=[Worse(), stop, save])
     assert history.epoch == [0, 1, 2] and stop.stopped_epoch == 2
     assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-1.pt", "ckpt-2.pt", "ckpt-3.pt"]
+
+
+# ---------------------------------------------------------------- evaluate's list, data shorter than asked (A.6)
+
+def test_evaluate_without_return_dict_gives_keras_list_in_compile_order_and_a_scalar_without_metrics():
+    model, _ = build(ds.get_strategy())
+    batches = data()
+    logs = ds.evaluate(model, batches, loss="mse", metrics=["mae", "mse"])
+    values = ds.evaluate(model, batches, loss="mse", metrics=["mae", "mse"], return_dict=False)
+    assert values == [logs["loss"], logs["mae"], logs["mse"]] and logs["loss"] == pytest.approx(logs["mse"])
+    alone = ds.evaluate(model, batches, loss="mse", return_dict=False)
+    assert isinstance(alone, float) and alone == pytest.approx(logs["loss"])
+
+
+@pytest.mark.parametrize("make", [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])])
+def test_empty_data_is_a_value_error_for_fit_evaluate_and_predict(make):
+    model, optimizer = build(make())
+    with pytest.raises(ValueError, match="fit: the data gave no batch"):
+        ds.fit(model, [], optimizer=optimizer, loss="mse", epochs=2, verbose=0)
+    with pytest.raises(ValueError, match="fit: the data gave no batch"):
+        ds.fit(model, iter([]), optimizer=optimizer, loss="mse", steps_per_epoch=3, verbose=0)
+    with pytest.raises(ValueError, match="evaluate: the data gave no batch"):
+        ds.evaluate(model, [], loss="mse")
+    with pytest.raises(ValueError, match="predict: the data gave no batch"):
+        ds.predict(model, [])
+    with pytest.raises(ValueError, match="the validation of fit: the data gave no batch"):
+        ds.fit(model, data(), optimizer=optimizer, loss="mse", validation_data=[], verbose=0)
+
+
+@pytest.mark.parametrize("make", [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])])
+def test_data_that_runs_out_warns_once_ends_the_epoch_and_records_no_epoch_of_zeros(make):
+    model, optimizer = build(make())
+    recorder = Recorder()
+    with pytest.warns(UserWarning) as caught:
+        history = ds.fit(model, iter(data()), optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
+                         verbose=0, callbacks=[recorder])
+    messages = [str(w.message) for w in caught if "ran out of data" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "ran 6 of steps_per_epoch=10 steps (the data gave 6 batches)" in messages[0]
+    assert history.epoch == [0] and recorder.count("on_train_batch_end") == 6 and history.history["loss"][0] > 0
+    # without steps_per_epoch: a generator is read once, the second epoch gets nothing and training stops there
+    with pytest.warns(UserWarning, match="epoch 2 of fit got no batch, after 6 in the epochs before"):
+        history = ds.fit(model, (b for b in data()), optimizer=optimizer, loss="mse", epochs=3, verbose=0)
+    assert history.epoch == [0] and len(history.history["loss"]) == 1
+    # data that can be read again is read again: no warning, every step runs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        history = ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=10, verbose=0)
+    assert history.epoch == [0, 1]
+    with pytest.warns(UserWarning, match="evaluate ran 6 of steps=8 steps"):
+        ds.evaluate(model, iter(data()), loss="mse", steps=8)
+    with pytest.warns(UserWarning, match="predict ran 6 of steps=8 steps"):
+        assert ds.predict(model, iter(data()), steps=8).shape == (96, 1)
+
+
+def classes(n: int = 64, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+
+
+def test_keras_metric_names_in_fit_give_the_same_values_on_one_and_two_replicas():
+    names = ["accuracy", "sparse_categorical_accuracy", "sparse_top_k_categorical_accuracy"]
+    results = []
+    for make in (ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])):
+        strategy = make()
+        with strategy.scope():
+            torch.manual_seed(3)
+            model = torch.nn.Linear(4, 3)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        top2 = ds.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")  # an object built outside the scope
+        history = ds.fit(model, classes(), optimizer=optimizer, loss="sparse_categorical_crossentropy", epochs=2,
+                         metrics=[*names, top2], verbose=0)
+        assert top2.strategy is strategy
+        results.append(history.history)
+    assert set(results[0]) == {"loss", *names, "top2"}
+    for key in results[0]:
+        assert results[1][key] == pytest.approx(results[0][key], rel=1e-5), key
+    assert results[0]["accuracy"] == results[0]["sparse_categorical_accuracy"]
+
+
+def test_under_parameter_servers_data_that_runs_out_warns_and_empty_data_is_an_error(seed_003):
+    model, optimizer, features, labels = seed_003
+
+    def three_batches(input_context):
+        return iter([(features, labels)] * 3)
+
+    with pytest.warns(UserWarning, match="epoch 1 of fit ran 6 of steps_per_epoch=10 steps"):  # 2 workers x 3
+        history = ds.fit(model, three_batches, optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
+                         metrics=["mae"], verbose=0)
+    assert history.epoch == [0] and set(history.history) == {"loss", "mae"}
+    with pytest.raises(ValueError, match="fit: the data gave no batch"):
+        ds.fit(model, [], optimizer=optimizer, loss="mse", steps_per_epoch=4, verbose=0)
+    history = ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=4,
+                     verbose=0)  # the cluster is still usable, and a dataset is read again from the start
+    assert history.epoch == [0, 1]
+    assert ds.evaluate(model, [(features, labels)], loss="mse", steps=2, metrics=["mae"], return_dict=False)[1] > 0

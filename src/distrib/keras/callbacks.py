@@ -3,19 +3,23 @@
 A callback sees the training loop through ``self.loop`` (set before training starts):
 ``loop.model``, ``loop.optimizer``, ``loop.strategy``, ``loop.epoch`` and
 ``loop.step_in_epoch`` (tensors: the position training resumes from),
-``loop.stop_training`` (set it to stop after the current epoch) and ``loop.is_chief``.
+``loop.stop_training`` (set it in a batch hook to stop after that batch, in an epoch hook
+to stop after that epoch, as Keras' ``model.stop_training``) and ``loop.is_chief``.
 Under several workers every worker runs every callback, and they all see the same
-logs (metrics are global); only the chief writes files.
+epoch logs (metrics are global; batch logs are this worker's running values); only
+the chief writes files.
 """
 
 from __future__ import annotations
 
+import csv
+import inspect
 import json
 import math
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import IO, TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
     from distrib.keras.loop import Loop
 
 __all__ = ["Callback", "CallbackList", "History", "ModelCheckpoint", "BackupAndRestore", "EarlyStopping",
-           "TensorBoard", "JsonlLogger"]
+           "TensorBoard", "JsonlLogger", "LearningRateScheduler", "TerminateOnNaN", "CSVLogger"]
 
 Logs = dict[str, Any]
 
@@ -101,36 +105,118 @@ def _better(mode: str, monitor: str) -> Any:
 
 
 class ModelCheckpoint(Callback):
-    """Save the model (and optimizer) to ``filepath`` every epoch, or every ``save_freq`` steps.
+    """Save the model (and optimizer) every epoch, or every ``save_freq`` batches, as Keras does.
 
-    ``filepath`` may hold ``{epoch}`` and metric names (``"ckpt-{epoch:02d}-{val_loss:.2f}"``);
-    with ``save_best_only`` a save happens only when ``monitor`` improves.
+    Each save writes the distrib checkpoint ``<filepath>.pt`` (a trailing ``.pt`` in
+    ``filepath`` is not doubled) and makes it its directory's latest, so
+    ``ds.latest_checkpoint(directory)`` finds it and ``ds.Checkpoint(model=m).restore(path)``
+    loads it. ``filepath`` may hold ``{epoch}``, ``{batch}`` (with an integer ``save_freq``)
+    and log names (``"ckpt-{epoch:02d}-{val_loss:.2f}"``).
+
+    - ``save_weights_only=True``: the model only (``Checkpoint(model=...)``); False (Keras'
+      default): the model and the optimizer (``Checkpoint(model=..., optimizer=...)``).
+    - ``save_best_only``: save only when ``monitor`` improves on the best so far (``mode``:
+      ``"min"``, ``"max"``, or ``"auto"``: max for accuracies, else min), starting from
+      ``initial_value_threshold`` when given. A missing ``monitor`` skips the save with a warning.
+    - ``verbose=1``: a line per decision, on the chief. Under several workers every worker
+      calls the callback and only the chief writes; with ``save_best_only`` and an integer
+      ``save_freq`` (per-batch logs are worker-local) the chief's decision is shared.
+
+    Example::
+
+        >>> import tempfile, torch, distrib as ds
+        >>> model = torch.nn.Linear(2, 1)
+        >>> d = tempfile.mkdtemp()
+        >>> data = [(torch.ones(4, 2), torch.zeros(4, 1))] * 2
+        >>> save = ds.callbacks.ModelCheckpoint(d + "/weights-{epoch}", save_weights_only=True)
+        >>> _ = ds.fit(model, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss="mse",
+        ...            epochs=2, verbose=0, callbacks=[save])
+        >>> ds.latest_checkpoint(d) == d + "/weights-2"
+        True
     """
 
-    def __init__(self, filepath: str, monitor: str = "val_loss", save_best_only: bool = False,
-                 mode: str = "auto", save_freq: Union[str, int] = "epoch") -> None:
-        self.filepath, self.monitor, self.save_best_only, self.save_freq = filepath, monitor, save_best_only, save_freq
+    def __init__(self, filepath: "str | os.PathLike[str]", monitor: str = "val_loss", verbose: int = 0,
+                 save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: Union[str, int] = "epoch", initial_value_threshold: Optional[float] = None) -> None:
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and not isinstance(save_freq, bool)
+                                         and save_freq > 0):
+            raise ValueError(f"ModelCheckpoint(save_freq={save_freq!r}): expected 'epoch' or a positive number "
+                             "of batches")
+        self.filepath = os.fspath(filepath)
+        self.monitor, self.verbose, self.save_freq = monitor, verbose, save_freq
+        self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self._better = _better(mode, monitor)
-        self.best: Optional[float] = None
+        minimize = self._better(0.0, 1.0)
+        if initial_value_threshold is not None:
+            self.best: float = float(initial_value_threshold)
+        else:
+            self.best = math.inf if minimize else -math.inf
         self._steps = 0
+        self._current_epoch = 0
 
-    def _save(self, epoch: int, logs: Logs) -> None:
-        value = logs.get(self.monitor)
+    def _say(self, message: str) -> None:
+        if self.verbose and self.loop.is_chief:
+            print(message, flush=True)
+
+    def _path(self, epoch: int, batch: Optional[int], logs: Logs) -> str:
+        values = dict(logs)
+        values.setdefault("epoch", epoch + 1)
+        if batch is not None:
+            values.setdefault("batch", batch + 1)
+        try:
+            path = self.filepath.format(**values)
+        except (KeyError, IndexError, ValueError) as e:
+            raise KeyError(f"ModelCheckpoint could not format filepath {self.filepath!r} with epoch, batch and the "
+                           f"logs {sorted(logs)}: {type(e).__name__}: {e}") from e
+        return path[:-3] if path.endswith(".pt") else path
+
+    def _verdict(self, logs: Logs) -> Optional[tuple[bool, float]]:
+        """(improved?, current value) of ``monitor``; None (with a warning) when the logs lack it."""
+        current = logs.get(self.monitor)
+        if current is None:
+            import warnings
+            warnings.warn(f"ModelCheckpoint can save the best model only with {self.monitor!r} available; the "
+                          f"logs hold {sorted(logs)}: skipping. Pass monitor= one of them (validation metrics "
+                          "need validation_data).", UserWarning, stacklevel=4)
+            return None
+        return bool(self._better(float(current), self.best)), float(current)
+
+    def _save(self, epoch: int, batch: Optional[int], logs: Logs) -> None:
         if self.save_best_only:
-            if value is None or (self.best is not None and not self._better(value, self.best)):
+            strategy = self.loop.strategy
+            if batch is not None and strategy.num_workers > 1:  # per-batch logs differ between workers
+                verdict = strategy.communicator.broadcast_object(self._verdict(logs) if strategy.is_chief else None)
+            else:
+                verdict = self._verdict(logs)
+            if verdict is None:
                 return
-            self.best = value
-        path = self.filepath.format(epoch=epoch + 1, **logs)
-        Checkpoint(model=self.loop.model, optimizer=self.loop.optimizer).write(path)
+            improved, current = verdict
+            if not improved:
+                self._say(f"\nEpoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}")
+                return
+            path = self._path(epoch, batch, logs)
+            self._say(f"\nEpoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to {current:.5f}, "
+                      f"saving model to {path}")
+            self.best = current
+        else:
+            path = self._path(epoch, batch, logs)
+            self._say(f"\nEpoch {epoch + 1}: saving model to {path}")
+        objects: dict[str, Any] = {"model": self.loop.model}
+        if not self.save_weights_only and self.loop.optimizer is not None:
+            objects["optimizer"] = self.loop.optimizer
+        Checkpoint(**objects).write(path, update_latest=True)
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None:
+        self._current_epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
         self._steps += 1
         if isinstance(self.save_freq, int) and self._steps % self.save_freq == 0:
-            self._save(int(self.loop.epoch), logs or {})
+            self._save(self._current_epoch, batch, logs or {})
 
     def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
         if self.save_freq == "epoch":
-            self._save(epoch, logs or {})
+            self._save(epoch, None, logs or {})
 
 
 class BackupAndRestore(Callback):
@@ -258,3 +344,170 @@ class JsonlLogger(Callback):
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps({"epoch": epoch + 1, **(logs or {}), "seconds": round(time.time() - self._start, 3)}) + "\n")
+
+
+def _positional_arity(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` takes (many with ``*args``; 2 when it cannot be inspected)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+class LearningRateScheduler(Callback):
+    """Set every parameter group's learning rate when each epoch begins: ``lr = schedule(epoch, lr)``.
+
+    ``schedule(epoch)`` (one argument) works too, as in Keras. The rate passed in is the
+    first group's; the rate at each epoch's end is added to the logs as ``lr`` (History
+    records it). Every worker sets the same rate; under parameter servers the new rate
+    reaches the ps tasks with the next steps.
+
+    Example::
+
+        >>> import distrib as ds, torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> halve = ds.callbacks.LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else lr / 2)
+        >>> history = ds.fit(model, [(torch.ones(2, 2), torch.zeros(2, 1))], optimizer=optimizer, loss="mse",
+        ...                  epochs=3, callbacks=[halve], verbose=0)
+        >>> history.history["lr"]
+        [0.1, 0.05, 0.025]
+    """
+
+    def __init__(self, schedule: Callable[..., Any], verbose: int = 0) -> None:
+        if not callable(schedule):
+            raise TypeError(f"schedule must be a function schedule(epoch, lr) -> float, got {schedule!r}")
+        self.schedule, self.verbose = schedule, verbose
+        self._with_lr = _positional_arity(schedule) >= 2
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self.loop.optimizer
+        if optimizer is None or not optimizer.param_groups or "lr" not in optimizer.param_groups[0]:
+            raise ValueError(f"LearningRateScheduler needs an optimizer whose param_groups have an 'lr', got "
+                             f"{type(optimizer).__name__}: give fit an optimizer such as torch.optim.SGD(..., lr=...)")
+        return optimizer
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None:
+        optimizer = self._optimizer()
+        current = float(optimizer.param_groups[0]["lr"])
+        lr = self.schedule(epoch, current) if self._with_lr else self.schedule(epoch)
+        if isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.is_floating_point():
+            lr = float(lr)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
+            raise ValueError(f"The output of the schedule function should be a finite float: schedule returned "
+                             f"{lr!r} for epoch {epoch}")
+        for group in optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(lr))  # a tensor learning rate (capturable optimizers) stays a tensor
+            else:
+                group["lr"] = float(lr)
+        if self.verbose > 0 and self.loop.is_chief:
+            print(f"\nEpoch {epoch + 1:05d}: LearningRateScheduler setting learning rate to {float(lr)}.", flush=True)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+        if logs is not None:
+            logs["lr"] = float(self._optimizer().param_groups[0]["lr"])
+
+
+class TerminateOnNaN(Callback):
+    """Stop training after the first batch whose loss is NaN or infinite, as Keras does.
+
+    Under several workers the workers first agree (a one-number all-reduce per batch),
+    so that every worker stops after the same batch and no collective is left waiting
+    (a batch's logs hold each worker's own running loss).
+
+    Example::
+
+        >>> import distrib as ds, torch
+        >>> model = torch.nn.Linear(1, 1)
+        >>> bad = [(torch.tensor([[float("nan")]]), torch.zeros(1, 1))] * 4
+        >>> history = ds.fit(model, bad, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss="mse",
+        ...                  epochs=5, callbacks=[ds.callbacks.TerminateOnNaN()], verbose=0)
+        Batch 0: Invalid loss, terminating training
+        >>> history.epoch  # stopped in the first epoch, after its first batch
+        [0]
+    """
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+        loss = (logs or {}).get("loss")
+        invalid = loss is not None and not math.isfinite(float(loss))
+        strategy = self.loop.strategy
+        if strategy.num_workers > 1:
+            device = strategy.local_devices[0]
+            flag = torch.tensor([1.0 if invalid else 0.0], device=device if device is not None else "cpu")
+            strategy.communicator.all_reduce([flag])
+            invalid = bool(flag.item() > 0)
+        if invalid:
+            if self.loop.is_chief:
+                print(f"Batch {batch}: Invalid loss, terminating training", flush=True)
+            self.loop.stop_training = True
+
+
+class CSVLogger(Callback):
+    """Write one row per epoch to a CSV file: ``epoch`` (from 0), then the logs' keys in sorted order.
+
+    As Keras: ``append=True`` continues an existing file (its header is kept), the last
+    epoch of a stopped run fills missing keys with ``NA``. The chief alone writes.
+
+    Example::
+
+        >>> import distrib as ds, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "log.csv")
+        >>> model = torch.nn.Linear(2, 1)
+        >>> history = ds.fit(model, [(torch.ones(2, 2), torch.zeros(2, 1))], loss="mse", epochs=2, verbose=0,
+        ...                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                  callbacks=[ds.callbacks.CSVLogger(path)])
+        >>> open(path).read().splitlines()[0]
+        'epoch,loss'
+    """
+
+    def __init__(self, filename: str, separator: str = ",", append: bool = False) -> None:
+        self.filename, self.sep, self.append = os.fspath(filename), separator, append
+        self.keys: Optional[list[str]] = None
+        self._file: Optional[IO[str]] = None
+        self._writer: Optional[csv.DictWriter] = None
+        self._header = True
+
+    def on_train_begin(self, logs: Optional[Logs] = None) -> None:
+        if not self.loop.is_chief:
+            return
+        self._header = True
+        if self.append and os.path.exists(self.filename):
+            with open(self.filename) as f:
+                self._header = not f.readline()
+        directory = os.path.dirname(os.path.abspath(self.filename))
+        os.makedirs(directory, exist_ok=True)
+        self._file = open(self.filename, "a" if self.append else "w", newline="")
+        self._writer, self.keys = None, None
+
+    @staticmethod
+    def _value(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            v = v.tolist()
+        if isinstance(v, (list, tuple)):
+            return f'"[{", ".join(map(str, v))}]"'
+        return v
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+        if self._file is None:
+            return
+        logs = dict(logs or {})
+        if self.keys is None:
+            self.keys = sorted(logs)
+        if self.loop.stop_training:  # keys missing in a stopped run's last epoch: NA, so CSV readers do not fail
+            logs = {k: logs.get(k, "NA") for k in self.keys}
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=["epoch", *self.keys], delimiter=self.sep,
+                                          extrasaction="ignore")
+            if self._header:
+                self._writer.writeheader()
+        self._writer.writerow({"epoch": epoch, **{k: self._value(logs.get(k, "NA")) for k in self.keys}})
+        self._file.flush()
+
+    def on_train_end(self, logs: Optional[Logs] = None) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file, self._writer = None, None

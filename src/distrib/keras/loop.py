@@ -27,8 +27,10 @@ Example::
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -37,7 +39,7 @@ from distrib.keras.callbacks import Callback, CallbackList, History
 from distrib.keras.progress import Progbar
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
 from distrib.strategies.base import Strategy
-from distrib.strategies.execution import StepExecutor
+from distrib.strategies.execution import StepExecutor, numbered_batches
 
 __all__ = ["fit", "evaluate", "predict", "Loop"]
 
@@ -64,13 +66,20 @@ class Loop:
 
 
 class _Tracked:
-    """The loss and the metrics of one loop: steps return deltas, merged here in step order."""
+    """The loss and the metrics of one loop: steps return deltas, merged here in step order.
 
-    def __init__(self, strategy: Strategy, metrics: Sequence[Any]) -> None:
+    Metric objects the user built outside the scope are tied to the loop's strategy, so
+    that their result covers every worker too.
+    """
+
+    def __init__(self, strategy: Strategy, metrics: Sequence[Any], loss: Optional[LossLike] = None) -> None:
         self.strategy = strategy
+        threshold = 0.0 if _takes_logits(loss) else 0.5  # binary accuracy of logits: positive means class 1
         with strategy.scope():
             self.loss = metrics_lib.Mean(name="loss")
-            self.metrics = [metrics_lib.get(m) for m in metrics]
+            self.metrics = [metrics_lib.get(m, binary_threshold=threshold) for m in metrics]
+        for m in self.metrics:
+            m.set_strategy(strategy)
 
     @property
     def all(self) -> list[metrics_lib.Metric]:
@@ -80,11 +89,14 @@ class _Tracked:
         """What one replica's step adds to every tracked value (computed on the replica, or on a worker)."""
         return [self.loss.deltas(per_example)] + [m.deltas(y, pred) for m in self.metrics]
 
-    def merge(self, result: Any) -> None:
-        """Add a step's deltas (its ``strategy.run`` result) from every local replica."""
+    def merge(self, result: Any) -> bool:
+        """Add a step's deltas (its ``strategy.run`` result) from every local replica; False for an end-of-data step."""
+        if _is_end(result):
+            return False
         for replica_deltas in self.strategy.experimental_local_results(result):
             for metric, d in zip(self.all, replica_deltas):
                 metric.merge_deltas(d)
+        return True
 
     def reset(self) -> None:
         for m in self.all:
@@ -93,6 +105,81 @@ class _Tracked:
     def logs(self, prefix: str = "", synced: bool = True) -> Logs:
         """Every value by name; ``synced=False`` is this worker's view, without a collective (per-step display)."""
         return {prefix + m.name: float(m.result() if synced else m.local_result()) for m in self.all}
+
+
+def _takes_logits(loss: Any) -> bool:
+    """Whether ``loss`` scores binary logits (distrib's ``"binary_crossentropy"``, ``BCEWithLogitsLoss``)."""
+    if isinstance(loss, str):
+        return loss.lower() == "binary_crossentropy"
+    return isinstance(loss, torch.nn.BCEWithLogitsLoss)
+
+
+#: the label of the empty batches a parameter-server worker reads once its data has ended, and what such a
+#: step returns (a string: step results travel back to the coordinator)
+_END = "<distrib: end of data>"
+
+
+def _is_end(value: Any) -> bool:
+    return isinstance(value, str) and value == _END
+
+
+class _UntilEnd:
+    """A per-worker dataset function (parameter servers): ``data``'s batches, then end markers for ever.
+
+    ``data`` is a dataset (read again from the start when it ends, as ``dataset.repeat()``)
+    or a function of the input context returning an iterator (used as it is). Once the
+    data has ended, a scheduled step reads an empty batch labelled :data:`_END` and
+    returns :data:`_END` instead of raising ``StopIteration`` on the worker; the loop counts
+    such steps as "the data ran out".
+    """
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __call__(self, input_context: Any) -> Iterator[tuple[Any, Any]]:
+        data = self.data
+        if callable(data) and not hasattr(data, "__iter__"):
+            yield from (data(input_context) if _takes_argument(data) else data())
+        else:
+            for x, y, _ in numbered_batches(data, cycle=True):
+                yield x, y
+        while True:
+            yield torch.zeros(0), _END
+
+
+def _takes_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` needs a positional argument (``dataset_fn(input_context)`` rather than ``dataset_fn()``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # not inspectable: call it as TF documents, with the context
+        return True
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _data_to_feed(strategy: Strategy, data: Any) -> Any:
+    """What the executor reads: ``data`` itself, or under parameter servers a per-worker function that marks its end."""
+    return _UntilEnd(data) if strategy.should_use_with_coordinator else data
+
+
+def _ran_out(done: str, consequence: str, steps_name: Optional[str], stacklevel: int) -> None:
+    """Warn, as Keras does, that the data ended early: ``done`` says what ran, ``consequence`` what happens now."""
+    lower = f"; or lower {steps_name}" if steps_name else ""
+    warnings.warn(f"Your input ran out of data: {done}. {consequence}. Give data that can supply every step: a "
+                  f"list, a DataLoader or another iterable that can be read again (it is read again from the start "
+                  f"when a pass ends, as dataset.repeat() would), not a one-shot iterator or generator{lower}.",
+                  UserWarning, stacklevel=stacklevel + 1)
+
+
+def _has(data: Any, gave: int) -> str:
+    length = _len(data)
+    return f"the data has {length} batches" if length is not None else f"the data gave {gave} batches"
+
+
+def _no_data(what: str, data: Any) -> ValueError:
+    length = _len(data)
+    given = type(data).__name__ + (f" of length {length}" if length is not None else "")
+    return ValueError(f"{what}: the data gave no batch ({given}): expected a non-empty iterable of (x, y) batches "
+                      "(or, under parameter servers, a dataset function whose iterator gives batches)")
 
 
 def _strategy_of(model: torch.nn.Module) -> Strategy:
@@ -121,21 +208,28 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
         verbose: Union[str, int] = "auto") -> History:
     """Train ``model`` on ``data`` (an iterable of global ``(x, y)`` batches); return the History.
 
-    ``steps_per_epoch``: steps per epoch, cycling through ``data`` (default: one pass).
-    Required under ParameterServerStrategy, where ``data`` may also be a function
-    ``dataset_fn(input_context)`` returning an iterator, built on every worker.
+    ``steps_per_epoch``: steps per epoch, reading ``data`` again from the start when it
+    ends (default: one pass). Required under ParameterServerStrategy, where ``data`` may
+    also be a function ``dataset_fn(input_context)`` returning an iterator, built on
+    every worker. Data that gives no batch at all is a ValueError; data that ends
+    before an epoch is done (a one-shot iterator) ends that epoch with a warning, and
+    training stops at the first epoch that gets no batch, as Keras does.
     """
     strategy = _strategy_of(model)
     executor = strategy.step_executor()
     loss_fn = per_example_loss(loss)
-    tracked = _Tracked(strategy, metrics)
+    tracked = _Tracked(strategy, metrics, loss)
     history = History()
     loop = Loop(model, optimizer, strategy, steps_per_epoch)
-    cbs = CallbackList([history, *callbacks])
+    cbs = CallbackList([*callbacks, history])  # History last, as Keras: it sees what callbacks add to the logs
     cbs.set_loop(loop)
     verbosity = _verbosity(strategy, verbose)
+    feed_data = _data_to_feed(strategy, data)
+    validation_feed = _data_to_feed(strategy, validation_data) if validation_data is not None else None
 
-    def train_step(x: torch.Tensor, y: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
+    def train_step(x: torch.Tensor, y: Any, n: int) -> Any:
+        if _is_end(y):
+            return _END
         model.train()
         pred = model(x)
         per_example = loss_fn(pred, y)
@@ -146,6 +240,8 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
 
     cbs.on_train_begin()
     logs: Logs = {}
+    trained = 0  # steps run on real data by this call of fit
+    warned = False
     while int(loop.epoch) < epochs and not loop.stop_training:
         epoch = int(loop.epoch)
         cbs.on_epoch_begin(epoch)
@@ -155,30 +251,54 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
         bar = Progbar(steps_per_epoch or _len(data), verbosity)
         first = int(loop.step_in_epoch)
         if steps_per_epoch:
-            inputs = executor.feed(data, start=epoch * steps_per_epoch + first, steps=steps_per_epoch - first,
+            inputs = executor.feed(feed_data, start=epoch * steps_per_epoch + first, steps=steps_per_epoch - first,
                                    cycle=True, per_worker=True)
         else:
             if hasattr(data, "set_epoch"):
                 data.set_epoch(epoch)
-            inputs = executor.feed(data, start=first, per_worker=True)
+            inputs = executor.feed(feed_data, start=first, per_worker=True)
+        ran = 0  # steps of this epoch on real data
+        ended = False  # a parameter-server worker reported the end of its data
 
         def settle(wait: bool) -> None:
+            nonlocal ran, ended
             for result in executor.completed(wait):
-                tracked.merge(result)
+                if not tracked.merge(result):
+                    ended = True
+                    continue
+                ran += 1
                 loop.step_in_epoch += 1
                 step_logs = tracked.logs(synced=False)
                 cbs.on_train_batch_end(int(loop.step_in_epoch) - 1, step_logs)
                 bar.update(int(loop.step_in_epoch), step_logs)
 
-        for submitted, step_input in enumerate(inputs, start=first):
-            cbs.on_train_batch_begin(submitted)
+        submitted = 0
+        for step_index, step_input in enumerate(inputs, start=first):
+            cbs.on_train_batch_begin(step_index)
             executor.submit(train_step, step_input)
+            submitted += 1
             settle(wait=False)
+            if ended or loop.stop_training:  # out of data, or a batch hook stopped training (TerminateOnNaN)
+                break
         settle(wait=True)
+        trained += ran
+        short = steps_per_epoch is not None and first + submitted < steps_per_epoch and not loop.stop_training
+        if ran == 0 and not loop.stop_training:
+            if trained == 0:
+                raise _no_data("fit", data)
+            if not warned:
+                _ran_out(f"epoch {epoch + 1} of fit got no batch, after {trained} in the epochs before (a one-shot "
+                         "iterator or generator is read once)", "Training stops here", None, stacklevel=2)
+            break  # an epoch without a batch: training stops, no epoch of zeros is recorded
+        if (short or ended) and not warned:
+            warned = True
+            _ran_out(f"epoch {epoch + 1} of fit ran {first + ran} of steps_per_epoch={steps_per_epoch} steps "
+                     f"({_has(data, first + ran)})", "The epoch ends here", "steps_per_epoch", stacklevel=2)
         logs = tracked.logs()
         if validation_data is not None:
-            logs.update(_evaluate(model, validation_data, loss_fn, tracked, validation_steps, cbs, verbosity=0,
-                                  prefix="val_"))
+            logs.update(_evaluate(model, validation_feed, loss_fn, tracked, validation_steps, cbs, verbosity=0,
+                                  prefix="val_", what="the validation of fit", steps_name="validation_steps",
+                                  original=validation_data, stacklevel=3))
         bar.update(int(loop.step_in_epoch), logs, finalize=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
@@ -187,12 +307,18 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     return history
 
 
-def _evaluate(model: torch.nn.Module, data: Data, loss_fn: Any, tracked: _Tracked, steps: Optional[int],
-              cbs: CallbackList, verbosity: int, prefix: str = "") -> Logs:
-    """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras."""
+def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked, steps: Optional[int],
+              cbs: CallbackList, verbosity: int, prefix: str = "", what: str = "evaluate",
+              steps_name: str = "steps", original: Any = None, stacklevel: int = 3) -> Logs:
+    """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras.
+
+    ``data`` is what the executor reads (see :func:`_data_to_feed`); ``original`` the user's data.
+    """
     executor: StepExecutor = tracked.strategy.step_executor()
 
-    def test_step(x: torch.Tensor, y: torch.Tensor, n: int) -> list[dict[str, torch.Tensor]]:
+    def test_step(x: torch.Tensor, y: Any, n: int) -> Any:
+        if _is_end(y):
+            return _END
         with torch.no_grad():
             model.eval()
             pred = model(x)
@@ -200,22 +326,34 @@ def _evaluate(model: torch.nn.Module, data: Data, loss_fn: Any, tracked: _Tracke
 
     tracked.reset()
     cbs.on_test_begin()
-    bar = Progbar(steps or _len(data), verbosity)
+    bar = Progbar(steps or _len(original), verbosity)
     done = 0
+    ended = False
 
     def settle(wait: bool) -> None:
-        nonlocal done
+        nonlocal done, ended
         for result in executor.completed(wait):
-            tracked.merge(result)
+            if not tracked.merge(result):
+                ended = True
+                continue
             done += 1
             cbs.on_test_batch_end(done - 1, tracked.logs(synced=False))
             bar.update(done, tracked.logs(synced=False))
 
-    for submitted, step_input in enumerate(executor.feed(data, steps=steps, cycle=steps is not None, per_worker=True)):
-        cbs.on_test_batch_begin(submitted)
+    submitted = 0
+    for submitted, step_input in enumerate(executor.feed(data, steps=steps, cycle=steps is not None, per_worker=True),
+                                           start=1):
+        if ended:
+            break
+        cbs.on_test_batch_begin(submitted - 1)
         executor.submit(test_step, step_input)
         settle(wait=False)
     settle(wait=True)
+    if done == 0:
+        raise _no_data(what, original)
+    if ended or (steps is not None and submitted < steps):
+        _ran_out(f"{what} ran {done} of {steps_name}={steps} steps ({_has(original, done)})", "Evaluation stops here",
+                 steps_name, stacklevel)
     logs = tracked.logs(prefix)
     bar.update(done, logs, finalize=True)
     cbs.on_test_end(logs)
@@ -227,19 +365,28 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optio
              callbacks: Sequence[Callback] = ()) -> Any:
     """The loss and metrics of ``model`` over ``data`` (``steps`` batches, or all), over every replica.
 
-    Under ParameterServerStrategy ``steps`` is required (workers cycle through their data).
+    ``return_dict=False`` gives Keras' list ``[loss, *metrics]`` in the order given (the
+    loss alone, a float, when there are no metrics). Under ParameterServerStrategy
+    ``steps`` is required (workers cycle through their data). Data that gives no batch
+    is a ValueError.
     """
     strategy = _strategy_of(model)
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
-    logs = _evaluate(model, data, per_example_loss(loss), _Tracked(strategy, metrics), steps, cbs,
-                     _verbosity(strategy, verbose))
-    return logs if return_dict else [logs[k] for k in logs]
+    logs = _evaluate(model, _data_to_feed(strategy, data), per_example_loss(loss), _Tracked(strategy, metrics, loss),
+                     steps, cbs, _verbosity(strategy, verbose), original=data, stacklevel=3)
+    if return_dict:
+        return logs
+    values = list(logs.values())
+    return values[0] if len(values) == 1 else values
 
 
 def predict(model: torch.nn.Module, data: Iterable[Any], steps: Optional[int] = None,
             callbacks: Sequence[Callback] = ()) -> torch.Tensor:
-    """``model``'s outputs for every example of ``data`` (batches of ``x`` or ``(x, y)``), in order, on every worker."""
+    """``model``'s outputs for every example of ``data`` (batches of ``x`` or ``(x, y)``), in order, on every worker.
+
+    Data that gives no batch is a ValueError; fewer batches than ``steps`` a warning.
+    """
     strategy = _strategy_of(model)
     executor = strategy.step_executor()
     cbs = CallbackList(list(callbacks))
@@ -263,5 +410,10 @@ def predict(model: torch.nn.Module, data: Iterable[Any], steps: Optional[int] = 
         executor.submit(predict_step, step_input)
         settle(wait=False)
     settle(wait=True)
+    if not outputs:
+        raise _no_data("predict", data)
+    if steps is not None and len(outputs) < steps:
+        _ran_out(f"predict ran {len(outputs)} of steps={steps} steps ({_has(data, len(outputs))})",
+                 "Prediction stops here", "steps", stacklevel=2)
     cbs.on_predict_end()
     return torch.cat(outputs)
