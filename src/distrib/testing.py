@@ -93,6 +93,7 @@ class LocalCluster:
         >>> with LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
         ...     strategy = ds.ParameterServerStrategy(cluster.resolver(), token=cluster.token)
         ...     cluster.kill("worker", 1); cluster.start_task("worker", 1)
+        ...     cluster.send_signal("worker", 0, signal.SIGSTOP)  # a hung worker
     """
 
     def __init__(self, num_workers: int, num_ps: int, *, token: Optional[str] = None,
@@ -147,6 +148,20 @@ class LocalCluster:
             proc.kill()
             proc.wait(timeout=10)
 
+    def send_signal(self, job: str, index: int, sig: int) -> None:
+        """Send ``sig`` to one task's process: e.g. ``signal.SIGSTOP`` to hang it, ``signal.SIGCONT`` to resume it."""
+        proc = self._procs.get((job, index))
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"/job:{job}/task:{index} is not running")
+        proc.send_signal(sig)
+
+    def pid(self, job: str, index: int) -> int:
+        """The process id of one task (to measure its memory, for example)."""
+        proc = self._procs.get((job, index))
+        if proc is None:
+            raise KeyError(f"/job:{job}/task:{index} was never started")
+        return proc.pid
+
     def alive(self, job: str, index: int) -> bool:
         proc = self._procs.get((job, index))
         return proc is not None and proc.poll() is None
@@ -185,7 +200,7 @@ class LocalCluster:
                 conn.close()
 
     def stop(self) -> None:
-        """Kill every task's process."""
+        """Kill every task's process (a stopped one too: SIGKILL ends a SIGSTOPped process)."""
         for proc in self._procs.values():
             if proc.poll() is None:
                 proc.kill()

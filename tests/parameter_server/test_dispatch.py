@@ -65,7 +65,10 @@ class FakeWorker:
     def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> bytes:
         return payload  # the call happens when its result is asked for
 
-    def result(self, payload: bytes) -> bytes:
+    def cancel(self, payload: bytes) -> None:
+        pass
+
+    def result(self, payload: bytes, timeout: Optional[float] = None) -> bytes:
         if not self.up:
             raise self._down()
         results = []

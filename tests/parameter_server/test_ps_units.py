@@ -268,6 +268,9 @@ def _make_certificates(directory):
     return paths, str(directory / "ca.crt")
 
 
+TOKEN = "0123456789abcdef-secret"
+
+
 def test_mutual_tls_and_token_are_both_required(tmp_path):
     from distrib.parameter_server.errors import AuthenticationError, PeerUnavailableError
     from distrib.parameter_server.transport.rpc import Connection, TLSConfig
@@ -275,15 +278,15 @@ def test_mutual_tls_and_token_are_both_required(tmp_path):
     paths, ca = _make_certificates(tmp_path)
     tls = TLSConfig(*paths["task"], ca_file=ca)
     address = f"localhost:{ds.testing.pick_unused_port()}"
-    server = ds.Server({"ps": [address], "worker": ["localhost:1"]}, "ps", 0, token="secret", tls=tls)
+    server = ds.Server({"ps": [address], "worker": ["localhost:1"]}, "ps", 0, token=TOKEN, tls=tls)
     try:
         health = wire.encode({})
-        ok = Connection(address, "distrib.ParameterServer", "secret", tls)
+        ok = Connection(address, "distrib.ParameterServer", TOKEN, tls)
         assert wire.decode(ok.call("Health", health, timeout=10))["ok"]
         ok.close()
         refused = [
-            Connection(address, "distrib.ParameterServer", "secret", None),  # plaintext
-            Connection(address, "distrib.ParameterServer", "secret", TLSConfig(*paths["intruder"], ca_file=ca)),
+            Connection(address, "distrib.ParameterServer", TOKEN, None),  # plaintext
+            Connection(address, "distrib.ParameterServer", TOKEN, TLSConfig(*paths["intruder"], ca_file=ca)),
         ]
         for conn in refused:
             with pytest.raises(PeerUnavailableError):
@@ -302,9 +305,9 @@ def test_server_refuses_to_start_without_a_token_or_on_a_foreign_address(monkeyp
     with pytest.raises(ValueError, match="DISTRIB_CLUSTER_TOKEN"):
         ds.Server({"ps": ["localhost:2222"], "worker": ["localhost:2223"]}, "ps", 0)
     with pytest.raises(ValueError, match="only 'ps' and 'worker'"):
-        ds.Server({"ps": ["localhost:2222"], "chief": ["localhost:2224"]}, "chief", 0, token="t")
+        ds.Server({"ps": ["localhost:2222"], "chief": ["localhost:2224"]}, "chief", 0, token=TOKEN)
     with pytest.raises(OSError, match="cannot listen on '192.0.2.1:2222'"):
-        ds.Server({"ps": ["192.0.2.1:2222"], "worker": ["localhost:2223"]}, "ps", 0, token="t")
+        ds.Server({"ps": ["192.0.2.1:2222"], "worker": ["localhost:2223"]}, "ps", 0, token=TOKEN)
 
 
 def test_examples_run_on_an_in_process_cluster():

@@ -6,7 +6,12 @@ Every child process gets these environment variables (plus the launcher's own):
     ``{"cluster": {...}, "task": {"type": ..., "index": ...}}`` with free loopback ports
     chosen for this run (new ones on every restart).
 ``DISTRIB_CLUSTER_TOKEN``
-    A random secret made once per launch; parameter-server RPCs must carry it.
+    A random secret made once per launch (or the launcher's own ``DISTRIB_CLUSTER_TOKEN``,
+    at least 16 characters); parameter-server RPCs must carry it.
+``DISTRIB_TLS_CERT``, ``DISTRIB_TLS_KEY``, ``DISTRIB_TLS_CA``
+    With ``--tls`` only: the task's own certificate and key, signed by a CA made for this
+    launch (see :mod:`distrib.parameter_server.transport.certificates`), so the ps and worker
+    servers speak mutual TLS. The files are removed when the launcher exits.
 ``DISTRIB_RESTART``
     How many times the group was restarted before this process was started (0 first).
 ``PYTHONUNBUFFERED``
@@ -21,6 +26,13 @@ exit code is returned; with ``--max-restarts K``, a failure stops the whole grou
 starts it again (the script resumes from its checkpoint), at most K times. A worker
 server of a parameter-server cluster that dies is restarted alone, since the
 coordinator re-schedules its functions.
+
+Signals: SIGTERM and SIGHUP (how Slurm, Kubernetes, systemd and ``timeout`` stop a job)
+and SIGINT (Ctrl-C) sent to the launcher are forwarded to every task (each task runs
+in its own process group, which receives the signal), the launcher waits up to
+``grace_seconds`` (5 s) for them to exit, kills (SIGKILL) the process group of every
+task still there, and exits with ``128 + signal``: 143 for SIGTERM, 129 for SIGHUP,
+130 for SIGINT. No task outlives the launcher.
 """
 
 from __future__ import annotations
@@ -29,14 +41,17 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Optional, Sequence
+from types import FrameType
+from typing import IO, Any, Optional, Sequence
 
 __all__ = ["LaunchConfig", "launch", "free_ports", "make_cluster"]
 
@@ -57,6 +72,8 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
     grace_seconds: float = 5.0
+    #: make a throwaway CA and a certificate per task, and set ``DISTRIB_TLS_*`` for every task
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -64,6 +81,8 @@ class LaunchConfig:
         if self.workers < 1 or self.ps < 0 or self.max_restarts < 0:
             raise ValueError(f"need --workers >= 1, --ps >= 0, --max-restarts >= 0; got "
                              f"{self.workers}, {self.ps}, {self.max_restarts}")
+        if not self.grace_seconds >= 0:
+            raise ValueError(f"grace_seconds={self.grace_seconds!r}: must be >= 0 seconds")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -111,10 +130,11 @@ class _Task:
         return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Send ``sig`` to the task's process group (the task and what it started), even if the task itself exited."""
+        if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
 
     def join_output(self) -> None:
@@ -139,7 +159,7 @@ def _exit_code(returncode: int) -> int:
 class _Group:
     """One start of the whole cluster."""
 
-    def __init__(self, config: LaunchConfig, token: str, restart: int) -> None:
+    def __init__(self, config: LaunchConfig, token: str, restart: int, tls: Any = None) -> None:
         self.config = config
         cluster = make_cluster(config.workers, config.ps, config.chief, config.host)
         script = [sys.executable, *config.command]
@@ -151,6 +171,8 @@ class _Group:
                        "DISTRIB_CLUSTER_TOKEN": token,
                        "DISTRIB_RESTART": str(restart),
                        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+                if tls is not None:
+                    env.update(tls.env(f"{task_type}-{index}"))
                 runs_server = config.ps > 0 and task_type in ("ps", "worker")
                 self.tasks.append(_Task(task_type, index, server if runs_server else script, env))
         self.cluster = cluster
@@ -164,9 +186,11 @@ class _Group:
         for t in sorted(self.tasks, key=lambda t: t.task_type == "chief"):
             t.start()
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to every task, wait the grace period, then SIGKILL every task's process group."""
         for t in self.tasks:
-            t.signal(signal.SIGTERM)
+            if t.poll() is None:
+                t.signal(sig)
         deadline = time.monotonic() + self.config.grace_seconds
         while time.monotonic() < deadline and any(t.poll() is None for t in self.tasks):
             time.sleep(0.05)
@@ -201,23 +225,112 @@ def _say(message: str) -> None:
         print(f"[launch] {message}", flush=True)
 
 
+class _Signalled(BaseException):
+    """Raised in the launcher's main thread when SIGTERM, SIGHUP or SIGINT arrives."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _SignalForwarding:
+    """Turns SIGTERM/SIGHUP/SIGINT into :class:`_Signalled` while armed; remembers them while the group stops."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.received: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.received = self.received or signum
+        if self.armed:
+            self.armed = False
+            raise _Signalled(signum)
+
+    def __enter__(self) -> "_SignalForwarding":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _token(config: LaunchConfig) -> str:
+    given = config.env.get("DISTRIB_CLUSTER_TOKEN") or os.environ.get("DISTRIB_CLUSTER_TOKEN")
+    if given is None:
+        return secrets.token_hex(16)
+    if len(given) < 16:
+        raise ValueError(f"DISTRIB_CLUSTER_TOKEN has {len(given)} characters; it needs at least 16 (a short token "
+                         "can be guessed). Unset it to let distrib launch make one, or make one with "
+                         "python -c 'import secrets; print(secrets.token_hex(32))'")
+    return given
+
+
+def _certificates(config: LaunchConfig, directory: str) -> Any:
+    from distrib.parameter_server.transport.certificates import make_cluster_certificates
+
+    tasks = ((["chief-0"] if config.chief or config.ps else []) + [f"worker-{i}" for i in range(config.workers)]
+             + [f"ps-{i}" for i in range(config.ps)])
+    made = make_cluster_certificates(directory, tasks, [config.host])
+    _say(f"TLS: a throwaway CA and {len(tasks)} task certificates (made with {made.backend}) in {directory}")
+    if not config.ps:
+        _say("TLS covers parameter-server RPCs only; the collectives of a worker-only cluster (gloo) are not "
+             "encrypted: run it on a trusted network")
+    return made
+
+
 def launch(config: LaunchConfig) -> int:
-    """Run the cluster until its script tasks finish; return 0 or the first failure's exit code."""
-    token = config.env.get("DISTRIB_CLUSTER_TOKEN") or secrets.token_hex(16)
+    """Run the cluster until its script tasks finish; return 0, the first failure's exit code, or 128 + a signal.
+
+    A configuration error (a short ``DISTRIB_CLUSTER_TOKEN``, no way to make TLS
+    certificates) is printed and returns 2 before any task starts.
+    """
+    try:
+        token = _token(config)
+    except ValueError as e:
+        print(f"distrib launch: {e}", file=sys.stderr, flush=True)
+        return 2
     server_restarts = [config.max_restarts]
-    for restart in range(config.max_restarts + 1):
-        group = _Group(config, token, restart)
-        _say(f"starting {len(group.tasks)} task(s): {json.dumps(group.cluster)}")
+    tls_dir = tempfile.mkdtemp(prefix="distrib-tls-") if config.tls else None
+    group: Optional[_Group] = None
+    code = 1
+    with _SignalForwarding() as signals:
         try:
-            group.start()
-            ok, code, who = group.watch(server_restarts)
-        except KeyboardInterrupt:
-            group.stop()
-            return 130
-        group.stop()
-        if ok:
-            return 0
-        _say(f"{who} failed with exit code {code}")
-        if restart < config.max_restarts:
-            _say(f"restarting the whole group ({restart + 1} of {config.max_restarts})")
-    return code
+            try:
+                tls = _certificates(config, tls_dir) if tls_dir else None
+            except (RuntimeError, ValueError, OSError) as e:
+                print(f"distrib launch: cannot make the TLS certificates: {e}", file=sys.stderr, flush=True)
+                return 2
+            for restart in range(config.max_restarts + 1):
+                group = _Group(config, token, restart, tls)
+                _say(f"starting {len(group.tasks)} task(s): {json.dumps(group.cluster)}")
+                group.start()
+                ok, code, who = group.watch(server_restarts)
+                signals.armed = False
+                group.stop()
+                signals.armed = True
+                if signals.received is not None:
+                    raise _Signalled(signals.received)
+                if ok:
+                    return 0
+                _say(f"{who} failed with exit code {code}")
+                if restart < config.max_restarts:
+                    _say(f"restarting the whole group ({restart + 1} of {config.max_restarts})")
+            return code
+        except _Signalled as e:
+            signals.armed = False
+            name = signal.Signals(e.signum).name
+            if group is not None:
+                _say(f"received {name}: forwarding it to every task, killing what remains after "
+                     f"{config.grace_seconds:g}s")
+                group.stop(e.signum)
+            return 128 + e.signum
+        finally:
+            signals.armed = False
+            if tls_dir is not None:
+                shutil.rmtree(tls_dir, ignore_errors=True)

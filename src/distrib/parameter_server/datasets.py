@@ -32,14 +32,19 @@ class DatasetSource:
 
     def build(self, context: InputContext) -> Iterable[Any]:
         """The dataset of the worker described by ``context``."""
-        return self._dataset_fn(context) if self._dataset_fn is not None else self._dataset
+        return call_dataset_fn(self._dataset_fn, context) if self._dataset_fn is not None else self._dataset
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.build(InputContext()))
 
 
 def call_dataset_fn(dataset_fn: Any, context: InputContext) -> Any:
-    """``dataset_fn(context)``, or ``dataset_fn()`` when it takes no argument; a dataset is returned as it is."""
+    """``dataset_fn(context)``, or ``dataset_fn()`` when it takes no argument; a dataset is returned as it is.
+
+    A :class:`DatasetSource` (given, or returned by the function, as TF's tutorial's
+    ``per_worker_dataset_fn`` returns ``strategy.distribute_datasets_from_function(dataset_fn)``)
+    is built with the same worker's context.
+    """
     if isinstance(dataset_fn, DatasetSource):
         return dataset_fn.build(context)
     if not callable(dataset_fn) or hasattr(dataset_fn, "__iter__"):
@@ -49,7 +54,10 @@ def call_dataset_fn(dataset_fn: Any, context: InputContext) -> Any:
                   if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         params = []
-    return dataset_fn(context) if params else dataset_fn()
+    dataset = dataset_fn(context) if params else dataset_fn()
+    if isinstance(dataset, DatasetSource):  # the function returned strategy.distribute_datasets_from_function(...)
+        return dataset.build(context)
+    return dataset
 
 
 class WorkerBatches:

@@ -19,6 +19,12 @@ Single-client, as in TF 2: the chief runs the user's script. Under
 Functions run on workers through :class:`~distrib.coordinator.ClusterCoordinator`.
 Inside them ``strategy.run(fn, args)`` runs ``fn`` once (one replica per worker, as
 TF's parameter-server tutorial on CPU) and ``strategy.reduce`` works on its result.
+``run`` and ``reduce`` called on the coordinator itself work too, with TF's warning.
+
+Metrics (``ds.metrics.*``, ``torchmetrics``) that scheduled functions update travel
+to the workers as copies whose updates come back with each call's result (see
+:class:`~distrib.coordinator.ClusterCoordinator`): after ``coordinator.join()``,
+``metric.result()`` on the coordinator counts every completed call exactly once.
 
 Example::
 
@@ -38,14 +44,26 @@ Example::
     >>> coordinator.join()
     >>> len(coordinator.fetch(losses))
     5
+    >>> with strategy.scope():
+    ...     steps = ds.metrics.Sum()
+    >>> def count(x):
+    ...     steps.update_state(x)
+    >>> for _ in range(3):
+    ...     _ = coordinator.schedule(count, args=(torch.tensor(2.0),))
+    >>> coordinator.join()
+    >>> float(steps.result())
+    6.0
     >>> ds.testing.stop_in_process_cluster(resolver)
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import types
 import uuid
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import cloudpickle
@@ -104,10 +122,7 @@ class ParameterServerStrategy(Strategy):
             raise ValueError("ParameterServerStrategy(cluster_resolver) needs a cluster resolver, e.g. "
                              "ds.cluster_resolver.TFConfigClusterResolver() or ds.testing.create_in_process_cluster(2, 1)")
         spec = cluster_resolver.cluster_spec()
-        for job in ("ps", "worker"):
-            if not spec.num_tasks(job):
-                raise ValueError(f"ParameterServerStrategy: the cluster has no {job!r} task ({spec}); it needs at "
-                                 "least one 'ps' and one 'worker'")
+        _check_cluster(spec, getattr(cluster_resolver, "task_type", None))
         super().__init__([None], cluster_resolver=cluster_resolver, device_names=["/job:chief/replica:0/task:0/device:CPU:0"])
         self._on_coordinator = True
         self._spec = spec
@@ -117,12 +132,15 @@ class ParameterServerStrategy(Strategy):
         self._connect_timeout = connect_timeout
         self._connected = False
         self._session = uuid.uuid4().hex[:12]
-        self._placer = Placer(spec.num_tasks("ps"), variable_partitioner, self._session)
+        self._placer = Placer(spec.num_tasks("ps"), variable_partitioner, self._session, self._ps.budget)
+        # metrics sent to the workers inside scheduled functions: id -> (weak ref, key), key -> weak ref
+        self._metric_keys: dict[int, tuple[weakref.ref, str]] = {}
+        self._metrics: dict[str, weakref.ref] = {}
+        self._metric_lock = threading.Lock()
         self._variables: dict[int, LocalVariable] = {}
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, str]] = {}
         #: the ClusterCoordinator made for this strategy (there is at most one), or None
         self.cluster_coordinator: Any = None
-        self._warned_run = False
         log.info("ParameterServerStrategy is initialized with cluster_spec: %s", spec)
 
     @classmethod
@@ -135,7 +153,6 @@ class ParameterServerStrategy(Strategy):
         self._spec = cluster_spec
         self._variables, self._optimizers = {}, {}
         self.cluster_coordinator = None
-        self._warned_run = True
         return self
 
     @property
@@ -245,6 +262,25 @@ class ParameterServerStrategy(Strategy):
         return {name: [(s.ps, s.start, s.stop) for s in self._variables[id(p)].spec.shards]
                 for name, p in module.named_parameters() if id(p) in self._variables}
 
+    def variable_shards(self, module: nn.Module) -> dict[str, list[torch.Tensor]]:
+        """Each parameter's shards, read from the ps tasks that hold them (TF's ``ShardedVariable.variables``).
+
+        Example (one shard per parameter without a partitioner)::
+
+            >>> import distrib as ds, torch
+            >>> resolver = ds.testing.create_in_process_cluster(num_workers=1, num_ps=2)
+            >>> strategy = ds.ParameterServerStrategy(resolver, ds.partitioners.FixedShardsPartitioner(2))
+            >>> with strategy.scope():
+            ...     table = torch.nn.Embedding(5, 2)
+            >>> [tuple(s.shape) for s in strategy.variable_shards(table)["weight"]]
+            [(3, 2), (2, 2)]
+            >>> ds.testing.stop_in_process_cluster(resolver)
+        """
+        if not self._on_coordinator:
+            raise RuntimeError("variable_shards() reads the ps tasks from the coordinator, not inside a scheduled function")
+        return {name: self._ps.read_shards(self._variables[id(p)].spec)
+                for name, p in module.named_parameters() if id(p) in self._variables}
+
     # ------------------------------------------------------------------ optimizers
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._on_coordinator:
@@ -321,11 +357,43 @@ class ParameterServerStrategy(Strategy):
                 state = saved_state.get(key, saved_state.get(str(key), {}))
                 self._ps.set_optimizer_state(opt_id, spec, split_state(spec, state), _options(group))
 
+    # ------------------------------------------------------------------ metrics
+    def _metric_key(self, metric: Any) -> str:
+        with self._metric_lock:
+            entry = self._metric_keys.get(id(metric))
+            if entry is not None and entry[0]() is metric:
+                return entry[1]
+            key = f"{self._session}/m{len(self._metrics)}"
+            self._metric_keys[id(metric)] = (weakref.ref(metric), key)
+            self._metrics[key] = weakref.ref(metric)
+            return key
+
+    def merge_metric_deltas(self, deltas: dict[str, dict[str, Any]]) -> None:
+        """Add what one completed scheduled call added to workers' copies of metrics into the metrics here.
+
+        ``deltas`` maps a metric's id (given when the function was sent) to its state
+        after that call; metrics garbage-collected since are skipped.
+        """
+        with self._metric_lock:
+            for key, state in deltas.items():
+                ref = self._metrics.get(key)
+                metric = ref() if ref is not None else None
+                if metric is None:
+                    continue
+                if hasattr(metric, "merge_deltas"):
+                    metric.merge_deltas(state)
+                else:  # a torchmetrics.Metric
+                    metric.merge_state(state)
+                    if hasattr(metric, "_update_count"):
+                        metric._update_count += 1  # it has seen an update: compute() must not warn
+
     # ------------------------------------------------------------------ pickling for workers
     def persistent_id(self, obj: Any) -> Optional[tuple[Any, ...]]:
         """How ``obj`` travels inside a scheduled function (None: pickled as usual)."""
         if obj is self:
             return ("strategy",)
+        if _is_metric(obj):
+            return ("metric", self._metric_key(obj), _MetricCopy(obj))
         if isinstance(obj, torch.Tensor):
             var = self._variables.get(id(obj))
             return ("var", var.spec) if var is not None and var.tensor is obj else None
@@ -339,11 +407,20 @@ class ParameterServerStrategy(Strategy):
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
             options: Any = None) -> Any:
         """Run ``fn`` once, here: on a worker inside a scheduled function (the normal use), or on the coordinator."""
-        if self._on_coordinator and not self._warned_run:
-            self._warned_run = True
-            log.warning("ParameterServerStrategy.run() was called on the coordinator, so it runs here; schedule "
-                        "the function with ClusterCoordinator.schedule to run it on the workers")
+        self._warn_if_on_coordinator("run")
         return super().run(fn, args, kwargs, options)
+
+    def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
+        """As every strategy's ``reduce`` (one replica per worker); on the coordinator it warns as TF does."""
+        self._warn_if_on_coordinator("reduce")
+        return super().reduce(reduce_op, value, axis)
+
+    def _warn_if_on_coordinator(self, method: str) -> None:
+        if self._on_coordinator:
+            log.warning(f"A `ParameterServerStrategy` method ({method}) is invoked without using "
+                        "`ClusterCoordinator.schedule`: it runs here, on the coordinator, which can be slow. To "
+                        "dispatch functions to the workers, call `run` or `reduce` within a function passed to "
+                        "`ds.coordinator.ClusterCoordinator.schedule`.")
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DatasetSource:
         """A dataset to give to ``coordinator.create_per_worker_dataset`` (each worker iterates all of it)."""
@@ -357,3 +434,76 @@ class ParameterServerStrategy(Strategy):
 
 def _options(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def _check_cluster(spec: ClusterSpec, task_type: Optional[str]) -> None:
+    """TF's checks of a parameter-server cluster, with TF's messages and what to do."""
+    allowed = ("chief", "worker", "ps", "evaluator")
+    jobs = sorted(spec.jobs)
+    unknown = [j for j in jobs if j not in allowed]
+    if unknown:
+        raise ValueError(f"Disallowed task type found in cluster spec: {unknown[0]!r}; a parameter-server cluster "
+                         f"has only {', '.join(repr(a) for a in allowed)} jobs ({spec})")
+    if task_type is not None and task_type not in allowed:
+        raise ValueError(f"Unrecognized task_type: {task_type}; the coordinator is the 'chief' task (this process), "
+                         "and 'ps'/'worker' tasks run ds.Server")
+    def count(job: str) -> int:  # ClusterSpec.num_tasks raises for a job the cluster lacks (as TF)
+        return spec.num_tasks(job) if job in spec.jobs else 0
+
+    if count("chief") > 1:
+        raise ValueError(f"There must be at most one 'chief' job; the cluster has {count('chief')} ({spec})")
+    if not count("worker"):
+        raise ValueError(f"There must be at least one worker. The cluster has no 'worker' task ({spec}); "
+                         "ParameterServerStrategy needs at least one 'ps' and one 'worker'")
+    if not count("ps"):
+        raise ValueError(f"There must be at least one ps. The cluster has no 'ps' task ({spec}); "
+                         "ParameterServerStrategy needs at least one 'ps' and one 'worker'")
+
+
+def _is_metric(obj: Any) -> bool:
+    from distrib.metrics.base import Metric
+
+    if isinstance(obj, Metric):
+        return True
+    torchmetrics = sys.modules.get("torchmetrics")  # only if the user imported it: then such objects can exist
+    return torchmetrics is not None and isinstance(obj, torchmetrics.Metric)
+
+
+class _MetricCopy:
+    """Pickles as a copy of ``metric`` with a fresh state (the metric's own pickling rules)."""
+
+    def __init__(self, metric: Any) -> None:
+        if not hasattr(metric, "merge_deltas") and (metric.full_state_update or metric.full_state_update is None
+                                                    or metric.dist_sync_on_step):
+            raise TypeError(f"{type(metric).__name__} (torchmetrics, full_state_update or dist_sync_on_step) cannot "
+                            "add up updates made on several workers; use a metric whose states merge "
+                            "(full_state_update=False), or a ds.metrics one")
+        self.metric = metric
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        metric = self.metric
+        if not hasattr(metric, "merge_deltas"):  # torchmetrics: a copy reset to its defaults
+            metric = metric.clone()
+            metric.reset()
+        reduced = metric.__reduce_ex__(protocol)  # ds.metrics: __getstate__ gives a fresh state
+        if not isinstance(reduced, tuple) or len(reduced) < 3 or getattr(reduced[0], "__name__", "") != "__newobj__":
+            raise TypeError(f"cannot send metric {metric!r} to the workers: it does not pickle as a plain object")
+        return (_rebuild_metric, (reduced[1][0], reduced[1][1:], reduced[2]))
+
+
+def _rebuild_metric(cls: type, args: tuple, state: Any) -> Any:
+    """Unpickle what ``_MetricCopy`` pickled: ``cls.__new__(cls, *args)`` given ``state`` as pickle does."""
+    metric = cls.__new__(cls, *args)
+    if state is None:
+        return metric
+    if hasattr(metric, "__setstate__") and not isinstance(state, tuple):
+        metric.__setstate__(state)
+        return metric
+    slots = None
+    if isinstance(state, tuple) and len(state) == 2:
+        state, slots = state
+    if state:
+        metric.__dict__.update(state)
+    for name, value in (slots or {}).items():
+        setattr(metric, name, value)
+    return metric

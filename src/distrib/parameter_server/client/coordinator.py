@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 from distrib.parameter_server.transport import pickling, wire
 from distrib.parameter_server.client.dispatch import (Closure, ClosureQueue, PerWorkerIterator, WorkerThread,
                                                fetch_remote_values)
-from distrib.parameter_server.errors import PeerUnavailableError
+from distrib.parameter_server.errors import PeerUnavailableError, RemoteProtocolError
 from distrib.parameter_server.client.failure_policy import FailurePolicy
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
 from distrib.parameter_server.transport.rpc import Connection
@@ -48,20 +48,25 @@ if TYPE_CHECKING:
     from distrib.parameter_server.strategy import ParameterServerStrategy
 
 __all__ = ["ClusterCoordinator", "RemoteValue", "RemoteValueStatus", "PerWorkerDataset", "PerWorkerIterator",
-           "FailurePolicy"]
+           "FailurePolicy", "DEFAULT_HEARTBEAT_TIMEOUT"]
+
+#: seconds a busy worker may leave heartbeats unanswered before it is marked down
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 
 class PerWorkerDataset:
     """A dataset built on every worker by ``create_per_worker_dataset``; ``iter()`` it for the functions.
 
     A worker that comes back after a failure builds its dataset again (from the start).
+    An iterator the coordinator no longer references is dropped by the workers too.
     """
 
-    def __init__(self, dataset_id: str) -> None:
+    def __init__(self, dataset_id: str, on_release: Optional[Callable[[str], None]] = None) -> None:
         self.dataset_id = dataset_id
+        self._on_release = on_release
 
     def __iter__(self) -> PerWorkerIterator:
-        return PerWorkerIterator(self.dataset_id)
+        return PerWorkerIterator(self.dataset_id, self._on_release)
 
 
 class ClusterCoordinator:
@@ -71,6 +76,25 @@ class ClusterCoordinator:
     ``failure_policy`` decides retries (default: TF's, see
     :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy`); ``probe_interval``
     is how often (seconds) an unreachable worker is asked whether it is back.
+
+    ``heartbeat_timeout`` (seconds, default 10; None: no heartbeat) bounds how long a
+    worker that runs a function may stay silent: while a call is out the coordinator
+    asks the worker for its health every ``heartbeat_interval`` seconds (default: a third
+    of the timeout, at most 1 s), and a worker that has answered none of them for
+    ``heartbeat_timeout`` seconds (hung, SIGSTOPped, a cable pulled) is marked down: its
+    functions go back to the queue for the other workers at once, and it is used again
+    when it answers. A worker that dies outright is noticed as soon as its connection
+    breaks. A function taken from a hung worker may still finish there later (it ran
+    at least once; its result and metric updates are then ignored).
+
+    Metrics (``ds.metrics.*``, or a ``torchmetrics.Metric``) that a scheduled function
+    updates are copied to the workers; what each call adds to them comes back with its
+    result and is added to the coordinator's metric before the call's RemoteValue is
+    ready. Each completed call is counted exactly once: a call lost with its worker and
+    run again elsewhere counts only in the run whose result is kept, and a call that
+    raises adds nothing. So after ``join()``, ``metric.result()`` covers every call that
+    completed.
+
     ``connect`` makes the connection to each worker (a fake one in the dispatch tests).
     See the module docstring for a runnable example.
     """
@@ -82,15 +106,23 @@ class ClusterCoordinator:
         return super().__new__(cls)
 
     def __init__(self, strategy: "ParameterServerStrategy", failure_policy: Optional[FailurePolicy] = None,
-                 probe_interval: float = 0.25, connect: Callable[..., Connection] = Connection) -> None:
+                 probe_interval: float = 0.25, connect: Callable[..., Connection] = Connection, *,
+                 heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT,
+                 heartbeat_interval: Optional[float] = None) -> None:
         if getattr(self, "_initialized", False):
             return
         if not getattr(strategy, "should_use_with_coordinator", False) or not strategy.on_coordinator:
             raise ValueError(f"ClusterCoordinator(strategy) needs the coordinator's ParameterServerStrategy, got "
                              f"{strategy!r}")
+        for name, value in (("heartbeat_timeout", heartbeat_timeout), ("heartbeat_interval", heartbeat_interval)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"ClusterCoordinator({name}={value!r}): must be a positive number of seconds or None")
         self.strategy = strategy
         self._failure_policy = failure_policy or FailurePolicy()
         self._probe_interval = probe_interval
+        self._heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
+        self._heartbeat_interval = float(heartbeat_interval or min(1.0, (heartbeat_timeout or 3.0) / 3))
+        self._released: list[str] = []  # per-worker iterators the coordinator dropped, in order
         self._queue = ClosureQueue()
         # Short functions share a round trip: a worker takes several at once while their
         # estimated run time (a moving average of what each function took) fits this budget.
@@ -198,7 +230,15 @@ class ClusterCoordinator:
         except Exception as e:
             raise TypeError(f"cannot send the dataset function to the workers: {e}. It must be picklable by "
                             "cloudpickle (build the dataset inside the function rather than capturing it)") from e
-        return PerWorkerDataset(dataset_id)
+        return PerWorkerDataset(dataset_id, self._released.append)
+
+    def _merge_metrics(self, deltas: Any) -> None:
+        """Add what a completed call added to the workers' copies of metrics into the coordinator's."""
+        if deltas:
+            merge = getattr(self.strategy, "merge_metric_deltas", None)
+            if merge is None:
+                raise RemoteProtocolError("a worker sent metric updates but the strategy cannot take them")
+            merge(deltas)
 
     # ------------------------------------------------------------------ introspection
     def worker_states(self) -> dict[str, str]:

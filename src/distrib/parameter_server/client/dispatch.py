@@ -5,7 +5,11 @@ Each worker is driven by one coordinator thread, a small state machine::
     CONNECTING --answers--> IDLE <--> BUSY --call fails (unreachable)--> DOWN --answers--> IDLE
 
 A thread in IDLE takes the next functions from the shared :class:`ClosureQueue` and
-calls its worker (BUSY). Every failure is classified (:class:`FailureKind`) and the
+calls its worker (BUSY). While a call is out, the thread sends the worker a heartbeat
+(a ``Health`` call) every ``heartbeat_interval`` seconds; a worker that has not answered
+one for ``heartbeat_timeout`` seconds (hung, stopped with SIGSTOP, or cut off without
+the connection closing) is marked DOWN at once, its calls are cancelled and their
+functions run elsewhere. Every failure is classified (:class:`FailureKind`) and the
 coordinator's :class:`FailurePolicy` decides: a lost worker's functions go back to
 the front of the queue, for any worker, and the thread probes its worker until it
 answers again (DOWN -> IDLE), then sends it functions and datasets afresh (a
@@ -28,6 +32,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.utils._pytree as pytree
@@ -38,7 +43,7 @@ from distrib.parameter_server.errors import (ClosureCancelledError, ParameterSer
                                              scheduled_function_error)
 from distrib.parameter_server.client.failure_policy import Decision, FailureKind
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
-from distrib.parameter_server.transport.rpc import WORKER_SERVICE, Connection
+from distrib.parameter_server.transport.rpc import WORKER_SERVICE, CallPending, Connection
 
 if TYPE_CHECKING:
     from distrib.parameter_server.client.coordinator import ClusterCoordinator
@@ -70,16 +75,30 @@ class ClosureQueue:
         self.cond = threading.Condition()
         self.pending: collections.deque[Closure] = collections.deque()
         self.inflight = 0
+        self.idle_workers = 0  # worker threads waiting in take() for a function
         self.error: Optional[BaseException] = None
         self.fatal: Optional[BaseException] = None
         self.closed = False
 
     def raise_error(self, clear: bool) -> None:
-        """Raise the fatal error, or the first function error (forgotten once raised if ``clear``)."""
+        """Raise the fatal error, or the first function error (forgotten once raised if ``clear``).
+
+        Before a function error is raised and forgotten, the functions still running are
+        waited for (call with ``cond`` held): their own errors, if any, stay on their
+        RemoteValues, and the error is raised once, as TF's closure queue does, never again
+        by a later ``join`` or ``schedule``.
+        """
         if self.fatal is not None:
             raise self.fatal
         if self.error is not None:
+            if clear:
+                while self.inflight > 0 and self.fatal is None:
+                    self.cond.wait()
+                if self.fatal is not None:
+                    raise self.fatal
             error = self.error
+            if error is None:  # another thread raised it meanwhile
+                return
             if clear:
                 self.error = None
             raise error
@@ -93,12 +112,18 @@ class ClosureQueue:
     def take(self, estimate: Callable[[Closure], float], budget: float, limit: int, block: bool = True) -> list[Closure]:
         """The next functions for one worker: one, and more while their estimated run time fits ``budget``.
 
-        Waits for a function when ``block``; otherwise returns ``[]`` if none is queued.
+        Waits for a function when ``block``; otherwise (a busy worker asking for its next batch
+        ahead of time) returns ``[]`` if none is queued, or if an idle worker waits for one:
+        queued work goes to idle workers first.
         """
         with self.cond:
             while block and not self.pending and not self.closed:
-                self.cond.wait()
-            if self.closed or not self.pending:
+                self.idle_workers += 1
+                try:
+                    self.cond.wait()
+                finally:
+                    self.idle_workers -= 1
+            if self.closed or not self.pending or (not block and self.idle_workers):
                 return []
             batch = [self.pending.popleft()]
             total = estimate(batch[0])
@@ -148,11 +173,17 @@ class ClosureQueue:
 
 
 class PerWorkerIterator:
-    """``iter(per_worker_dataset)``: pass it to scheduled functions; each worker uses its own iterator."""
+    """``iter(per_worker_dataset)``: pass it to scheduled functions; each worker uses its own iterator.
 
-    def __init__(self, dataset_id: str) -> None:
+    When the object is garbage-collected on the coordinator, ``on_release(iterator_id)``
+    is called, and the workers drop their iterators with the next call they get.
+    """
+
+    def __init__(self, dataset_id: str, on_release: Optional[Callable[[str], None]] = None) -> None:
         self.dataset_id = dataset_id
         self.iterator_id = uuid.uuid4().hex[:16]
+        if on_release is not None:
+            weakref.finalize(self, on_release, self.iterator_id)
 
     def __iter__(self) -> "PerWorkerIterator":
         return self
@@ -179,6 +210,7 @@ class WorkerThread:
         self.state = WorkerState.CONNECTING
         self.sent_functions: set[str] = set()
         self.sent_datasets: set[str] = set()
+        self.released = 0  # how many of the coordinator's released iterators this worker was told of
         self.thread = threading.Thread(target=self._main, name=f"distrib-coordinator-worker-{index}", daemon=True)
         self.thread.start()
 
@@ -194,6 +226,7 @@ class WorkerThread:
                 return
             self.state = WorkerState.BUSY
             self._pipeline(batch)
+            batch = []  # drop the finished closures (and the iterators they hold) before waiting for more
             if self.state is WorkerState.BUSY:
                 self.state = WorkerState.IDLE
 
@@ -228,6 +261,7 @@ class WorkerThread:
             log.info("%s (%s) is back; scheduling functions on it again", self.task, self.conn.address)
         self.sent_functions.clear()
         self.sent_datasets.clear()
+        self.released = len(self.coordinator._released)  # a fresh or restarted worker holds none of them
         self.state = WorkerState.IDLE
 
     # ------------------------------------------------------------------ one batch
@@ -244,8 +278,10 @@ class WorkerThread:
         calls = [{"fn": c.payload.digest, "args": fetch_remote_values(c.args), "kwargs": fetch_remote_values(c.kwargs)}
                  for c in batch]
         payloads = {c.payload.digest: c.payload.data for c in batch if force or c.payload.digest not in self.sent_functions}
+        released = self.coordinator._released
         request: dict[str, Any] = {"calls": calls, "options": self.coordinator.strategy.optimizer_options(),
-                                   "payloads": payloads}
+                                   "payloads": payloads, "release": released[self.released:]}
+        self.released = len(released)
         body = wire.encode(request, encode_ref=encode_ref)
         needed = {d: self.coordinator._datasets[d].data for d in datasets if force or d not in self.sent_datasets}
         if needed:
@@ -267,14 +303,41 @@ class WorkerThread:
                                                                             batch[0].value.attempts))
             return None
 
+    def _await(self, future: Any) -> bytes:
+        """The reply of a call, sending heartbeats while it runs; WorkerUnavailableError if they stop."""
+        coordinator = self.coordinator
+        timeout, interval = coordinator._heartbeat_timeout, coordinator._heartbeat_interval
+        if timeout is None:
+            return self.conn.result(future)
+        last_answer = time.monotonic()
+        while True:
+            if self.state is not WorkerState.DOWN:  # DOWN: the batch before this one found the worker lost
+                try:
+                    return self.conn.result(future, timeout=interval)
+                except CallPending:
+                    pass
+            silent = time.monotonic() - last_answer
+            if self.state is not WorkerState.DOWN and silent < timeout:
+                try:
+                    self.conn.call("Health", wire.encode({}), timeout=max(0.05, min(interval, timeout - silent)))
+                    last_answer = time.monotonic()
+                except (PeerUnavailableError, RemoteProtocolError):
+                    pass
+                silent = time.monotonic() - last_answer
+            if self.state is WorkerState.DOWN or silent >= timeout:
+                self.conn.cancel(future)
+                raise WorkerUnavailableError(self.conn.address, f"no answer to heartbeats for {silent:.1f}s (hung, "
+                                             f"stopped or cut off; heartbeat_timeout={timeout}s)", self.task)
+
     def _receive(self, batch: list[Closure], future: Any) -> list[dict]:
-        reply = wire.decode(self.conn.result(future))
+        reply = wire.decode(self._await(future))
         for _ in range(2):
             if reply.get("status") != "need":
                 break
             self.sent_functions.clear()  # the worker forgot (it was restarted): send everything again
             self.sent_datasets.clear()
-            reply = wire.decode(self.conn.call("Run", self._request(batch, force=True)))
+            self.released = len(self.coordinator._released)
+            reply = wire.decode(self._await(self.conn.future("Run", self._request(batch, force=True))))
         if reply.get("status") == "need":
             raise RemoteProtocolError(f"{self.task} keeps asking for the functions and datasets it was sent")
         if "results" not in reply:
@@ -304,6 +367,11 @@ class WorkerThread:
             status = reply.get("status")
             if status == "ok":
                 self.coordinator._observe(closure, reply.get("seconds", 0.0))
+                try:  # a function's metric updates count once: from the one run whose result is kept
+                    self.coordinator._merge_metrics(reply.get("metrics"))
+                except Exception as e:  # noqa: BLE001 - a metric that cannot take the deltas
+                    self._fail(batch, i, e, Decision.RAISE)
+                    return
                 queue.finish(closure, reply.get("result"))
                 continue
             if status == "ps_unavailable":

@@ -10,6 +10,11 @@ workers with each other: training is asynchronous, as in TF. A push carries the
 optimizer's current options (learning rate, ...) as the coordinator last set them;
 they replace the shard optimizer's before its step.
 
+Every request is validated whole before anything changes: unknown keys, wrong field
+types, shapes or dtypes, sparse rows outside a shard (checked when the message is
+decoded, with torch's sparse invariant checks on) get an error reply and leave the
+store as it was.
+
 Optimizer classes arrive pickled (cloudpickle) from the coordinator. That is the
 only unpickling a ps does, and only for calls that passed the cluster-token check.
 """
@@ -73,78 +78,217 @@ def _build_optimizer(cls: type, param: torch.nn.Parameter, options: dict[str, An
     return optimizer
 
 
+class InvalidRequest(ValueError):
+    """A request that names unknown fields, wrong types, shapes or dtypes; it changed nothing."""
+
+
+def _field(request: Any, name: str, kind: type, what: str) -> Any:
+    if not isinstance(request, dict):
+        raise InvalidRequest(f"a request must be a dict, got {type(request).__name__}")
+    value = request.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequest(f"request field {name!r} must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _list_of(request: dict, name: str, kind: type, what: str, length: Optional[int] = None) -> list:
+    items = _field(request, name, list, f"a list of {what}")
+    for x in items:
+        if not isinstance(x, kind) or (isinstance(x, int) and (isinstance(x, bool) or x < 0)):
+            raise InvalidRequest(f"request field {name!r} must hold {what}, got an item of type {type(x).__name__}")
+    if length is not None and len(items) != length:
+        raise InvalidRequest(f"request field {name!r} has {len(items)} items; 'keys' has {length}")
+    return items
+
+
+def _dense(value: Any, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        raise InvalidRequest(f"{what} must be a dense tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_value(shard: "_Shard", value: Any, key: str) -> torch.Tensor:
+    value = _dense(value, f"the value for shard {key!r}")
+    if value.shape != shard.value.shape or value.dtype != shard.value.dtype:
+        raise InvalidRequest(f"shard {key!r} is {shard.value.dtype} of shape {tuple(shard.value.shape)}; got a value "
+                             f"{value.dtype} of shape {tuple(value.shape)}")
+    return value
+
+
+def _check_gradient(shard: "_Shard", grad: Any, key: str) -> torch.Tensor:
+    if not isinstance(grad, torch.Tensor):
+        raise InvalidRequest(f"the gradient for shard {key!r} must be a tensor or None, got {type(grad).__name__}")
+    if not shard.value.requires_grad:
+        raise InvalidRequest(f"shard {key!r} ({shard.value.dtype}) takes no gradients")
+    if grad.dtype != shard.value.dtype:  # a gradient has its parameter's dtype, as torch requires of .grad
+        raise InvalidRequest(f"the gradient for shard {key!r} is {grad.dtype}; the shard is {shard.value.dtype}")
+    if grad.shape != shard.value.shape:
+        raise InvalidRequest(f"the gradient for shard {key!r} has shape {tuple(grad.shape)}; the shard has "
+                             f"{tuple(shard.value.shape)}")
+    if grad.is_sparse and grad.sparse_dim() != 1:
+        raise InvalidRequest(f"a sparse gradient for shard {key!r} must index rows (1 sparse dim), got "
+                             f"{grad.sparse_dim()}")
+    if grad.layout not in (torch.strided, torch.sparse_coo):
+        raise InvalidRequest(f"the gradient for shard {key!r} has layout {grad.layout}")
+    return grad
+
+
+def _plain(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return isinstance(v, (tuple, list)) and len(v) <= 16 and all(isinstance(x, (int, float)) for x in v)
+
+
+def _check_options(optimizer: torch.optim.Optimizer, options: Any, key: str) -> dict:
+    """Options the coordinator sends keep the type an existing option has; new ones (a scheduler's
+    ``initial_lr``) must be plain numbers, strings, booleans or short tuples of numbers."""
+    if not isinstance(options, dict):
+        raise InvalidRequest(f"optimizer options for shard {key!r} must be a dict, got {type(options).__name__}")
+    group = optimizer.param_groups[0]
+    for k, v in options.items():
+        if k == "params":
+            continue
+        if not isinstance(k, str):
+            raise InvalidRequest(f"optimizer option names must be strings, got {k!r:.50}")
+        if k not in group:
+            if not _plain(v):
+                raise InvalidRequest(f"new optimizer option {k!r} for shard {key!r} must be a number, string, "
+                                     f"boolean or tuple of numbers, got {type(v).__name__}")
+            continue
+        old = group[k]
+        numbers = (int, float)
+        same = (isinstance(v, type(old)) or (isinstance(old, numbers) and isinstance(v, numbers))
+                or old is None or v is None)
+        if not same or isinstance(v, bool) != isinstance(old, bool) or (
+                isinstance(v, torch.Tensor) and v.shape != old.shape):
+            raise InvalidRequest(f"optimizer option {k!r} for shard {key!r} must be {type(old).__name__} like the "
+                                 f"optimizer's, got {type(v).__name__}")
+    return options
+
+
 class ParameterStore:
-    """The ps service: ``handlers()`` maps RPC method names to ``bytes -> bytes`` functions."""
+    """The ps service: ``handlers()`` maps RPC method names to ``bytes -> bytes`` functions.
+
+    Every method validates its whole request (fields, keys, shapes, dtypes, sparse rows)
+    before it changes anything, so a malformed or hostile request from a peer holding
+    the token gets an error reply and leaves every shard and optimizer as it was.
+    ``decoded`` counts the request bodies this service has decoded (reported by Health).
+    """
 
     def __init__(self) -> None:
         self._shards: dict[str, _Shard] = {}
         self._optimizers: dict[tuple[str, str], torch.optim.Optimizer] = {}
         self._lock = threading.Lock()
+        self.decoded = 0
 
     def handlers(self) -> dict[str, Callable[[bytes], bytes]]:
         methods = {"Health": self.health, "Create": self.create, "Pull": self.pull, "Push": self.push,
                    "Assign": self.assign, "CreateOptimizer": self.create_optimizer,
                    "GetOptimizerState": self.get_optimizer_state, "SetOptimizerState": self.set_optimizer_state}
-        return {name: _guarded(fn) for name, fn in methods.items()}
+        return {name: _guarded(fn, self._count) for name, fn in methods.items()}
 
-    def _shard(self, key: str) -> _Shard:
-        shard = self._shards.get(key)
+    def _count(self) -> None:
+        with self._lock:
+            self.decoded += 1
+
+    def _shard(self, key: Any) -> _Shard:
+        shard = self._shards.get(key) if isinstance(key, str) else None
         if shard is None:
-            raise UnknownVariable(f"no variable shard {key!r} on this ps")
+            raise UnknownVariable(f"no variable shard {key!r:.200} on this ps")
         return shard
 
-    # ------------------------------------------------------------------ methods
-    def health(self, request: dict) -> dict:
-        return {"ok": True, "role": "ps", "shards": len(self._shards)}
+    def _optimizer(self, opt_id: Any, key: str) -> torch.optim.Optimizer:
+        optimizer = self._optimizers.get((opt_id, key)) if isinstance(opt_id, str) else None
+        if optimizer is None:
+            raise UnknownVariable(f"no optimizer {opt_id!r:.100} for shard {key!r} on this ps")
+        return optimizer
 
-    def create(self, request: dict) -> dict:
-        for item in request["vars"]:
-            shard = _Shard(item["value"])
-            with self._lock:
-                self._shards[item["key"]] = shard
+    # ------------------------------------------------------------------ methods
+    def health(self, request: Any) -> dict:
+        return {"ok": True, "role": "ps", "shards": len(self._shards), "decoded": self.decoded}
+
+    def create(self, request: Any) -> dict:
+        items = _list_of(request, "vars", dict, "{'key': str, 'value': tensor} items")
+        new: dict[str, torch.Tensor] = {}
+        for item in items:
+            key = item.get("key")
+            if not isinstance(key, str) or not key or key in new:
+                raise InvalidRequest(f"each variable needs a distinct non-empty string 'key', got {key!r:.100}")
+            if key in self._shards:
+                raise InvalidRequest(f"variable shard {key!r} already exists on this ps; it is never overwritten "
+                                     "(use Assign)")
+            new[key] = _dense(item.get("value"), f"the value of {key!r}")
+        shards = {key: _Shard(value) for key, value in new.items()}
+        with self._lock:
+            clash = sorted(set(shards) & set(self._shards))
+            if clash:
+                raise InvalidRequest(f"variable shard {clash[0]!r} was created meanwhile")
+            self._shards.update(shards)
         return {}
 
-    def assign(self, request: dict) -> dict:
-        for item in request["vars"]:
-            shard = self._shard(item["key"])
+    def assign(self, request: Any) -> dict:
+        items = _list_of(request, "vars", dict, "{'key': str, 'value': tensor} items")
+        checked = [(self._shard(item.get("key")), item) for item in items]
+        values = [(shard, _check_value(shard, item.get("value"), item["key"])) for shard, item in checked]
+        for shard, value in values:
             with shard.lock, torch.no_grad():
-                if shard.value.shape != item["value"].shape:
-                    raise ValueError(f"shard {item['key']} has shape {tuple(shard.value.shape)}; "
-                                     f"got a value of shape {tuple(item['value'].shape)}")
-                shard.value.copy_(item["value"])
+                shard.value.copy_(value)
                 shard.changed(None)
         return {}
 
-    def pull(self, request: dict) -> dict:
+    def pull(self, request: Any) -> dict:
+        keys = _list_of(request, "keys", str, "shard keys")
+        since = _list_of(request, "since", int, "versions (ints >= 0)", len(keys))
+        shards = [self._shard(key) for key in keys]
         replies = []
-        for key, since in zip(request["keys"], request["since"]):
-            shard = self._shard(key)
+        for shard, v in zip(shards, since):
             with shard.lock:
-                replies.append(shard.read(since))
+                replies.append(shard.read(v))
         return {"shards": replies}
 
-    def push(self, request: dict) -> dict:
-        opt_id = request["opt"]
-        options, groups = request.get("options"), request.get("groups") or [0] * len(request["keys"])
-        replies = []
-        for key, grad, since, group in zip(request["keys"], request["grads"], request["since"], groups):
+    def push(self, request: Any) -> dict:
+        opt_id = _field(request, "opt", str, "an optimizer id")
+        keys = _list_of(request, "keys", str, "shard keys")
+        grads = _field(request, "grads", list, "a list of gradients")
+        since = _list_of(request, "since", int, "versions (ints >= 0)", len(keys))
+        groups = request.get("groups") or [0] * len(keys)
+        options = request.get("options")
+        if len(grads) != len(keys):
+            raise InvalidRequest(f"request field 'grads' has {len(grads)} items; 'keys' has {len(keys)}")
+        if not isinstance(groups, list) or len(groups) != len(keys) or not all(
+                isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups):
+            raise InvalidRequest("request field 'groups' must be a list of group indices, one per key")
+        if options is not None and not isinstance(options, list):
+            raise InvalidRequest("request field 'options' must be a list of dicts (one per group) or None")
+        plan: list[tuple[_Shard, Optional[torch.Tensor], Optional[torch.optim.Optimizer], int, Optional[dict]]] = []
+        for key, grad, v, group in zip(keys, grads, since, groups):
             shard = self._shard(key)
+            if grad is None:
+                plan.append((shard, None, None, v, None))
+                continue
+            grad = _check_gradient(shard, grad, key)
+            optimizer = self._optimizer(opt_id, key)
+            group_options = None
+            if options:
+                if group >= len(options):
+                    raise InvalidRequest(f"group {group} of shard {key!r} has no options ({len(options)} groups)")
+                group_options = _check_options(optimizer, options[group], key)
+            plan.append((shard, grad, optimizer, v, group_options))
+        replies = []
+        for shard, grad, opt, v, group_options in plan:
             with shard.lock:
-                if grad is None:
-                    replies.append(shard.read(since))
+                if grad is None or opt is None:
+                    replies.append(shard.read(v))
                     continue
-                optimizer = self._optimizers.get((opt_id, key))
-                if optimizer is None:
-                    raise UnknownVariable(f"no optimizer {opt_id!r} for shard {key!r} on this ps")
-                if options:
-                    _update_options(optimizer, options[group])
-                up_to_date = since == shard.version
+                if group_options:
+                    _update_options(opt, group_options)
+                up_to_date = v == shard.version
                 rows = grad.indices()[0] if grad.is_sparse else None
-                shard.value.grad = grad.to(shard.value.dtype)
+                shard.value.grad = grad
                 try:
-                    # sparse gradients were built from coalesced, in-range rows: skip torch's checks (and warning)
+                    # sparse gradients were checked (in range, coalesced) when the request was decoded
                     with torch.sparse.check_sparse_tensor_invariants(enable=False):
-                        optimizer.step()
+                        opt.step()
                 finally:
                     shard.value.grad = None
                 shard.changed(rows)
@@ -152,45 +296,60 @@ class ParameterStore:
                     # the pusher had everything else: the rows it touched are all that changed
                     replies.append({"v": shard.version, "rows": rows, "vals": shard.value.detach().index_select(0, rows)})
                 else:
-                    replies.append(shard.read(since))
+                    replies.append(shard.read(v))
         return {"shards": replies}
 
-    def create_optimizer(self, request: dict) -> dict:
-        cls = cloudpickle.loads(request["factory"])
+    def create_optimizer(self, request: Any) -> dict:
+        opt_id = _field(request, "opt", str, "an optimizer id")
+        factory = _field(request, "factory", bytes, "a pickled optimizer class")
+        keys = _list_of(request, "keys", str, "shard keys")
+        options = _list_of(request, "options", dict, "option dicts", len(keys))
+        shards = [self._shard(key) for key in keys]
+        cls = cloudpickle.loads(factory)  # authenticated peers only (the token interceptor ran first)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer factory must be a torch.optim.Optimizer subclass, got {cls!r}")
-        for key, options in zip(request["keys"], request["options"]):
-            shard = self._shard(key)
+            raise TypeError(f"optimizer factory must be a torch.optim.Optimizer subclass, got {cls!r:.200}")
+        built = []
+        for key, shard, group in zip(keys, shards, options):
             with shard.lock:
-                self._optimizers[(request["opt"], key)] = _build_optimizer(cls, shard.value, options)
+                built.append(((opt_id, key), _build_optimizer(cls, shard.value, group)))
+        with self._lock:
+            self._optimizers.update(built)
         return {}
 
-    def get_optimizer_state(self, request: dict) -> dict:
+    def get_optimizer_state(self, request: Any) -> dict:
+        opt_id = _field(request, "opt", str, "an optimizer id")
+        keys = _list_of(request, "keys", str, "shard keys")
+        pairs = [(self._shard(key), self._optimizer(opt_id, key)) for key in keys]
         states = []
-        for key in request["keys"]:
-            shard = self._shard(key)
+        for shard, optimizer in pairs:
             with shard.lock:
-                optimizer = self._optimizer(request["opt"], key)
                 state = optimizer.state_dict()["state"].get(0, {})
                 states.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
         return {"states": states}
 
-    def set_optimizer_state(self, request: dict) -> dict:
-        for key, state in zip(request["keys"], request["states"]):
-            shard = self._shard(key)
+    def set_optimizer_state(self, request: Any) -> dict:
+        opt_id = _field(request, "opt", str, "an optimizer id")
+        keys = _list_of(request, "keys", str, "shard keys")
+        states = _list_of(request, "states", dict, "state dicts", len(keys))
+        options = _field(request, "options", dict, "a dict of optimizer options")
+        plan = []
+        for key, state in zip(keys, states):
+            shard, optimizer = self._shard(key), self._optimizer(opt_id, key)
+            for name, value in state.items():
+                if not isinstance(name, str):
+                    raise InvalidRequest(f"optimizer state names must be strings, got {name!r:.50}")
+                if isinstance(value, torch.Tensor) and (value.layout != torch.strided or (
+                        value.dim() and value.shape != shard.value.shape)):
+                    raise InvalidRequest(f"optimizer state {name!r} of shard {key!r} has shape {tuple(value.shape)}; "
+                                         f"it must be a number or of the shard's shape {tuple(shard.value.shape)}")
+            plan.append((shard, optimizer, state, _check_options(optimizer, options, key)))
+        for shard, optimizer, state, group_options in plan:
             with shard.lock:
-                optimizer = self._optimizer(request["opt"], key)
                 sd = optimizer.state_dict()
                 sd["state"] = {0: state} if state else {}
-                sd["param_groups"][0].update({k: v for k, v in request["options"].items() if k != "params"})
+                sd["param_groups"][0].update({k: v for k, v in group_options.items() if k != "params"})
                 optimizer.load_state_dict(sd)
         return {}
-
-    def _optimizer(self, opt_id: str, key: str) -> torch.optim.Optimizer:
-        optimizer = self._optimizers.get((opt_id, key))
-        if optimizer is None:
-            raise UnknownVariable(f"no optimizer {opt_id!r} for shard {key!r} on this ps")
-        return optimizer
 
 
 def _update_options(optimizer: torch.optim.Optimizer, options: dict) -> None:
@@ -201,11 +360,12 @@ def _update_options(optimizer: torch.optim.Optimizer, options: dict) -> None:
             group[k] = v
 
 
-def _guarded(fn: Callable[[Any], dict]) -> Callable[[bytes], bytes]:
+def _guarded(fn: Callable[[Any], dict], count: Callable[[], None]) -> Callable[[bytes], bytes]:
     """Decode the request, run ``fn``, encode its reply; errors become ``{"error": ...}`` replies."""
 
     def handler(request: bytes) -> bytes:
         try:
+            count()
             return wire.encode(fn(wire.decode(request)))
         except Exception as e:  # noqa: BLE001 - reported to the caller, who raises it
             return wire.encode({"error": {"type": type(e).__name__, "message": str(e),

@@ -8,6 +8,10 @@ coordinator; every ``ps`` and ``worker`` task only runs a server and waits::
 
 ``python -m distrib.parameter_server`` does exactly this from ``TF_CONFIG``, and
 ``distrib launch --ps M --workers N script.py`` starts one such process per task.
+
+A started server keeps serving until :meth:`Server.stop`, even when the program
+keeps no reference to it (TF's in-process-cluster recipe creates servers and drops
+them): this module holds every running server (:func:`running_servers`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,19 @@ from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.server.worker_service import WorkerService
 from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE
 
-__all__ = ["Server"]
+__all__ = ["Server", "running_servers"]
 
 log = logging.getLogger("distrib.parameter_server.server.server")
+
+# every started, not yet stopped server: a gRPC server whose last reference goes away stops serving
+_running: set["Server"] = set()
+_running_lock = threading.Lock()
+
+
+def running_servers() -> list["Server"]:
+    """The servers of this process that are serving now (started, not stopped)."""
+    with _running_lock:
+        return sorted(_running, key=lambda server: (server.job_name, server.task_index, server.address))
 
 
 class Server:
@@ -34,8 +48,10 @@ class Server:
     ``token`` defaults to ``DISTRIB_CLUSTER_TOKEN`` and ``tls`` to the
     ``DISTRIB_TLS_*`` variables (see :mod:`distrib.parameter_server.transport.rpc`). The server
     listens on exactly the address the cluster spec gives the task, and starts at
-    once unless ``start=False``. ``config`` (a TF ``ConfigProto``) is accepted for TF
-    compatibility and ignored; ``protocol`` may only be ``"grpc"``.
+    once unless ``start=False``, and serves until :meth:`stop` whether or not the
+    program keeps a reference to it. ``config`` (a TF ``ConfigProto``) is accepted for TF
+    compatibility and ignored; ``protocol`` may only be ``"grpc"``. Requests larger than
+    ``max_message_bytes`` (default ``DISTRIB_MAX_MESSAGE_BYTES``, else 1 GiB) are refused.
 
     Example::
 
@@ -48,7 +64,8 @@ class Server:
 
     def __init__(self, cluster_spec: Union[ClusterSpec, Mapping[str, Sequence[str]]], job_name: str, task_index: int = 0,
                  *, token: Optional[str] = None, tls: Optional[TLSConfig] = None, start: bool = True,
-                 config: Any = None, protocol: Optional[str] = None, max_workers: Optional[int] = None) -> None:
+                 config: Any = None, protocol: Optional[str] = None, max_workers: Optional[int] = None,
+                 max_message_bytes: Optional[int] = None) -> None:
         if protocol not in (None, "grpc"):
             raise ValueError(f"Server(protocol={protocol!r}): only 'grpc' is supported (TLS: pass tls=TLSConfig(...))")
         spec = ClusterSpec(cluster_spec)
@@ -56,7 +73,7 @@ class Server:
             raise ValueError(
                 f"Server(job_name={job_name!r}): only 'ps' and 'worker' tasks run a server; the 'chief' runs your "
                 "script, which creates ParameterServerStrategy and ClusterCoordinator (the coordinator)")
-        if not spec.num_tasks("ps"):
+        if "ps" not in spec.jobs or not spec.num_tasks("ps"):
             raise ValueError(f"Server: the cluster has no 'ps' task ({spec}); ParameterServerStrategy needs at least one")
         self.cluster_spec = spec
         self.job_name = job_name
@@ -65,6 +82,7 @@ class Server:
         self._token = rpc.cluster_token(token)
         self._tls = tls if tls is not None else TLSConfig.from_env()
         self._max_workers = max_workers or (16 if job_name == "ps" else 4)
+        self.max_message_bytes = rpc.max_message_bytes(max_message_bytes)
         self._grpc: Any = None
         self._stopped = threading.Event()
         if start:
@@ -83,11 +101,14 @@ class Server:
             service: Any = ParameterStore()
             name = PS_SERVICE
         else:
-            service = WorkerService(self.cluster_spec, self.task_index, self._token, self._tls)
+            service = WorkerService(self.cluster_spec, self.task_index, self._token, self._tls, self.max_message_bytes)
             name = WORKER_SERVICE
         self._service = service
-        self._grpc = rpc.make_server(self.address, name, service.handlers(), self._token, self._tls, self._max_workers)
+        self._grpc = rpc.make_server(self.address, name, service.handlers(), self._token, self._tls, self._max_workers,
+                                     self.max_message_bytes)
         self._stopped.clear()
+        with _running_lock:
+            _running.add(self)
         log.info("started /job:%s/task:%d on %s%s", self.job_name, self.task_index, self.address,
                  " (TLS)" if self._tls else "")
 
@@ -100,6 +121,8 @@ class Server:
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
             self._grpc = None
+        with _running_lock:
+            _running.discard(self)
         self._stopped.set()
 
     def __repr__(self) -> str:

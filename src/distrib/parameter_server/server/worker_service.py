@@ -8,7 +8,13 @@ inside it, ``optimizer.step()`` sends the gradients to the ps tasks, which apply
 them and answer with the new values.
 
 A ``Run`` call carries a batch of calls (several short functions share one round
-trip; the coordinator sizes batches from how long each function took before).
+trip; the coordinator sizes batches from how long each function took before), and
+the ids of per-worker iterators the coordinator no longer holds (dropped here).
+
+Metrics a function captured arrive as copies, one per metric, kept by the metric's
+id. Before each call their state is reset; after a call that returned, the state
+(what that call added) goes back with its reply, and the coordinator adds it to its
+own metric.
 The reply says, per call that ran: ``ok`` (with the result and the seconds it took),
 ``error`` (the function raised: type, message, traceback), or ``ps_unavailable`` (a
 parameter server could not be reached); calls after a failed one do not run. Or,
@@ -107,6 +113,19 @@ class RemoteOptimizer:
 class _Function:
     fn: Callable[..., Any]
     variables: list[LocalVariable] = field(default_factory=list)
+    metrics: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def _reset_metric(metric: Any) -> None:
+    (metric.reset_state if hasattr(metric, "reset_state") else metric.reset)()
+
+
+def _metric_deltas(metric: Any) -> Optional[dict[str, Any]]:
+    """What a call added to a worker's copy of a metric (its state after a reset), or None if nothing."""
+    if hasattr(metric, "metric_state"):  # torchmetrics
+        return dict(metric.metric_state) if getattr(metric, "update_called", True) else None
+    state = metric.state_dict()
+    return state if any(bool(torch.as_tensor(v).any()) for v in state.values()) else None
 
 
 @dataclass(frozen=True)
@@ -120,19 +139,22 @@ class IteratorRef:
 class WorkerService:
     """The worker service: ``handlers()`` maps RPC method names to ``bytes -> bytes`` functions."""
 
-    def __init__(self, cluster_spec: ClusterSpec, task_index: int, token: str, tls: Optional[TLSConfig] = None) -> None:
+    def __init__(self, cluster_spec: ClusterSpec, task_index: int, token: str, tls: Optional[TLSConfig] = None,
+                 max_message: Optional[int] = None) -> None:
         self.task = f"/job:worker/replica:0/task:{task_index}"
         self._spec = cluster_spec
         self._index = task_index
-        self._ps = ParameterClient(cluster_spec.job_tasks("ps"), token, tls)
+        self._ps = ParameterClient(cluster_spec.job_tasks("ps"), token, tls, max_message)
         self._incarnation = uuid.uuid4().hex
         self._variables: dict[str, LocalVariable] = {}
         # by digest, least recently used first; an evicted function is asked for again ("need")
         self._functions: collections.OrderedDict[str, _Function] = collections.OrderedDict()
         self._datasets: dict[str, Any] = {}
         self._iterators: dict[str, Iterator[Any]] = {}
+        self._metrics: dict[str, Any] = {}  # the coordinator's metrics by id: this worker's copies
         self._run_lock = threading.Lock()
         self._optimizer_options: dict[str, list[dict]] = {}  # the coordinator's, as of the last Run
+        self.decoded = 0  # request bodies decoded (reported by Health)
         self._strategy: Optional["ParameterServerStrategy"] = None
 
     def handlers(self) -> dict[str, Callable[[bytes], bytes]]:
@@ -153,9 +175,14 @@ class WorkerService:
             self._strategy = ParameterServerStrategy.for_worker(self._spec, self._index)
         return self._strategy
 
-    def _load(self, data: bytes, used: list[LocalVariable]) -> Any:
+    def _load(self, data: bytes, used: list[LocalVariable], metrics: Optional[list[tuple[str, Any]]] = None) -> Any:
         def resolve(pid: tuple) -> Any:
             kind = pid[0]
+            if kind == "metric":
+                metric = self._metrics.setdefault(pid[1], pid[2])
+                if metrics is not None and all(k != pid[1] for k, _ in metrics):
+                    metrics.append((pid[1], metric))
+                return metric
             if kind == "var":
                 var = self._variable(pid[1])
                 if var not in used:
@@ -187,7 +214,8 @@ class WorkerService:
     # ------------------------------------------------------------------ methods
     def _health(self, request: bytes) -> bytes:
         return wire.encode({"ok": True, "role": "worker", "task": self.task, "incarnation": self._incarnation,
-                            "functions": len(self._functions), "ps_bytes_sent": self._ps.bytes_sent,
+                            "functions": len(self._functions), "iterators": len(self._iterators),
+                            "decoded": self.decoded, "ps_bytes_sent": self._ps.bytes_sent,
                             "ps_bytes_received": self._ps.bytes_received})
 
     def _run(self, request: bytes) -> bytes:
@@ -198,7 +226,12 @@ class WorkerService:
         call that ran (a failed call's reply is the last).
         """
         try:
-            message = wire.decode(request, decode_ref=lambda ref: IteratorRef(ref[1], ref[2]))
+            self.decoded += 1
+            message = wire.decode(request, decode_ref=_iterator_ref)
+            if not isinstance(message, dict) or not isinstance(message.get("calls"), list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("fn"), str) and isinstance(c.get("args"), (list, tuple))
+                    and isinstance(c.get("kwargs"), dict) for c in message["calls"]):
+                raise wire.WireError("malformed Run request: 'calls' must be a list of {fn, args, kwargs}")
             with self._run_lock:
                 need = self._register(message)
                 if need is not None:
@@ -225,11 +258,14 @@ class WorkerService:
 
     def _register(self, message: dict) -> Optional[dict]:
         """Load the functions and datasets sent along; the ``need`` reply if some are still missing."""
+        for iterator_id in message.get("release") or ():
+            self._iterators.pop(iterator_id, None)
         self._optimizer_options.update(message.get("options") or {})
         for digest, payload in (message.get("payloads") or {}).items():
             if digest not in self._functions:
                 used: list[LocalVariable] = []
-                self._functions[digest] = _Function(self._load(payload, used), used)
+                metrics: list[tuple[str, Any]] = []
+                self._functions[digest] = _Function(self._load(payload, used, metrics), used, metrics)
                 while len(self._functions) > _MAX_FUNCTIONS:
                     self._functions.popitem(last=False)
         for ds_id, payload in (message.get("datasets") or {}).items():
@@ -250,16 +286,28 @@ class WorkerService:
                                            (call["args"], call["kwargs"]))
             for var in entry.variables:
                 var.tensor.grad = None
+            for _, metric in entry.metrics:
+                _reset_metric(metric)
             self._ps.pull(entry.variables)
             with context.detached():  # an in-process cluster: the coordinator's open scope is not ours
                 result = entry.fn(*args, **kwargs)
-            return {"status": "ok", "result": result, "seconds": time.perf_counter() - start}
+            reply = {"status": "ok", "result": result, "seconds": time.perf_counter() - start}
+            metrics = {key: d for key, d in ((key, _metric_deltas(m)) for key, m in entry.metrics) if d is not None}
+            if metrics:
+                reply["metrics"] = metrics
+            return reply
         except ParameterServerUnavailableError as e:
             for var in entry.variables:
                 var.invalidate()
             return {"status": "ps_unavailable", "address": e.address, "task": e.task or "", "message": str(e)}
         except Exception as e:  # noqa: BLE001 - the user's error, reported with its traceback
             return _error_reply(e)
+
+
+def _iterator_ref(ref: Any) -> IteratorRef:
+    if not (isinstance(ref, list) and len(ref) == 3 and ref[0] == "iter" and all(isinstance(x, str) for x in ref[1:])):
+        raise wire.WireError(f"malformed Run request: unknown reference {ref!r:.100}")
+    return IteratorRef(ref[1], ref[2])
 
 
 def _error_reply(e: BaseException) -> dict:

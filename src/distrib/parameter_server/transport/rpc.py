@@ -8,10 +8,17 @@ Security, in order of the checks a call meets:
 * a server binds only the address its task has in the cluster spec (never ``0.0.0.0``);
 * with TLS (:class:`TLSConfig`, or ``DISTRIB_TLS_CERT``/``DISTRIB_TLS_KEY``/``DISTRIB_TLS_CA``)
   the channel is encrypted, and with a CA file both ends must present certificates it signed;
-* every call carries the cluster token (``DISTRIB_CLUSTER_TOKEN``) in its metadata. The
-  :class:`TokenInterceptor` compares it in constant time *before* the handler runs, so a
-  request body from a peer without the token is never read, let alone unpickled.
-  Refused calls are answered ``UNAUTHENTICATED`` and logged with the peer's address.
+* every call carries the cluster token (``DISTRIB_CLUSTER_TOKEN``, at least 16 characters)
+  in its metadata. The :class:`TokenInterceptor` compares it in constant time from the
+  call's headers alone, before gRPC is asked for the request's body: a refused call is
+  answered by a *streaming* handler that never iterates its requests, so the body of a
+  call without the token is never received into the server's memory, let alone decoded
+  or unpickled. Refused calls are answered ``UNAUTHENTICATED`` and logged with the peer;
+* a message larger than the cluster's limit (``DISTRIB_MAX_MESSAGE_BYTES``, default
+  :data:`DEFAULT_MAX_MESSAGE_BYTES` = 1 GiB) is refused by gRPC itself from the length in its
+  frame header (``RESOURCE_EXHAUSTED``), before it is buffered whole. Clients check the
+  same limit before sending, and the coordinator refuses to place a shard that could not
+  travel in one message (see :func:`max_message_bytes`).
 """
 
 from __future__ import annotations
@@ -27,9 +34,19 @@ import grpc
 
 from distrib.parameter_server.errors import AuthenticationError, PeerUnavailableError, RemoteProtocolError
 
-__all__ = ["TOKEN_ENV", "PS_SERVICE", "WORKER_SERVICE", "TLSConfig", "cluster_token", "make_server", "Connection", "Handler"]
+__all__ = ["TOKEN_ENV", "MAX_MESSAGE_ENV", "DEFAULT_MAX_MESSAGE_BYTES", "MIN_TOKEN_LENGTH", "PS_SERVICE",
+           "WORKER_SERVICE", "TLSConfig", "cluster_token", "max_message_bytes", "make_server", "Connection",
+           "CallPending", "MessageTooLargeError", "Handler"]
 
 TOKEN_ENV = "DISTRIB_CLUSTER_TOKEN"
+#: a user-given token shorter than this is refused (``distrib launch`` makes 32 hex characters)
+MIN_TOKEN_LENGTH = 16
+MAX_MESSAGE_ENV = "DISTRIB_MAX_MESSAGE_BYTES"
+#: the largest message a ps or worker task accepts, unless ``DISTRIB_MAX_MESSAGE_BYTES`` says otherwise
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+#: room a message needs beside its largest tensor (header, alignment, other fields)
+MESSAGE_MARGIN_BYTES = 1 << 20
+_GRPC_MAX = (1 << 31) - 1
 #: the gRPC service names of a ps task and of a worker task
 PS_SERVICE = "distrib.ParameterServer"
 WORKER_SERVICE = "distrib.Worker"
@@ -55,7 +72,6 @@ _CHANNEL_OPTIONS = [
 ]
 _SERVER_OPTIONS = [
     ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
     ("grpc.so_reuseport", 0),  # two servers must never share one address
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -105,17 +121,72 @@ class TLSConfig:
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
+_MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"
+
+
 def cluster_token(token: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
-    """``token`` if given, else ``DISTRIB_CLUSTER_TOKEN``; a clear error when neither is set."""
+    """``token`` if given, else ``DISTRIB_CLUSTER_TOKEN``; a clear error when neither is set or it is too short.
+
+    Example::
+
+        >>> cluster_token("0123456789abcdef")
+        '0123456789abcdef'
+        >>> cluster_token("secret")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the cluster token (token=...) has 6 characters; it needs at least 16 ...
+    """
+    where = "token=..."
     if token is None:
         token = (os.environ if environ is None else environ).get(TOKEN_ENV) or None
+        where = TOKEN_ENV
     if not token:
         raise ValueError(
             f"no cluster token: set {TOKEN_ENV} to the same secret on every task of the cluster "
-            "(`distrib launch` makes one per run; to make one yourself: "
-            "python -c 'import secrets; print(secrets.token_hex(32))')"
+            f"(`distrib launch` makes one per run; to make one yourself: {_MAKE_TOKEN})"
+        )
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ValueError(
+            f"the cluster token ({where}) has {len(token)} characters; it needs at least {MIN_TOKEN_LENGTH} "
+            f"(a short token can be guessed). Make one with {_MAKE_TOKEN} and give the same one to every task"
         )
     return token
+
+
+def max_message_bytes(value: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+    """The message size limit: ``value``, else ``DISTRIB_MAX_MESSAGE_BYTES``, else 1 GiB.
+
+    Every task of a cluster must use the same limit (``distrib launch`` passes the
+    launcher's environment to all of them). Larger parameters must be partitioned, e.g.
+    ``variable_partitioner=ds.partitioners.MaxSizePartitioner(max_shard_bytes=256 << 20)``.
+
+    Example::
+
+        >>> max_message_bytes(environ={"DISTRIB_MAX_MESSAGE_BYTES": "67108864"})
+        67108864
+    """
+    source = "max_message_bytes"
+    if value is None:
+        text = (os.environ if environ is None else environ).get(MAX_MESSAGE_ENV)
+        if not text:
+            return DEFAULT_MAX_MESSAGE_BYTES
+        source = MAX_MESSAGE_ENV
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{MAX_MESSAGE_ENV}={text!r} is not a number of bytes (e.g. {1 << 30} for 1 GiB)") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 * MESSAGE_MARGIN_BYTES <= value <= _GRPC_MAX:
+        raise ValueError(f"{source}={value!r}: the message size limit must be an int of bytes between "
+                         f"{2 * MESSAGE_MARGIN_BYTES} and {_GRPC_MAX} (gRPC's largest message)")
+    return value
+
+
+class MessageTooLargeError(ValueError):
+    """A message would exceed the cluster's size limit; it was not sent."""
+
+
+class CallPending(TimeoutError):
+    """:meth:`Connection.result` was given a timeout and the call has not finished yet."""
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -134,20 +205,28 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         method = handler_call_details.method
 
-        def refuse(request: bytes, context: grpc.ServicerContext) -> bytes:
+        def refuse(requests: Any, context: grpc.ServicerContext) -> bytes:
+            # a stream handler: gRPC hands it an iterator and reads nothing until it is iterated,
+            # which it never is, so the refused request's body is never received into memory
             log.warning("refused %s from %s: %s cluster token", method, context.peer(),
                         "wrong" if given else "missing")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
             return b""  # unreachable: abort raises
 
-        return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def make_server(address: str, service: str, handlers: Mapping[str, Handler], token: str,
-                tls: Optional[TLSConfig] = None, max_workers: int = 8) -> grpc.Server:
-    """A started gRPC server on exactly ``address`` whose methods are ``service/<name>``."""
+                tls: Optional[TLSConfig] = None, max_workers: int = 8,
+                max_message: Optional[int] = None) -> grpc.Server:
+    """A started gRPC server on exactly ``address`` whose methods are ``service/<name>``.
+
+    Requests larger than ``max_message`` bytes (default: :func:`max_message_bytes`) are
+    refused by gRPC with ``RESOURCE_EXHAUSTED``.
+    """
+    options = [*_SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes(max_message))]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"distrib-{service}"),
-                         interceptors=[TokenInterceptor(token)], options=_SERVER_OPTIONS)
+                         interceptors=[TokenInterceptor(token)], options=options)
 
     def wrap(fn: Handler) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         return lambda request, context: fn(request)
@@ -177,9 +256,12 @@ class Connection:
     """
 
     def __init__(self, address: str, service: str, token: str, tls: Optional[TLSConfig] = None,
-                 task: Optional[str] = None, unavailable: type[PeerUnavailableError] = PeerUnavailableError) -> None:
+                 task: Optional[str] = None, unavailable: type[PeerUnavailableError] = PeerUnavailableError,
+                 max_message: Optional[int] = None) -> None:
         self.address = address
         self.task = task
+        #: the largest request this connection sends (the peer refuses larger ones)
+        self.max_message = max_message_bytes(max_message)
         self._service = service
         self._metadata = ((TOKEN_METADATA, token),)
         self._unavailable = unavailable
@@ -195,7 +277,16 @@ class Connection:
             m = self._methods[name] = self._channel.unary_unary(f"/{self._service}/{name}")
         return m
 
+    def _check_size(self, method: str, payload: bytes) -> None:
+        if len(payload) > self.max_message:
+            raise MessageTooLargeError(
+                f"a {method} request to {self.task or self.address} would be {len(payload)} bytes, over the cluster's "
+                f"message limit of {self.max_message} bytes ({MAX_MESSAGE_ENV}); it was not sent. Send less per call "
+                f"(partition large parameters, capture less in scheduled functions) or raise {MAX_MESSAGE_ENV} on "
+                "every task")
+
     def call(self, method: str, payload: bytes, timeout: Optional[float] = None, wait_for_ready: bool = False) -> bytes:
+        self._check_size(method, payload)
         self.bytes_sent += len(payload)
         try:
             reply = self._method(method)(payload, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready)
@@ -206,16 +297,26 @@ class Connection:
 
     def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> "grpc.Future":
         """Start a call; pass the result to :meth:`result` to get the reply's bytes."""
+        self._check_size(method, payload)
         self.bytes_sent += len(payload)
         return self._method(method).future(payload, timeout=timeout, metadata=self._metadata)
 
-    def result(self, fut: "grpc.Future") -> bytes:
+    def result(self, fut: "grpc.Future", timeout: Optional[float] = None) -> bytes:
+        """The reply of a call started by :meth:`future`; :class:`CallPending` if it is not done within ``timeout``."""
         try:
-            reply = fut.result()
+            reply = fut.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise CallPending(f"{self.task or self.address}: no reply within {timeout}s") from None
+        except grpc.FutureCancelledError:
+            raise self._unavailable(self.address, "the call was cancelled", self.task) from None
         except grpc.RpcError as e:
             raise self._translate(e) from None
         self.bytes_received += len(reply)
         return reply
+
+    def cancel(self, fut: "grpc.Future") -> None:
+        """Give up a call started by :meth:`future` (its reply, if one comes, is dropped)."""
+        fut.cancel()
 
     def _translate(self, e: grpc.RpcError) -> Exception:
         code = e.code() if hasattr(e, "code") else None
@@ -225,6 +326,9 @@ class Connection:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return AuthenticationError(f"{self.task or self.address} refused the call: {details} (every task "
                                        "needs the same DISTRIB_CLUSTER_TOKEN)")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return MessageTooLargeError(f"{self.task or self.address} refused the call: {details}. Every task must "
+                                        f"have the same {MAX_MESSAGE_ENV}")
         if code == grpc.StatusCode.UNIMPLEMENTED:
             return RemoteProtocolError(f"{self.task or self.address} does not serve {self._service}: is it a "
                                        "task of the other kind, or another program?")
