@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 from distrib import cluster as cluster_resolver
 from distrib import metrics, testing
-from distrib.checkpoint import Checkpoint, CheckpointError, CheckpointManager, latest_checkpoint
+from distrib.checkpoint import (Checkpoint, CheckpointError, CheckpointManager, checkpoints_iterator,
+                                latest_checkpoint)
 from distrib.cluster import ClusterSpec
-from distrib.comm import CollectiveError, CommunicationOptions
+from distrib.comm import CollectiveError, CommunicationImplementation, CommunicationOptions
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
-from distrib.input import InputContext
+from distrib.input import InputContext, OptionalValue, OutOfRangeError, TensorSpec
 from distrib.keras import callbacks
 from distrib.keras.loop import evaluate, fit, predict
 from distrib.losses import compute_average_loss, scale_regularization_loss
@@ -63,6 +64,8 @@ from distrib.parameter_server import partitioners
 from distrib.strategies import (CentralStorageStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy,
                                 Strategy)
 from distrib.strategies.base import RunOptions, UnscaledLossWarning, ValueContext
+from distrib.strategies.mirrored import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
+                                         ReductionToOneDevice)
 from distrib.strategies.replica import ReplicaContext
 from distrib.values import PerReplica, ReduceOp
 
@@ -81,22 +84,31 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "ClusterSpec",
+    "CrossDeviceOps",
+    "HierarchicalCopyAllReduce",
     "CollectiveError",
+    "CommunicationImplementation",
     "CommunicationOptions",
     "InputContext",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "NcclAllReduce",
     "OneDeviceStrategy",
+    "OptionalValue",
+    "OutOfRangeError",
     "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
+    "ReductionToOneDevice",
     "ReplicaContext",
     "RunOptions",
     "Server",
     "Strategy",
+    "TensorSpec",
     "UnscaledLossWarning",
     "ValueContext",
     "callbacks",
+    "checkpoints_iterator",
     "cluster_resolver",
     "compute_average_loss",
     "coordinator",

@@ -145,10 +145,15 @@ def in_cross_replica_context() -> bool:
 
 
 def get_cross_replica_context() -> Optional["Strategy"]:
-    """The current strategy in a cross-replica context (the default one outside every scope); None inside ``run``."""
+    """The current strategy in a cross-replica context (inside a scope, outside ``run``); None otherwise.
+
+    As TF: exactly one of ``get_replica_context()`` and ``get_cross_replica_context()`` is
+    None in any block; outside every scope the default replica context is current, so
+    this returns None there.
+    """
     if current_replica() is not None:
         return None
-    return current_scope() or default_strategy()
+    return current_scope()
 
 
 def get_replica_context() -> Optional["ReplicaContext"]:
@@ -165,12 +170,29 @@ def get_replica_context() -> Optional["ReplicaContext"]:
     return _default_pair()[1]
 
 
+_default_scopes = [0]  # open scopes of the default strategy: they change nothing but forbid other scopes
+
+
+@contextlib.contextmanager
+def default_scope() -> Iterator[None]:
+    """The default strategy's scope: still the default state (TF), but another strategy's scope may not open in it."""
+    _default_scopes[0] += 1
+    try:
+        yield
+    finally:
+        _default_scopes[0] -= 1
+
+
 def push_scope(strategy: "Strategy") -> None:
     """Enter ``strategy``'s scope; nested scopes must be of the same strategy."""
+    if _default_scopes[0] and strategy is not default_strategy():
+        raise RuntimeError(
+            f"Mixing different strategies: cannot enter {type(strategy).__name__}.scope() inside the default "
+            "strategy's scope; leave that scope first")
     if _scope_stack and _scope_stack[-1] is not strategy:
         raise RuntimeError(
-            f"cannot enter {type(strategy).__name__}.scope() inside the scope of a different "
-            f"strategy ({type(_scope_stack[-1]).__name__}); leave that scope first: objects "
+            f"Mixing different strategies: cannot enter {type(strategy).__name__}.scope() inside the scope of "
+            f"a different strategy ({type(_scope_stack[-1]).__name__}); leave that scope first: objects "
             "created under one strategy cannot be distributed by another"
         )
     _scope_stack.append(strategy)

@@ -47,6 +47,9 @@ class InputContext:
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
 
+    def __str__(self) -> str:
+        return f"distrib.InputContext(input pipeline id {self.input_pipeline_id}, total: {self.num_input_pipelines})"
+
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """``global_batch_size / num_replicas_in_sync``; ValueError when it does not divide."""
         if global_batch_size % self.num_replicas_in_sync:
@@ -74,6 +77,10 @@ def split_batch(batch: Any, num_parts: int) -> list[Any]:
     """
     leaves, spec = pytree.tree_flatten(batch)
     leaves = [_as_tensor(x) for x in leaves]
+    if num_parts > 1 and any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in leaves):
+        raise ValueError(f"a batch holds a 0-d tensor, which cannot be split across {num_parts} replicas: batch "
+                         "the input first (e.g. DataLoader(dataset, batch_size=...)), so that every tensor has a "
+                         "batch dimension")
     sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) > 1:
         raise ValueError(f"cannot split a batch whose tensors have different sizes along dim 0: {sorted(sizes)}")
@@ -140,10 +147,7 @@ class DistributedDataset:
     def element_spec(self) -> Any:
         """The :class:`TensorSpec` structure of one replica's element (batch dimension None); reads one batch."""
         if self._spec is None:
-            first = next(iter(self._dataset), None)
-            if first is None:
-                raise ValueError("element_spec of an empty dataset is unknown")
-            self._spec = spec_of(first)
+            self._spec = _peek_spec(self._dataset)
         return self._spec
 
     def __len__(self) -> int:
@@ -166,9 +170,18 @@ class DistributedDatasetsFromFunction:
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
         self._dataset = dataset_fn(self.input_context)
+        self._spec: Any = None
 
     def __iter__(self) -> "DistributedIterator":
         return DistributedIterator(_PerReplicaIterator(iter(self._dataset), self._strategy), self._strategy)
+
+    @property
+    def element_spec(self) -> Any:
+        """The :class:`TensorSpec` structure of one replica's element (batch dimension None); reads one batch
+        of this worker's pipeline (a fresh iterator of it, so iteration is not disturbed)."""
+        if self._spec is None:
+            self._spec = _peek_spec(self._dataset)
+        return self._spec
 
 
 class _PerReplicaIterator:
@@ -242,6 +255,18 @@ def spec_of(batch: Any) -> Any:
     return pytree.tree_map(
         lambda x: TensorSpec((None, *x.shape[1:]) if x.dim() else (), x.dtype) if isinstance(x, torch.Tensor) else x,
         batch)
+
+
+def _peek_spec(dataset: Any) -> Any:
+    """The spec of a re-iterable dataset's first batch (a fresh iterator: iteration is not disturbed)."""
+    iterator = iter(dataset)
+    if iterator is dataset:
+        raise ValueError("element_spec of a one-pass iterator would consume its first batch: take it from the "
+                         "distributed iterator instead (it = iter(dist_dataset); it.element_spec)")
+    first = next(iterator, None)
+    if first is None:
+        raise ValueError("element_spec of an empty dataset is unknown")
+    return spec_of(first)
 
 
 class OptionalValue:

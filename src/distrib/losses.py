@@ -13,14 +13,15 @@ Per-example loss functions by Keras name (``"mse"``, ``"sparse_categorical_cross
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from distrib import context
 
-__all__ = ["compute_average_loss", "scale_regularization_loss", "per_example_loss", "LossLike", "PER_EXAMPLE_LOSSES",
+__all__ = ["LogitsWarning", "compute_average_loss", "scale_regularization_loss", "per_example_loss", "LossLike", "PER_EXAMPLE_LOSSES",
            "mean_squared_error", "mean_absolute_error"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,9 +78,25 @@ def compute_average_loss(
         global_batch_size = per_example_loss.shape[0] * replicas
         if global_batch_size == 0:
             return per_example_loss.sum()
-    elif isinstance(global_batch_size, bool) or int(global_batch_size) <= 0:
-        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    else:
+        global_batch_size = _check_global_batch_size(global_batch_size)
     return per_example_loss.sum() / global_batch_size
+
+
+def _check_global_batch_size(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"global_batch_size must be scalar, got a tensor of shape {list(value.shape)}")
+        if value.is_floating_point() or value.is_complex():
+            raise TypeError(f"global_batch_size must be an int, got a {value.dtype} tensor")
+        value = int(value)
+    if isinstance(value, (list, tuple)):
+        raise ValueError(f"global_batch_size must be scalar, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"global_batch_size must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"global_batch_size must be a positive integer, got {value}")
+    return value
 
 
 def scale_regularization_loss(regularization_loss: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
@@ -139,8 +156,33 @@ PER_EXAMPLE_LOSSES: dict[str, LossFn] = {
 }
 
 
+_LOGIT_LOSSES = ("sparse_categorical_crossentropy", "cross_entropy", "binary_crossentropy")
+
+
+class LogitsWarning(UserWarning):
+    """A loss that takes logits (PyTorch's convention) got what looks like probabilities."""
+
+
+def _warn_if_probabilities(name: str, pred: torch.Tensor) -> None:
+    with torch.no_grad():
+        p = pred.detach()
+        if p.numel() == 0 or not p.is_floating_point() or p.min() < 0 or p.max() > 1:
+            return
+        if name != "binary_crossentropy" and p.dim() > 1 and not torch.allclose(p.sum(-1), torch.ones(()), atol=1e-3):
+            return
+    warnings.warn(
+        f"loss {name!r} takes logits, as PyTorch's losses do, but the model's outputs look like probabilities "
+        "(in [0, 1]" + ("" if name == "binary_crossentropy" else ", summing to 1") + "). Keras' loss of the same "
+        "name takes probabilities by default: remove the final softmax/sigmoid from the model (or use a torch loss "
+        "on probabilities, e.g. F.nll_loss(torch.log(p), y, reduction='none')).", LogitsWarning, stacklevel=4)
+
+
 def per_example_loss(loss: LossLike) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``fn(y_pred, y_true) -> losses of shape [batch]`` from a Keras name, a torch loss module or a function.
+
+    The cross-entropy names take logits (PyTorch's convention; Keras' default is
+    probabilities): a first batch of outputs that look like probabilities gives a
+    :class:`LogitsWarning`.
 
     A function is called as PyTorch losses are, ``loss(y_pred, y_true)``, and must
     return per-example values (``reduction="none"``).
@@ -171,7 +213,12 @@ def per_example_loss(loss: LossLike) -> Callable[[torch.Tensor, torch.Tensor], t
     else:
         raise TypeError(f"loss must be a name, a torch loss module or a function, got {type(loss).__name__}")
 
+    first = [isinstance(loss, str) and loss.lower() in _LOGIT_LOSSES]
+
     def checked(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if first[0]:  # once: a Keras model ending in softmax/sigmoid gives probabilities, not logits
+            first[0] = False
+            _warn_if_probabilities(str(loss), p)
         values = fn(p, y)
         if values.dim() == 0:
             raise ValueError("the loss returned a scalar; fit needs per-example losses to scale them by the "

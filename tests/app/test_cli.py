@@ -11,15 +11,15 @@ from distrib.strategies import registry
 EVERY_OPTION = ["--strategy", "multi-worker", "--workers", "3", "--ps", "0", "--max-restarts", "2", "--epochs", "4",
                 "--batch-size-per-replica", "16", "--replicas", "2", "--device", "cpu", "--checkpoint-dir", "/c",
                 "--data-dir", "/d", "--seed", "7", "--compile", "--no-progress", "--fit", "--tensorboard", "/tb",
-                "--metrics-file", "/m.jsonl"]
+                "--metrics-file", "/m.jsonl", "--tls"]
 
 
 def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_own():
     args = build_parser().parse_args(["train", *EVERY_OPTION])
     child = forwarded_arguments(args)
-    assert "--compile" in child and "--workers" not in child and "--max-restarts" not in child
+    assert "--compile" in child and "--workers" not in child and "--max-restarts" not in child and "--tls" not in child
     again = build_parser().parse_args(["train", *child])
-    launcher_only = {"workers", "max_restarts", "ps"}
+    launcher_only = {"workers", "max_restarts", "ps", "tls"}
     for name, value in vars(args).items():
         if name not in launcher_only:
             assert getattr(again, name) == value, name

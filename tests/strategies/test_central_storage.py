@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrib as ds
-from test_strategies import batches, train
+from strategies.test_strategies import batches, train
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3])

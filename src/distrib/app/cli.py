@@ -29,7 +29,7 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {}
 
 # options of `distrib train` that concern the launcher, not the job each worker runs
-_LAUNCHER_OPTIONS = ("workers", "ps", "max_restarts")
+_LAUNCHER_OPTIONS = ("workers", "ps", "max_restarts", "tls")
 
 
 def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
@@ -65,6 +65,8 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
         ("--workers", dict(type=_positive, default=1, help="run the job on N worker processes through distrib launch")),
         ("--ps", dict(type=_non_negative, default=0, help="parameter-server tasks for --strategy parameter-server")),
         ("--max-restarts", dict(type=_non_negative, default=0, help="with --workers: restarts of the whole group")),
+        ("--tls", dict(action="store_true", default=False,
+                       help="with --ps: mutual TLS between the tasks, with throwaway certificates")),
         ("--epochs", dict(type=_positive, default=10)),
         ("--batch-size-per-replica", dict(type=_positive, default=64)),
         ("--replicas", dict(type=_positive, default=None,
@@ -142,7 +144,8 @@ def _train(args: argparse.Namespace) -> int:
         if args.progress is None:
             args.progress = False  # workers' output goes through the launcher's pipes, never a terminal
         child = ["-m", "distrib", *(["-v"] if args.verbose else []), "train", *forwarded_arguments(args)]
-        return launch(LaunchConfig(command=child, workers=args.workers, ps=args.ps, max_restarts=args.max_restarts))
+        return launch(LaunchConfig(command=child, workers=args.workers, ps=args.ps, max_restarts=args.max_restarts,
+                                   tls=args.tls))
 
     config = TrainConfig(
         strategy=name, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
@@ -167,6 +170,9 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chief", action="store_true", help="add a 'chief' task besides the workers")
     p.add_argument("--max-restarts", type=_non_negative, default=0,
                    help="on a failure, stop the whole group and start it again, at most K times")
+    p.add_argument("--tls", action="store_true",
+                   help="make a throwaway CA and a certificate per task: parameter-server RPCs use mutual TLS "
+                        "(see docs/security.md)")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
                    help="the script each task runs (or -m MODULE)")
 
@@ -179,7 +185,7 @@ def _launch(args: argparse.Namespace) -> int:
         print("distrib launch: name the script to run, e.g. distrib launch --workers 2 train.py", file=sys.stderr)
         return 2
     return launch(LaunchConfig(command=command, workers=args.workers, ps=args.ps, chief=args.chief,
-                               max_restarts=args.max_restarts))
+                               max_restarts=args.max_restarts, tls=args.tls))
 
 
 register("launch", "run a local cluster: one process per task, each with its TF_CONFIG", _launch_arguments, _launch)

@@ -12,7 +12,7 @@
 from distrib.comm.communicator import CollectiveError, Communicator, LocalCommunicator
 from distrib.comm.gradient_reducer import BucketedGradientReducer, reduce_gradients
 from distrib.comm.hooks import CommHook, GradBucket, allreduce_hook
-from distrib.comm.options import CommunicationOptions
+from distrib.comm.options import CommunicationImplementation, CommunicationOptions
 
-__all__ = ["BucketedGradientReducer", "CollectiveError", "CommHook", "CommunicationOptions", "Communicator",
+__all__ = ["BucketedGradientReducer", "CollectiveError", "CommHook", "CommunicationImplementation", "CommunicationOptions", "Communicator",
            "GradBucket", "LocalCommunicator", "allreduce_hook", "reduce_gradients"]

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["CommunicationOptions", "DEFAULT_TIMEOUT_SECONDS", "DEFAULT_BYTES_PER_PACK"]
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "DEFAULT_TIMEOUT_SECONDS", "DEFAULT_BYTES_PER_PACK"]
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_BYTES_PER_PACK = 25 << 20  # DDP's default bucket size
+
+
+class CommunicationImplementation(str, enum.Enum):
+    """TF's ``tf.distribute.experimental.CommunicationImplementation``; the same as the strings."""
+
+    AUTO = "auto"
+    RING = "ring"
+    NCCL = "nccl"
 
 
 @dataclass(frozen=True)
@@ -19,7 +28,8 @@ class CommunicationOptions:
     backward pass (0: 25 MiB, DDP's default). ``timeout_seconds``: how long any
     collective may wait for a peer before it fails (None: 300 s); a dead or hung
     worker becomes an error on every survivor within this time. ``implementation``:
-    ``"auto"`` (NCCL on GPU, gloo on CPU), ``"ring"``/``"gloo"``, or ``"nccl"``.
+    ``"auto"`` (NCCL on GPU, gloo on CPU), ``"ring"``/``"gloo"``, or ``"nccl"`` (or TF's
+    :class:`CommunicationImplementation`).
 
     Example::
 
@@ -29,9 +39,11 @@ class CommunicationOptions:
 
     bytes_per_pack: int = 0
     timeout_seconds: Optional[float] = None
-    implementation: str = "auto"
+    implementation: "str | CommunicationImplementation" = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.implementation, CommunicationImplementation):
+            object.__setattr__(self, "implementation", self.implementation.value)
         if self.bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be >= 0, got {self.bytes_per_pack}")
         if self.timeout_seconds is not None and self.timeout_seconds <= 0:

@@ -130,6 +130,7 @@ class Strategy:
         self._comm_hook: CommHook = allreduce_hook
         self._run_options = RunOptions()
         self._warned_unscaled = False
+        self._merging = 0  # merge functions running (with several replicas, their threads wait in it)
         if self._communicator.world_size > 1:
             context.register_cluster_strategy(self)
 
@@ -178,6 +179,13 @@ class Strategy:
     def cluster_resolver(self) -> Optional["ClusterResolver"]:
         """The cluster resolver of a multi-worker strategy; None for single-process ones."""
         return self._cluster_resolver
+
+    def _refuse_mixing(self, api: str) -> None:
+        """TF's rule: a strategy's cross-replica API is not called inside another strategy's scope."""
+        scope = context.current_scope()
+        if scope is not None and scope is not self:
+            raise RuntimeError(f"Mixing different strategies: {type(self).__name__}.{api} was called inside the "
+                               f"scope of {type(scope).__name__}; call it outside that scope, or use that strategy")
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Return once every worker has reached this call (``timeout`` seconds at most).
@@ -244,6 +252,7 @@ class Strategy:
         """
         if context.current_replica() is not None:
             raise RuntimeError("strategy.run() was called inside a replica function; call it from the training loop")
+        self._refuse_mixing("run")
         if self._capture:
             self._claim_captured_modules()
         self._run_options = options or RunOptions()
@@ -252,6 +261,9 @@ class Strategy:
         n = self.num_local_replicas
         if n == 1:
             return run_in_replica(self._replica_contexts[0], fn, tuple(args), kwargs, grad, inference)
+        if self._merging:  # run called from a merge_call function: the replica threads are all waiting there
+            return regroup([run_in_replica(self._replica_contexts[k], fn, select_replica(k, tuple(args)),
+                                           select_replica(k, kwargs), grad, inference) for k in range(n)])
         if self._threads is None:
             self._threads = ReplicaThreads(n, type(self).__name__)
         tasks: list[Callable[[], Any]] = [
@@ -291,10 +303,23 @@ class Strategy:
         return StrategyExtended(self)
 
     def _merge(self, ctx: ReplicaContext, value: Any, merge_fn: Callable[[list[Any]], Sequence[Any]]) -> Any:
+        if self._merging and self.num_local_replicas > 1:
+            # the replica threads all wait in the outer merge: a second merge could never complete
+            raise RuntimeError("a merge point (optimizer.step(), all_reduce, merge_call) inside a strategy.run "
+                               "that is itself called from a merge_call function is not supported with several "
+                               "local replicas")
+
+        def merging(values: list[Any]) -> Sequence[Any]:
+            self._merging += 1
+            try:
+                return merge_fn(values)
+            finally:
+                self._merging -= 1
+
         if self.num_local_replicas == 1:
-            return merge_fn([value])[0]
+            return merging([value])[0]
         assert self._threads is not None, "a merge happens inside run(), which started the threads"
-        return self._threads.merge(ctx.local_replica_id, value, merge_fn)
+        return self._threads.merge(ctx.local_replica_id, value, merging)
 
     def step_executor(self) -> "StepExecutor":
         """How ``fit`` runs its steps under this strategy: here, ``strategy.run`` on each global batch."""
@@ -406,6 +431,7 @@ class Strategy:
         if context.current_replica() is not None:
             raise RuntimeError("strategy.reduce() is a cross-replica call; inside run use "
                                "ds.get_replica_context().all_reduce()")
+        self._refuse_mixing("reduce")
         return reduce_structure(self, op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -414,6 +440,7 @@ class Strategy:
         if context.current_replica() is not None:
             raise RuntimeError("strategy.gather() is a cross-replica call; inside run use "
                                "ds.get_replica_context().all_gather()")
+        self._refuse_mixing("gather")
         return gather_structure(self, value, axis)
 
     def _to_replica_device(self, value: Any, local_replica_id: int) -> Any:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from distrib import context
@@ -29,6 +32,16 @@ class DefaultStrategy(Strategy):
 
     def _distribute_module(self, module: torch.nn.Module) -> None:
         return None
+
+    @contextlib.contextmanager
+    def _scope(self) -> Iterator[Strategy]:
+        """As TF: entering the default strategy's scope changes nothing (still the default replica context)."""
+        current = context.current_scope()
+        if current is not None and current is not self:
+            raise RuntimeError(f"Mixing different strategies: cannot enter the default strategy's scope inside "
+                               f"the scope of {type(current).__name__}; leave that scope first")
+        with context.default_scope():
+            yield self
 
 
 def _make_default() -> tuple[DefaultStrategy, ReplicaContext]:

@@ -37,6 +37,7 @@ class StrategyExtended:
 
     def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any = None, options: Any = None) -> Any:
         """Reduce ``value`` (PerReplica, or any structure of them) to ``destinations``. ``options`` is ignored."""
+        self._strategy._refuse_mixing("extended.reduce_to")
         reduced = reduce_structure(self._strategy, parse_reduce_op(reduce_op), value, None)
         device = _device_of(destinations)
         if device is None:

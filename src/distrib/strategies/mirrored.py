@@ -9,7 +9,31 @@ import torch
 from distrib.strategies.base import Strategy
 from distrib.strategies.devices import local_devices, parse_device
 
-__all__ = ["MirroredStrategy"]
+__all__ = ["MirroredStrategy", "CrossDeviceOps", "NcclAllReduce", "HierarchicalCopyAllReduce", "ReductionToOneDevice"]
+
+
+class CrossDeviceOps:
+    """TF's ``tf.distribute.CrossDeviceOps``: how local replicas are reduced. Accepted, and ignored, by
+    ``MirroredStrategy(cross_device_ops=...)``: distrib sums local replicas on the first device and
+    reduces across workers through its communicator (see ``CommunicationOptions`` and comm hooks)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(ignored by distrib)"
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """``tf.distribute.NcclAllReduce(num_packs=1)``; accepted and ignored (see :class:`CrossDeviceOps`)."""
+
+
+class HierarchicalCopyAllReduce(CrossDeviceOps):
+    """``tf.distribute.HierarchicalCopyAllReduce(num_packs=1)``; accepted and ignored (see :class:`CrossDeviceOps`)."""
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """``tf.distribute.ReductionToOneDevice(...)``; accepted and ignored (see :class:`CrossDeviceOps`)."""
 
 
 class MirroredStrategy(Strategy):

@@ -45,6 +45,8 @@ def _leaves_as_per_replica(value: Any) -> Any:
 
 def reduce_structure(strategy: "Strategy", op: ReduceOp, value: Any, axis: Axis) -> Any:
     """``strategy.reduce`` of any structure: every leaf reduced, the structure kept."""
+    if value is None:  # as TF: nothing to reduce (a step that returned nothing)
+        return None
     value = _leaves_as_per_replica(value)
     return map_leaves(lambda leaf: reduce_local_values(strategy, op, _local(strategy, op, leaf, axis), axis), value)
 
@@ -93,9 +95,12 @@ def gather_structure(strategy: "Strategy", value: Any, axis: int) -> Any:
                                                        axis), value)
 
 
-def gather_local_values(strategy: "Strategy", values: Sequence[Any], axis: int) -> torch.Tensor:
+def gather_local_values(strategy: "Strategy", values: Sequence[Any], axis: int, api: str = "gather") -> torch.Tensor:
     """Concatenate one value per local replica along ``axis``, then over every worker (sizes along it may differ)."""
     parts = [to_tensor(v, strategy.local_devices[0]) for v in values]
+    if any(p.is_sparse for p in parts):
+        raise NotImplementedError(f"{api} does not support sparse tensors (TF: IndexedSlices): {api} "
+                                  "t.to_dense(), or the indices and values separately")
     if parts[0].dim() == 0:
         raise ValueError("gather needs values with at least one dimension; got a scalar (use reduce for scalars)")
     axis = _axes(axis, parts[0].dim())[0]

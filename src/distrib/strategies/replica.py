@@ -19,6 +19,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from distrib import context
 from distrib.strategies.reduction import gather_local_values, reduce_local_values
@@ -82,11 +83,19 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduce ``value`` (a tensor or a structure of them) over every replica in sync.
 
-        Every replica must call it, in the same order; each gets the result on its own device.
+        Every replica must call it, in the same order; each gets the result on its own
+        device. It is differentiable, as TF's: the gradient reaching a replica's input is
+        the same reduction of every replica's upstream gradient (every replica then runs
+        ``backward()``).
         """
         op = parse_reduce_op(reduce_op)
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
+            return pytree.tree_map(lambda t: _AllReduce.apply(self, op, t) if isinstance(t, torch.Tensor) else t,
+                                   value)
+        return self._all_reduce(op, value)
 
-        def merge(values: list) -> list:
+    def _all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        def merge(values: list[Any]) -> list[Any]:
             n = len(values)
             reduced = map_leaves(lambda leaf: reduce_local_values(self.strategy, op, local_values(leaf, n), None),
                                  regroup(values))
@@ -98,15 +107,29 @@ class ReplicaContext:
         """Concatenate ``value`` (a tensor or a structure of them) along ``axis`` over every replica in sync.
 
         Every replica gets the whole result, on its own device; sizes along ``axis`` may
-        differ between replicas. ``options`` (TF's ``CommunicationOptions``) is ignored.
+        differ between replicas. Differentiable, as TF's: a replica's input receives the
+        sum over replicas of the upstream gradients of its slice. ``options`` (TF's
+        ``CommunicationOptions``) is ignored.
         """
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
+            return pytree.tree_map(lambda t: _AllGather.apply(self, axis, t) if isinstance(t, torch.Tensor) else t,
+                                   value)
+        return self._all_gather(value, axis)
+
+    def _all_gather(self, value: Any, axis: int) -> Any:
         def merge(values: list[Any]) -> list[Any]:
             n = len(values)
-            gathered = map_leaves(lambda leaf: gather_local_values(self.strategy, local_values(leaf, n), axis),
-                                  regroup(values))
+            gathered = map_leaves(
+                lambda leaf: gather_local_values(self.strategy, local_values(leaf, n), axis, "all_gather"),
+                regroup(values))
             return [self.strategy._to_replica_device(gathered, i) for i in range(n)]
 
         return self.merge(value, merge)
+
+    def _slice_of_gather(self, size: int) -> int:
+        """Where this replica's part starts in an all-gather whose parts have ``size`` rows here."""
+        sizes = self._all_gather(torch.tensor([size]), 0)  # one size per replica, in replica order
+        return int(sizes[: self.replica_id_in_sync_group].sum())
 
     def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
                    kwargs: Optional[dict[str, Any]] = None) -> Any:
@@ -143,6 +166,37 @@ class ReplicaContext:
             f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+
+class _AllReduce(torch.autograd.Function):
+    """``ReplicaContext.all_reduce`` of one tensor, with TF's gradient: the same reduction of the upstream ones."""
+
+    @staticmethod
+    def forward(fctx: Any, replica: ReplicaContext, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
+        fctx.replica, fctx.op = replica, op
+        result: torch.Tensor = replica._all_reduce(op, tensor.detach())
+        return result
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        return None, None, fctx.replica._all_reduce(fctx.op, grad.contiguous())
+
+
+class _AllGather(torch.autograd.Function):
+    """``ReplicaContext.all_gather`` of one tensor; a replica's gradient is its slice of the summed upstream ones."""
+
+    @staticmethod
+    def forward(fctx: Any, replica: ReplicaContext, axis: int, tensor: torch.Tensor) -> torch.Tensor:
+        axis = axis % max(tensor.dim(), 1)
+        fctx.replica, fctx.axis, fctx.size = replica, axis, tensor.shape[axis]
+        fctx.start = replica._slice_of_gather(tensor.shape[axis])
+        result: torch.Tensor = replica._all_gather(tensor.detach(), axis)
+        return result
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        total = fctx.replica._all_reduce(ReduceOp.SUM, grad.contiguous())
+        return None, None, total.narrow(fctx.axis, fctx.start, fctx.size)
 
 
 class _Aborted(Exception):
