@@ -29,7 +29,6 @@ Not ported, and why:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +36,7 @@ import pytest
 import torch
 
 import distrib as ds
-from helpers import launch
+from conformance.workers import on_workers, run_worker_checks
 
 SCRIPT = Path(__file__).parent / "scripts" / "input_lib_workers.py"
 ONE_REPLICA: dict[str, Callable[[], ds.Strategy]] = {
@@ -68,17 +67,8 @@ def any_strategy(request) -> ds.Strategy:
 
 @pytest.fixture(scope="module")
 def workers() -> dict[tuple[str, str], Any]:
-    """Run the multi-worker cases once: ``{(case name, task type): value}``."""
-    code, out, _ = launch("--chief", "--workers", "1", str(SCRIPT), timeout=150)
-    assert code == 0, out
-    assert out.count("DONE") == 2, out
-    results: dict[tuple[str, str], Any] = {}
-    for line in out.splitlines():
-        _, found, payload = line.partition("RESULT ")
-        if found:
-            record = json.loads(payload)
-            results[(record["name"], record["task"])] = record["value"]
-    return results
+    """Run the multi-worker checks once: ``{(check name, task type): value}``."""
+    return run_worker_checks(SCRIPT)
 
 
 def plain(value: Any) -> Any:

@@ -20,7 +20,6 @@ Not ported, and why:
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +28,7 @@ import pytest
 import torch
 
 import distrib as ds
-from helpers import launch
+from conformance.workers import on_workers, run_worker_checks
 
 SCRIPT = Path(__file__).parent / "scripts" / "strategy_gather_workers.py"
 DEFAULT_STRATEGY = ds.get_strategy()
@@ -64,23 +63,9 @@ def strategy(request) -> ds.Strategy:
 @pytest.fixture(scope="module")
 def workers() -> dict[tuple[str, str], Any]:
     """Run the multi-worker checks once: ``{(check name, task type): value}``."""
-    code, out, _ = launch("--chief", "--workers", "1", str(SCRIPT), timeout=150)
-    assert code == 0, out
-    assert out.count("DONE") == 2, out
-    results: dict[tuple[str, str], Any] = {}
-    for line in out.splitlines():
-        _, found, payload = line.partition("RESULT ")
-        if found:
-            record = json.loads(payload)
-            results[(record["name"], record["task"])] = record["value"]
-    return results
+    return run_worker_checks(SCRIPT)
 
 
-def on_workers(workers: dict[tuple[str, str], Any], name: str) -> dict[str, Any]:
-    values = {task: workers[(name, task)] for task in TASKS}
-    for task, value in values.items():
-        assert not (isinstance(value, dict) and "error" in value), f"{name} on the {task}: {value['error']}"
-    return values
 
 
 def errors_on_workers(workers: dict[tuple[str, str], Any], name: str) -> dict[str, str]:
