@@ -53,3 +53,23 @@ def test_every_strategy_has_a_public_topology():
         assert strategy.num_local_replicas * strategy.num_workers == strategy.num_replicas_in_sync
         assert len(strategy.local_devices) == strategy.num_local_replicas
         strategy.barrier()
+
+
+def test_parameter_servers_without_their_extra_name_the_install_command():
+    code = """
+import builtins
+real = builtins.__import__
+def without_grpc(name, *args, **kwargs):
+    if name.split(".")[0] == "grpc":
+        raise ModuleNotFoundError("No module named 'grpc'", name="grpc")
+    return real(name, *args, **kwargs)
+builtins.__import__ = without_grpc
+import distrib as ds
+ds.MirroredStrategy(["cpu:0", "cpu:1"])  # everything else works without the extra
+try:
+    ds.ParameterServerStrategy
+except ImportError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'distrib[ps]'" in out

@@ -67,7 +67,13 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'distrib.parameter_server' has no attribute {name!r}")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name not in ("grpc", "cloudpickle"):
+            raise
+        raise ImportError(f"distrib's parameter servers need {e.name!r}, which is not installed: "
+                          "pip install 'distrib[ps]'") from e
     value = module if name == "coordinator" else getattr(module, name)
     globals()[name] = value
     return value

@@ -116,9 +116,10 @@ def _multi_worker(request: StrategyRequest) -> "Strategy":
 
 
 def _parameter_server(request: StrategyRequest) -> "Strategy":
-    from distrib import testing
+    from distrib import parameter_server, testing
     from distrib.cluster import TFConfigClusterResolver
-    from distrib.parameter_server.strategy import ParameterServerStrategy
+
+    ParameterServerStrategy = parameter_server.ParameterServerStrategy  # names `pip install 'distrib[ps]'` if absent
 
     if TFConfigClusterResolver.detect():
         return ParameterServerStrategy(TFConfigClusterResolver())
