@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from distrib.comm import CollectiveError
+from distrib.tensor_bytes import byte_view
 from distrib.values import regroup
 
 if TYPE_CHECKING:
@@ -174,6 +175,19 @@ class DistributedDatasetsFromFunction:
 
     def __iter__(self) -> "DistributedIterator":
         return DistributedIterator(_PerReplicaIterator(iter(self._dataset), self._strategy), self._strategy)
+
+    def __len__(self) -> int:
+        """Steps in this worker's pipeline: its batches over its local replicas, rounded up (a step whose
+        pipeline ends part-way still runs). Workers whose pipelines differ in length all run the longest
+        one's steps (the others feed empty batches), so give every worker the same number of batches
+        (``DistributedSampler`` pads to that) when the count matters. TypeError if the pipeline has no length.
+        """
+        try:
+            batches = len(self._dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"the dataset_fn returned a {type(self._dataset).__name__}, which has no len(); "
+                            "return a DataLoader (or another sized iterable) to count steps") from None
+        return -(-batches // self._strategy.num_local_replicas)
 
     @property
     def element_spec(self) -> Any:
@@ -365,7 +379,7 @@ def _fingerprint(batch: Any) -> int:
         if isinstance(leaf, torch.Tensor):
             head = leaf.detach().reshape(-1)[:256].contiguous().cpu()
             crc = zlib.crc32(str(tuple(leaf.shape)).encode(), crc)
-            crc = zlib.crc32(head.view(torch.uint8).numpy().tobytes() if head.numel() else b"", crc)
+            crc = zlib.crc32(byte_view(head), crc)
     return crc
 
 

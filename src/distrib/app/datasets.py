@@ -7,12 +7,13 @@ files. Files may be gzipped (``*.gz``) or not.
 from __future__ import annotations
 
 import gzip
+import math
 import os
+import sys
 import struct
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
-import numpy as np
 import torch
 
 __all__ = ["DEFAULT_FASHION_MNIST_DIR", "DatasetNotFoundError", "Split", "load_fashion_mnist", "read_idx"]
@@ -24,8 +25,9 @@ _FILES = {
     "test_images": "t10k-images-idx3-ubyte",
     "test_labels": "t10k-labels-idx1-ubyte",
 }
-_DTYPES: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-           0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+# IDX type codes; every multi-byte type is stored big-endian
+_DTYPES: dict[int, torch.dtype] = {0x08: torch.uint8, 0x09: torch.int8, 0x0B: torch.int16, 0x0C: torch.int32,
+                                   0x0D: torch.float32, 0x0E: torch.float64}
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -39,21 +41,29 @@ class Split(NamedTuple):
     labels: torch.Tensor
 
 
-def read_idx(path: Union[str, Path]) -> np.ndarray:
-    """Read one IDX file (gzipped or not) into a numpy array; ValueError if it is malformed."""
+def read_idx(path: Union[str, Path]) -> torch.Tensor:
+    """Read one IDX file (gzipped or not) into a tensor; ValueError if it is malformed."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         data = f.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _DTYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number)")
-    dtype, ndim = np.dtype(_DTYPES[data[2]]), data[3]
+    dtype, ndim = _DTYPES[data[2]], data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise ValueError(f"{path} is truncated: its header names {ndim} dimensions but ends before their sizes")
     shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
-    body = data[4 + 4 * ndim:]
-    expected = int(np.prod(shape)) * dtype.itemsize
+    body = bytearray(data[4 + 4 * ndim:])
+    itemsize = dtype.itemsize
+    expected = math.prod(shape) * itemsize
     if len(body) != expected:
         raise ValueError(f"{path} is truncated: expected {expected} bytes of data for shape {shape}, found {len(body)}")
-    return np.frombuffer(body, dtype=dtype).reshape(shape)
+    if not body:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(body, dtype=torch.uint8)
+    if itemsize > 1 and sys.byteorder == "little":  # big-endian on disk
+        raw = raw.view(-1, itemsize).flip(-1).contiguous().view(-1)
+    return raw.view(dtype).reshape(shape)
 
 
 def _find(directory: Path, stem: str) -> Optional[Path]:
@@ -82,8 +92,8 @@ def load_fashion_mnist(data_dir: Union[str, Path, None] = None) -> tuple[Split, 
     arrays = {key: read_idx(path) for key, path in found.items()}  # type: ignore[arg-type]
 
     def split(prefix: str) -> Split:
-        images = torch.from_numpy(arrays[f"{prefix}_images"].astype(np.float32) / np.float32(255))
-        labels = torch.from_numpy(arrays[f"{prefix}_labels"].astype(np.int64))
+        images = arrays[f"{prefix}_images"].to(torch.float32) / 255
+        labels = arrays[f"{prefix}_labels"].to(torch.int64)
         if len(images) != len(labels):
             raise ValueError(f"{directory}: {len(images)} {prefix} images but {len(labels)} labels")
         return Split(images.unsqueeze(1), labels)

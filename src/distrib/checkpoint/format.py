@@ -33,6 +33,7 @@ import torch
 
 from distrib.checkpoint.errors import CheckpointError
 from distrib.checkpoint.fileio import describe_os_error
+from distrib.tensor_bytes import byte_view
 
 __all__ = ["FORMAT", "VERSION", "encode", "load"]
 
@@ -52,8 +53,7 @@ def _tensor_crc(t: torch.Tensor) -> int:
         t = t.to_dense()
     if t.is_quantized:
         t = t.int_repr()
-    data = t.contiguous().reshape(-1).view(torch.uint8)
-    return zlib.crc32(data.numpy().data)
+    return zlib.crc32(byte_view(t))
 
 
 def _tensors(obj: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
+
+from distrib.tensor_bytes import byte_view
 
 __all__ = ["encode", "decode", "WireError", "DTYPES"]
 
@@ -60,9 +62,7 @@ class _Encoder:
             t = t.cpu()
         if t.dtype not in _NAMES:
             raise WireError(f"cannot send a tensor of dtype {t.dtype}; supported: {', '.join(DTYPES)}")
-        flat = t.contiguous().reshape(-1)
-        raw = flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
-        return [_NAMES[t.dtype], list(t.shape), self.buffer(raw)]
+        return [_NAMES[t.dtype], list(t.shape), self.buffer(byte_view(t))]
 
     def node(self, x: Any) -> Any:
         if x is None or isinstance(x, (bool, str)):
@@ -88,9 +88,10 @@ class _Encoder:
             return {"M": [[self.node(k), self.node(v)] for k, v in x.items()]}
         if isinstance(x, (bytes, bytearray, memoryview)):
             return {"Y": self.buffer(memoryview(x).cast("B"))}
-        if isinstance(x, np.ndarray):
+        np = sys.modules.get("numpy")  # a numpy value exists only if the sender imported numpy
+        if np is not None and isinstance(x, np.ndarray):
             return {"A": self.tensor(torch.from_numpy(np.ascontiguousarray(x)))}
-        if isinstance(x, np.generic):
+        if np is not None and isinstance(x, np.generic):
             return self.node(x.item())
         if self.encode_ref is not None:
             ref = self.encode_ref(x)
@@ -230,7 +231,11 @@ class _Decoder:
         if tag == "S":
             return self.sparse(v)
         if tag == "A":
-            return self.tensor(v).numpy()
+            try:
+                return self.tensor(v).numpy()
+            except RuntimeError as e:  # torch without numpy: "Numpy is not available"
+                raise WireError(f"message holds a numpy array but numpy cannot be used here ({e}); "
+                                "pip install numpy on this task, or send torch tensors") from None
         if tag == "F":
             if v not in _FLOATS:
                 raise WireError(f"malformed message: special float {v!r:.20}")
