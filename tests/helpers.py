@@ -15,23 +15,30 @@ import torch
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def launch(*args: str, timeout: float = 120) -> tuple[int, str, float]:
-    """Run `distrib launch ARGS` in its own process group; kill the whole group if it overruns."""
+def run_bounded(cmd: list[str], timeout: float = 120, cwd: "str | Path | None" = None,
+                env: "dict[str, str] | None" = None) -> tuple[int, str, float]:
+    """Run ``cmd`` in its own process group, stdout and stderr together; kill the whole group if it
+    overruns (the test fails, showing the output) and, in any case, when it ends."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "distrib.app.cli", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=cwd, env=env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"distrib launch {' '.join(args)} did not finish in {timeout}s:\n{out}")
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # nothing it started may outlive the test
         except ProcessLookupError:
             pass
     return proc.returncode, out, time.monotonic() - start
+
+
+def launch(*args: str, timeout: float = 120) -> tuple[int, str, float]:
+    """Run `distrib launch ARGS` bounded in time (see :func:`run_bounded`)."""
+    return run_bounded([sys.executable, "-m", "distrib.app.cli", "launch", *args], timeout=timeout)
 
 
 def assert_params_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -178,6 +178,14 @@ def test_distribute_datasets_from_function_gives_an_input_context_and_consecutiv
     assert seen == [ds.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=2)]
     assert [[float(v[0]) if len(v) else None for v in s.values] for s in steps] == [[0.0, 1.0], [2.0, None]]
     assert len(steps[1].values[1]) == 0
+    assert len(strategy.distribute_datasets_from_function(dataset_fn)) == len(steps) == 2  # 3 batches, 2 replicas
+
+
+def test_len_of_datasets_from_function_needs_a_sized_pipeline():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    unsized = strategy.distribute_datasets_from_function(lambda ctx: (torch.zeros(2) for _ in range(3)))
+    with pytest.raises(TypeError, match="generator, which has no len"):
+        len(unsized)
 
 
 def test_get_per_replica_batch_size_rejects_a_batch_that_does_not_divide():
