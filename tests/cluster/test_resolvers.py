@@ -174,7 +174,10 @@ def test_slurm_job_variables_are_the_fallback_and_steps_get_their_own_ports():
     env = slurm(SLURM_PROCID="0", SLURM_STEP_NODELIST="n1", SLURM_STEP_NUM_TASKS="2", SLURM_TASKS_PER_NODE="2",
                 SLURM_STEP_ID="3", CUDA_VISIBLE_DEVICES="")
     r = SlurmClusterResolver(environ=env)
-    assert r.cluster_spec().as_dict() == {"worker": ["n1:9188", "n1:9189"]}  # 8888 + 100 x step 3
+    # job 7, step 3: 8888 + 16 x (37 x 7 + 3), a block of its own (TF: 8888 for every step)
+    assert r.cluster_spec().as_dict() == {"worker": ["n1:13080", "n1:13081"]}
+    other_step = SlurmClusterResolver(environ={**env, "SLURM_STEP_ID": "4"}).cluster_spec().as_dict()
+    assert other_step == {"worker": ["n1:13096", "n1:13097"]}
     assert r.num_accelerators() == {"GPU": 0} and env["CUDA_VISIBLE_DEVICES"] == ""
 
 

@@ -6,13 +6,20 @@ Read (TF's step variables first, then the job's):
 - ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``): how many tasks, when ``jobs`` is not given;
 - ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``): the nodes, in order;
 - ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PER_NODE``): e.g. ``"3(x2),2,1"``;
-- ``SLURM_STEP_ID``: the port offset of this job step when ``port_base`` is left unset;
+- ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``: the ports of this job step, when neither
+  ``port_base`` nor ``MASTER_PORT`` is given (see :func:`default_port_base`);
+- ``MASTER_PORT``: when set (as PyTorch's Slurm recipes export it), the first port on each node;
 - ``SLURMD_NODENAME``, ``SLURM_LOCALID`` when set: checked against the layout computed.
 
 Tasks are laid out block by block in node order (Slurm's default distribution): the
 first node's tasks get ranks 0..k-1 and ports ``port_base``, ``port_base+1``, ...; ranks
 are then given to the jobs in the order of their sorted names (``{"ps": 1, "worker": 2}``:
 rank 0 is ps 0, ranks 1-2 are workers 0-1), as TF does.
+
+Ports differ from TF's, which always starts at 8888: two job steps on one node (two ``srun``
+of one allocation, or two jobs sharing a node) then both listened on 8888, and the second
+step's chief failed with ``EADDRINUSE`` or, worse, its workers joined the first step's
+rendezvous. Here each (job, step) gets its own block of ports.
 """
 
 from __future__ import annotations
@@ -28,11 +35,37 @@ from typing import Mapping, MutableMapping, Optional, Union
 from distrib.cluster.resolver import ClusterResolver
 from distrib.cluster.spec import TASK_TYPES, ClusterSpec, parse_address
 
-__all__ = ["SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
+__all__ = ["SlurmClusterResolver", "default_port_base", "expand_hostlist", "expand_tasks_per_node"]
 
 _MAX_HOSTS = 1 << 16
-_DEFAULT_PORT_BASE = 8888
-_STEP_PORT_STRIDE = 100  # job step k uses ports 8888 + 100*k ... when port_base is not given
+_DEFAULT_PORT_BASE = 8888  # TF's; the first block of ports (job 0, step 0)
+_PORT_LIMIT = 32768  # the blocks end below Linux's ephemeral ports (32768-60999), which gloo and clients use
+_PORT_BLOCK = 16  # ports per block; a step with more tasks on a node takes several blocks
+_JOB_STRIDE = 37  # blocks between consecutive jobs: any step < 37 of job j and any step of job j+1 differ
+
+
+def default_port_base(job_id: int, step_id: int, tasks_per_node: int = 1) -> int:
+    """The first port of job step ``step_id`` of job ``job_id`` on each node, when neither ``port_base``
+    nor ``MASTER_PORT`` is given: ``8888 + width * ((37 * job_id + step_id) % (23880 // width))``,
+    where ``width`` is ``tasks_per_node`` rounded up to a multiple of 16.
+
+    The ports ``base .. base + tasks_per_node - 1`` lie in 8888..32767, below Linux's ephemeral
+    range. Concurrent steps of one job never share a port (up to 1492 steps for 16 tasks a node),
+    nor do the same steps of the next jobs (in Slurm's job order); other jobs may, rarely: then
+    give ``port_base`` or ``MASTER_PORT``. Without job and step ids (0, 0) this is TF's 8888.
+
+    Example::
+
+        >>> default_port_base(0, 0), default_port_base(4242, 0), default_port_base(4242, 1)
+        (8888, 13592, 13608)
+        >>> default_port_base(4242, 1, tasks_per_node=20)  # blocks of 32 ports
+        18328
+    """
+    width = _PORT_BLOCK * -(-max(tasks_per_node, 1) // _PORT_BLOCK)
+    slots = (_PORT_LIMIT - _DEFAULT_PORT_BASE) // width
+    if slots < 1:
+        raise ValueError(f"{tasks_per_node} tasks per node need more ports than 8888..32767 hold; pass port_base")
+    return _DEFAULT_PORT_BASE + width * ((_JOB_STRIDE * job_id + step_id) % slots)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -135,8 +168,13 @@ class SlurmClusterResolver(ClusterResolver):
     and ``gpus_per_task`` (default: an even share) choose each task's GPUs; with ``auto_set_gpu``,
     ``cluster_spec()`` sets ``CUDA_VISIBLE_DEVICES`` to them, as TF does (GPU *k* is the *k*-th
     already visible one when Slurm has narrowed ``CUDA_VISIBLE_DEVICES``). ``port_base``: the
-    first port on each node (default 8888, shifted by 100 per job step so that concurrent
-    steps on a node do not collide). ``environ`` (distrib's) reads another mapping than ``os.environ``.
+    first port on each node; default ``MASTER_PORT`` when set, else a block of ports of this job
+    step's own (:func:`default_port_base`), so that concurrent steps on a node do not collide
+    (TF: always 8888). ``environ`` (distrib's) reads another mapping than ``os.environ``.
+
+    Parameter servers: ``jobs={"chief": 1, "ps": 1, "worker": 2}`` with ``srun -n 4``; rank 0
+    (the chief) runs the coordinator, the others ``ds.Server(...).join()``. A process started
+    in an allocation of several tasks or nodes but outside ``srun`` is refused at once.
 
     Example (``srun -N 2 --ntasks-per-node 2 python train.py``, task 3)::
 
@@ -146,6 +184,11 @@ class SlurmClusterResolver(ClusterResolver):
         ClusterSpec({'worker': ['node01:8888', 'node01:8889', 'node02:8888', 'node02:8889']})
         >>> r.task_type, r.task_id, r.master(), r.rendezvous_address()
         ('worker', 3, 'grpc://node02:8889', 'node01:8888')
+        >>> ps = SlurmClusterResolver(jobs={"chief": 1, "ps": 1, "worker": 2}, environ={"SLURM_JOB_ID": "4242",
+        ...     "SLURM_STEP_ID": "1", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4",
+        ...     "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"})
+        >>> ps.cluster_spec().as_dict(), ps.task_type, ps.task_id, ps.port_base
+        ({'chief': ['node01:13608'], 'ps': ['node01:13609'], 'worker': ['node02:13608', 'node02:13609']}, 'ps', 0, 13608)
     """
 
     def __init__(self, jobs: Optional[Mapping[str, int]] = None, port_base: Optional[int] = None,
@@ -156,11 +199,14 @@ class SlurmClusterResolver(ClusterResolver):
         self._env = env
         in_step = "SLURM_STEP_NODELIST" in env or "SLURM_STEP_NUM_TASKS" in env
         step_tasks = _int_var(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
-        if not in_step and (step_tasks or 1) > 1:
-            raise RuntimeError(
-                f"this process runs in a Slurm allocation of {step_tasks} tasks but not inside a job step "
-                "(SLURM_STEP_NODELIST is not set): start every task with srun, e.g. `srun python train.py` "
-                "in the batch script; started directly, only one task would run and the others never come")
+        if not in_step:
+            nodes = _int_var(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+            if (step_tasks or 1) > 1 or (nodes or 1) > 1:
+                raise RuntimeError(
+                    f"this process runs in a Slurm allocation of {step_tasks or '?'} task(s) on {nodes or '?'} "
+                    "node(s) but not inside a job step (SLURM_STEP_NODELIST is not set): start every task with "
+                    "srun, e.g. `srun python train.py` in the batch script. Started directly, this process is the "
+                    "only task: the others would never come and the job would wait for its whole timeout")
         if "SLURM_PROCID" not in env:
             raise RuntimeError("SLURM_PROCID is not set: not inside a Slurm job step; start the tasks with srun")
         rank = _int_var(env, "SLURM_PROCID")
@@ -176,13 +222,8 @@ class SlurmClusterResolver(ClusterResolver):
                                f"{num_tasks} ({_describe(config)}); make them agree")
         if not 0 <= rank < num_tasks:
             raise RuntimeError(f"SLURM_PROCID={rank} is out of range for the {num_tasks} tasks of this step")
-        if port_base is None:
-            step = _int_var(env, "SLURM_STEP_ID", "SLURM_STEPID") or 0
-            port_base = _DEFAULT_PORT_BASE + _STEP_PORT_STRIDE * (step % 500)
         max_per_node = max(config.values())
-        if isinstance(port_base, bool) or not isinstance(port_base, int) or not 0 < port_base <= 65536 - max_per_node:
-            raise ValueError(f"SlurmClusterResolver(port_base={port_base!r}): need 1 <= port_base and "
-                             f"port_base + {max_per_node - 1} <= 65535")
+        port_base = _port_base(env, port_base, max_per_node)
         if gpus_per_node is None:
             gpus_per_node = _count_gpus(env)
         if gpus_per_task is None:
@@ -269,13 +310,16 @@ class SlurmClusterResolver(ClusterResolver):
 
     @staticmethod
     def detect(environ: Optional[Mapping[str, str]] = None) -> bool:
-        """True inside an ``srun`` job step, and in an allocation of several tasks started without srun
-        (the constructor then says to use srun)."""
+        """True inside an ``srun`` job step, and in an allocation of several tasks or nodes started without
+        srun (the constructor then says to use srun, at once)."""
         env = os.environ if environ is None else environ
         if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_STEP_NODELIST" in env):
             return True
-        ntasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
-        return ("SLURM_JOB_ID" in env or "SLURM_JOBID" in env) and ntasks is not None and ntasks.strip() not in ("", "1")
+        if "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
+            return False
+        several = [env.get(name, "").strip() for name in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_JOB_NUM_NODES",
+                                                          "SLURM_NNODES")]
+        return any(value not in ("", "0", "1") for value in several)
 
     def cluster_spec(self) -> ClusterSpec:
         """The cluster; with ``auto_set_gpu``, also sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs (as TF)."""
@@ -292,6 +336,11 @@ class SlurmClusterResolver(ClusterResolver):
                 self._env["CUDA_VISIBLE_DEVICES"] = visible
         return self._spec
 
+    @property
+    def port_base(self) -> int:
+        """The first port on each node: node *n*'s *k*-th task listens on ``port_base + k`` (distrib's)."""
+        return self._port_base
+
     def get_task_info(self) -> tuple[Optional[str], Optional[int]]:
         """``(task_type, task_id)`` of this process."""
         return self.task_type, self.task_id
@@ -300,6 +349,28 @@ class SlurmClusterResolver(ClusterResolver):
                          config_proto: object = None) -> dict[str, int]:
         """``{"GPU": gpus_per_task}`` (the arguments are unused, as in TF)."""
         return {"GPU": self._gpus_per_task}
+
+
+def _port_base(env: Mapping[str, str], port_base: Optional[int], max_per_node: int) -> int:
+    """``port_base`` if given, else ``MASTER_PORT``, else this job step's own block (:func:`default_port_base`)."""
+    where = f"SlurmClusterResolver(port_base={port_base!r})"
+    if port_base is None and env.get("MASTER_PORT", "").strip():
+        port_base = _int_var(env, "MASTER_PORT")
+        where = f"MASTER_PORT={env['MASTER_PORT']!r}"
+    if port_base is None:
+        job = _int_var(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0
+        step = _step_id(env)
+        return default_port_base(job, step, max_per_node)
+    if isinstance(port_base, bool) or not isinstance(port_base, int) or not 0 < port_base <= 65536 - max_per_node:
+        raise ValueError(f"{where}: the ports of this node's {max_per_node} task(s) would run from {port_base!r} to "
+                         f"{port_base!r}+{max_per_node - 1}; need 1 <= port and port + {max_per_node - 1} <= 65535")
+    return port_base
+
+
+def _step_id(env: Mapping[str, str]) -> int:
+    """``SLURM_STEP_ID``; Slurm's special steps (batch, extern, interactive: 0xfffffffX) count as 0."""
+    step = _int_var(env, "SLURM_STEP_ID", "SLURM_STEPID") or 0
+    return 0 if step >= 0xFFFFFFF0 else step
 
 
 def _var(env: Mapping[str, str], *names: str) -> tuple[str, str]:

@@ -1,4 +1,10 @@
-"""A worker-only cluster from torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
+"""A worker-only cluster from torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+The same variables describe a cluster under Kubeflow's PyTorchJob (which sets all four
+in every pod), under ``distrib launch`` (which exports them beside ``TF_CONFIG``), and a
+process group a script initialised itself (``mp.spawn`` tutorials set ``MASTER_ADDR`` and
+``MASTER_PORT``; see :meth:`TorchrunClusterResolver.from_process_group`).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,9 @@ class TorchrunClusterResolver(ClusterResolver):
 
     torchrun does not tell the other workers' addresses, and collectives only need the
     rendezvous point, so worker *i* is listed as ``MASTER_ADDR:MASTER_PORT+i``: worker 0's
-    address is the rendezvous address. ``rpc_layer`` is None.
+    address is the rendezvous address. ``rpc_layer`` is None. ``local_rank`` and
+    ``local_world_size`` are torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (None when
+    unset); ``spans_hosts`` says whether the workers run on several hosts (None: unknown).
 
     Example::
 
@@ -48,6 +56,41 @@ class TorchrunClusterResolver(ClusterResolver):
         except ValueError as e:
             raise ValueError(f"MASTER_ADDR={host!r} is not a valid host: {e}") from None
         self.task_type, self.task_id = "worker", rank
+        self.local_rank = _optional_int(env, "LOCAL_RANK")
+        self.local_world_size = _optional_int(env, "LOCAL_WORLD_SIZE")
+        if self.local_rank is not None and self.local_world_size is not None and not (
+                0 <= self.local_rank < self.local_world_size <= world):
+            raise ValueError(f"LOCAL_RANK={self.local_rank} and LOCAL_WORLD_SIZE={self.local_world_size} do not fit "
+                             f"in WORLD_SIZE={world}: need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE")
+
+    @classmethod
+    def from_process_group(cls, rank: int, world_size: int,
+                           environ: Optional[Mapping[str, str]] = None) -> "TorchrunClusterResolver":
+        """The cluster of a process group that is already initialised (rank ``rank`` of ``world_size``).
+
+        Its rendezvous point is ``MASTER_ADDR:MASTER_PORT`` when set (the ``mp.spawn``
+        tutorials set them), else ``localhost:29500`` (torch's default port): the group is
+        used as it is, so the addresses are descriptive only.
+
+        Example::
+
+            >>> r = TorchrunClusterResolver.from_process_group(1, 2, {"MASTER_ADDR": "localhost", "MASTER_PORT": "12355"})
+            >>> r.task_id, r.cluster_spec().num_tasks("worker"), r.rendezvous_address()
+            (1, 2, 'localhost:12355')
+        """
+        env = os.environ if environ is None else environ
+        port = env.get("MASTER_PORT", "29500")
+        if not port.isdigit() or not 0 < int(port) <= 65536 - world_size:
+            port = "29500"
+        return cls({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                    "MASTER_ADDR": env.get("MASTER_ADDR", "localhost"), "MASTER_PORT": port})
+
+    @property
+    def spans_hosts(self) -> Optional[bool]:
+        """Whether the workers run on several hosts: ``WORLD_SIZE > LOCAL_WORLD_SIZE`` (None when unknown)."""
+        if self.local_world_size is None:
+            return None
+        return self.cluster_spec().num_tasks("worker") > self.local_world_size
 
     @staticmethod
     def detect(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -56,3 +99,12 @@ class TorchrunClusterResolver(ClusterResolver):
 
     def cluster_spec(self) -> ClusterSpec:
         return self._spec
+
+
+def _optional_int(env: Mapping[str, str], name: str) -> Optional[int]:
+    if name not in env:
+        return None
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {env[name]!r}") from None

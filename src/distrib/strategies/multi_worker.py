@@ -12,9 +12,9 @@ from distrib import cluster
 from distrib.cluster.resolver import ClusterResolver, worker_rank  # worker_rank: re-exported
 from distrib.comm import BucketedGradientReducer, CommunicationOptions, Communicator, LocalCommunicator
 from distrib.comm.hooks import CommHook
-from distrib.comm.process_group import ProcessGroupCommunicator
+from distrib.comm.process_group import ProcessGroupCommunicator, current_group
 from distrib.strategies.base import Strategy
-from distrib.strategies.devices import local_devices, parse_device
+from distrib.strategies.devices import parse_device, worker_devices
 from distrib.strategies.replication import optimizer_params
 
 __all__ = ["MultiWorkerMirroredStrategy", "worker_rank"]
@@ -25,12 +25,17 @@ log = logging.getLogger("distrib.strategies")
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous training over worker processes, each with one or more local replicas.
 
-    The cluster comes from ``cluster_resolver``, else from ``TF_CONFIG`` or torchrun's
-    variables; without any, it is one worker. Workers rendezvous at the chief's address
+    The cluster comes from ``cluster_resolver``, else from a ``torch.distributed`` process
+    group the script already initialised (``mp.spawn`` tutorials, frameworks: its rank,
+    world size and backend are used), else from ``TF_CONFIG``, torchrun's variables or
+    Slurm's; without any, it is one worker. Workers rendezvous at the chief's address
     and all-reduce gradients (gloo on CPU, NCCL on GPU) in buckets overlapped with the
     backward pass. Parameters of modules built in the scope start equal everywhere: the
     chief's values are broadcast. ``devices`` (an extension of TF's API) sets the local
-    replicas, e.g. ``["cpu:0", "cpu:1"]``; the default is every local GPU, or the CPU.
+    replicas, e.g. ``["cpu:0", "cpu:1"]``. The default is one GPU per process when a
+    launcher starts several processes on a host (``cuda:LOCAL_RANK`` under torchrun,
+    ``cuda:SLURM_LOCALID`` under Slurm), else every local GPU, or the CPU
+    (:func:`~distrib.strategies.devices.worker_devices`).
 
     Example (run it with ``distrib launch --workers 2 script.py``)::
 
@@ -45,15 +50,26 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __init__(self, cluster_resolver: Optional[ClusterResolver] = None,
                  communication_options: Optional[CommunicationOptions] = None,
                  devices: Optional[Sequence[str]] = None) -> None:
-        resolver = cluster_resolver or cluster.resolve() or cluster.TFConfigClusterResolver(environ={})
+        group = current_group()
+        resolver = cluster_resolver or _resolver_for(group)
         options = communication_options or CommunicationOptions()
-        names = list(devices) if devices is not None else local_devices()
+        names = list(devices) if devices is not None else worker_devices(group=group[:2] if group else None)
         parsed = [parse_device(n) for n in names]
         rank, world = worker_rank(resolver)
+        if group is not None and group[:2] != (rank, world):
+            raise ValueError(
+                f"torch.distributed is already initialised as rank {group[0]} of {group[1]}, but the cluster_resolver "
+                f"says rank {rank} of {world}: leave cluster_resolver out to use the initialised group as the "
+                "cluster, or destroy the group first")
         communicator: Communicator
         if world > 1:
+            spec = resolver.cluster_spec()
+            hosts = [spec.task_address(job, i).rpartition(":")[0].strip("[]")
+                     for job in ("chief", "worker") if job in spec.jobs for i in spec.task_indices(job)]
+            spans = resolver.spans_hosts if isinstance(resolver, cluster.TorchrunClusterResolver) else None
             communicator = ProcessGroupCommunicator(resolver.rendezvous_address(), rank, world, options,
-                                                    uses_cuda=parsed[0].type == "cuda")
+                                                    uses_cuda=parsed[0].type == "cuda", hosts=hosts,
+                                                    across_hosts=spans)
         else:
             communicator = LocalCommunicator()
         super().__init__(parsed, communicator, resolver, device_names=names)
@@ -114,3 +130,21 @@ class MultiWorkerMirroredStrategy(Strategy):
         if reducer is not None:
             reducer.discard()
         super()._optimizer_zero_grad(optimizer, zero_grad, set_to_none)
+
+
+def _resolver_for(group: Optional[tuple[int, int, str]]) -> ClusterResolver:
+    """The cluster when no resolver is given: the environment's, checked against an initialised group."""
+    found = cluster.resolve()
+    if group is None:
+        return found or cluster.TFConfigClusterResolver(environ={})
+    rank, world, backend = group
+    if found is None:
+        log.info("using the initialised %s process group as the cluster: rank %d of %d", backend, rank, world)
+        return cluster.TorchrunClusterResolver.from_process_group(rank, world)
+    if worker_rank(found) != (rank, world):
+        described = "rank %d of %d" % worker_rank(found)
+        raise ValueError(
+            f"torch.distributed is already initialised as rank {rank} of {world}, but the environment "
+            f"({type(found).__name__}) says {described}: initialise the group with the environment's rank and "
+            "world size, or leave it to distrib")
+    return found

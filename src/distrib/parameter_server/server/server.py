@@ -17,23 +17,63 @@ them): this module holds every running server (:func:`running_servers`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from distrib.cluster import ClusterSpec
+from distrib.cluster.spec import parse_address
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.server.ps_service import ParameterStore
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.server.worker_service import WorkerService
 from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE
 
-__all__ = ["Server", "running_servers"]
+__all__ = ["BIND_ADDRESS_ENV", "Server", "listen_address", "running_servers"]
+
+#: where a server listens when ``Server(bind_address=None)``: e.g. ``0.0.0.0`` (every interface)
+BIND_ADDRESS_ENV = "DISTRIB_BIND_ADDRESS"
 
 log = logging.getLogger("distrib.parameter_server.server.server")
 
 # every started, not yet stopped server: a gRPC server whose last reference goes away stops serving
 _running: set["Server"] = set()
 _running_lock = threading.Lock()
+
+
+def listen_address(address: str, bind_address: Optional[str] = None, where: str = "bind_address") -> str:
+    """The ``host:port`` a server for the task at ``address`` listens on.
+
+    ``bind_address`` None: ``address`` itself (distrib's default: only the interface of the spec's
+    address). Else a host, an address, or ``host:port`` (``[v6]:port``): ``"0.0.0.0"`` is every
+    IPv4 interface (TF's servers listen so), ``"::"`` or ``"[::]"`` every interface, IPv6 and IPv4;
+    without a port the task's port in the spec is kept. Behind NAT or a Kubernetes Service the
+    spec's address is the one clients reach, not an address of the task's host: listen on
+    every interface. ``where`` names the source in errors.
+
+    Example::
+
+        >>> listen_address("ps-0.svc:2222"), listen_address("ps-0.svc:2222", "0.0.0.0")
+        ('ps-0.svc:2222', '0.0.0.0:2222')
+        >>> listen_address("ps-0.svc:2222", "::"), listen_address("ps-0.svc:2222", "[::]:3333")
+        ('[::]:2222', '[::]:3333')
+    """
+    _, port = parse_address(address, "the task's address")
+    if bind_address is None:
+        return address
+    text = bind_address.strip() if isinstance(bind_address, str) else bind_address
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{where}={bind_address!r}: expected a host or 'host:port', e.g. '0.0.0.0' to listen "
+                         "on every interface")
+    if text.count(":") > 1 and not text.startswith("["):  # a bare IPv6 address: "::", "fd00::2"
+        text = f"[{text}]"
+    if text.endswith("]") or ":" not in text:
+        text = f"{text}:{port}"
+    try:
+        host, bound_port = parse_address(text, where)
+    except ValueError as e:
+        raise ValueError(f"{e}; e.g. '0.0.0.0' (every interface) or '0.0.0.0:{port}'") from None
+    return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
 
 
 def running_servers() -> list["Server"]:
@@ -47,7 +87,11 @@ class Server:
 
     ``token`` defaults to ``DISTRIB_CLUSTER_TOKEN`` and ``tls`` to the
     ``DISTRIB_TLS_*`` variables (see :mod:`distrib.parameter_server.transport.rpc`). The server
-    listens on exactly the address the cluster spec gives the task, and starts at
+    listens on exactly the address the cluster spec gives the task, unless ``bind_address``
+    (default ``DISTRIB_BIND_ADDRESS``) says otherwise: ``"0.0.0.0"`` listens on every interface,
+    at the task's port, as TF's servers do (see :func:`listen_address`); needed behind NAT or a
+    Kubernetes Service, where the spec's address is not one of the host's. Every call still
+    needs the cluster token. The server starts at
     once unless ``start=False``, and serves until :meth:`stop` whether or not the
     program keeps a reference to it. ``config`` (a TF ``ConfigProto``) is accepted for TF
     compatibility and ignored; ``protocol`` may only be ``"grpc"``. Requests larger than
@@ -65,7 +109,7 @@ class Server:
     def __init__(self, cluster_spec: Union[ClusterSpec, Mapping[str, Sequence[str]]], job_name: str, task_index: int = 0,
                  *, token: Optional[str] = None, tls: Optional[TLSConfig] = None, start: bool = True,
                  config: Any = None, protocol: Optional[str] = None, max_workers: Optional[int] = None,
-                 max_message_bytes: Optional[int] = None) -> None:
+                 max_message_bytes: Optional[int] = None, bind_address: Optional[str] = None) -> None:
         if protocol not in (None, "grpc"):
             raise ValueError(f"Server(protocol={protocol!r}): only 'grpc' is supported (TLS: pass tls=TLSConfig(...))")
         spec = ClusterSpec(cluster_spec)
@@ -78,7 +122,13 @@ class Server:
         self.cluster_spec = spec
         self.job_name = job_name
         self.task_index = task_index
+        #: where the other tasks reach this one (the cluster spec's address)
         self.address = spec.task_address(job_name, task_index)
+        where = "bind_address"
+        if bind_address is None and os.environ.get(BIND_ADDRESS_ENV, "").strip():
+            bind_address, where = os.environ[BIND_ADDRESS_ENV], BIND_ADDRESS_ENV
+        #: where this server listens: ``address``, or what ``bind_address`` asked for (e.g. ``0.0.0.0:port``)
+        self.bind_address = listen_address(self.address, bind_address, where)
         self._token = rpc.cluster_token(token)
         self._tls = tls if tls is not None else TLSConfig.from_env()
         self._max_workers = max_workers or (16 if job_name == "ps" else 4)
@@ -94,7 +144,7 @@ class Server:
         return f"grpc://{self.address}"
 
     def start(self) -> None:
-        """Listen on the task's address; OSError if it is taken."""
+        """Listen on the task's address (or ``bind_address``); OSError if it is taken or not this host's."""
         if self._grpc is not None:
             return
         if self.job_name == "ps":
@@ -104,12 +154,13 @@ class Server:
             service = WorkerService(self.cluster_spec, self.task_index, self._token, self._tls, self.max_message_bytes)
             name = WORKER_SERVICE
         self._service = service
-        self._grpc = rpc.make_server(self.address, name, service.handlers(), self._token, self._tls, self._max_workers,
-                                     self.max_message_bytes)
+        self._grpc = rpc.make_server(self.bind_address, name, service.handlers(), self._token, self._tls,
+                                     self._max_workers, self.max_message_bytes)
         self._stopped.clear()
         with _running_lock:
             _running.add(self)
-        log.info("started /job:%s/task:%d on %s%s", self.job_name, self.task_index, self.address,
+        log.info("started /job:%s/task:%d on %s%s%s", self.job_name, self.task_index, self.address,
+                 f" (listening on {self.bind_address})" if self.bind_address != self.address else "",
                  " (TLS)" if self._tls else "")
 
     def join(self, timeout: Optional[float] = None) -> bool:
@@ -126,4 +177,5 @@ class Server:
         self._stopped.set()
 
     def __repr__(self) -> str:
-        return f"Server(/job:{self.job_name}/task:{self.task_index}, {self.address})"
+        listening = f", listening on {self.bind_address}" if self.bind_address != self.address else ""
+        return f"Server(/job:{self.job_name}/task:{self.task_index}, {self.address}{listening})"

@@ -5,7 +5,9 @@ handlers, and the bytes are :mod:`~distrib.parameter_server.transport.wire` mess
 
 Security, in order of the checks a call meets:
 
-* a server binds only the address its task has in the cluster spec (never ``0.0.0.0``);
+* a server binds only the address its task has in the cluster spec, unless it is asked to
+  listen on every interface (``ds.Server(bind_address="0.0.0.0")`` or ``DISTRIB_BIND_ADDRESS``,
+  as TF's servers do: behind NAT or a Kubernetes Service); the checks below hold either way;
 * with TLS (:class:`TLSConfig`, or ``DISTRIB_TLS_CERT``/``DISTRIB_TLS_KEY``/``DISTRIB_TLS_CA``)
   the channel is encrypted, and with a CA file both ends must present certificates it signed;
 * every call carries the cluster token (``DISTRIB_CLUSTER_TOKEN``, at least 16 characters)
@@ -221,6 +223,8 @@ def make_server(address: str, service: str, handlers: Mapping[str, Handler], tok
                 max_message: Optional[int] = None) -> grpc.Server:
     """A started gRPC server on exactly ``address`` whose methods are ``service/<name>``.
 
+    ``address`` may be ``0.0.0.0:port`` or ``[::]:port`` (every interface): the token is checked all the same.
+
     Requests larger than ``max_message`` bytes (default: :func:`max_message_bytes`) are
     refused by gRPC with ``RESOURCE_EXHAUSTED``.
     """
@@ -242,7 +246,10 @@ def make_server(address: str, service: str, handlers: Mapping[str, Handler], tok
         detail = ""
     if port == 0:
         raise OSError(f"cannot listen on {address!r} (taken by another process, or not an address of this "
-                      f"host){': ' + detail if detail else ''}; check the cluster spec")
+                      f"host){': ' + detail if detail else ''}; check the cluster spec. Behind NAT or a Kubernetes "
+                      "Service, where the spec's address is not this host's, listen on every interface: "
+                      "ds.Server(..., bind_address='0.0.0.0') or DISTRIB_BIND_ADDRESS=0.0.0.0 (the cluster token "
+                      "is still required)")
     server.start()
     return server
 

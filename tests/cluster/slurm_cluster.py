@@ -1,0 +1,277 @@
+"""A one-node Slurm cluster for tests: munge, slurmctld and slurmd on this host, from Debian's `slurm-wlm`.
+
+    with SlurmCluster() as slurm:                        # skips nothing itself: see `SlurmCluster.unavailable()`
+        code, out = slurm.run(["srun", "-n2", "hostname"], timeout=60)
+        code, out = slurm.sbatch("#!/bin/bash\\nsrun -n2 hostname\\n", ntasks=2, timeout=60)
+
+Everything lives in its own directory (config, munge key and socket, state, spool, logs) and on
+ports picked free, so it touches no system Slurm and no other test's cluster. The daemons run in
+the foreground as children of this process, every one in its own process group, and carry a
+marker variable in their environment; `stop()` cancels every job, stops the daemons, then kills
+every process left that carries the marker (job steps, tasks), and removes the directory, also
+when a test failed half-way. Needs root (slurmd starts the tasks as their user) and the
+binaries of Debian's `slurm-wlm` and `munge` (`scripts/setup.sh` installs them when root).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+MARKER = "DISTRIB_TEST_SLURM"
+_BINARIES = ("munged", "munge", "slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo")
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def node_name() -> Optional[str]:
+    """This host's short name if it resolves (the cluster spec uses node names as hosts), else None."""
+    name = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(name)
+    except OSError:
+        return None
+    return name
+
+
+class SlurmCluster:
+    """munged + slurmctld + slurmd on this host, one node of ``cpus`` CPUs (more than the host has is fine)."""
+
+    def __init__(self, cpus: int = 8) -> None:
+        self.cpus = cpus
+        self.dir = Path(tempfile.mkdtemp(prefix="distrib-slurm-"))
+        self.node = node_name() or "localhost"
+        self.conf = self.dir / "slurm.conf"
+        self._daemons: list[subprocess.Popen] = []
+        self._started: list[subprocess.Popen] = []
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        """Why a cluster cannot be started here (a skip reason), or None."""
+        if os.geteuid() != 0:
+            return "a Slurm cluster needs root (slurmd starts tasks as their user): run the tests as root"
+        missing = [b for b in _BINARIES if shutil.which(b) is None]
+        if missing:
+            return (f"Slurm/munge binaries missing ({', '.join(missing)}): install Debian's slurm-wlm and munge "
+                    "(scripts/setup.sh does, as root)")
+        if node_name() is None:
+            return f"this host's name {socket.gethostname()!r} does not resolve; Slurm's node names must"
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "SlurmCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def env(self, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        """This process's environment, pointed at this cluster (and marked, for the final sweep)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
+        env.update({"SLURM_CONF": str(self.conf), MARKER: str(self.dir)})
+        env.update(extra or {})
+        return env
+
+    def start(self, timeout: float = 60) -> None:
+        d = self.dir
+        for sub in ("munge", "state", "spool", "log", "jobs"):
+            (d / sub).mkdir()
+        os.chmod(d, 0o755)
+        os.chmod(d / "munge", 0o711)
+        key = d / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+        ctld_port, slurmd_port = _free_ports(2)
+        self.conf.write_text(_CONF.format(dir=d, node=self.node, cpus=self.cpus, ctld_port=ctld_port,
+                                          slurmd_port=slurmd_port))
+        socket_path = d / "munge" / "munge.socket"
+        self._daemon(["munged", "--force", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
+                      f"--pid-file={d / 'munge' / 'munged.pid'}", f"--log-file={d / 'log' / 'munged.log'}",
+                      f"--seed-file={d / 'munge' / 'seed'}"], "munged")
+        self._wait(lambda: socket_path.exists(), timeout, "munged did not create its socket")
+        self._daemon(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
+        self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", self.node], "slurmd")
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), capture_output=True, text=True,
+                                 timeout=20).stdout.strip()
+            return out == "idle"
+
+        self._wait(idle, timeout, "the node did not become idle")
+
+    def _daemon(self, argv: Sequence[str], name: str) -> None:
+        log = open(self.dir / "log" / f"{name}.out", "wb")
+        proc = subprocess.Popen(list(argv), env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self._daemons.append(proc)
+
+    def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [p for p in self._daemons if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a Slurm daemon exited ({dead[0].args[0]}, status {dead[0].returncode}):\n"
+                                   + self.logs())
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{what} within {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        """The tail of every daemon's log, for failure messages."""
+        parts = []
+        for path in sorted((self.dir / "log").glob("*")):
+            text = path.read_text(errors="replace")
+            parts.append(f"--- {path.name}\n{text[-2000:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """Cancel every job, stop the daemons, kill whatever carries the marker, remove the directory."""
+        if self._daemons and all(p.poll() is None for p in self._daemons):
+            try:
+                subprocess.run(["scancel", "--full", "--quiet", "--user", "root"], env=self.env(), timeout=15,
+                               capture_output=True)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    out = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env(), capture_output=True,
+                                         text=True, timeout=15).stdout.strip()
+                    if not out:
+                        break
+                    time.sleep(0.3)
+            except (OSError, subprocess.SubprocessError):
+                pass
+        for proc in self._started:
+            _kill_group(proc)
+        for proc in reversed(self._daemons):
+            _kill_group(proc, signal.SIGTERM)
+        for proc in reversed(self._daemons):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait(timeout=10)
+            _kill_group(proc)  # anything left in its group (slurmstepd)
+        kill_marked(str(self.dir))
+        self._daemons.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ jobs
+    def popen(self, argv: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,
+              cwd: Optional[str] = None) -> subprocess.Popen:
+        """Start a client command (``srun``, ``sbatch``...) in its own process group; stopped by ``stop()``."""
+        proc = subprocess.Popen(list(argv), env=self.env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True, cwd=cwd)
+        self._started.append(proc)
+        return proc
+
+    def run(self, argv: Sequence[str], timeout: float, extra_env: Optional[Mapping[str, str]] = None,
+            cwd: Optional[str] = None) -> tuple[int, str]:
+        """Run a client command bounded in time: ``(exit status, output)``; on overrun its group is killed
+        and the status is -9."""
+        return wait(self.popen(argv, extra_env, cwd), timeout)
+
+    def sbatch(self, script: str, timeout: float, args: Sequence[str] = (),
+               extra_env: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
+        """Submit ``script`` with ``sbatch --wait ARGS`` and return its exit status and the job's output."""
+        jobs = self.dir / "jobs"
+        path = Path(tempfile.mkstemp(prefix="job-", suffix=".sh", dir=jobs)[1])
+        path.write_text(script)
+        out = path.with_suffix(".out")
+        code, submitted = self.run(["sbatch", "--wait", "-o", str(out), *args, str(path)], timeout, extra_env,
+                                   cwd=str(jobs))
+        text = out.read_text(errors="replace") if out.exists() else ""
+        return code, f"{submitted}\n{text}"
+
+
+def wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """``(exit status, output)`` of ``proc`` within ``timeout`` seconds; else its group is killed (status -9)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
+        return -9, f"{out}\n[killed after {timeout}s]"
+    finally:
+        _kill_group(proc)
+    return proc.returncode, out
+
+
+def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_marked(value: str) -> int:
+    """SIGKILL every process whose environment has ``DISTRIB_TEST_SLURM=value``; how many."""
+    needle = f"{MARKER}={value}".encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            continue
+    return killed
+
+
+_CONF = """\
+ClusterName=distribtest
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={dir}/munge/munge.socket
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/log/slurmctld.log
+SlurmdLogFile={dir}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+KillWait=2
+MinJobAge=2
+InactiveLimit=0
+NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=10 State=UP
+"""
