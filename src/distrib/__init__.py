@@ -52,7 +52,7 @@ from distrib import metrics, testing
 from distrib.checkpoint import (Checkpoint, CheckpointError, CheckpointManager, checkpoints_iterator,
                                 latest_checkpoint)
 from distrib.cluster import ClusterSpec
-from distrib.comm import CollectiveError, CommunicationImplementation, CommunicationOptions
+from distrib.comm import CollectiveError, CommunicationImplementation, CommunicationOptions, PowerSGD
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
 from distrib.input import InputContext, OptionalValue, OutOfRangeError, TensorSpec
@@ -98,6 +98,7 @@ __all__ = [
     "OutOfRangeError",
     "ParameterServerStrategy",
     "PerReplica",
+    "PowerSGD",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",

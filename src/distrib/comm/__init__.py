@@ -6,13 +6,19 @@
   imported on first use;
 * :mod:`~distrib.comm.options`: :class:`CommunicationOptions`;
 * :mod:`~distrib.comm.hooks` and :mod:`~distrib.comm.gradient_reducer`: how gradients
-  are reduced, bucket by bucket, through a pluggable comm hook.
+  are reduced, bucket by bucket, through a pluggable comm hook;
+* :mod:`~distrib.comm.compression` (fp16/bf16 casting) and :mod:`~distrib.comm.powersgd`
+  (low rank with error feedback): the compressing hooks that
+  ``CommunicationOptions(compression=...)`` chooses.
 """
 
 from distrib.comm.communicator import CollectiveError, Communicator, LocalCommunicator
 from distrib.comm.gradient_reducer import BucketedGradientReducer, reduce_gradients
-from distrib.comm.hooks import CommHook, GradBucket, allreduce_hook
+from distrib.comm.compression import CastHook
+from distrib.comm.hooks import CommHook, DeferredFuture, GradBucket, allreduce_hook
 from distrib.comm.options import CommunicationImplementation, CommunicationOptions
+from distrib.comm.powersgd import PowerSGD, PowerSGDHook
 
-__all__ = ["BucketedGradientReducer", "CollectiveError", "CommHook", "CommunicationImplementation", "CommunicationOptions", "Communicator",
-           "GradBucket", "LocalCommunicator", "allreduce_hook", "reduce_gradients"]
+__all__ = ["BucketedGradientReducer", "CastHook", "CollectiveError", "CommHook", "CommunicationImplementation",
+           "CommunicationOptions", "Communicator", "DeferredFuture", "GradBucket", "LocalCommunicator", "PowerSGD",
+           "PowerSGDHook", "allreduce_hook", "reduce_gradients"]

@@ -7,7 +7,18 @@ reducing it over the workers, and returns a future whose value is the flat tenso
 of summed gradients (the bucket's own buffer, or a new tensor of its shape and
 dtype). The default, :func:`allreduce_hook`, sums the buffer in place. A hook that
 compresses (casts to bf16, low-rank approximates) does its work around the
-communicator's collectives; no strategy changes for it.
+communicator's collectives; no strategy changes for it. The compressing hooks
+(:mod:`distrib.comm.compression`, :mod:`distrib.comm.powersgd`) are chosen with
+``CommunicationOptions(compression=...)``.
+
+Whatever a hook sends, its result must be (an approximation of) the SUM of the
+bucket over the workers: distrib's losses are scaled by the global batch, so
+nothing divides by the number of workers.
+
+A hook whose work continues after its first collective returns a
+:class:`DeferredFuture`: the rest runs, on the waiting thread, when the reducer
+waits for the bucket (after every bucket has been launched), so the training
+thread does all compression work itself and later buckets are launched first.
 
 Example::
 
@@ -21,14 +32,16 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from torch.futures import Future
 
 from distrib.comm.communicator import Communicator
 
-__all__ = ["GradBucket", "CommHook", "allreduce_hook"]
+__all__ = ["GradBucket", "CommHook", "DeferredFuture", "allreduce_hook"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,3 +64,36 @@ CommHook = Callable[[Communicator, GradBucket], "Future[torch.Tensor]"]
 def allreduce_hook(communicator: Communicator, bucket: GradBucket) -> Future[torch.Tensor]:
     """Sum the bucket over all workers, in place (the default hook)."""
     return communicator.all_reduce_async(bucket.buffer)
+
+
+class DeferredFuture(Future[T]):
+    """A future whose value is computed by ``finish()`` on the first thread that waits for it.
+
+    A comm hook returns one when part of its work (waiting for an all-reduce,
+    decompressing, a second collective) must happen after the hook returns, but
+    should run on the training thread rather than on a communication thread (as a
+    ``then`` callback would). ``wait()`` runs ``finish`` once and keeps its value or
+    its error; ``done()`` is False until then. Only ``wait()`` runs it: a
+    communicator's ``wait`` and the gradient reducer call nothing else.
+
+    Example::
+
+        >>> future = DeferredFuture(lambda: torch.ones(2) * 3)
+        >>> future.done(), future.wait(), future.done()
+        (False, tensor([3., 3.]), True)
+    """
+
+    def __init__(self, finish: Callable[[], T]) -> None:
+        super().__init__()
+        self._finish: Callable[[], T] | None = finish
+
+    def wait(self) -> T:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            try:
+                value = finish()
+            except BaseException as error:
+                self.set_exception(error)  # type: ignore[arg-type]  # torch types it as T
+                raise
+            self.set_result(value)
+        return super().wait()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
+
+from distrib.comm.hooks import CommHook
+from distrib.comm.powersgd import PowerSGD
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions", "DEFAULT_TIMEOUT_SECONDS", "DEFAULT_BYTES_PER_PACK"]
 
@@ -31,19 +34,32 @@ class CommunicationOptions:
     ``"auto"`` (NCCL on GPU, gloo on CPU), ``"ring"``/``"gloo"``, or ``"nccl"`` (or TF's
     :class:`CommunicationImplementation`).
 
+    ``compression`` (distrib's addition; TF has none): how gradients travel between
+    workers. ``None``: fp32, exact. ``"bf16"`` / ``"fp16"``: each bucket is cast to 16
+    bits for the all-reduce and back (half the bytes; see :mod:`distrib.comm.compression`
+    for rounding and fp16's range). ``PowerSGD(rank=..., start_iter=...)``: a low-rank
+    approximation of each gradient matrix with error feedback, after ``start_iter``
+    exact steps (see :mod:`distrib.comm.powersgd`). Every result is (an approximation
+    of) the sum over workers, as without compression. :meth:`comm_hook` makes the
+    hook; ``MultiWorkerMirroredStrategy`` installs it.
+
     Example::
 
         >>> CommunicationOptions(timeout_seconds=30).timeout
         30.0
+        >>> CommunicationOptions(compression="bf16").comm_hook()
+        CastHook('bf16')
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: Optional[float] = None
     implementation: "str | CommunicationImplementation" = "auto"
+    compression: Union[None, str, PowerSGD] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.implementation, CommunicationImplementation):
             object.__setattr__(self, "implementation", self.implementation.value)
+        object.__setattr__(self, "compression", _check_compression(self.compression))
         if self.bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be >= 0, got {self.bytes_per_pack}")
         if self.timeout_seconds is not None and self.timeout_seconds <= 0:
@@ -61,9 +77,36 @@ class CommunicationOptions:
         """The gradient bucket size in bytes that applies."""
         return self.bytes_per_pack or DEFAULT_BYTES_PER_PACK
 
+    def comm_hook(self) -> CommHook:
+        """A new comm hook for ``compression`` (with its own state): what the strategy reduces gradients with."""
+        from distrib.comm.compression import CastHook
+        from distrib.comm.hooks import allreduce_hook
+
+        if self.compression is None:
+            return allreduce_hook
+        if isinstance(self.compression, PowerSGD):
+            return self.compression.hook()
+        return CastHook(self.compression)
+
     def backend(self, uses_cuda: bool) -> str:
         """The ``torch.distributed`` backend for these options: ``"nccl"`` or ``"gloo"``."""
         impl = self.implementation.lower()
         if impl == "nccl" or (impl == "auto" and uses_cuda):
             return "nccl"
         return "gloo"
+
+
+def _check_compression(value: object) -> Union[None, str, PowerSGD]:
+    """``compression`` as stored (``"fp16"``/``"bf16"`` in lower case), or a ValueError that says what is accepted."""
+    accepted = "None, 'fp16', 'bf16' or ds.PowerSGD(rank=..., start_iter=...)"
+    if value is None or isinstance(value, PowerSGD):
+        return value
+    if value is PowerSGD:
+        raise ValueError(f"CommunicationOptions(compression=PowerSGD): pass an instance, e.g. "
+                         f"compression=ds.PowerSGD(rank=2, start_iter=10); accepted: {accepted}")
+    if isinstance(value, str) and value.lower() in ("fp16", "bf16"):
+        return value.lower()
+    hint = ""
+    if isinstance(value, str) and value.lower() in ("float16", "half", "bfloat16"):
+        hint = f" (for {value!r} write {'bf16' if value.lower() == 'bfloat16' else 'fp16'!r})"
+    raise ValueError(f"CommunicationOptions(compression={value!r}) is not a compression{hint}; accepted: {accepted}")

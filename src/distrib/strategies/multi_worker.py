@@ -79,6 +79,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             weakref.WeakKeyDictionary())
         log.info("MultiWorkerMirroredStrategy: worker %d of %d, local devices %s, communication %r",
                  rank, world, names, communicator)
+        self.register_comm_hook(options.comm_hook())  # compression=...: every gradient reduction goes through it
 
     @property
     def communication_options(self) -> CommunicationOptions:
