@@ -11,7 +11,7 @@ from distrib.strategies import registry
 EVERY_OPTION = ["--strategy", "multi-worker", "--workers", "3", "--ps", "0", "--max-restarts", "2", "--epochs", "4",
                 "--batch-size-per-replica", "16", "--replicas", "2", "--device", "cpu", "--checkpoint-dir", "/c",
                 "--data-dir", "/d", "--seed", "7", "--compile", "--no-progress", "--fit", "--tensorboard", "/tb",
-                "--metrics-file", "/m.jsonl", "--tls"]
+                "--metrics-file", "/m.jsonl", "--precision", "bf16-mixed", "--tls"]
 
 
 def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_own():

@@ -85,6 +85,10 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
         ("--tensorboard", dict(metavar="DIR", default=None, help="write TensorBoard scalars to DIR (chief only)")),
         ("--metrics-file", dict(default=None, help="one JSON line per epoch (default: CHECKPOINT_DIR/metrics.jsonl, "
                                                    "rewritten every run)")),
+        ("--precision", dict(choices=["32", "bf16-mixed", "16-mixed"], default="32",
+                             help="32: float32; bf16-mixed: autocast to bfloat16 (fast on CPUs with avx512_bf16 "
+                                  "or AMX, and on recent GPUs); 16-mixed: autocast to float16 with a GradScaler "
+                                  "(Lightning's names)")),
     ]
 
 
@@ -151,7 +155,7 @@ def _train(args: argparse.Namespace) -> int:
         strategy=name, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
         replicas=args.replicas, device=args.device, checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir,
         seed=args.seed, compile=args.compile, progress=args.progress, fit=args.fit, tensorboard=args.tensorboard,
-        metrics_file=args.metrics_file,
+        metrics_file=args.metrics_file, precision=args.precision,
     )
     try:
         train(config)

@@ -25,6 +25,7 @@ from distrib.app.datasets import load_fashion_mnist
 from distrib.keras.callbacks import Callback, CallbackList, JsonlLogger, TensorBoard
 from distrib.keras.loop import Loop
 from distrib.strategies import registry
+from distrib.strategies.amp import Precision
 
 __all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "train"]
 
@@ -50,6 +51,7 @@ class TrainConfig:
     fit: bool = False  # run the job through ds.fit instead of the custom loop
     tensorboard: Optional[str] = None  # write TensorBoard scalars here (chief only)
     metrics_file: Optional[str] = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
+    precision: str = "32"  # Lightning's names: "32", "bf16-mixed", "16-mixed" (see distrib.strategies.amp.Precision)
 
 
 class TensorBatches:
@@ -98,27 +100,51 @@ def _progress(iterable: Any, enabled: bool, desc: str) -> Any:
 
 
 def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size: int, train_accuracy: Any,
-               test_loss: Any, test_accuracy: Any) -> tuple[Any, Any]:
-    """Seed 000's replica functions: ``train_step(inputs) -> scaled loss`` and ``test_step(inputs)``."""
+               test_loss: Any, test_accuracy: Any, precision: str = "32") -> tuple[Any, Any]:
+    """Seed 000's replica functions: ``train_step(inputs) -> scaled loss`` and ``test_step(inputs)``.
+
+    ``precision`` ``"bf16-mixed"`` / ``"16-mixed"``: the forward pass and the loss run under
+    ``torch.autocast``; float16 also scales the loss with a ``torch.amp.GradScaler``, used as in
+    plain PyTorch (the strategy makes it agree over replicas and workers).
+    """
+    mixed = Precision.parse(precision, "--precision")
+    scaler = None
 
     def compute_loss(labels: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
         per_example_loss = F.cross_entropy(predictions, labels, reduction="none")
         return ds.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
 
     def train_step(inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        nonlocal scaler
         images, labels = inputs
-        predictions = forward(images)
-        loss = compute_loss(labels, predictions)
-        loss.backward()
-        optimizer.step()
+        if not mixed.mixed:
+            predictions = forward(images)
+            loss = compute_loss(labels, predictions)
+            loss.backward()
+            optimizer.step()
+        else:
+            with mixed.autocast(images.device.type):
+                predictions = forward(images)
+                loss = compute_loss(labels, predictions)
+            if scaler is None:
+                scaler = mixed.grad_scaler(images.device.type)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
         optimizer.zero_grad()
         train_accuracy.update_state(labels, predictions)
         return loss
 
     def test_step(inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
         images, labels = inputs
-        predictions = forward(images)
-        test_loss.update_state(F.cross_entropy(predictions, labels, reduction="none"))
+        with mixed.autocast(images.device.type):
+            predictions = forward(images)
+            per_example = F.cross_entropy(predictions, labels, reduction="none")
+        test_loss.update_state(per_example)
         test_accuracy.update_state(labels, predictions)
 
     return train_step, test_step
@@ -126,11 +152,14 @@ def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size
 
 def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[str, Any]:
     """Run the main job; print one line per epoch; return the per-epoch figures and the restored accuracy."""
+    mixed = Precision.parse(config.precision, "precision")
     strategy = strategy or make_strategy(config.strategy, config.replicas, config.device)
     log.info("Using %r", strategy)
     chief = strategy.is_chief  # under several workers only the chief prints and evaluates the checkpoint
     if chief:
         print(f"Number of devices: {strategy.num_replicas_in_sync}", flush=True)
+        if mixed.mixed:  # as Lightning says it
+            print(f"Using {str(mixed.dtype).removeprefix('torch.')} Automatic Mixed Precision (AMP)", flush=True)
     train_split, test_split = load_fashion_mnist(config.data_dir)
     torch.manual_seed(config.seed)
 
@@ -158,7 +187,8 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         _train_with_fit(config, strategy, forward, model, optimizer, checkpoint, checkpoint_prefix,
                         train_batches, test_batches, reporters)
         return _finish(config, chief, global_batch_size, test_split, [])
-    train_step, test_step = make_steps(forward, optimizer, global_batch_size, train_accuracy, test_loss, test_accuracy)
+    train_step, test_step = make_steps(forward, optimizer, global_batch_size, train_accuracy, test_loss, test_accuracy,
+                                       config.precision)
 
     show = chief and (sys.stdout.isatty() if config.progress is None else config.progress)
     history: list[dict[str, float]] = []
@@ -230,7 +260,8 @@ def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, mo
     """The same job through ``ds.fit``: Keras-style progress, a checkpoint every 2 epochs as the seed."""
     ds.fit(forward, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
            metrics=["accuracy"], validation_data=test_batches, verbose=1 if config.progress else 2,
-           callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks])
+           callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
+           precision=config.precision)
 
 
 class FashionMnistBatches:
@@ -261,7 +292,8 @@ def _train_on_parameter_servers(config: TrainConfig, model: torch.nn.Module, opt
     ds.fit(model, FashionMnistBatches(config.data_dir, "train", batch, config.seed), optimizer=optimizer,
            loss="cross_entropy", epochs=config.epochs, steps_per_epoch=-(-n_train // batch), metrics=["accuracy"],
            validation_data=FashionMnistBatches(config.data_dir, "test", batch, config.seed),
-           validation_steps=-(-n_test // batch), verbose=2, callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks])
+           validation_steps=-(-n_test // batch), verbose=2, callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
+           precision=config.precision)
 
 
 def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any,

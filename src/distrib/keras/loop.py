@@ -38,6 +38,7 @@ from distrib import context, metrics as metrics_lib
 from distrib.keras.callbacks import Callback, CallbackList, History
 from distrib.keras.progress import Progbar
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
+from distrib.strategies.amp import Precision
 from distrib.strategies.base import Strategy
 from distrib.strategies.execution import StepExecutor, numbered_batches
 
@@ -195,6 +196,22 @@ def _verbosity(strategy: Strategy, verbose: Union[str, int]) -> int:
     return (1 if verbose == "auto" else int(verbose)) if strategy.is_chief else 0
 
 
+def _device_type(x: Any, model: torch.nn.Module) -> str:
+    """Where a step computes (for ``torch.autocast``): the device of its input, else of the model."""
+    if isinstance(x, torch.Tensor):
+        return x.device.type
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
+def _float(value: Any) -> Any:
+    """A prediction back in float32 for the metrics (autocast leaves bfloat16/float16 outputs)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32 \
+            and value.dtype != torch.float64:
+        return value.float()
+    return value
+
+
 def _len(data: Any) -> Optional[int]:
     try:
         return len(data)
@@ -205,7 +222,7 @@ def _len(data: Any) -> Optional[int]:
 def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer, loss: LossLike,
         epochs: int = 1, steps_per_epoch: Optional[int] = None, validation_data: Optional[Data] = None,
         validation_steps: Optional[int] = None, metrics: Sequence[Any] = (), callbacks: Sequence[Callback] = (),
-        verbose: Union[str, int] = "auto") -> History:
+        verbose: Union[str, int] = "auto", precision: Union[str, int] = "32") -> History:
     """Train ``model`` on ``data`` (an iterable of global ``(x, y)`` batches); return the History.
 
     ``steps_per_epoch``: steps per epoch, reading ``data`` again from the start when it
@@ -214,9 +231,17 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     every worker. Data that gives no batch at all is a ValueError; data that ends
     before an epoch is done (a one-shot iterator) ends that epoch with a warning, and
     training stops at the first epoch that gets no batch, as Keras does.
+
+    ``precision`` (Lightning's names): ``"32"``; ``"bf16-mixed"`` runs the forward pass and
+    the loss under ``torch.autocast`` to bfloat16; ``"16-mixed"`` to float16, with a
+    ``torch.amp.GradScaler`` (a step whose gradients overflow on any replica of any worker is
+    skipped everywhere, see :mod:`distrib.strategies.amp`). Validation runs under the same autocast.
     """
+    mixed = Precision.parse(precision)
     strategy = _strategy_of(model)
     executor = strategy.step_executor()
+    devices = [d for d in strategy.local_devices if d is not None]
+    scaler = mixed.grad_scaler(devices[0].type if devices else "cpu")
     loss_fn = per_example_loss(loss)
     tracked = _Tracked(strategy, metrics, loss)
     history = History()
@@ -231,12 +256,19 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
         if _is_end(y):
             return _END
         model.train()
-        pred = model(x)
-        per_example = loss_fn(pred, y)
-        compute_average_loss(per_example, global_batch_size=n).backward()
-        optimizer.step()
+        with mixed.autocast(_device_type(x, model)):
+            pred = model(x)
+            per_example = loss_fn(pred, y)
+        loss = compute_average_loss(_float(per_example), global_batch_size=n)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
         optimizer.zero_grad()
-        return tracked.deltas(per_example.detach(), y, pred.detach())
+        return tracked.deltas(_float(per_example.detach()), y, _float(pred.detach()))
 
     cbs.on_train_begin()
     logs: Logs = {}
@@ -298,7 +330,7 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
         if validation_data is not None:
             logs.update(_evaluate(model, validation_feed, loss_fn, tracked, validation_steps, cbs, verbosity=0,
                                   prefix="val_", what="the validation of fit", steps_name="validation_steps",
-                                  original=validation_data, stacklevel=3))
+                                  original=validation_data, stacklevel=3, precision=mixed))
         bar.update(int(loop.step_in_epoch), logs, finalize=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
@@ -309,7 +341,8 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
 
 def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked, steps: Optional[int],
               cbs: CallbackList, verbosity: int, prefix: str = "", what: str = "evaluate",
-              steps_name: str = "steps", original: Any = None, stacklevel: int = 3) -> Logs:
+              steps_name: str = "steps", original: Any = None, stacklevel: int = 3,
+              precision: Precision = Precision.parse("32")) -> Logs:
     """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras.
 
     ``data`` is what the executor reads (see :func:`_data_to_feed`); ``original`` the user's data.
@@ -319,10 +352,10 @@ def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked
     def test_step(x: torch.Tensor, y: Any, n: int) -> Any:
         if _is_end(y):
             return _END
-        with torch.no_grad():
+        with torch.no_grad(), precision.autocast(_device_type(x, model)):
             model.eval()
             pred = model(x)
-            return tracked.deltas(loss_fn(pred, y), y, pred)
+            return tracked.deltas(_float(loss_fn(pred, y)), y, _float(pred))
 
     tracked.reset()
     cbs.on_test_begin()
@@ -362,19 +395,20 @@ def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked
 
 def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optional[int] = None,
              metrics: Sequence[Any] = (), return_dict: bool = True, verbose: Union[str, int] = 0,
-             callbacks: Sequence[Callback] = ()) -> Any:
+             callbacks: Sequence[Callback] = (), precision: Union[str, int] = "32") -> Any:
     """The loss and metrics of ``model`` over ``data`` (``steps`` batches, or all), over every replica.
 
     ``return_dict=False`` gives Keras' list ``[loss, *metrics]`` in the order given (the
     loss alone, a float, when there are no metrics). Under ParameterServerStrategy
     ``steps`` is required (workers cycle through their data). Data that gives no batch
-    is a ValueError.
+    is a ValueError. ``precision``: as :func:`fit`'s (autocast only).
     """
+    mixed = Precision.parse(precision)
     strategy = _strategy_of(model)
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
     logs = _evaluate(model, _data_to_feed(strategy, data), per_example_loss(loss), _Tracked(strategy, metrics, loss),
-                     steps, cbs, _verbosity(strategy, verbose), original=data, stacklevel=3)
+                     steps, cbs, _verbosity(strategy, verbose), original=data, stacklevel=3, precision=mixed)
     if return_dict:
         return logs
     values = list(logs.values())
@@ -382,18 +416,20 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optio
 
 
 def predict(model: torch.nn.Module, data: Iterable[Any], steps: Optional[int] = None,
-            callbacks: Sequence[Callback] = ()) -> torch.Tensor:
+            callbacks: Sequence[Callback] = (), precision: Union[str, int] = "32") -> torch.Tensor:
     """``model``'s outputs for every example of ``data`` (batches of ``x`` or ``(x, y)``), in order, on every worker.
 
-    Data that gives no batch is a ValueError; fewer batches than ``steps`` a warning.
+    Data that gives no batch is a ValueError; fewer batches than ``steps`` a warning. ``precision``: as
+    :func:`fit`'s (autocast only; the outputs are in the autocast dtype, as Lightning's).
     """
+    mixed = Precision.parse(precision)
     strategy = _strategy_of(model)
     executor = strategy.step_executor()
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
 
     def predict_step(x: torch.Tensor, y: Any, n: int) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), mixed.autocast(_device_type(x, model)):
             model.eval()
             return model(x)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -37,6 +38,7 @@ from distrib.comm import Communicator, LocalCommunicator
 from distrib.comm.hooks import CommHook, allreduce_hook
 from distrib.comm.gradient_reducer import reduce_gradients
 from distrib.comm.options import DEFAULT_BYTES_PER_PACK
+from distrib.strategies import amp
 from distrib.strategies.extended import StrategyExtended
 from distrib.strategies.replica import ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import (MirroredModules, ModuleCapture, install_capture_hooks,
@@ -98,6 +100,7 @@ def _check_optimizer_owner(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
 
 
 register_optimizer_step_pre_hook(_check_optimizer_owner)
+amp.install()  # GradScaler's unscale_/step/update merge under a strategy (strategies/amp.py)
 
 
 class Strategy:
@@ -131,6 +134,10 @@ class Strategy:
         self._run_options = RunOptions()
         self._warned_unscaled = False
         self._merging = 0  # merge functions running (with several replicas, their threads wait in it)
+        # optimizers whose step() this strategy merges, and those whose gradients a GradScaler call has already
+        # summed this step (True while inside _apply_update, which refreshes the copies itself): see amp.py
+        self._merged_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._summed: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         if self._communicator.world_size > 1:
             context.register_cluster_strategy(self)
 
@@ -241,6 +248,7 @@ class Strategy:
                 "inside the same strategy.scope() as the optimizer"
             )
         wrap_optimizer(optimizer, self._optimizer_step, self._optimizer_zero_grad)
+        self._merged_optimizers.add(optimizer)
 
     # ------------------------------------------------------------------ run
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None,
@@ -335,6 +343,12 @@ class Strategy:
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ctx = context.current_replica()
+        if ctx is None and optimizer in self._summed:  # a GradScaler summed this step's gradients (amp.py)
+            inside_update = self._summed.pop(optimizer)
+            result = step(*args, **kwargs)
+            if not inside_update:
+                self._mirrored.refresh()
+            return result
         if ctx is None:  # cross-replica: the gradients are already where they are
             return self._apply_update(optimizer, step, args, kwargs)
         if (args or kwargs.get("closure") is not None) and self.num_local_replicas > 1:
@@ -346,6 +360,35 @@ class Strategy:
             return [self._apply_update(optimizer, step, args, kwargs)] * len(scaled)
 
         return ctx.merge(ctx.scaled_loss_recorded, merge)
+
+    def _merges_steps(self, optimizer: Any) -> bool:
+        """Whether ``optimizer.step()`` is a merge point of this strategy (its GradScaler calls then are too)."""
+        return optimizer in self._merged_optimizers
+
+    def _reduce_gradients_for(self, optimizer: torch.optim.Optimizer, then: Callable[[], Any]) -> Any:
+        """Sum ``optimizer``'s gradients over replicas and workers (once a step), then call ``then``.
+
+        For a GradScaler's ``unscale_``/``step`` (amp.py), called once, cross-replica: the
+        strategy's own reduction (``_apply_update``) runs with ``then`` in place of the
+        optimizer's step, so the scaler unscales and checks the sums; an ``optimizer.step()``
+        that ``then`` (or a later ``scaler.step``) makes applies the update without summing again.
+        """
+        if optimizer in self._summed:
+            return then()
+
+        def summed_then() -> Any:
+            self._summed[optimizer] = True
+            return then()
+
+        try:
+            return self._apply_update(optimizer, summed_then, (), {})
+        finally:
+            if optimizer in self._summed:  # unscale_ alone, or a skipped step: the sums stay until step/zero_grad
+                self._summed[optimizer] = False
+
+    def _end_scaled_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A GradScaler's step is over (applied or skipped): the next gradients are summed anew."""
+        self._summed.pop(optimizer, None)
 
     def _check_loss_scaling(self, scaled: list[bool]) -> None:
         """Warn once when a step's loss was not scaled by distrib's helpers while several replicas are in sync."""
@@ -389,6 +432,7 @@ class Strategy:
                              set_to_none: bool) -> None:
         ctx = context.current_replica()
         params = optimizer_params(optimizer)
+        self._summed.pop(optimizer, None)
         if ctx is None:
             zero_grad(set_to_none)
             self._mirrored.zero_copy_grads(params, None, set_to_none)

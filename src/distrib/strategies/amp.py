@@ -1,0 +1,248 @@
+"""Mixed precision under strategies: ``torch.amp.GradScaler`` used exactly as in plain PyTorch inside ``run``.
+
+A ``GradScaler`` keeps one state per optimizer per step (``_per_optimizer_states``: its
+stage READY -> UNSCALED -> STEPPED and ``found_inf_per_device``) and decides from the
+gradients it sees in ``unscale_``. Under a strategy that merges ``optimizer.step()``,
+each replica holds only its own part of the gradient, and every replica thread calls
+``step`` and ``update``. Left alone, the first replica would unscale its own part and
+decide alone, the others would step on half-unscaled sums, and the second ``update()``
+would find no inf checks (``AssertionError: No inf checks were recorded prior to update``).
+
+So the scaler's calls become merge points, like ``optimizer.step()``:
+
+* ``scaler.unscale_(optimizer)`` and ``scaler.step(optimizer)``: once every local replica
+  has arrived, the strategy sums the gradients over replicas and workers (its usual
+  reduction: buckets, comm hook) *before* anything is unscaled; torch's own
+  ``unscale_`` then unscales and checks the sums once, and the inf flag is summed over
+  the workers (one scalar all-reduce), so every replica of every worker takes the same
+  decision. The optimizer step runs once, or is skipped everywhere.
+* ``scaler.update()``: runs once per step, on the agreed flag, so the scale is the same
+  on every replica and every worker.
+
+``scaler.scale(loss)`` needs nothing: every replica multiplies by the same scale. With the
+sums checked, a clean step is single-device training with the same scaler (parameters
+and scale, up to float rounding), and an inf or NaN on any replica skips the step and
+backs the scale off everywhere. Gradients are unscaled once they are summed, so code
+between ``unscale_`` and ``step`` (``clip_grad_norm_``) sees the global gradient.
+
+``GradScaler``'s ``unscale_``, ``step`` and ``update`` are replaced on the class once, when
+distrib is imported (``install``); they are torch's own unless the optimizer (for
+``update``: the calling replica's strategy) is one whose steps a strategy merges.
+Optimizers that unscale inside their own step (``fused=True``; ``_step_supports_amp_scaling``)
+are checked by torch on the summed gradients, without the extra all-reduce: the sums
+are the same on every worker.
+
+Example::
+
+    >>> import distrib as ds, torch
+    >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> with strategy.scope():
+    ...     model = torch.nn.Linear(4, 1)
+    ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    >>> def step(x):
+    ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...         loss = ds.compute_average_loss(model(x).float().pow(2).sum(1))
+    ...     scaler.scale(loss).backward()
+    ...     scaler.step(optimizer)
+    ...     scaler.update()
+    ...     optimizer.zero_grad()
+    >>> x = torch.ones(4, 4)
+    >>> x[3, 0] = float("nan")  # replica 1's half of the batch is poisoned
+    >>> for batch in strategy.experimental_distribute_dataset([x]):
+    ...     _ = strategy.run(step, args=(batch,))
+    >>> scaler.get_scale()  # the step was skipped on both replicas, and the scale backed off once
+    512.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch.amp.grad_scaler import GradScaler
+
+from distrib import context
+
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
+
+__all__ = ["install", "Precision"]
+
+#: Lightning's precision names (``Trainer(precision=...)``) and the autocast dtype of each (None: no autocast)
+_PRECISIONS: dict[str, Optional[torch.dtype]] = {
+    "32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+#: Lightning's older names, accepted with its warning
+_LEGACY = {"16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A training precision by Lightning's name: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``.
+
+    Mixed precision runs the forward pass and the loss under ``torch.autocast`` (bfloat16 or
+    float16 matrix products, float32 parameters and optimizer); ``"16-mixed"`` also needs a
+    ``GradScaler`` (float16's range is small: the loss is scaled up so that small gradients
+    do not underflow, and a step whose gradients overflow is skipped). Used by ``ds.fit`` and
+    ``distrib train --precision``.
+
+    Example::
+
+        >>> import torch
+        >>> p = Precision.parse("bf16-mixed")
+        >>> with p.autocast("cpu"):
+        ...     y = torch.nn.Linear(4, 2)(torch.ones(3, 4))
+        >>> y.dtype, p.grad_scaler("cpu")
+        (torch.bfloat16, None)
+        >>> type(Precision.parse("16-mixed").grad_scaler("cpu")).__name__
+        'GradScaler'
+    """
+
+    name: str
+    dtype: Optional[torch.dtype]
+
+    @classmethod
+    def parse(cls, precision: Union[str, int], argument: str = "precision") -> "Precision":
+        """The precision named ``precision``; a ValueError naming ``argument`` for an unknown one."""
+        name = str(precision)
+        if name in _LEGACY:
+            warnings.warn(f"{argument}={precision!r} is Lightning's older name; use {argument}={_LEGACY[name]!r}",
+                          UserWarning, stacklevel=3)
+            name = _LEGACY[name]
+        if name not in _PRECISIONS:
+            raise ValueError(f"{argument}={precision!r} is not a precision distrib knows: give '32' (full float32), "
+                             "'bf16-mixed' (autocast to bfloat16) or '16-mixed' (autocast to float16 with a "
+                             "GradScaler), Lightning's names")
+        return cls(name, _PRECISIONS[name])
+
+    @property
+    def mixed(self) -> bool:
+        """Whether steps run under ``torch.autocast``."""
+        return self.dtype is not None
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
+        """The context a step's forward pass and loss run in on a ``device_type`` device."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.dtype)
+
+    def grad_scaler(self, device_type: str) -> Optional[GradScaler]:
+        """A new ``GradScaler`` for float16 training on ``device_type``; None where no scaling applies."""
+        return GradScaler(device_type) if self.dtype is torch.float16 else None
+
+_original_unscale = GradScaler.unscale_
+_original_step = GradScaler.step
+_original_update = GradScaler.update
+
+
+def _merging_strategy(scaler: GradScaler, optimizer: Any) -> Optional["Strategy"]:
+    """The strategy that merges ``optimizer``'s steps, when ``scaler`` is enabled; else None (torch's behaviour)."""
+    if not getattr(scaler, "_enabled", False):
+        return None
+    owner = context.owner_of(optimizer)
+    return owner if owner is not None and owner._merges_steps(optimizer) else None
+
+
+def _once(strategy: "Strategy", what: str, values: list[Any], fn: Callable[[], Any]) -> list[Any]:
+    """A merge function: check every replica passed the same scaler and optimizer, run ``fn`` once, cross-replica."""
+    scaler, optimizer = values[0][0], values[0][1]
+    if any(v[0] is not scaler or v[1] is not optimizer for v in values):
+        raise ValueError(f"scaler.{what}(optimizer) was called with different GradScalers or optimizers on the "
+                         f"replicas of {type(strategy).__name__}; build one GradScaler outside strategy.run and "
+                         "use it with the strategy's optimizer on every replica")
+    strategy._check_loss_scaling([v[2] for v in values])
+    previous = context.set_current_replica(None)  # optimizer.step() inside fn is the cross-replica step
+    try:
+        result = fn()
+    finally:
+        context.set_current_replica(previous)
+    return [result] * len(values)
+
+
+def _as_merge_point(strategy: "Strategy", what: str, scaler: GradScaler, optimizer: Any,
+                    fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` once per step: at a merge point inside ``run``, or directly in cross-replica context."""
+    ctx = context.current_replica()
+    if ctx is None or ctx.strategy is not strategy:
+        return fn()
+    return ctx.merge((scaler, optimizer, ctx.scaled_loss_recorded),
+                     lambda values: _once(strategy, what, values, fn))
+
+
+def _agree(strategy: "Strategy", scaler: GradScaler, optimizer: Any) -> None:
+    """Sum the inf flags of ``optimizer``'s unscaled gradients over the workers: one decision everywhere."""
+    if strategy.num_workers == 1:
+        return
+    state = scaler._per_optimizer_states[id(optimizer)]
+    scale = scaler._scale
+    assert scale is not None, "unscale_ ran, so the scale exists"
+    total = torch.zeros((), dtype=torch.float32, device=scale.device)
+    for found in state["found_inf_per_device"].values():
+        total += found.to(scale.device)
+    strategy.communicator.all_reduce([total])
+    state["found_inf_per_device"] = {total.device: total.clamp_(max=1.0)}
+
+
+def _unscale_summed(strategy: "Strategy", scaler: GradScaler, optimizer: Any) -> None:
+    def unscale() -> None:
+        _original_unscale(scaler, optimizer)
+        _agree(strategy, scaler, optimizer)
+
+    strategy._reduce_gradients_for(optimizer, unscale)
+
+
+def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """``GradScaler.unscale_``: under a strategy, unscale and check the gradients summed over every replica."""
+    strategy = _merging_strategy(self, optimizer)
+    if strategy is None:
+        return _original_unscale(self, optimizer)
+    _as_merge_point(strategy, "unscale_", self, optimizer, lambda: _unscale_summed(strategy, self, optimizer))
+
+
+def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[float]:
+    """``GradScaler.step``: under a strategy, one decision over the summed gradients, one step (or none) everywhere."""
+    strategy = _merging_strategy(self, optimizer)
+    if strategy is None or "closure" in kwargs:  # torch refuses a closure itself
+        return _original_step(self, optimizer, *args, **kwargs)
+
+    def merged_step() -> Optional[float]:
+        try:
+            # torch's step: unscale_ (the replacement above, on summed gradients) unless the user called it,
+            # then optimizer.step() only if no worker found an inf
+            return strategy._reduce_gradients_for(optimizer, lambda: _original_step(self, optimizer, *args, **kwargs))
+        finally:
+            strategy._end_scaled_step(optimizer)
+
+    result: Optional[float] = _as_merge_point(strategy, "step", self, optimizer, merged_step)
+    return result
+
+
+def update(self: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None) -> None:
+    """``GradScaler.update``: with several local replicas, once per step (the first replica to arrive waits)."""
+    ctx = context.current_replica()
+    if ctx is None or ctx.strategy.num_local_replicas == 1 or not getattr(self, "_enabled", False):
+        return _original_update(self, new_scale)
+
+    def merge(values: list[Any]) -> Sequence[Any]:
+        previous = context.set_current_replica(None)
+        try:
+            done: list[GradScaler] = []
+            for scaler, scale in values:  # normally one scaler shared by every replica: updated once
+                if not any(scaler is d for d in done):
+                    done.append(scaler)
+                    _original_update(scaler, scale)
+        finally:
+            context.set_current_replica(previous)
+        return [None] * len(values)
+
+    ctx.merge((self, new_scale), merge)
+
+
+def install() -> None:
+    """Replace ``GradScaler.unscale_``, ``step`` and ``update`` by the strategy-aware ones (idempotent)."""
+    GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
+    GradScaler.step = step  # type: ignore[method-assign]
+    GradScaler.update = update  # type: ignore[method-assign]
