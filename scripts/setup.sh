@@ -4,7 +4,10 @@
 #      would pull a multi-GB CUDA build),
 #   2. the package itself, editable, with its test extras,
 #   3. Debian's dataset-fashion-mnist (only when root and apt-get exist; otherwise
-#      `distrib train` explains how to get the data, and the tests do not need it).
+#      `distrib train` explains how to get the data, and the tests do not need it),
+#   4. Debian's Slurm 22.05 (slurm-wlm: munge, slurmctld, slurmd) and iproute2, which the
+#      cluster tests run for real (tests/cluster/slurm_cluster.py starts a one-node cluster;
+#      tests/cluster/netns.py makes hosts of network namespaces); they skip with a reason without.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,5 +28,14 @@ if [ ! -f "$DATA/train-images-idx3-ubyte.gz" ]; then
       || echo "setup: could not install dataset-fashion-mnist; distrib train will say how to get the data" >&2
   else
     echo "setup: not root (or no apt-get): install the Debian package dataset-fashion-mnist, or pass --data-dir to distrib train" >&2
+  fi
+fi
+
+if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! command -v ip >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -qq --no-install-recommends slurm-wlm munge iproute2 >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1; apt-get install -y -qq --no-install-recommends slurm-wlm munge iproute2 >/dev/null; }; } \
+      || echo "setup: could not install slurm-wlm/munge/iproute2; the Slurm and multi-host tests will skip" >&2
   fi
 fi
