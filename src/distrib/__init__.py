@@ -45,7 +45,15 @@ imports neither grpc nor cloudpickle); the ``distrib train`` app in :mod:`distri
 
 from __future__ import annotations
 
+import importlib.util as _importlib_util
+import sys as _sys
+import warnings as _warnings
 from typing import TYPE_CHECKING, Any
+
+if "torch" not in _sys.modules and _importlib_util.find_spec("numpy") is None:
+    # torch warns "Failed to initialize NumPy" on import when numpy is absent; distrib needs no numpy
+    # (it is not a requirement), so that warning would only alarm users of `distrib train`
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from distrib import cluster as cluster_resolver
 from distrib import metrics, testing
