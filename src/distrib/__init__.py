@@ -50,7 +50,14 @@ import sys as _sys
 import warnings as _warnings
 from typing import TYPE_CHECKING, Any
 
-if "torch" not in _sys.modules and _importlib_util.find_spec("numpy") is None:
+def _numpy_missing() -> bool:
+    try:
+        return _importlib_util.find_spec("numpy") is None
+    except (ImportError, ValueError):
+        return True
+
+
+if "torch" not in _sys.modules and _numpy_missing():
     # torch warns "Failed to initialize NumPy" on import when numpy is absent; distrib needs no numpy
     # (it is not a requirement), so that warning would only alarm users of `distrib train`
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
