@@ -13,6 +13,9 @@ checkpointed (the chief writes). Options:
                 file --die-once is made first, so a restarted job does not die again; with --with-agent
                 its parent (torchrun's agent) is killed first: the worker's host is lost for good
 --step-delay T  sleep T seconds after each step (to let a test act while the job runs)
+--hold-at S     a job running on ONE worker waits before global step S (at most 120 s) for the job to grow:
+                torchrun's elastic agent restarts its worker when a second agent joins
+--all-ranks     every worker also writes its final parameters to OUT.<worker index>
 
 The chief prints ``step G on N workers`` for every step and writes the final parameters to --out.
 """
@@ -27,7 +30,27 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrib as ds
-from distrib.app.train import TensorBatches
+
+
+class TensorBatches:
+    """Global batches sliced from in-memory tensors, reshuffled each epoch as a function of (seed, epoch)."""
+
+    def __init__(self, *tensors, batch_size, shuffle=False, seed=0):
+        self.tensors, self.batch_size, self.shuffle, self.seed, self.epoch = tensors, batch_size, shuffle, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return -(-len(self.tensors[0]) // self.batch_size)
+
+    def __iter__(self):
+        n = len(self.tensors[0])
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch))
+        data = tuple(t[order] for t in self.tensors) if self.shuffle else self.tensors
+        for start in range(0, n, self.batch_size):
+            yield tuple(t[start:start + self.batch_size] for t in data)
+
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -42,6 +65,8 @@ p.add_argument("--die-once", default=None)
 p.add_argument("--with-agent", action="store_true")
 p.add_argument("--step-delay", type=float, default=0.0)
 p.add_argument("--timeout", type=float, default=60.0)
+p.add_argument("--all-ranks", action="store_true")
+p.add_argument("--hold-at", type=int, default=-1)
 args = p.parse_args()
 
 strategy = ds.MultiWorkerMirroredStrategy(
@@ -98,6 +123,9 @@ while int(epoch) < args.epochs:
         if (global_step == args.die_at and strategy.worker_index == args.die_rank and args.die_once
                 and not os.path.exists(args.die_once)):
             die()
+        if global_step == args.hold_at and strategy.num_workers == 1:
+            print(f"holding before step {global_step} on 1 worker, for the job to grow", flush=True)
+            time.sleep(120)
         strategy.run(step, args=(next(iterator),))
         end_of_epoch = int(step_in_epoch) + 1 == steps_per_epoch
         if end_of_epoch:  # the checkpoint holds the position of the next step
@@ -115,4 +143,6 @@ while int(epoch) < args.epochs:
         time.sleep(args.step_delay)
 if strategy.is_chief:
     torch.save([p.detach() for p in model.parameters()], args.out)
+if args.all_ranks:
+    torch.save([p.detach() for p in model.parameters()], f"{args.out}.{strategy.worker_index}")
 print(f"done: worker {strategy.worker_index} of {strategy.num_workers}", flush=True)

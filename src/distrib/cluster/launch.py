@@ -16,6 +16,13 @@ Every child process gets these environment variables (plus the launcher's own):
     How many times the group was restarted before this process was started (0 first).
 ``PYTHONUNBUFFERED``
     ``1``, so log lines arrive as they are printed.
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+    torchrun's variables, in a cluster without parameter servers: the task's rank among the
+    chief and workers (the chief first), their number (every task runs on this host, so the
+    local rank is the rank), and the first task's address, where ``TF_CONFIG``'s rendezvous
+    is too. A DDP-style script (``dist.init_process_group("gloo")``, ``DistributedDataParallel``)
+    runs unchanged; ``MultiWorkerMirroredStrategy`` takes one GPU per process
+    (``cuda:LOCAL_RANK``) on a host with several.
 
 Without ``--ps``, every ``chief``/``worker`` task runs the script (multi-worker
 training). With ``--ps M``, ``ps`` and ``worker`` tasks run parameter servers
@@ -26,6 +33,22 @@ exit code is returned; with ``--max-restarts K``, a failure stops the whole grou
 starts it again (the script resumes from its checkpoint), at most K times. A worker
 server of a parameter-server cluster that dies is restarted alone, since the
 coordinator re-schedules its functions.
+
+Elastic size, ``--workers MIN:MAX`` (``LaunchConfig(min_workers=MIN, workers=MAX)``; a
+worker-only cluster): MAX workers start. A worker
+that fails is taken as lost for good: the group is stopped and started again with the
+survivors only (a new ``TF_CONFIG`` with one worker fewer, ranks renumbered from 0, the
+script resumes from its checkpoint), as long as at least MIN remain; such a shrink does not
+count against ``--max-restarts``. When fewer than MIN would remain, the failure is handled
+as in a fixed-size job (restart at the same size while ``--max-restarts`` allows, else exit
+with its code). The launcher never grows a job: all its workers run on this host, so a
+worker cannot join later; a job grows under torchrun's elastic agents
+(``torchrun --nnodes=MIN:MAX --rdzv-backend=c10d``: a new agent joining makes every
+worker restart at the larger size, and distrib resumes from the checkpoint; with torch
+2.13 the agents need ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or the joining agent times
+out in torch's own rendezvous). Training
+code that keeps global batches and the data position global (``tests/scripts/resize_train.py``)
+ends with the same parameters whatever the sizes it ran at, up to float rounding.
 
 Signals: SIGTERM and SIGHUP (how Slurm, Kubernetes, systemd and ``timeout`` stop a job)
 and SIGINT (Ctrl-C) sent to the launcher are forwarded to every task (each task runs
@@ -53,7 +76,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any, Optional, Sequence
 
-__all__ = ["LaunchConfig", "launch", "free_ports", "make_cluster"]
+__all__ = ["LaunchConfig", "launch", "free_ports", "make_cluster", "parse_workers", "torchrun_variables"]
 
 log = logging.getLogger("distrib.cluster.launch")
 _print_lock = threading.Lock()
@@ -74,6 +97,8 @@ class LaunchConfig:
     grace_seconds: float = 5.0
     #: make a throwaway CA and a certificate per task, and set ``DISTRIB_TLS_*`` for every task
     tls: bool = False
+    #: the fewest workers the job may continue on (``--workers MIN:MAX``); None: a fixed size, ``workers``
+    min_workers: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -81,8 +106,55 @@ class LaunchConfig:
         if self.workers < 1 or self.ps < 0 or self.max_restarts < 0:
             raise ValueError(f"need --workers >= 1, --ps >= 0, --max-restarts >= 0; got "
                              f"{self.workers}, {self.ps}, {self.max_restarts}")
+        if self.min_workers is not None:
+            if not 1 <= self.min_workers <= self.workers:
+                raise ValueError(f"--workers {self.min_workers}:{self.workers}: need 1 <= MIN <= MAX")
+            if self.ps:
+                raise ValueError(f"--workers {self.min_workers}:{self.workers} with --ps {self.ps}: an elastic size "
+                                 "is for worker-only clusters (a parameter-server cluster restarts a lost worker "
+                                 "server instead); give --workers N")
         if not self.grace_seconds >= 0:
             raise ValueError(f"grace_seconds={self.grace_seconds!r}: must be >= 0 seconds")
+
+
+def parse_workers(text: str) -> tuple[int, int]:
+    """``--workers``'s value: ``"N"`` -> ``(N, N)``, ``"MIN:MAX"`` -> ``(MIN, MAX)``; a ValueError says what is wrong.
+
+    Example::
+
+        >>> parse_workers("3"), parse_workers("2:4")
+        ((3, 3), (2, 4))
+    """
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        raise ValueError(f"--workers {text!r}: give a number of workers N or a range MIN:MAX (e.g. 2:4)") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--workers {text!r}: need 1 <= MIN <= MAX (e.g. 2:4)")
+    return lo, hi
+
+
+def torchrun_variables(cluster: dict[str, list[str]], task_type: str, index: int) -> dict[str, str]:
+    """torchrun's variables for one task of a worker-only local ``cluster``; empty for a ``ps`` task.
+
+    The ranks count the chief first, then the workers, as ``TF_CONFIG``'s resolver does;
+    ``MASTER_ADDR:MASTER_PORT`` is rank 0's address, where distrib's rendezvous is.
+
+    Example::
+
+        >>> c = {"chief": ["127.0.0.1:5000"], "worker": ["127.0.0.1:5001", "127.0.0.1:5002"]}
+        >>> v = torchrun_variables(c, "worker", 1)
+        >>> v["RANK"], v["WORLD_SIZE"], v["LOCAL_RANK"], v["MASTER_ADDR"], v["MASTER_PORT"]
+        ('2', '3', '2', '127.0.0.1', '5000')
+    """
+    ranked = [(job, i) for job in ("chief", "worker") for i in range(len(cluster.get(job, [])))]
+    if (task_type, index) not in ranked:
+        return {}
+    rank, world = ranked.index((task_type, index)), len(ranked)
+    host, _, port = cluster[ranked[0][0]][0].rpartition(":")
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": host.strip("[]"), "MASTER_PORT": port}
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -159,9 +231,10 @@ def _exit_code(returncode: int) -> int:
 class _Group:
     """One start of the whole cluster."""
 
-    def __init__(self, config: LaunchConfig, token: str, restart: int, tls: Any = None) -> None:
+    def __init__(self, config: LaunchConfig, token: str, restart: int, tls: Any = None,
+                 workers: Optional[int] = None) -> None:
         self.config = config
-        cluster = make_cluster(config.workers, config.ps, config.chief, config.host)
+        cluster = make_cluster(config.workers if workers is None else workers, config.ps, config.chief, config.host)
         script = [sys.executable, *config.command]
         server = [sys.executable, "-m", "distrib.parameter_server"]
         self.tasks: list[_Task] = []
@@ -171,6 +244,8 @@ class _Group:
                        "DISTRIB_CLUSTER_TOKEN": token,
                        "DISTRIB_RESTART": str(restart),
                        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+                if not config.ps:
+                    env.update(torchrun_variables(cluster, task_type, index))
                 if tls is not None:
                     env.update(tls.env(f"{task_type}-{index}"))
                 runs_server = config.ps > 0 and task_type in ("ps", "worker")
@@ -202,8 +277,13 @@ class _Group:
             t.join_output()
 
     def watch(self, server_restarts: list[int]) -> tuple[bool, int, str]:
-        """Block until the group succeeds or fails: ``(ok, exit_code, who)``."""
+        """Block until the group succeeds or fails: ``(ok, exit_code, who)``.
+
+        When several tasks are seen failed at once, ``who`` is one killed by a signal if any
+        (the others usually failed because it was gone), else the first in cluster order.
+        """
         while True:
+            failed: list[tuple[_Task, int]] = []
             for t in self.tasks:
                 code = t.poll()
                 if code is None or (code == 0 and t in self.script_tasks):
@@ -214,7 +294,10 @@ class _Group:
                     t.join_output()
                     t.start()
                     continue
-                return False, _exit_code(code) or 1, t.name
+                failed.append((t, code))
+            if failed:
+                task, code = min(failed, key=lambda f: f[1] >= 0)  # a signal's negative code first
+                return False, _exit_code(code) or 1, task.name
             if all(t.poll() == 0 for t in self.script_tasks):
                 return True, 0, ""
             time.sleep(0.05)
@@ -306,8 +389,9 @@ def launch(config: LaunchConfig) -> int:
             except (RuntimeError, ValueError, OSError) as e:
                 print(f"distrib launch: cannot make the TLS certificates: {e}", file=sys.stderr, flush=True)
                 return 2
-            for restart in range(config.max_restarts + 1):
-                group = _Group(config, token, restart, tls)
+            workers, restarts, starts = config.workers, 0, 0
+            while True:
+                group = _Group(config, token, starts, tls, workers)
                 _say(f"starting {len(group.tasks)} task(s): {json.dumps(group.cluster)}")
                 group.start()
                 ok, code, who = group.watch(server_restarts)
@@ -319,9 +403,18 @@ def launch(config: LaunchConfig) -> int:
                 if ok:
                     return 0
                 _say(f"{who} failed with exit code {code}")
-                if restart < config.max_restarts:
-                    _say(f"restarting the whole group ({restart + 1} of {config.max_restarts})")
-            return code
+                if config.min_workers is not None and workers - 1 >= config.min_workers:
+                    workers -= 1
+                    _say(f"{who} is lost: continuing on the {workers} surviving worker(s) (--workers "
+                         f"{config.min_workers}:{config.workers}), from the script's last checkpoint")
+                elif restarts < config.max_restarts:
+                    restarts += 1
+                    _say(f"restarting the whole group ({restarts} of {config.max_restarts})")
+                else:
+                    if config.min_workers is not None:
+                        _say(f"fewer than {config.min_workers} worker(s) would remain: the job fails")
+                    return code
+                starts += 1
         except _Signalled as e:
             signals.armed = False
             name = signal.Signals(e.signum).name

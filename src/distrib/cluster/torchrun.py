@@ -8,6 +8,7 @@ process group a script initialised itself (``mp.spawn`` tutorials set ``MASTER_A
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Mapping, Optional
 
@@ -51,6 +52,8 @@ class TorchrunClusterResolver(ClusterResolver):
             raise ValueError(f"MASTER_PORT={port} must be in 1..{65536 - world} (workers are listed at "
                              f"MASTER_PORT..MASTER_PORT+WORLD_SIZE-1)")
         host = env["MASTER_ADDR"]
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address (torchrun may give one bare): bracketed in host:port
         try:
             self._spec = ClusterSpec({"worker": [f"{host}:{port + i}" for i in range(world)]})
         except ValueError as e:
@@ -87,7 +90,21 @@ class TorchrunClusterResolver(ClusterResolver):
 
     @property
     def spans_hosts(self) -> Optional[bool]:
-        """Whether the workers run on several hosts: ``WORLD_SIZE > LOCAL_WORLD_SIZE`` (None when unknown)."""
+        """Whether the workers run on several hosts: ``WORLD_SIZE > LOCAL_WORLD_SIZE`` (None when unknown).
+
+        A loopback ``MASTER_ADDR`` (``localhost``, ``127.0.0.1``, ``::1``: torchrun ``--standalone``,
+        or several agents on one host) means one host whatever the local sizes: a worker on
+        another host would reach its own loopback, not this store.
+
+        Example (two torchrun agents of one process each, on one host)::
+
+            >>> env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500",
+            ...        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+            >>> TorchrunClusterResolver(env).spans_hosts, TorchrunClusterResolver({**env, "MASTER_ADDR": "n0"}).spans_hosts
+            (False, True)
+        """
+        if _is_loopback_host(self.rendezvous_address().rpartition(":")[0].strip("[]")):
+            return False
         if self.local_world_size is None:
             return None
         return self.cluster_spec().num_tasks("worker") > self.local_world_size
@@ -99,6 +116,15 @@ class TorchrunClusterResolver(ClusterResolver):
 
     def cluster_spec(self) -> ClusterSpec:
         return self._spec
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _optional_int(env: Mapping[str, str], name: str) -> Optional[int]:

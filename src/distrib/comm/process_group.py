@@ -1,9 +1,9 @@
 """``ProcessGroupCommunicator``: the :class:`~distrib.comm.communicator.Communicator` over
 ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
-This is the only module of distrib that imports ``torch.distributed``. Joining is a
-rendezvous at the chief's ``host:port`` that waits at most the configured timeout
-for every worker; every later collective fails with :class:`CollectiveError` within
+With :mod:`~distrib.comm.rendezvous`, this is the only module of distrib that imports
+``torch.distributed``. Joining is a rendezvous at the chief's ``host:port`` that waits
+at most the configured timeout for every worker; every later collective fails with :class:`CollectiveError` within
 the same timeout when a peer is dead or hung, instead of waiting for ever.
 
 Clean exit. A gloo worker thread frees a finished work (and so the work's tensors)
@@ -14,49 +14,33 @@ GIL while the interpreter finalizes, Python ends the thread, and the process abo
 correct job. So at exit, before the interpreter finalizes, :func:`_shutdown` waits
 (at most 2 s) until gloo's threads are idle, then destroys the group.
 
-Under torchrun. torchrun's agent hosts a TCP store at ``MASTER_ADDR:MASTER_PORT`` and
-(``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default) keeps it across restarts and
-membership changes, so workers that join it as torch does read the previous attempt's
-gloo addresses and fail (``connectFullMesh ... Connection refused``, or hang: pytorch
-issue 135712). distrib therefore joins through a fresh store for every attempt: rank 0
-opens one on a free port and announces it, with a random nonce, in the agent's store;
-the other ranks take the announcement, skip one whose store is dead or whose nonce
-differs (the previous attempt's), and wait for the current one (see
-:func:`_attempt_store`). ``TORCHELASTIC_RESTART_COUNT`` cannot tell attempts apart: it
-counts one agent's restarts, not the job's, and a membership change keeps it.
-
-Interfaces. gloo binds to the address this host's name resolves to; Debian's default
-``/etc/hosts`` makes that ``127.0.1.1``, which no other host can reach. Unless
-``GLOO_SOCKET_IFNAME`` is set, distrib sets it to the interface that routes to the
-chief (or, on the chief's own host, to another worker's host), and refuses a cluster
-across hosts where only loopback routes, naming ``GLOO_SOCKET_IFNAME`` /
-``NCCL_SOCKET_IFNAME`` (see :func:`choose_interface`).
+Under torchrun, rank 0 and the others meet through a store of the attempt's own
+(:mod:`distrib.comm.rendezvous`: torchrun's agent keeps its store across restarts,
+pytorch issue 135712). gloo binds to the interface that routes to the chief
+(:mod:`distrib.comm.interfaces`: a host name that resolves to ``127.0.1.1`` is refused
+across hosts, naming ``GLOO_SOCKET_IFNAME``).
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
-import fcntl
-import ipaddress
 import logging
 import os
 import pickle
-import secrets
-import socket
-import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
 from distrib.comm.communicator import CollectiveError
+from distrib.comm.interfaces import InterfaceChoice, choose_interface, configure_interface
 from distrib.comm.options import CommunicationOptions
+from distrib.comm.rendezvous import attempt_store, tcp_store, uses_agent_store
 
 __all__ = ["InterfaceChoice", "ProcessGroupCommunicator", "choose_interface", "current_group",
            "uses_agent_store"]
@@ -92,7 +76,7 @@ class ProcessGroupCommunicator:
             return
         host, _, port = master_address.rpartition(":")
         host = host.strip("[]")
-        _configure_interface(host, hosts, across_hosts, self.backend)
+        configure_interface(host, hosts, across_hosts, self.backend)
         log.info("worker %d/%d joining at %s (%s, timeout %.0fs)", rank, world_size, master_address,
                  self.backend, options.timeout)
         _join(self.backend, host, int(port), rank, world_size, options.timeout, master_address,
@@ -233,86 +217,13 @@ def current_group() -> Optional[tuple[int, int, str]]:
     return dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
 
 
-def uses_agent_store(master_address: str, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether ``master_address`` is the store of a torchrun agent that outlives its workers.
-
-    torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` (unless
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``); its agent then hosts the store at
-    ``MASTER_ADDR:MASTER_PORT``, and no worker may host one there.
-
-    Example::
-
-        >>> env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
-        >>> uses_agent_store("n0:29500", env), uses_agent_store("n0:2222", env)
-        (True, False)
-    """
-    env = os.environ if environ is None else environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return False
-    return master_address == f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
-
-
-_ANNOUNCEMENT = "distrib/attempt_store"
-_NONCE = "distrib/nonce"
-
-
-def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: float) -> "dist.TCPStore":
-    return dist.TCPStore(host, port, world_size, is_master, timeout=datetime.timedelta(seconds=max(timeout, 0.1)),
-                         wait_for_workers=False, multi_tenant=is_master)
-
-
-def _listening(host: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether something accepts connections at ``host:port`` (a quiet probe, unlike a store client's retries)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _attempt_store(host: str, port: int, rank: int, world_size: int, deadline: float,
-                   run_id: str) -> "dist.Store":
-    """A store of this attempt's own, found through the torchrun agent's long-lived store at ``host:port``.
-
-    Rank 0 opens a store on a free port (it listens on every interface; rank 0 runs on
-    the host of the agent's store, ``MASTER_ADDR``) and writes ``"port nonce"`` under one
-    key of the agent's store, overwriting the previous attempt's. Every other rank reads
-    that key until it names a store that answers with the same nonce: an announcement
-    left by a previous attempt names a store that died with its rank 0 (refused) or, if
-    its port was reused, holds another nonce. Bounded by ``deadline``.
-    """
-    key = f"{_ANNOUNCEMENT}/{run_id}"
-    agent = _tcp_store(host, port, world_size, False, deadline - time.monotonic())
-    if rank == 0:
-        own = _tcp_store(host, 0, world_size, True, deadline - time.monotonic())
-        nonce = secrets.token_hex(8)
-        own.set(_NONCE, nonce)
-        agent.set(key, f"{own.port} {nonce}")
-        return own
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"no store of this attempt was announced at {host}:{port} (key {key!r})")
-        agent.set_timeout(datetime.timedelta(seconds=remaining))
-        announced, nonce = agent.get(key).decode().split()
-        if _listening(host, int(announced)):
-            try:
-                store = _tcp_store(host, int(announced), world_size, False, min(5.0, remaining))
-                if store.check([_NONCE]) and store.get(_NONCE).decode() == nonce:
-                    store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
-                    return store
-            except (RuntimeError, ValueError):  # not a store (a reused port), or it died meanwhile
-                pass
-        time.sleep(0.1)
-
-
 def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeout: float, address: str,
           agent_store: bool = False) -> None:
     """``init_process_group``, bounded by ``timeout`` whatever phase hangs (store connect retries, gloo's mesh).
 
     Rank 0 hosts the store at ``host:port`` and the others connect to it, as torch's
     ``tcp://`` rendezvous does; under a torchrun agent that keeps its store
-    (``agent_store``), the store is this attempt's own (:func:`_attempt_store`).
+    (``agent_store``), the store is this attempt's own (:func:`~distrib.comm.rendezvous.attempt_store`).
     """
     outcome: dict[str, BaseException] = {}
     deadline = time.monotonic() + timeout
@@ -320,10 +231,10 @@ def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeou
     def rendezvous() -> None:
         try:
             if agent_store:
-                store = _attempt_store(host, port, rank, world_size, deadline,
+                store = attempt_store(host, port, rank, world_size, deadline,
                                        os.environ.get("TORCHELASTIC_RUN_ID", "none"))
             else:
-                store = _tcp_store(host, port, world_size, rank == 0, timeout)
+                store = tcp_store(host, port, world_size, rank == 0, timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
@@ -339,142 +250,6 @@ def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeou
             f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:.0f}s"
             f"{detail}. Check that every worker is started with the same cluster and that the chief's address "
             "is reachable from this host (CommunicationOptions(timeout_seconds=...) sets the bound)") from error
-
-
-@dataclass(frozen=True)
-class InterfaceChoice:
-    """The network interface gloo should bind to (``name``; None: leave gloo's default) and why."""
-
-    name: Optional[str]
-    reason: str
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def choose_interface(chief_host: str, peer_hosts: Iterable[str], across_hosts: Optional[bool], *,
-                     resolve: Callable[[str], list[str]], route: Callable[[str], Optional[str]],
-                     interfaces: Mapping[str, Sequence[str]]) -> InterfaceChoice:
-    """The interface this worker's gloo should use to reach the others; a pure function, so it is unit-tested.
-
-    ``resolve(host)`` gives a host's addresses, ``route(address)`` the local address the
-    kernel would send from to reach ``address`` (None: no route), ``interfaces`` maps
-    each interface name to its addresses. ``across_hosts`` says whether the workers run
-    on several hosts (None: judged from the hosts given). The interface chosen is the
-    one holding the local address that routes to the chief or, when the chief's name
-    resolves to a loopback address here (this is the chief's host, and Debian's
-    ``/etc/hosts`` maps its name to ``127.0.1.1``), to another worker's host. A cluster
-    across hosts where only loopback routes is a ValueError naming ``GLOO_SOCKET_IFNAME``
-    and ``NCCL_SOCKET_IFNAME``, unless this host has exactly one other interface.
-
-    Example (a worker whose route to the chief leaves by ``eth0``)::
-
-        >>> choose_interface("node0", ["node1"], None, resolve=lambda h: {"node0": ["10.0.0.1"]}.get(h, ["127.0.1.1"]),
-        ...                  route=lambda a: "10.0.0.2", interfaces={"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"]}).name
-        'eth0'
-    """
-    def resolved(host: str) -> list[str]:
-        try:
-            return resolve(host)
-        except OSError:
-            return []
-
-    chief = resolved(chief_host)
-    if not chief:
-        return InterfaceChoice(None, f"the chief's host {chief_host!r} does not resolve here")
-    peers = [h for h in dict.fromkeys(peer_hosts) if h != chief_host]
-    if across_hosts is None:
-        places = {"loopback" if all(_is_loopback(a) for a in resolved(h)) else h for h in [chief_host, *peers]}
-        across_hosts = len(places) > 1
-    loopback = next((name for name, addresses in interfaces.items() if any(_is_loopback(a) for a in addresses)), "lo")
-    if not across_hosts and all(_is_loopback(a) for a in chief):
-        return InterfaceChoice(loopback, f"every worker runs on this host ({chief_host} is a loopback address)")
-    for host in [chief_host, *peers]:
-        for address in resolved(host):
-            local = route(address)
-            if local is None or _is_loopback(local):
-                continue
-            name = next((n for n, addresses in interfaces.items() if local in addresses), None)
-            if name is not None:
-                return InterfaceChoice(name, f"{name} ({local}) routes to {host} ({address})")
-    if not across_hosts:
-        return InterfaceChoice(loopback, f"every worker runs on this host ({chief_host} resolves to loopback here)")
-    others = sorted(n for n, addresses in interfaces.items() if addresses and not all(_is_loopback(a) for a in addresses))
-    if len(others) == 1:
-        return InterfaceChoice(others[0], f"{others[0]} is this host's only non-loopback interface "
-                                          f"(no route to the other workers was found)")
-    raise ValueError(
-        f"the workers run on several hosts, but from this host only loopback routes to the chief {chief_host!r} "
-        f"({', '.join(chief)}) and to the other workers' hosts ({', '.join(peers) or 'none listed'}): the other "
-        f"hosts could not reach this worker. This is usual when this host's name resolves to 127.0.1.1 "
-        f"(Debian's /etc/hosts). Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME with NCCL) to the interface "
-        f"that reaches the other hosts ({', '.join(others) or 'this host has no other interface'}), or give the "
-        f"hosts' routable addresses in the cluster")
-
-
-def _resolve(host: str) -> list[str]:
-    return list(dict.fromkeys(str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)))
-
-
-def _route(address: str) -> Optional[str]:
-    """The local address the kernel picks to reach ``address`` (a UDP ``connect`` sends nothing)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((address, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return None
-
-
-def _interfaces() -> dict[str, list[str]]:
-    """This host's interfaces and their IPv4 (``SIOCGIFADDR``) and IPv6 (``/proc/net/if_inet6``) addresses."""
-    found: dict[str, list[str]] = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            found[name] = []
-            try:
-                request = struct.pack("256s", name[:15].encode())
-                found[name].append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]))
-            except OSError:
-                pass  # no IPv4 address
-    try:
-        with open("/proc/net/if_inet6") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 6:
-                    raw = fields[0]
-                    found.setdefault(fields[5], []).append(
-                        str(ipaddress.IPv6Address(":".join(raw[i:i + 4] for i in range(0, 32, 4)))))
-    except OSError:
-        pass
-    return found
-
-
-def _configure_interface(chief_host: str, hosts: Sequence[str], across_hosts: Optional[bool], backend: str) -> None:
-    """Set ``GLOO_SOCKET_IFNAME`` (and across hosts with NCCL, ``NCCL_SOCKET_IFNAME``) unless the user did."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return
-    try:
-        choice = choose_interface(chief_host, hosts, across_hosts, resolve=_resolve, route=_route,
-                                  interfaces=_interfaces())
-    except ValueError as e:
-        raise CollectiveError(str(e)) from None
-    if choice.name is None:
-        log.info("leaving gloo's interface to its default: %s", choice.reason)
-        return
-    log.info("gloo uses interface %s: %s", choice.name, choice.reason)
-    os.environ["GLOO_SOCKET_IFNAME"] = choice.name
-    if backend == "nccl" and not _is_loopback_name(choice.name) and "NCCL_SOCKET_IFNAME" not in os.environ:
-        os.environ["NCCL_SOCKET_IFNAME"] = choice.name
-
-
-def _is_loopback_name(name: str) -> bool:
-    return name == "lo" or name.startswith("lo:")
 
 
 def _difference(signatures: list[str]) -> str:
