@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import struct
 from pathlib import Path
 
@@ -36,3 +37,14 @@ def idx_dir(tmp_path: Path) -> Path:
 
 # helper scripts run as their own processes; never import them as test modules
 collect_ignore = ["scripts", "helpers.py"]
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves os.environ as it found it: an in-process cluster sets GLOO_SOCKET_IFNAME (and
+    launch helpers set ranks), which later tests' subprocesses (srun passes the environment on) would inherit."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -11,6 +11,9 @@ command runs under ``unshare --uts`` after ``hostname <name>``) and its own ``/e
 ``loopback_hostname=[i]`` makes host *i* resolve its own name to 127.0.1.1, as Debian's default
 ``/etc/hosts`` does; ``extra_hosts={i: {"name": "address"}}`` adds names to host *i*'s file
 only (e.g. a Service name that resolves differently on each side of a NAT).
+``second_interface=[i]`` gives host *i* a second non-loopback interface (``side0``, a veth pair
+inside its namespace, ``10.99.<i>.1/24``) that reaches nothing: a host with two networks, where
+the interface to the others cannot be guessed as "the only one".
 
 The bridge has no address: nothing reaches the root namespace or the outside. ``close()``
 kills every process started on the hosts (their process groups, then any process still in a
@@ -35,6 +38,9 @@ from typing import Mapping, Optional, Sequence
 _counter = itertools.count()
 _PREFIX = "dsn"  # namespaces dsn-<pid>-<n>-h<i>, bridges dsb<pid hex>g<n hex>, veths dsv<pid hex>g<n hex>x<i>
 _NETNS_ETC = Path("/etc/netns")
+_LAUNCHER_VARS = {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                  "GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                  "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "DISTRIB_BIND_ADDRESS"}
 
 
 @dataclass
@@ -51,6 +57,13 @@ class Host:
         """``argv`` run on this host: in its namespace, with its hostname and its /etc/hosts."""
         return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "--", "sh", "-c",
                 'hostname "$0" && exec "$@"', self.name, *argv]
+
+    def command_keeping_mounts(self, argv: Sequence[str]) -> list[str]:
+        """As :meth:`command`, but with this machine's other mounts: ``ip netns exec`` remounts ``/sys``,
+        which hides ``/sys/fs/cgroup`` (slurmd will not start without it)."""
+        return ["nsenter", f"--net=/run/netns/{self.namespace}", "unshare", "--mount", "--uts", "--", "sh", "-c",
+                'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"', self.name,
+                str(_NETNS_ETC / self.namespace / "hosts"), *argv]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -120,6 +133,7 @@ class Hosts:
     n: int
     loopback_hostname: Sequence[int] = ()
     extra_hosts: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    second_interface: Sequence[int] = ()
     subnet: str = "192.168.77"
     hosts: list[Host] = field(default_factory=list, init=False)
 
@@ -161,6 +175,11 @@ class Hosts:
             _ip(*inside, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip(*inside, "link", "set", "eth0", "up")
             _ip(*inside, "link", "set", "lo", "up")
+            if host.index in self.second_interface:
+                _ip(*inside, "link", "add", "side0", "type", "veth", "peer", "name", "side1")
+                _ip(*inside, "addr", "add", f"10.99.{host.index}.1/24", "dev", "side0")
+                _ip(*inside, "link", "set", "side0", "up")
+                _ip(*inside, "link", "set", "side1", "up")
             etc = _NETNS_ETC / host.namespace
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(self.hosts_file(host.index))
@@ -177,7 +196,8 @@ class Hosts:
     def popen(self, index: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
         """Start ``argv`` on host ``index`` (own process group, output to a file); stopped by ``close()``."""
         log = open(self._logs / f"h{index}-{len(self._procs)}.log", "w+")
-        full_env = dict(os.environ)
+        # the launcher variables of the test's own process describe no cluster of these hosts
+        full_env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM")}
         full_env.update(env or {})
         proc = subprocess.Popen(self.hosts[index].command(argv), env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

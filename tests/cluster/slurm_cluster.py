@@ -23,9 +23,15 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    from cluster.netns import Hosts
 
 MARKER = "DISTRIB_TEST_SLURM"
+_NOT_PASSED = {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+               "DISTRIB_BIND_ADDRESS"}
 _BINARIES = ("munged", "munge", "slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo")
 
 
@@ -52,12 +58,20 @@ def node_name() -> Optional[str]:
 
 
 class SlurmCluster:
-    """munged + slurmctld + slurmd on this host, one node of ``cpus`` CPUs (more than the host has is fine)."""
+    """munged + slurmctld + slurmd on this host, one node of ``cpus`` CPUs (more than the host has is fine).
 
-    def __init__(self, cpus: int = 8) -> None:
+    With ``hosts`` (started `cluster.netns.Hosts`), one node per host instead: slurmctld and the first
+    slurmd run on the first host, one slurmd on every other host (each with that host's name and
+    address), and the client commands (srun, sbatch, sinfo...) run on the first host. munged stays
+    here: its socket is a file, which every namespace sees.
+    """
+
+    def __init__(self, cpus: int = 8, hosts: Optional["Hosts"] = None) -> None:
         self.cpus = cpus
+        self.hosts = hosts
         self.dir = Path(tempfile.mkdtemp(prefix="distrib-slurm-"))
-        self.node = node_name() or "localhost"
+        self.nodes = [(h.name, h.address) for h in hosts.hosts] if hosts else [(node_name() or "localhost", "127.0.0.1")]
+        self.node = self.nodes[0][0]
         self.conf = self.dir / "slurm.conf"
         self._daemons: list[subprocess.Popen] = []
         self._started: list[subprocess.Popen] = []
@@ -89,7 +103,9 @@ class SlurmCluster:
 
     def env(self, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         """This process's environment, pointed at this cluster (and marked, for the final sweep)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
+        # srun passes the caller's environment on to the tasks: leave out Slurm's own variables and what an
+        # earlier in-process test may have set for its own cluster (gloo's interface, a launcher's rank)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_")) and k not in _NOT_PASSED}
         env.update({"SLURM_CONF": str(self.conf), MARKER: str(self.dir)})
         env.update(extra or {})
         return env
@@ -104,25 +120,36 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
         ctld_port, slurmd_port = _free_ports(2)
-        self.conf.write_text(_CONF.format(dir=d, node=self.node, cpus=self.cpus, ctld_port=ctld_port,
+        node_lines = "\n".join(f"NodeName={name} NodeAddr={address} CPUs={self.cpus} State=UNKNOWN"
+                               for name, address in self.nodes)
+        self.conf.write_text(_CONF.format(dir=d, node=self.node, address=self.nodes[0][1], nodes=node_lines,
+                                          names=",".join(name for name, _ in self.nodes), ctld_port=ctld_port,
                                           slurmd_port=slurmd_port))
         socket_path = d / "munge" / "munge.socket"
         self._daemon(["munged", "--force", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
                       f"--pid-file={d / 'munge' / 'munged.pid'}", f"--log-file={d / 'log' / 'munged.log'}",
                       f"--seed-file={d / 'munge' / 'seed'}"], "munged")
         self._wait(lambda: socket_path.exists(), timeout, "munged did not create its socket")
-        self._daemon(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
-        self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", self.node], "slurmd")
+        self._daemon(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld", host=0 if self.hosts else None)
+        for i, (name, _) in enumerate(self.nodes):
+            (d / "spool" / name).mkdir()
+            self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}",
+                         host=i if self.hosts else None)
 
         def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), capture_output=True, text=True,
-                                 timeout=20).stdout.strip()
-            return out == "idle"
+            out = subprocess.run(self._client(["sinfo", "-h", "-N", "-o", "%T"]), env=self.env(), capture_output=True,
+                                 text=True, timeout=20).stdout.split()
+            return out == ["idle"] * len(self.nodes)
 
         self._wait(idle, timeout, "the node did not become idle")
 
-    def _daemon(self, argv: Sequence[str], name: str) -> None:
+    def _client(self, argv: Sequence[str], host: int = 0) -> list[str]:
+        """``argv`` as run on host ``host`` (on this host without ``hosts``)."""
+        return self.hosts[host].command_keeping_mounts(argv) if self.hosts else list(argv)
+
+    def _daemon(self, argv: Sequence[str], name: str, host: Optional[int] = None) -> None:
         log = open(self.dir / "log" / f"{name}.out", "wb")
+        argv = self._client(argv, host) if host is not None else list(argv)
         proc = subprocess.Popen(list(argv), env=self.env(), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
@@ -152,12 +179,12 @@ class SlurmCluster:
         """Cancel every job, stop the daemons, kill whatever carries the marker, remove the directory."""
         if self._daemons and all(p.poll() is None for p in self._daemons):
             try:
-                subprocess.run(["scancel", "--full", "--quiet", "--user", "root"], env=self.env(), timeout=15,
-                               capture_output=True)
+                subprocess.run(self._client(["scancel", "--full", "--quiet", "--user", "root"]), env=self.env(),
+                               timeout=15, capture_output=True)
                 deadline = time.monotonic() + 15
                 while time.monotonic() < deadline:
-                    out = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env(), capture_output=True,
-                                         text=True, timeout=15).stdout.strip()
+                    out = subprocess.run(self._client(["squeue", "-h", "-o", "%i"]), env=self.env(),
+                                         capture_output=True, text=True, timeout=15).stdout.strip()
                     if not out:
                         break
                     time.sleep(0.3)
@@ -182,8 +209,9 @@ class SlurmCluster:
     def popen(self, argv: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,
               cwd: Optional[str] = None) -> subprocess.Popen:
         """Start a client command (``srun``, ``sbatch``...) in its own process group; stopped by ``stop()``."""
-        proc = subprocess.Popen(list(argv), env=self.env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, start_new_session=True, cwd=cwd)
+        proc = subprocess.Popen(self._client(argv), env=self.env(extra_env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                                cwd=cwd)
         self._started.append(proc)
         return proc
 
@@ -244,7 +272,7 @@ def kill_marked(value: str) -> int:
 
 _CONF = """\
 ClusterName=distribtest
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={node}({address})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -253,11 +281,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={dir}/munge/munge.socket
 StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool
+SlurmdSpoolDir={dir}/spool/%n
 SlurmctldPidFile={dir}/slurmctld.pid
-SlurmdPidFile={dir}/slurmd.pid
+SlurmdPidFile={dir}/slurmd.%n.pid
 SlurmctldLogFile={dir}/log/slurmctld.log
-SlurmdLogFile={dir}/log/slurmd.log
+SlurmdLogFile={dir}/log/slurmd.%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -272,6 +300,6 @@ SlurmdParameters=config_overrides
 KillWait=2
 MinJobAge=2
 InactiveLimit=0
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=10 State=UP
+{nodes}
+PartitionName=debug Nodes={names} Default=YES MaxTime=10 State=UP
 """

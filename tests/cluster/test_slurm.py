@@ -1,7 +1,10 @@
-"""distrib under a real Slurm (issue 11, items 4 and 6): Debian's slurm-wlm, one node on this host.
+"""distrib under a real Slurm (issue 11, items 4 and 6): Debian's slurm-wlm, one node on this host, then two.
 
-One cluster (munged, slurmctld, slurmd: `slurm_cluster.SlurmCluster`) serves the module; it needs
-root and the Slurm binaries, and the module is skipped with the reason otherwise. Every job runs
+One cluster (munged, slurmctld, slurmd: `slurm_cluster.SlurmCluster`) serves the one-node tests; it
+needs root and the Slurm binaries, and the module is skipped with the reason otherwise. The
+two-node tests run a second cluster whose nodes are two hosts made of network namespaces
+(`cluster.netns`), each with its own name and address, whose own names resolve to 127.0.1.1 as on
+Debian. Every job runs
 `tests/scripts/hosts_mw.py` or `hosts_ps.py`, bounded in time; the cluster's `stop()` cancels
 every job and kills every process it started, also after a failure.
 
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import netns
 from cluster.slurm_cluster import SlurmCluster, wait
 from helpers import SCRIPTS
 
@@ -102,3 +106,49 @@ def test_a_job_started_without_srun_is_refused_at_once(slurm):
     assert code != 0, out
     assert "not inside a job step" in out and "start every task with srun" in out, out
     assert "RESULT" not in out and "could not join" not in out, out  # refused before any rendezvous
+
+
+NETNS = netns.unavailable()
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes():
+    """Nodes host1 and host2 (192.168.77.11, .12), one slurmd each; gone, namespaces included, at the end."""
+    with netns.Hosts(2, loopback_hostname=[0, 1]) as hosts:
+        with SlurmCluster(hosts=hosts) as cluster:
+            yield cluster
+    assert netns.leftovers() == [], netns.leftovers()
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_srun_across_two_nodes_trains_in_sync(slurm_two_nodes):
+    """`srun -N2 -n2`: one task per node, each with its node's name (which resolves to 127.0.1.1 there)."""
+    code, out = slurm_two_nodes.run(["srun", "-N2", "-n2", sys.executable, str(SCRIPTS / "hosts_mw.py")],
+                                    timeout=120)
+    assert code == 0, out + slurm_two_nodes.logs()
+    check_synchronous_job(out, 2)
+    found = results(out)
+    assert {found[("RESULT", r)]["hostname"] for r in range(2)} == {"host1", "host2"}, out
+    assert all(found[("RESOLVED", r)]["ifname"] == "eth0" for r in range(2)), out  # not lo, not 127.0.1.1
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_parameter_servers_across_two_slurm_nodes(slurm_two_nodes):
+    """`srun -N2 --ntasks-per-node=2` with jobs={"chief": 1, "ps": 1, "worker": 2}: chief and ps on host1, the
+    workers on host2. Each node's own name resolves to 127.0.1.1 there (Debian), so a server on the spec's
+    address alone was unreachable from the other node (the coordinator waited for ever on 'connecting')."""
+    code, out = slurm_two_nodes.run(["srun", "-N2", "--ntasks-per-node=2", sys.executable, str(SCRIPTS / "hosts_ps.py"),
+                                     "--slurm-jobs", "chief=1,ps=1,worker=2", "--steps", "6"], timeout=150,
+                                    extra_env={"DISTRIB_CLUSTER_TOKEN": TOKEN})
+    assert code == 0, out + slurm_two_nodes.logs()
+    served = re.findall(r"^SERVING job=(\w+) task=(\d+) address=(\S+) listening=(\S+) hostname=(\S+)", out, re.M)
+    assert sorted((job, int(task), host) for job, task, _, _, host in served) == [
+        ("ps", 0, "host1"), ("worker", 0, "host2"), ("worker", 1, "host2")], out
+    # each node's name is 127.0.1.1 there: every server also listens on its node's routable address
+    addresses = {"host1": "192.168.77.11", "host2": "192.168.77.12"}
+    for _, _, address, listening, host in served:
+        port = address.rsplit(":", 1)[1]
+        assert listening.split(",") == [address, f"{addresses[host]}:{port}"], out
+    summary = dict(re.findall(r"(\w+)=(\S+)", re.search(r"^COORDINATOR (.*)$", out, re.M).group(1)))
+    assert summary["steps"] == "6" and float(summary["min_loss"]) < float(summary["first_loss"]), out
+    assert {w.split("/")[0] for w in summary["workers_used"].split(",")} <= {"host2"}, out  # the workers' node

@@ -7,7 +7,7 @@ variables or Slurm's). Every worker trains a linear model with SGD on its share 
 batches, then compares its parameters with the same steps computed here on whole batches without
 any strategy (summed per-example gradients / global batch = the full batch's mean). It prints
 
-    RESOLVED <resolver> task=<type>:<id> rank=<r> world=<n> rendezvous=<host:port> hostname=<name>
+    RESOLVED <resolver> task=<type>:<id> rank=<r> world=<n> rendezvous=<host:port> hostname=<name> ifname=<gloo's>
     RESULT rank=<r> world=<n> hostname=<name> digest=<hex of the parameters> max_diff=<vs the reference>
 
 --mark/--wait-for make two jobs overlap in time: once its strategy exists (its rendezvous port is
@@ -39,7 +39,8 @@ strategy = ds.MultiWorkerMirroredStrategy(
 resolver = strategy.cluster_resolver
 rank, world = strategy.worker_index, strategy.num_workers
 print(f"RESOLVED {type(resolver).__name__} task={resolver.task_type}:{resolver.task_id} rank={rank} world={world} "
-      f"rendezvous={resolver.rendezvous_address()} hostname={socket.gethostname()}", flush=True)
+      f"rendezvous={resolver.rendezvous_address()} hostname={socket.gethostname()} "
+      f"ifname={os.environ.get('GLOO_SOCKET_IFNAME') or '-'}", flush=True)  # the interface distrib chose, or the user
 
 if args.mark:
     open(f"{args.mark}.{rank}", "w").close()

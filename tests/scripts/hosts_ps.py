@@ -8,7 +8,7 @@
 schedules --steps training steps of a linear regression whose parameters live on the ps tasks;
 under Slurm it then ends the job step (``scancel --signal=TERM``, which it ignores itself). It prints
 
-    SERVING job=<ps|worker> task=<i> address=<spec address> listening=<bind address> hostname=<name>
+    SERVING job=<ps|worker> task=<i> address=<spec address> listening=<bind address>[,<also>] hostname=<name>
     COORDINATOR steps=<n> workers_used=<hostname/pid,...> first_loss=<x> min_loss=<y> cluster=<spec>
 """
 
@@ -41,7 +41,8 @@ if resolver.task_type in ("ps", "worker"):
     server = ds.Server(spec, resolver.task_type, resolver.task_id)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=0))
     print(f"SERVING job={server.job_name} task={server.task_index} address={server.address} "
-          f"listening={server.bind_address} hostname={socket.gethostname()}", flush=True)
+          f"listening={','.join([server.bind_address, *server.also_listening])} hostname={socket.gethostname()}",
+          flush=True)
     while not server.join(timeout=1.0):
         pass
     sys.exit(0)

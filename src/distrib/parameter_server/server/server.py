@@ -16,10 +16,12 @@ them): this module holds every running server (:func:`running_servers`).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import threading
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from distrib.cluster import ClusterSpec
 from distrib.cluster.spec import parse_address
@@ -29,7 +31,7 @@ from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.server.worker_service import WorkerService
 from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE
 
-__all__ = ["BIND_ADDRESS_ENV", "Server", "listen_address", "running_servers"]
+__all__ = ["BIND_ADDRESS_ENV", "Server", "listen_address", "routed_address", "running_servers"]
 
 #: where a server listens when ``Server(bind_address=None)``: e.g. ``0.0.0.0`` (every interface)
 BIND_ADDRESS_ENV = "DISTRIB_BIND_ADDRESS"
@@ -76,6 +78,66 @@ def listen_address(address: str, bind_address: Optional[str] = None, where: str 
     return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
 
 
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def _route(address: str) -> Optional[str]:
+    """The local address the kernel picks to reach ``address`` (a UDP ``connect`` sends nothing), or None."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def routed_address(address: str, other_hosts: Iterable[str], *,
+                   resolve: Callable[[str], list[str]] = _resolve,
+                   route: Callable[[str], Optional[str]] = _route) -> Optional[str]:
+    """Where else a task at ``address`` must listen for the other hosts to reach it, or None.
+
+    Debian's ``/etc/hosts`` maps a host's own name to ``127.0.1.1``: a task whose address is
+    ``node2:2222`` then listens on a loopback address, and the tasks of the other hosts, for whom
+    ``node2`` is a routable address, are refused. When the task's host resolves here only to
+    loopback addresses while some other task's host does not, this is the local address that
+    routes to that host, at the task's port; the server listens there too (the same interface
+    it would have listened on with a routable name, and the token still guards it).
+
+    Example (``node2`` is 127.0.1.1 here, ``node1`` is 10.0.0.1, reached from 10.0.0.2)::
+
+        >>> routed_address("node2:2222", ["node1", "node2"], resolve=lambda h: {"node1": ["10.0.0.1"]}.get(h,
+        ...                ["127.0.1.1"]), route=lambda a: "10.0.0.2")
+        '10.0.0.2:2222'
+        >>> routed_address("10.0.0.2:2222", ["node1"], resolve=lambda h: [h], route=lambda a: "10.0.0.2") is None
+        True
+    """
+    host, port = parse_address(address, "the task's address")
+    own = resolve(host)
+    if not own or not all(_is_loopback(a) for a in own):
+        return None
+    for other in dict.fromkeys(h for h in other_hosts if h != host):
+        for remote in resolve(other):
+            if _is_loopback(remote):
+                continue
+            local = route(remote)
+            if local is not None and not _is_loopback(local):
+                return f"[{local}]:{port}" if ":" in local else f"{local}:{port}"
+    return None
+
+
 def running_servers() -> list["Server"]:
     """The servers of this process that are serving now (started, not stopped)."""
     with _running_lock:
@@ -90,7 +152,10 @@ class Server:
     listens on exactly the address the cluster spec gives the task, unless ``bind_address``
     (default ``DISTRIB_BIND_ADDRESS``) says otherwise: ``"0.0.0.0"`` listens on every interface,
     at the task's port, as TF's servers do (see :func:`listen_address`); needed behind NAT or a
-    Kubernetes Service, where the spec's address is not one of the host's. Every call still
+    Kubernetes Service, where the spec's address is not one of the host's. When the spec's name
+    resolves on this host only to loopback (Debian's ``/etc/hosts`` maps the host's own name to
+    127.0.1.1) while other tasks' hosts do not, it also listens on this host's address that routes
+    to them (``also_listening``; see :func:`routed_address`). Every call still
     needs the cluster token. The server starts at
     once unless ``start=False``, and serves until :meth:`stop` whether or not the
     program keeps a reference to it. ``config`` (a TF ``ConfigProto``) is accepted for TF
@@ -129,6 +194,15 @@ class Server:
             bind_address, where = os.environ[BIND_ADDRESS_ENV], BIND_ADDRESS_ENV
         #: where this server listens: ``address``, or what ``bind_address`` asked for (e.g. ``0.0.0.0:port``)
         self.bind_address = listen_address(self.address, bind_address, where)
+        #: where it also listens: the routable address of this host when ``address`` resolves here only to
+        #: loopback (Debian's 127.0.1.1) and other hosts must reach it (see :func:`routed_address`)
+        self.also_listening: list[str] = []
+        if bind_address is None:
+            others = [spec.task_address(job, i).rpartition(":")[0].strip("[]") for job in spec.jobs
+                      for i in spec.task_indices(job)]
+            routed = routed_address(self.address, others)
+            if routed is not None:
+                self.also_listening.append(routed)
         self._token = rpc.cluster_token(token)
         self._tls = tls if tls is not None else TLSConfig.from_env()
         self._max_workers = max_workers or (16 if job_name == "ps" else 4)
@@ -155,12 +229,14 @@ class Server:
             name = WORKER_SERVICE
         self._service = service
         self._grpc = rpc.make_server(self.bind_address, name, service.handlers(), self._token, self._tls,
-                                     self._max_workers, self.max_message_bytes)
+                                     self._max_workers, self.max_message_bytes, also=self.also_listening)
         self._stopped.clear()
         with _running_lock:
             _running.add(self)
-        log.info("started /job:%s/task:%d on %s%s%s", self.job_name, self.task_index, self.address,
+        log.info("started /job:%s/task:%d on %s%s%s%s", self.job_name, self.task_index, self.address,
                  f" (listening on {self.bind_address})" if self.bind_address != self.address else "",
+                 f" and on {', '.join(self.also_listening)}: {self.address} resolves to loopback here (Debian's "
+                 "127.0.1.1?) and the other hosts reach this one there" if self.also_listening else "",
                  " (TLS)" if self._tls else "")
 
     def join(self, timeout: Optional[float] = None) -> bool:
@@ -178,4 +254,5 @@ class Server:
 
     def __repr__(self) -> str:
         listening = f", listening on {self.bind_address}" if self.bind_address != self.address else ""
+        listening += "".join(f" and {a}" for a in self.also_listening)
         return f"Server(/job:{self.job_name}/task:{self.task_index}, {self.address}{listening})"

@@ -7,7 +7,9 @@ Security, in order of the checks a call meets:
 
 * a server binds only the address its task has in the cluster spec, unless it is asked to
   listen on every interface (``ds.Server(bind_address="0.0.0.0")`` or ``DISTRIB_BIND_ADDRESS``,
-  as TF's servers do: behind NAT or a Kubernetes Service); the checks below hold either way;
+  as TF's servers do: behind NAT or a Kubernetes Service), and on the routable address of its host
+  when the spec's name resolves there only to loopback (Debian's 127.0.1.1, see
+  ``server.routed_address``); the checks below hold either way;
 * with TLS (:class:`TLSConfig`, or ``DISTRIB_TLS_CERT``/``DISTRIB_TLS_KEY``/``DISTRIB_TLS_CA``)
   the channel is encrypted, and with a CA file both ends must present certificates it signed;
 * every call carries the cluster token (``DISTRIB_CLUSTER_TOKEN``, at least 16 characters)
@@ -30,7 +32,7 @@ import logging
 import os
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import grpc
 
@@ -220,8 +222,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 def make_server(address: str, service: str, handlers: Mapping[str, Handler], token: str,
                 tls: Optional[TLSConfig] = None, max_workers: int = 8,
-                max_message: Optional[int] = None) -> grpc.Server:
-    """A started gRPC server on exactly ``address`` whose methods are ``service/<name>``.
+                max_message: Optional[int] = None, also: Sequence[str] = ()) -> grpc.Server:
+    """A started gRPC server on exactly ``address`` (and the addresses in ``also``) whose methods are
+    ``service/<name>``.
 
     ``address`` may be ``0.0.0.0:port`` or ``[::]:port`` (every interface): the token is checked all the same.
 
@@ -237,19 +240,20 @@ def make_server(address: str, service: str, handlers: Mapping[str, Handler], tok
 
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         service, {name: grpc.unary_unary_rpc_method_handler(wrap(fn)) for name, fn in handlers.items()})])
-    try:
-        port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
-    except RuntimeError as e:
-        port = 0
-        detail = str(e)
-    else:
-        detail = ""
-    if port == 0:
-        raise OSError(f"cannot listen on {address!r} (taken by another process, or not an address of this "
-                      f"host){': ' + detail if detail else ''}; check the cluster spec. Behind NAT or a Kubernetes "
-                      "Service, where the spec's address is not this host's, listen on every interface: "
-                      "ds.Server(..., bind_address='0.0.0.0') or DISTRIB_BIND_ADDRESS=0.0.0.0 (the cluster token "
-                      "is still required)")
+    for where in (address, *also):
+        try:
+            port = server.add_secure_port(where, tls.server_credentials()) if tls else server.add_insecure_port(where)
+        except RuntimeError as e:
+            port = 0
+            detail = str(e)
+        else:
+            detail = ""
+        if port == 0:
+            raise OSError(f"cannot listen on {where!r} (taken by another process, or not an address of this "
+                          f"host){': ' + detail if detail else ''}; check the cluster spec. Behind NAT or a "
+                          "Kubernetes Service, where the spec's address is not this host's, listen on every "
+                          "interface: ds.Server(..., bind_address='0.0.0.0') or DISTRIB_BIND_ADDRESS=0.0.0.0 (the "
+                          "cluster token is still required)")
     server.start()
     return server
 
