@@ -209,16 +209,35 @@ def test_a_bucket_that_changes_shape_is_an_error_naming_the_fix():
 
 
 # ---------------------------------------------------------------------------------------- two real workers
-def test_two_workers_train_to_the_uncompressed_result_with_every_compression(tmp_path):
-    """Real processes over gloo: the bucketed reducer (1 replica per worker) and the several-replica path."""
+def test_two_workers_compress_as_computed_by_hand_and_train_to_the_uncompressed_result(tmp_path):
+    """Real processes over gloo, MultiWorkerMirroredStrategy's two gradient paths: the bucketed reducer
+    (1 replica per worker) and several local replicas (summed in fp32, then reduced across workers).
+
+    What each compression leaves in ``param.grad`` after ``strategy.run`` equals the sum computed by hand
+    from every replica's own gradient (cast, summed in the low type, cast back; PowerSGD: the exact sum
+    projected onto rank 2), and differs from the fp32 sum within the type's rounding: the strategy
+    really compresses.
+    """
     out = tmp_path / "compression.json"
     code, log, _ = launch("--workers", "2", str(SCRIPTS / "compression_train.py"), "--out", str(out), timeout=180)
     assert code == 0, log
     results = json.loads(out.read_text())
     for path in ("bucketed", "replicas"):
         runs = results[path]
-        assert runs["none"]["max_diff_vs_reference"] < 1e-5  # no compression: what one process computes
+        none = runs["none"]
+        assert none["max_diff_vs_reference"] < 1e-5  # no compression: what one process computes
+        assert none["step"]["vs_hand"] < 1e-6 and none["step"]["within_rounding"], (path, none["step"])
+        for name in ("bf16", "fp16"):
+            step = runs[name]["step"]
+            assert step["vs_hand"] == 0, f"{path}/{name}: not the {name} sum: {step}"  # exactly the cast-sum-cast
+            assert step["vs_exact"] > 0, f"{path}/{name}: the strategy did not compress: {step}"
+            assert step["within_rounding"], (path, name, step)
+        assert runs["bf16"]["step"]["vs_exact"] > runs["fp16"]["step"]["vs_exact"]  # 8 significant bits vs 11
+        psgd = runs["powersgd"]["step"]
+        assert psgd["ranks"] == [2, 2], (path, psgd)  # both weight matrices arrive as rank 2 (the exact sums have rank 20 and 5)
+        assert psgd["vs_hand"] < 1e-4, (path, psgd)  # = the exact sum projected onto that rank-2 column space
+        assert psgd["vs_exact"] > 1e-3, (path, psgd)  # ... which is not the exact sum
         for name, tolerance in (("bf16", 0.02), ("fp16", 0.005), ("powersgd", 0.05)):
             run = runs[name]
             assert run["max_diff_vs_none"] > 0, f"{path}/{name}: the strategy did not compress"
-            assert abs(run["loss"] - runs["none"]["loss"]) < tolerance * runs["none"]["start_loss"], (path, name, run)
+            assert abs(run["loss"] - none["loss"]) < tolerance * none["start_loss"], (path, name, run)
