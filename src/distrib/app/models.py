@@ -29,6 +29,11 @@ Two formulations of exactly the same function are provided:
 Both are ``nn.Sequential`` with the same layer indices, so state dicts are
 interchangeable; results agree up to float rounding (summation order).
 
+The optimizer is the tutorial's Adam with Keras' defaults (``lr=1e-3``, ``eps=1e-7``), built by
+:func:`fashion_mnist_optimizer` as PyTorch's fused implementation where the parameters' device
+has one (CPU, CUDA): the same update, one kernel per step instead of ~7 per parameter tensor
+(the single-tensor loop PyTorch picks on CPU costs ~1.6 ms a step on one core, fused ~0.5 ms).
+
 ``torch.compile`` was measured too (torch 2.13, CPU, inductor): it was *slower*
 than the eager fast formulation (inductor's max-pool backward and layout copies
 cost more than ATen/oneDNN kernels) on top of 10-60 s of compile time.  It stays
@@ -46,6 +51,7 @@ from torch import nn
 __all__ = [
     "FashionMNISTCNN",
     "fashion_mnist_cnn",
+    "fashion_mnist_optimizer",
     "keras_init_",
     "maybe_compile",
     "plain_fashion_mnist_cnn",
@@ -116,6 +122,29 @@ def fashion_mnist_cnn() -> nn.Module:
     Input: float32 ``(N, 1, 28, 28)``; output: ``(N, 10)`` logits.
     """
     return keras_init_(FashionMNISTCNN())
+
+
+def fashion_mnist_optimizer(params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The main job's optimizer: Adam with Keras' defaults (``eps=1e-7``), fused where the device allows.
+
+    ``fused=True`` runs the same Adam update as PyTorch's default implementation (up to float
+    rounding) as one vectorised kernel; it needs floating-point parameters on a device with a
+    fused kernel, otherwise the default implementation is used. State dicts are the same either
+    way (a checkpoint loads into a plain ``torch.optim.Adam``).
+
+    Example::
+
+        >>> opt = fashion_mnist_optimizer(fashion_mnist_cnn().parameters())
+        >>> type(opt).__name__, opt.defaults["eps"], opt.defaults["fused"]
+        ('Adam', 1e-07, True)
+    """
+    params = [{**p, "params": list(p["params"])} if isinstance(p, dict) else p for p in params]
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    fused = bool(tensors) and all(p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in tensors)
+    return torch.optim.Adam(params, lr=lr, eps=1e-7, fused=fused or None)
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
 
 
 def plain_fashion_mnist_cnn() -> nn.Module:

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 import cloudpickle
 import torch
 from torch import nn
+from torch.amp.grad_scaler import GradScaler
 
 from distrib import context
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
@@ -78,6 +79,7 @@ from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
+from distrib.strategies.amp import asynchronous_scaling_error
 from distrib.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -392,6 +394,8 @@ class ParameterServerStrategy(Strategy):
         """How ``obj`` travels inside a scheduled function (None: pickled as usual)."""
         if obj is self:
             return ("strategy",)
+        if isinstance(obj, GradScaler) and obj.is_enabled():
+            raise asynchronous_scaling_error("a function scheduled with ClusterCoordinator.schedule uses a GradScaler")
         if _is_metric(obj):
             return ("metric", self._metric_key(obj), _MetricCopy(obj))
         if isinstance(obj, torch.Tensor):

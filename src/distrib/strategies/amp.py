@@ -25,6 +25,15 @@ and scale, up to float rounding), and an inf or NaN on any replica skips the ste
 backs the scale off everywhere. Gradients are unscaled once they are summed, so code
 between ``unscale_`` and ``step`` (``clip_grad_norm_``) sees the global gradient.
 
+``ParameterServerStrategy`` is the exception: its steps run asynchronously on worker processes,
+so there is no one scale to agree on; a ``GradScaler`` sent with a scheduled function is refused
+(:func:`asynchronous_scaling_error`), and bfloat16 autocast, which needs no scaling, is the way to
+train in mixed precision there.
+
+The strategy is reached through ``strategy.extended``'s public gradient seam
+(``merges_optimizer_steps``, ``reduce_gradients_then``, ``end_gradient_reduction``,
+``warn_if_loss_unscaled``).
+
 ``GradScaler``'s ``unscale_``, ``step`` and ``update`` are replaced on the class once, when
 distrib is imported (``install``); they are torch's own unless the optimizer (for
 ``update``: the calling replica's strategy) is one whose steps a strategy merges.
@@ -70,7 +79,7 @@ from distrib import context
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["install", "Precision"]
+__all__ = ["install", "Precision", "asynchronous_scaling_error"]
 
 #: Lightning's precision names (``Trainer(precision=...)``) and the autocast dtype of each (None: no autocast)
 _PRECISIONS: dict[str, Optional[torch.dtype]] = {
@@ -133,6 +142,30 @@ class Precision:
         """A new ``GradScaler`` for float16 training on ``device_type``; None where no scaling applies."""
         return GradScaler(device_type) if self.dtype is torch.float16 else None
 
+def asynchronous_scaling_error(where: str) -> ValueError:
+    """The error for float16 loss scaling under ``ParameterServerStrategy`` (``where``: what the user did).
+
+    A ``GradScaler`` is one scale that every step reads and updates in order. Steps scheduled
+    on parameter-server workers run asynchronously in other processes: a scaler sent with a
+    scheduled function would become an independent copy on each worker, while the user's
+    scaler on the coordinator (its ``get_scale()``, its ``state_dict()`` in a checkpoint) never
+    changes. That is a silent divergence from plain PyTorch, so it is refused.
+
+    Example::
+
+        >>> "bf16-mixed" in str(asynchronous_scaling_error("fit(precision='16-mixed')"))
+        True
+    """
+    return ValueError(
+        f"{where}: float16 loss scaling with torch.amp.GradScaler is not supported under ParameterServerStrategy. "
+        "Its steps run asynchronously on the workers, so a GradScaler sent with a scheduled function would become "
+        "one independent copy per worker while the coordinator's scaler (get_scale(), its state_dict in "
+        "checkpoints) never changes. Train with bfloat16 autocast, which needs no loss scaling "
+        "(torch.autocast(device_type, dtype=torch.bfloat16) without a GradScaler; precision='bf16-mixed' in "
+        "ds.fit and distrib train), or use float16 with MultiWorkerMirroredStrategy, where every worker agrees "
+        "on one scale")
+
+
 _original_unscale = GradScaler.unscale_
 _original_step = GradScaler.step
 _original_update = GradScaler.update
@@ -143,7 +176,7 @@ def _merging_strategy(scaler: GradScaler, optimizer: Any) -> Optional["Strategy"
     if not getattr(scaler, "_enabled", False):
         return None
     owner = context.owner_of(optimizer)
-    return owner if owner is not None and owner._merges_steps(optimizer) else None
+    return owner if owner is not None and owner.extended.merges_optimizer_steps(optimizer) else None
 
 
 def _once(strategy: "Strategy", what: str, values: list[Any], fn: Callable[[], Any]) -> list[Any]:
@@ -153,7 +186,7 @@ def _once(strategy: "Strategy", what: str, values: list[Any], fn: Callable[[], A
         raise ValueError(f"scaler.{what}(optimizer) was called with different GradScalers or optimizers on the "
                          f"replicas of {type(strategy).__name__}; build one GradScaler outside strategy.run and "
                          "use it with the strategy's optimizer on every replica")
-    strategy._check_loss_scaling([v[2] for v in values])
+    strategy.extended.warn_if_loss_unscaled([v[2] for v in values])
     previous = context.set_current_replica(None)  # optimizer.step() inside fn is the cross-replica step
     try:
         result = fn()
@@ -191,7 +224,7 @@ def _unscale_summed(strategy: "Strategy", scaler: GradScaler, optimizer: Any) ->
         _original_unscale(scaler, optimizer)
         _agree(strategy, scaler, optimizer)
 
-    strategy._reduce_gradients_for(optimizer, unscale)
+    strategy.extended.reduce_gradients_then(optimizer, unscale)
 
 
 def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -212,9 +245,10 @@ def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwarg
         try:
             # torch's step: unscale_ (the replacement above, on summed gradients) unless the user called it,
             # then optimizer.step() only if no worker found an inf
-            return strategy._reduce_gradients_for(optimizer, lambda: _original_step(self, optimizer, *args, **kwargs))
+            return strategy.extended.reduce_gradients_then(
+                optimizer, lambda: _original_step(self, optimizer, *args, **kwargs))
         finally:
-            strategy._end_scaled_step(optimizer)
+            strategy.extended.end_gradient_reduction(optimizer)
 
     result: Optional[float] = _as_merge_point(strategy, "step", self, optimizer, merged_step)
     return result

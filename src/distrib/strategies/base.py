@@ -18,7 +18,10 @@ What the rest of distrib may use is public and typed: the topology
 (``num_replicas_in_sync``, ``num_local_replicas``, ``local_devices``,
 ``worker_index``, ``num_workers``, ``is_chief``, ``barrier``, ``communicator``), the
 checkpoint contract (``checkpoint_state``, ``restore_checkpoint_state``) and
-``step_executor`` (how ``fit`` runs a step). Subclasses override the ``_``-methods.
+``step_executor`` (how ``fit`` runs a step), and ``extended`` (TF's ``StrategyExtended``, which
+also holds the gradient seam that ``strategies/amp.py`` uses: ``merges_optimizer_steps``,
+``reduce_gradients_then``, ``end_gradient_reduction``, ``warn_if_loss_unscaled``). Subclasses
+override the ``_``-methods.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -51,6 +54,8 @@ if TYPE_CHECKING:
     from distrib.strategies.execution import StepExecutor
 
 __all__ = ["Strategy", "RunOptions", "ValueContext", "UnscaledLossWarning"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -356,41 +361,41 @@ class Strategy:
                              "call loss.backward() and optimizer.step() in the replica function")
 
         def merge(scaled: list[bool]) -> list[Any]:
-            self._check_loss_scaling(scaled)
+            self._warn_if_loss_unscaled(scaled)
             return [self._apply_update(optimizer, step, args, kwargs)] * len(scaled)
 
         return ctx.merge(ctx.scaled_loss_recorded, merge)
 
     def _merges_steps(self, optimizer: Any) -> bool:
-        """Whether ``optimizer.step()`` is a merge point of this strategy (its GradScaler calls then are too)."""
+        """Whether ``optimizer.step()`` is a merge point of this strategy (see ``extended.merges_optimizer_steps``)."""
         return optimizer in self._merged_optimizers
 
-    def _reduce_gradients_for(self, optimizer: torch.optim.Optimizer, then: Callable[[], Any]) -> Any:
+    def _reduce_gradients_for(self, optimizer: torch.optim.Optimizer, then: Callable[[], T]) -> T:
         """Sum ``optimizer``'s gradients over replicas and workers (once a step), then call ``then``.
 
-        For a GradScaler's ``unscale_``/``step`` (amp.py), called once, cross-replica: the
-        strategy's own reduction (``_apply_update``) runs with ``then`` in place of the
-        optimizer's step, so the scaler unscales and checks the sums; an ``optimizer.step()``
-        that ``then`` (or a later ``scaler.step``) makes applies the update without summing again.
+        The strategy's own reduction (``_apply_update``) runs with ``then`` in place of the
+        optimizer's step; an ``optimizer.step()`` that ``then`` (or a later call) makes applies
+        the update without summing again. See ``extended.reduce_gradients_then``.
         """
         if optimizer in self._summed:
             return then()
 
-        def summed_then() -> Any:
+        def summed_then() -> T:
             self._summed[optimizer] = True
             return then()
 
         try:
-            return self._apply_update(optimizer, summed_then, (), {})
+            result: T = self._apply_update(optimizer, summed_then, (), {})
+            return result
         finally:
             if optimizer in self._summed:  # unscale_ alone, or a skipped step: the sums stay until step/zero_grad
                 self._summed[optimizer] = False
 
-    def _end_scaled_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """A GradScaler's step is over (applied or skipped): the next gradients are summed anew."""
+    def _end_gradient_reduction(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step that used the summed gradients is over (applied or skipped): the next ones are summed anew."""
         self._summed.pop(optimizer, None)
 
-    def _check_loss_scaling(self, scaled: list[bool]) -> None:
+    def _warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
         """Warn once when a step's loss was not scaled by distrib's helpers while several replicas are in sync."""
         if all(scaled) or self.num_replicas_in_sync == 1 or self._warned_unscaled or \
                 self._run_options.loss_scaled_by_hand:

@@ -1,8 +1,15 @@
-"""``strategy.extended``: the parts of TF's ``StrategyExtended`` that ported code uses."""
+"""``strategy.extended``: the parts of TF's ``StrategyExtended`` that ported code uses, and the gradient seam.
+
+Besides TF's members, ``extended`` is where other modules reach a strategy's gradient merge
+(public and typed, as the architecture asks): :meth:`StrategyExtended.merges_optimizer_steps`,
+:meth:`StrategyExtended.reduce_gradients_then`, :meth:`StrategyExtended.end_gradient_reduction`
+and :meth:`StrategyExtended.warn_if_loss_unscaled`. ``strategies/amp.py`` uses them to make
+``torch.amp.GradScaler`` agree over replicas and workers.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -13,6 +20,8 @@ if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
 __all__ = ["StrategyExtended"]
+
+T = TypeVar("T")
 
 
 class StrategyExtended:
@@ -48,6 +57,55 @@ class StrategyExtended:
                         options: Any = None) -> list[Any]:
         """``reduce_to`` for each ``(value, destinations)`` pair, in order."""
         return [self.reduce_to(reduce_op, value, destinations) for value, destinations in value_destination_pairs]
+
+    # ------------------------------------------------------------------ the gradient seam (distrib's own)
+    def merges_optimizer_steps(self, optimizer: Any) -> bool:
+        """Whether ``optimizer.step()`` is a merge point of this strategy: gradients summed over replicas and
+        workers, one update applied everywhere. False for optimizers built outside its scope, and for one
+        replica computing on the parameters themselves (nothing to merge)."""
+        return self._strategy._merges_steps(optimizer)
+
+    def reduce_gradients_then(self, optimizer: torch.optim.Optimizer, then: Callable[[], T]) -> T:
+        """Sum ``optimizer``'s gradients over every replica and worker into its parameters' ``.grad``, then
+        return ``then()``; cross-replica (once per step, from a merge function).
+
+        The sum is the strategy's own (buckets, comm hook), done at most once per step: a second call in
+        the same step only calls ``then``. An ``optimizer.step()`` made inside ``then``, or later in the
+        step, applies the update without summing again and refreshes the replicas' copies. A caller that
+        inspects or rescales the sums before stepping (a ``GradScaler``'s ``unscale_``) runs that in
+        ``then``; it ends the step with :meth:`end_gradient_reduction`.
+
+        Example::
+
+            >>> import distrib as ds, torch
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with s.scope():
+            ...     layer = torch.nn.Linear(1, 1, bias=False)
+            ...     opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+            >>> s.extended.merges_optimizer_steps(opt)
+            True
+            >>> def step(x):
+            ...     layer(x).sum().backward()
+            ...     ds.get_replica_context().merge_call(
+            ...         lambda strategy: strategy.extended.reduce_gradients_then(opt, lambda: layer.weight.grad.item()))
+            >>> _ = s.run(step, args=(s.experimental_distribute_values_from_function(
+            ...     lambda ctx: torch.tensor([[1.0 + ctx.replica_id_in_sync_group]])),))
+            >>> layer.weight.grad  # 1 + 2, summed over the two replicas
+            tensor([[3.]])
+            >>> s.extended.end_gradient_reduction(opt)
+        """
+        return self._strategy._reduce_gradients_for(optimizer, then)
+
+    def end_gradient_reduction(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step that used :meth:`reduce_gradients_then`'s sums is over (applied or skipped): the next
+        step's gradients are summed anew. ``optimizer.zero_grad()`` does this too."""
+        self._strategy._end_gradient_reduction(optimizer)
+
+    def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
+        """Warn once (``ds.UnscaledLossWarning``) when, with several replicas in sync, a replica's loss was not
+        scaled by ``ds.compute_average_loss`` this step (``scaled``: each local replica's
+        ``ReplicaContext.scaled_loss_recorded``), unless ``RunOptions(loss_scaled_by_hand=True)`` was given."""
+        self._strategy._warn_if_loss_unscaled(scaled)
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
