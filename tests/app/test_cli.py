@@ -11,7 +11,7 @@ from distrib.strategies import registry
 EVERY_OPTION = ["--strategy", "multi-worker", "--workers", "3", "--ps", "0", "--max-restarts", "2", "--epochs", "4",
                 "--batch-size-per-replica", "16", "--replicas", "2", "--device", "cpu", "--checkpoint-dir", "/c",
                 "--data-dir", "/d", "--seed", "7", "--compile", "--no-progress", "--fit", "--tensorboard", "/tb",
-                "--metrics-file", "/m.jsonl", "--precision", "bf16-mixed", "--tls"]
+                "--metrics-file", "/m.jsonl", "--log-every", "7", "--precision", "bf16-mixed", "--tls"]
 
 
 def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_own():
@@ -49,6 +49,15 @@ def test_a_strategy_that_cannot_run_on_workers_is_refused(capsys):
     assert "needs a multi-worker strategy" in capsys.readouterr().err
 
 
+def test_float16_loss_scaling_on_parameter_servers_is_refused_before_any_process_starts(capsys):
+    from distrib.app.cli import main
+
+    assert main(["train", "--ps", "1", "--workers", "2", "--precision", "16-mixed"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distrib train: ") and "--precision 16-mixed --strategy parameter-server" in err
+    assert "bf16-mixed" in err
+
+
 @pytest.mark.parametrize("argv", [["train", "--ps", "-1"], ["train", "--max-restarts", "-1"],
                                   ["train", "--workers", "0"], ["train", "--epochs", "-3"],
                                   ["launch", "--ps", "-1", "x.py"], ["launch", "--max-restarts", "-2", "x.py"],
@@ -61,3 +70,41 @@ def test_bad_counts_are_an_argparse_error_not_a_traceback(argv, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error: argument" in err and "Traceback" not in err
+
+
+def test_version_names_distrib_torch_and_python(capsys):
+    import torch
+
+    import distrib
+    from distrib.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip().startswith(f"distrib {distrib.__version__} (torch {torch.__version__}")
+
+
+@pytest.mark.parametrize("command", [None, "train", "launch", "plot"])
+def test_every_help_shows_every_meaningful_default(command, capsys):
+    """Every option whose default is a value (not None / False) shows it in --help (as argparse's defaults
+    formatter does); options whose default is None or False explain themselves."""
+    import argparse
+
+    parser = build_parser()
+    if command is not None:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    shown = 0
+    for action in parser._actions:
+        if action.option_strings and action.default is not None and not isinstance(action.default, bool) \
+                and action.default != argparse.SUPPRESS:
+            assert f"default: {action.default}" in text, (command, action.option_strings)
+            shown += 1
+    assert shown >= {None: 0, "train": 8, "launch": 3, "plot": 0}[command]
+    if command == "train":
+        assert "--epochs EPOCHS passes over the training set (default: 10)" in text
+        assert "--log-every N" in text and "(default: 50)" in text
+    if command == "plot":
+        assert "default: RUN_DIR/training.png" in text

@@ -2,33 +2,70 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import sys
 
 import pytest
 
 from distrib.app.cli import main
 from distrib.app.datasets import DatasetNotFoundError, load_fashion_mnist, read_idx
 
-LINE = re.compile(r"Epoch (\d+), Loss: ([\d.]+), Accuracy: ([\d.]+), Test Loss: ([\d.]+), "
-                  r"Test Accuracy: ([\d.]+), Examples/s: (\d+)")
+# seed 000's fields, with readable precision: 4 decimals for losses, 2 for accuracies (percent, as the seed)
+LINE = re.compile(r"Epoch (\d+), Loss: (\d+\.\d{4}), Accuracy: (\d+\.\d{2}), Test Loss: (\d+\.\d{4}), "
+                  r"Test Accuracy: (\d+\.\d{2}), Examples/s: (\d+)$", re.MULTILINE)
+
+
+def is_png(path: "os.PathLike[str]") -> bool:
+    with open(path, "rb") as f:
+        head = f.read(16)
+    return head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"  # tests/app/test_plot.py checks more
 
 
 @pytest.mark.parametrize("strategy_args", [["--strategy", "mirrored", "--replicas", "2"], ["--strategy", "default"],
                                            ["--workers", "2"]])
-def test_train_prints_an_epoch_line_checkpoints_every_two_epochs_and_restores(idx_dir, tmp_path, capsys, strategy_args):
+def test_train_prints_an_epoch_line_checkpoints_every_two_epochs_and_restores(idx_dir, tmp_path, capsys, monkeypatch,
+                                                                              strategy_args):
     ckpt = tmp_path / "ckpt"
-    code = main(["train", *strategy_args, "--epochs", "3", "--batch-size-per-replica", "32",
-                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt), "--no-progress"])
+    workers = "--workers" in strategy_args
+    if workers:  # a progress line at every step, so a short test epoch shows them
+        monkeypatch.setenv("DISTRIB_PROGRESS_INTERVAL", "0")
+    if strategy_args[-1] == "default":  # hide matplotlib: the run ends with a note, not a picture
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code = main(["train", *strategy_args, "--epochs", "3", "--batch-size-per-replica", "32", "--log-every", "3",
+                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt), *([] if workers else ["--no-progress"])])
     out = capsys.readouterr().out
     assert code == 0
-    if "--workers" in strategy_args:  # the chief alone prints, through the launcher's prefix
+    if workers:  # the chief alone prints, through the launcher's prefix, its progress included
         assert "[worker 0] Epoch 3" in out and "[worker 1] Epoch" not in out
+        progress = re.findall(r"^\[worker 0\] epoch 2/3: +\d+%\|.*\| (\d+)/8 \[.*\]$", out, re.MULTILINE)
+        assert progress == [str(n) for n in range(1, 9)], out  # 512 examples / (32 x 2 workers): 8 steps
+        assert re.search(r"^\[worker 0\] epoch 2/3: 100%.* 8/8 .*loss=\d\.\d{4}, accuracy=\d+\.\d{2}\]$", out,
+                         re.MULTILINE)
+        assert "[worker 1] epoch" not in out
+        out = re.sub(r"^\[worker 0\] ", "", out, flags=re.MULTILINE)
+    else:
+        assert "epoch 1/3" not in out  # --no-progress: the epoch lines only
     epochs = [m.groups() for m in LINE.finditer(out)]
     assert [int(e[0]) for e in epochs] == [1, 2, 3]
+    assert all(len(m.group(0)) <= 100 for m in LINE.finditer(out))  # fits a terminal with a task prefix
     assert float(epochs[-1][4]) > 50.0  # the fake data is learnable: a broken update would stay near 10 %
-    restored = float(re.search(r"Accuracy after restoring the saved model without strategy: ([\d.]+)", out).group(1))
-    assert restored == pytest.approx(float(epochs[-1][4]), abs=1e-4)  # epoch 3 is the last checkpoint (epochs 1, 3)
+    restored = re.search(r"Accuracy after restoring the saved model without strategy: (\d+\.\d\d)$", out, re.MULTILINE)
+    assert restored.group(1) == epochs[-1][4]  # epoch 3 is the last checkpoint (epochs 1, 3)
     assert sorted(p.name for p in ckpt.glob("ckpt-*.pt")) == ["ckpt-1.pt", "ckpt-2.pt"]
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    steps_per_epoch = 16 if strategy_args[-1] == "default" else 8  # 512 / 32 on one replica, 512 / 64 on two
+    assert [r["step"] for r in rows if "step" in r] == list(range(3, 3 * steps_per_epoch + 1, 3))
+    assert [(r["epoch"], r["steps"]) for r in rows if "step" not in r] == [(e, e * steps_per_epoch) for e in (1, 2, 3)]
+    epoch_rows = [r for r in rows if "step" not in r]
+    assert [f"{r['loss']:.4f}" for r in epoch_rows] == [e[1] for e in epochs]  # the file holds what was printed
+    if strategy_args[-1] == "default":
+        assert re.search(r"^training picture not drawn: matplotlib is missing; pip install 'distrib\[plot\]', "
+                         rf"then: distrib plot {re.escape(str(ckpt))}$", out, re.MULTILINE)
+        assert not (ckpt / "training.png").exists()
+    else:
+        assert f"Training picture: {ckpt / 'training.png'}" in out and is_png(ckpt / "training.png")
 
 
 def test_missing_data_is_a_clear_error_naming_the_debian_package(tmp_path, capsys):
@@ -60,21 +97,42 @@ def test_train_through_fit_writes_tensorboard_scalars_and_a_metrics_jsonl(idx_di
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     code = main(["train", "--fit", "--strategy", "mirrored", "--replicas", "2", "--epochs", "2",
                  "--batch-size-per-replica", "32", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt),
-                 "--tensorboard", str(tb), "--no-progress"])
+                 "--tensorboard", str(tb), "--log-every", "4", "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0 and "Epoch 2/2" in out and " - val_accuracy: " in out
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
+    epochs = [r for r in rows if "step" not in r]  # step lines carry a "step" key; epoch lines never do
+    assert [r["epoch"] for r in epochs] == [1, 2] and epochs[1]["loss"] < epochs[0]["loss"]
+    assert [(r["step"], r["epoch"]) for r in rows if "step" in r] == [(4, 1), (8, 1), (12, 2), (16, 2)]
+    assert all({"loss", "accuracy"} <= set(r) for r in rows)
     restored = float(re.search(r"without strategy: ([\d.]+)", out).group(1))
-    assert restored == pytest.approx(rows[0]["val_accuracy"] * 100, abs=1e-3)  # epoch 1 is the last checkpoint
-    tags = EventAccumulator(str(tb / "train")).Reload().Tags()["scalars"]
-    assert {"epoch_loss", "epoch_accuracy"} <= set(tags)
+    assert restored == pytest.approx(epochs[0]["val_accuracy"] * 100, abs=0.006)  # epoch 1 is the last checkpoint
+    scalars = EventAccumulator(str(tb / "train")).Reload()
+    assert {"epoch_loss", "epoch_accuracy", "batch_loss", "batch_accuracy"} <= set(scalars.Tags()["scalars"])
+    assert [e.step for e in scalars.Scalars("batch_loss")] == [4, 8, 12, 16]  # a curve, not 2 epoch points
+    assert is_png(ckpt / "training.png")
+
+
+def test_custom_loop_step_scalars_reach_tensorboard(idx_dir, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    code = main(["train", "--strategy", "default", "--epochs", "1", "--batch-size-per-replica", "64",
+                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--tensorboard", str(tb),
+                 "--log-every", "2", "--no-progress"])
+    assert code == 0
+    scalars = EventAccumulator(str(tb / "train")).Reload()
+    assert [e.step for e in scalars.Scalars("batch_loss")] == [2, 4, 6, 8]
+    assert [e.step for e in scalars.Scalars("epoch_loss")] == [0]
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [e.value for e in scalars.Scalars("batch_loss")] == pytest.approx([r["loss"] for r in rows if "step" in r])
 
 
 def test_train_on_parameter_servers_through_launch(idx_dir, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     code = main(["train", "--strategy", "parameter-server", "--workers", "2", "--ps", "1", "--epochs", "1",
-                 "--batch-size-per-replica", "64", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt)])
+                 "--batch-size-per-replica", "64", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt),
+                 "--log-every", "4"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "[chief 0] Epoch 1/1" in out and "[chief 0] 8/8 - " in out  # 512 examples / 64
@@ -84,6 +142,8 @@ def test_train_on_parameter_servers_through_launch(idx_dir, tmp_path, capsys):
     restored = float(re.search(r"without strategy: ([\d.]+)", out).group(1))
     assert accuracy > 0.3 and restored > 30.0
     assert (ckpt / "ckpt-1.pt").exists()
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in rows] == [4, 8, None] and rows[-1]["steps"] == 8  # step lines from the coordinator
 
 
 def test_compile_reaches_every_worker_process(idx_dir, tmp_path, capsys):
@@ -93,3 +153,64 @@ def test_compile_reaches_every_worker_process(idx_dir, tmp_path, capsys):
     assert code == 0, out
     for worker in (0, 1):  # `compiled` here; `fell back to eager` where this machine cannot compile
         assert re.search(rf"\[worker {worker}\] torch.compile: (compiled|fell back to eager) on worker {worker}", out)
+
+
+def run_in_terminal(argv: list[str], timeout: float = 240) -> str:
+    """Run ``argv`` with a pseudo-terminal (120 x 30) as stdout and stderr, as a user at a terminal runs it."""
+    import fcntl
+    import pty
+    import select
+    import signal
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
+    env = {**os.environ, "TQDM_MININTERVAL": "0", "TF_CONFIG": ""}  # tqdm redraws at every step: no timing in the test
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
+                            start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the terminal's other side is closed
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        else:
+            pytest.fail(f"{' '.join(argv)} did not finish in {timeout}s:\n{b''.join(chunks).decode(errors='replace')}")
+        assert proc.wait(timeout=30) == 0, b"".join(chunks).decode(errors="replace")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(master)
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.parametrize("fit", [False, True], ids=["custom-loop", "fit"])
+def test_on_a_terminal_the_bar_shows_the_running_loss_and_accuracy(idx_dir, tmp_path, fit):
+    """At a terminal `distrib train` draws tqdm's bar with the loss and accuracy beside it, and
+    `distrib train --fit` Keras' bar (issue 13: it printed nothing until the epoch ended)."""
+    out = run_in_terminal([sys.executable, "-m", "distrib", "train", "--strategy", "default", "--epochs", "1",
+                           "--batch-size-per-replica", "16", "--data-dir", str(idx_dir), "--checkpoint-dir",
+                           str(tmp_path / "ckpt"), *(["--fit"] if fit else [])])
+    if fit:  # redrawn in place ("\r"), with an ETA and the running logs, then the epoch's summary
+        assert re.search(r"\r\s*\d+/32 \[=*>\.*\] - ETA: \d+s - loss: \d\.\d{4} - accuracy: \d\.\d{4}", out), out
+        assert re.search(r"\r32/32 \[=+\] - \d+s \d+m?s/step - loss: \d\.\d{4} - accuracy: \d\.\d{4} - val_loss: ", out)
+    else:  # 512 examples / 16: 32 steps; the postfix appears after POSTFIX_EVERY (10) steps
+        bars = re.findall(r"\repoch 1/1: +\d+%\|[^\r\n]*\| (\d+)/32 \[[^\]]*?(?:, loss=(\d\.\d{4}), "
+                          r"accuracy=(\d+\.\d{2}))?\]", out)
+        assert [int(n) for n, _, _ in bars][-1] == 32 and len(bars) >= 20, out
+        assert all(loss for n, loss, _ in bars if int(n) > 10) and not any(loss for n, loss, _ in bars if int(n) < 10)
+        assert re.search(r"\rEpoch 1, Loss: \d\.\d{4}, .*\r\n", out)  # after the bar, which is cleared

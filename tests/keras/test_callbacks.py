@@ -148,3 +148,38 @@ def test_on_two_workers_every_worker_stops_after_the_same_bad_batch_and_only_the
     assert "[worker 1] DONE worker=1 batches=3 lr=[0.05] epochs=[0]" in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log0.csv"]
     assert (tmp_path / "log0.csv").read_text().splitlines() == ["epoch,loss,lr", "0,nan,0.05"]
+
+
+@pytest.mark.parametrize("make", STRATEGIES, ids=["default", "mirrored"])
+def test_jsonl_logger_writes_step_lines_every_n_steps_beside_its_epoch_lines(make, tmp_path):
+    import json
+
+    strategy = make()
+    model, optimizer = build(strategy)
+    path = tmp_path / "metrics.jsonl"
+    history = ds.fit(model, data(), optimizer=optimizer, loss="mse", metrics=["mae"], epochs=2, verbose=0,
+                     validation_data=data(16), callbacks=[ds.callbacks.JsonlLogger(str(path), log_every=4)])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    steps, epochs = [r for r in rows if "step" in r], [r for r in rows if "step" not in r]
+    assert [(r["step"], r["epoch"]) for r in steps] == [(4, 1), (8, 2), (12, 2)]  # 6 batches per epoch
+    assert [(r["epoch"], r["steps"]) for r in epochs] == [(1, 6), (2, 12)]
+    assert all(set(r) == {"step", "epoch", "loss", "mae", "seconds"} for r in steps)
+    assert [r["val_loss"] for r in epochs] == pytest.approx(history.history["val_loss"])
+    assert steps[2]["loss"] == pytest.approx(epochs[1]["loss"])  # the last step's running mean is the epoch's loss
+
+
+def test_jsonl_logger_counts_batches_given_no_logs_and_refuses_a_negative_interval(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = ds.callbacks.JsonlLogger(str(path), log_every=2)
+    model, optimizer = build(ds.get_strategy())
+    from distrib.keras.loop import Loop
+
+    logger.set_loop(Loop(model, optimizer, ds.get_strategy()))
+    logger.on_epoch_begin(0)
+    for batch in range(4):  # a custom loop gives logs only on the steps it wants written
+        logger.on_train_batch_end(batch, {"loss": 1.0} if batch == 3 else None)
+    logger.on_epoch_end(0, {"loss": 1.0})
+    assert path.read_text().splitlines()[0].startswith('{"step": 4, "epoch": 1, "loss": 1.0')
+    assert '"steps": 4' in path.read_text().splitlines()[1]
+    with pytest.raises(ValueError, match=r"JsonlLogger\(log_every=-1\): give 0"):
+        ds.callbacks.JsonlLogger(str(path), log_every=-1)

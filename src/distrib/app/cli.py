@@ -2,6 +2,7 @@
 
     distrib train [--strategy mirrored] [--epochs 10] ...   the main job (seed 000's workload)
     distrib launch --workers 2 script.py                    a local cluster, one process per task
+    distrib plot RUN_DIR                                    draw a run's training.png again
 
 Each subcommand registers a function that adds its arguments to a parser and a
 function that runs it; ``main`` returns the process exit code. Strategy names come
@@ -32,6 +33,17 @@ COMMANDS: dict[str, Command] = {}
 _LAUNCHER_OPTIONS = ("workers", "ps", "max_restarts", "tls")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, quiet where the default says nothing (None, False, a help that names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
              run: Callable[[argparse.Namespace], int]) -> None:
     """Add a subcommand to ``distrib``."""
@@ -43,6 +55,16 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _workers_range(text: str) -> tuple[int, int]:
+    """``--workers N`` or ``MIN:MAX`` for ``distrib launch`` (see :func:`distrib.cluster.launch.parse_workers`)."""
+    from distrib.cluster.launch import parse_workers
+
+    try:
+        return parse_workers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _non_negative(text: str) -> int:
@@ -67,24 +89,32 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
         ("--max-restarts", dict(type=_non_negative, default=0, help="with --workers: restarts of the whole group")),
         ("--tls", dict(action="store_true", default=False,
                        help="with --ps: mutual TLS between the tasks, with throwaway certificates")),
-        ("--epochs", dict(type=_positive, default=10)),
-        ("--batch-size-per-replica", dict(type=_positive, default=64)),
+        ("--epochs", dict(type=_positive, default=10, help="passes over the training set")),
+        ("--batch-size-per-replica", dict(type=_positive, default=64,
+                                          help="examples per replica per step (global batch: this x replicas)")),
         ("--replicas", dict(type=_positive, default=None,
                             help="number of replicas for --strategy mirrored (logical CPU replicas without a GPU)")),
         ("--device", dict(default=None, help="device for --strategy one-device (default: cuda:0 or cpu)")),
-        ("--checkpoint-dir", dict(default="./training_checkpoints")),
+        ("--checkpoint-dir", dict(default="./training_checkpoints",
+                                  help="checkpoints, metrics.jsonl and training.png of the run")),
         ("--data-dir", dict(default=None, help="directory of the Fashion-MNIST IDX files "
                                                "(default: /usr/share/datasets/fashion-mnist)")),
-        ("--seed", dict(type=_non_negative, default=0)),
+        ("--seed", dict(type=_non_negative, default=0, help="seed of the model's initial weights and the shuffling")),
         ("--compile", dict(action=argparse.BooleanOptionalAction, default=False,
                            help="compile the model with torch.compile (falls back to eager if it fails)")),
         ("--progress", dict(action=argparse.BooleanOptionalAction, default=None,
-                            help="progress bar during each epoch (default: when stdout is a terminal)")),
+                            help="progress during each epoch, with the running loss and accuracy: a bar when "
+                                 "stdout is a terminal, else a progress line every 10 s (DISTRIB_PROGRESS_INTERVAL; "
+                                 "the chief's, under --workers); --no-progress: the epoch lines only (default: on)")),
         ("--fit", dict(action="store_true", default=False,
-                       help="run the job through ds.fit instead of the custom loop")),
+                       help="run the job through ds.fit instead of the custom loop (Keras' progress bar)")),
         ("--tensorboard", dict(metavar="DIR", default=None, help="write TensorBoard scalars to DIR (chief only)")),
-        ("--metrics-file", dict(default=None, help="one JSON line per epoch (default: CHECKPOINT_DIR/metrics.jsonl, "
-                                                   "rewritten every run)")),
+        ("--metrics-file", dict(default=None, help="one JSON line per epoch, and one per --log-every steps "
+                                                   "(with a \"step\" key) (default: CHECKPOINT_DIR/metrics.jsonl, "
+                                                   "rewritten every run; training.png is drawn beside it)")),
+        ("--log-every", dict(type=_non_negative, default=50, metavar="N",
+                             help="every N training steps, write the running loss and accuracy to the metrics "
+                                  "file and TensorBoard (0: per epoch only)")),
         ("--precision", dict(choices=["32", "bf16-mixed", "16-mixed"], default="32",
                              help="32: float32; bf16-mixed: autocast to bfloat16 (fast on CPUs with avx512_bf16 "
                                   "or AMX, and on recent GPUs); 16-mixed: autocast to float16 with a GradScaler "
@@ -133,6 +163,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.ps and not entry.parameter_servers:
         print(f"distrib train: --ps needs a parameter-server strategy, not {name}", file=sys.stderr)
         return 2
+    if args.precision == "16-mixed" and entry.parameter_servers:  # refused before any process starts
+        from distrib.strategies.amp import asynchronous_scaling_error
+
+        print(f"distrib train: {asynchronous_scaling_error(f'--precision 16-mixed --strategy {name}')}",
+              file=sys.stderr)
+        return 2
     if args.workers > 1 or args.ps:
         if not entry.multi_worker:
             print(f"distrib train: --workers {args.workers} needs a multi-worker strategy "
@@ -145,8 +181,8 @@ def _train(args: argparse.Namespace) -> int:
         from distrib.cluster.launch import LaunchConfig, launch
 
         args.strategy = name
-        if args.progress is None:
-            args.progress = False  # workers' output goes through the launcher's pipes, never a terminal
+        # the workers' output goes through the launcher's pipes: the chief writes progress lines, which
+        # reach this terminal prefixed by its task ("[worker 0] epoch 1/10:  40%|...")
         child = ["-m", "distrib", *(["-v"] if args.verbose else []), "train", *forwarded_arguments(args)]
         return launch(LaunchConfig(command=child, workers=args.workers, ps=args.ps, max_restarts=args.max_restarts,
                                    tls=args.tls))
@@ -155,7 +191,7 @@ def _train(args: argparse.Namespace) -> int:
         strategy=name, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
         replicas=args.replicas, device=args.device, checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir,
         seed=args.seed, compile=args.compile, progress=args.progress, fit=args.fit, tensorboard=args.tensorboard,
-        metrics_file=args.metrics_file, precision=args.precision,
+        metrics_file=args.metrics_file, precision=args.precision, log_every=args.log_every,
     )
     try:
         train(config)
@@ -169,9 +205,12 @@ register("train", "train the Fashion-MNIST CNN of the tf.distribute tutorial (th
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=_positive, default=1, help="worker tasks")
+    p.add_argument("--workers", type=_workers_range, default="1", metavar="N|MIN:MAX",
+                   help="worker tasks (each prints its lines prefixed by its task: [worker 0] ...); MIN:MAX starts "
+                        "MAX and, when a worker dies, goes on with the survivors from the last checkpoint while at "
+                        "least MIN remain")
     p.add_argument("--ps", type=_non_negative, default=0, help="parameter-server tasks (the chief then runs the script)")
-    p.add_argument("--chief", action="store_true", help="add a 'chief' task besides the workers")
+    p.add_argument("--chief", action="store_true", default=False, help="add a 'chief' task besides the workers")
     p.add_argument("--max-restarts", type=_non_negative, default=0,
                    help="on a failure, stop the whole group and start it again, at most K times")
     p.add_argument("--tls", action="store_true",
@@ -188,20 +227,45 @@ def _launch(args: argparse.Namespace) -> int:
     if not command:
         print("distrib launch: name the script to run, e.g. distrib launch --workers 2 train.py", file=sys.stderr)
         return 2
-    return launch(LaunchConfig(command=command, workers=args.workers, ps=args.ps, chief=args.chief,
-                               max_restarts=args.max_restarts, tls=args.tls))
+    low, high = args.workers
+    return launch(LaunchConfig(command=command, workers=high, min_workers=low if low != high else None, ps=args.ps,
+                               chief=args.chief, max_restarts=args.max_restarts, tls=args.tls))
 
 
 register("launch", "run a local cluster: one process per task, each with its TF_CONFIG", _launch_arguments, _launch)
 
 
+def _plot_arguments(p: argparse.ArgumentParser) -> None:
+    from distrib.app.plot import plot_arguments
+
+    plot_arguments(p)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from distrib.app.plot import plot_command
+
+    return plot_command(args)
+
+
+register("plot", "draw a run's training.png again from its metrics.jsonl (needs distrib[plot])", _plot_arguments,
+         _plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``distrib`` parser, with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute-style training for PyTorch")
+    import torch
+
+    from distrib import __version__
+
+    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute-style training for PyTorch",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"distrib {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
-        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help,
+                                             formatter_class=HelpFormatter))
     return parser
 
 

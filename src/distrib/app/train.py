@@ -22,16 +22,21 @@ import torch.nn.functional as F
 import distrib as ds
 from distrib.app import models
 from distrib.app.datasets import load_fashion_mnist
+from distrib.app.plot import PICTURE, draw_run
 from distrib.keras.callbacks import Callback, CallbackList, JsonlLogger, TensorBoard
 from distrib.keras.loop import Loop
+from distrib.keras.progress import line_interval
 from distrib.strategies import registry
-from distrib.strategies.amp import Precision
+from distrib.strategies.amp import Precision, asynchronous_scaling_error
 
-__all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "train"]
+__all__ = ["TrainConfig", "TensorBatches", "EpochProgress", "make_steps", "make_strategy", "metrics_path",
+           "progress_mode", "train"]
 
 log = logging.getLogger("distrib.app.train")
 
-EPOCH_TEMPLATE = "Epoch {}, Loss: {}, Accuracy: {}, Test Loss: {}, Test Accuracy: {}, Examples/s: {:.0f}"
+# seed 000's line, with readable precision (the seed prints float32 reprs: `Loss: 0.5044084787368774`)
+EPOCH_TEMPLATE = "Epoch {}, Loss: {:.4f}, Accuracy: {:.2f}, Test Loss: {:.4f}, Test Accuracy: {:.2f}, Examples/s: {:.0f}"
+POSTFIX_EVERY = 10  # steps between two updates of the bar's loss and accuracy (values the loop already has)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class TrainConfig:
     fit: bool = False  # run the job through ds.fit instead of the custom loop
     tensorboard: Optional[str] = None  # write TensorBoard scalars here (chief only)
     metrics_file: Optional[str] = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
+    log_every: int = 50  # also a line (and TensorBoard scalars) every N training steps; 0: epochs only
     precision: str = "32"  # Lightning's names: "32", "bf16-mixed", "16-mixed" (see distrib.strategies.amp.Precision)
 
 
@@ -91,12 +97,62 @@ def make_strategy(name: str, replicas: Optional[int] = None, device: Optional[st
                                                          workers=replicas or 2, ps=1))
 
 
-def _progress(iterable: Any, enabled: bool, desc: str) -> Any:
-    if not enabled:
-        return iterable
-    from tqdm import tqdm
+class _NullStream:
+    def write(self, text: str) -> None: ...
 
-    return tqdm(iterable, desc=desc, leave=False, unit="batch", dynamic_ncols=True)
+    def flush(self) -> None: ...
+
+
+class EpochProgress:
+    """The custom loop's progress over one epoch: ``mode`` ``"bar"``, ``"lines"`` or ``"off"``.
+
+    ``"bar"`` (a terminal): a tqdm bar redrawn in place with the running loss and accuracy.
+    ``"lines"`` (a pipe: a log file, or a worker of ``distrib launch``, whose lines reach the
+    terminal prefixed by its task): the same meter written as a new line every
+    :func:`~distrib.keras.progress.line_interval` seconds (10, or ``DISTRIB_PROGRESS_INTERVAL``),
+    so a long epoch is never silent.
+    :meth:`show` takes values the loop has already computed: it adds no collective.
+    """
+
+    def __init__(self, mode: str, total: Optional[int], desc: str, interval: Optional[float] = None) -> None:
+        self.mode = mode
+        self.line_interval = line_interval() if interval is None else interval
+        self._bar: Any = None
+        self._last_line = time.monotonic()
+        if mode != "off":
+            from tqdm import tqdm
+
+            if mode == "bar":
+                self._bar = tqdm(total=total, desc=desc, leave=False, unit="batch", dynamic_ncols=True)
+            else:
+                self._bar = tqdm(total=total, desc=desc, unit="batch", file=_NullStream(), ascii=True, ncols=100,
+                                 mininterval=self.line_interval)
+
+    def step(self) -> None:
+        """One more batch done."""
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        if self.mode == "lines" and time.monotonic() - self._last_line >= self.line_interval:
+            self._last_line = time.monotonic()
+            print(str(self._bar), flush=True)
+
+    def show(self, logs: dict[str, float]) -> None:
+        """Put ``loss`` and ``accuracy`` (percent, as the epoch line) beside the bar."""
+        if self._bar is not None:
+            self._bar.set_postfix({"loss": f"{logs['loss']:.4f}", "accuracy": f"{logs['accuracy'] * 100:.2f}"},
+                                  refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def progress_mode(progress: Optional[bool], chief: bool) -> str:
+    """``"bar"`` on a terminal, ``"lines"`` on a pipe, ``"off"`` with ``--no-progress`` or on a non-chief worker."""
+    if not chief or progress is False:
+        return "off"
+    return "bar" if sys.stdout.isatty() else "lines"
 
 
 def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size: int, train_accuracy: Any,
@@ -154,6 +210,8 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
     """Run the main job; print one line per epoch; return the per-epoch figures and the restored accuracy."""
     mixed = Precision.parse(config.precision, "precision")
     strategy = strategy or make_strategy(config.strategy, config.replicas, config.device)
+    if mixed.name == "16-mixed" and strategy.should_use_with_coordinator:
+        raise asynchronous_scaling_error("distrib train --precision 16-mixed --strategy parameter-server")
     log.info("Using %r", strategy)
     chief = strategy.is_chief  # under several workers only the chief prints and evaluates the checkpoint
     if chief:
@@ -172,7 +230,7 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
 
     with strategy.scope():
         model = models.fashion_mnist_cnn()
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)  # Keras' Adam defaults
+        optimizer = models.fashion_mnist_optimizer(model.parameters())  # Keras' Adam defaults, fused kernel
         checkpoint = ds.Checkpoint(optimizer=optimizer, model=model)
         test_loss = ds.metrics.Mean(name="test_loss")
         train_accuracy = ds.metrics.SparseCategoricalAccuracy(name="train_accuracy")
@@ -189,16 +247,30 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         return _finish(config, chief, global_batch_size, test_split, [])
     train_step, test_step = make_steps(forward, optimizer, global_batch_size, train_accuracy, test_loss, test_accuracy,
                                        config.precision)
+    global_step = 0
 
-    show = chief and (sys.stdout.isatty() if config.progress is None else config.progress)
+    mode = progress_mode(config.progress, chief)
     history: list[dict[str, float]] = []
+    reporters.on_train_begin()
     for epoch in range(config.epochs):
         train_batches.set_epoch(epoch)
+        reporters.on_epoch_begin(epoch)
         total_loss, num_batches = torch.zeros(()), 0
         start = time.perf_counter()
-        for x in _progress(train_dist_dataset, show, f"epoch {epoch + 1}/{config.epochs}"):
+        bar = EpochProgress(mode, _length(train_dist_dataset), f"epoch {epoch + 1}/{config.epochs}")
+        for x in train_dist_dataset:
             total_loss += strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(x,)), axis=None).cpu()
             num_batches += 1
+            global_step += 1
+            logged = chief and config.log_every > 0 and global_step % config.log_every == 0
+            step_logs = None
+            if logged or (mode != "off" and num_batches % POSTFIX_EVERY == 0):
+                # running means over the epoch so far: the loss the loop already summed, this worker's accuracy
+                step_logs = {"loss": float(total_loss) / num_batches, "accuracy": float(train_accuracy.local_result())}
+                bar.show(step_logs)
+            bar.step()
+            reporters.on_train_batch_end(num_batches - 1, step_logs if logged else None)
+        bar.close()
         seconds = time.perf_counter() - start
         train_loss = total_loss / num_batches
         with torch.no_grad():
@@ -229,15 +301,34 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
     return _finish(config, chief, global_batch_size, test_split, history)
 
 
+def _length(data: Any) -> Optional[int]:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def metrics_path(config: TrainConfig) -> str:
+    """Where the run's metrics go: ``--metrics-file``, or ``CHECKPOINT_DIR/metrics.jsonl``."""
+    return config.metrics_file or os.path.join(config.checkpoint_dir, "metrics.jsonl")
+
+
+def _verbose(config: TrainConfig) -> int:
+    """``fit``'s verbosity: 1 (a bar on a terminal, bar lines on a pipe), 2 (a line per epoch) with --no-progress."""
+    return 2 if config.progress is False else 1
+
+
 def _reporters(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                strategy: ds.Strategy) -> Any:
     """The metrics.jsonl writer and, if asked, TensorBoard: callbacks shared by both loops."""
-    path = config.metrics_file or os.path.join(config.checkpoint_dir, "metrics.jsonl")
-    if strategy.is_chief and os.path.exists(path):
-        os.remove(path)  # one file per run
-    callbacks: list[Any] = [JsonlLogger(path)]
+    path = metrics_path(config)
+    if strategy.is_chief:  # one file per run, and no picture of an earlier run
+        for stale in (path, os.path.join(os.path.dirname(os.path.abspath(path)), PICTURE)):
+            if os.path.exists(stale):
+                os.remove(stale)
+    callbacks: list[Any] = [JsonlLogger(path, log_every=config.log_every)]
     if config.tensorboard:
-        callbacks.append(TensorBoard(config.tensorboard))
+        callbacks.append(TensorBoard(config.tensorboard, update_freq=config.log_every or "epoch"))
     reporters = CallbackList(callbacks)
     reporters.set_loop(Loop(model, optimizer, strategy))
     return reporters
@@ -259,7 +350,7 @@ def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, mo
                     train_batches: TensorBatches, test_batches: TensorBatches, reporters: Any) -> None:
     """The same job through ``ds.fit``: Keras-style progress, a checkpoint every 2 epochs as the seed."""
     ds.fit(forward, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
-           metrics=["accuracy"], validation_data=test_batches, verbose=1 if config.progress else 2,
+           metrics=["accuracy"], validation_data=test_batches, verbose=_verbose(config),
            callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
            precision=config.precision)
 
@@ -292,7 +383,8 @@ def _train_on_parameter_servers(config: TrainConfig, model: torch.nn.Module, opt
     ds.fit(model, FashionMnistBatches(config.data_dir, "train", batch, config.seed), optimizer=optimizer,
            loss="cross_entropy", epochs=config.epochs, steps_per_epoch=-(-n_train // batch), metrics=["accuracy"],
            validation_data=FashionMnistBatches(config.data_dir, "test", batch, config.seed),
-           validation_steps=-(-n_test // batch), verbose=2, callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
+           validation_steps=-(-n_test // batch), verbose=_verbose(config),
+           callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
            precision=config.precision)
 
 
@@ -301,7 +393,8 @@ def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split
     restored = None
     if chief:
         restored = evaluate_restored(config, global_batch_size, test_split)
-        print(f"Accuracy after restoring the saved model without strategy: {restored}", flush=True)
+        print(f"Accuracy after restoring the saved model without strategy: {restored:.2f}", flush=True)
+        print(draw_run(metrics_path(config)), flush=True)
     return {"history": history, "restored_accuracy": restored}
 
 

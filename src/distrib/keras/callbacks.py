@@ -332,18 +332,55 @@ class TensorBoard(Callback):
 
 
 class JsonlLogger(Callback):
-    """Append one JSON line per epoch (``{"epoch": 1, "loss": ..., "time": ...}``) to ``path``; chief only."""
+    """Append one JSON line per epoch to ``path`` and, with ``log_every=N``, one per N training steps; chief only.
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    Epoch lines: ``{"epoch": 1, "loss": ..., "val_loss": ..., "seconds": ..., "steps": 938}``
+    (``steps``: training steps done when the epoch ended). Step lines carry a ``"step"`` key,
+    which epoch lines never have: ``{"step": 50, "epoch": 1, "loss": ..., "seconds": ...}``
+    (``epoch``: the epoch in progress, from 1; values are this worker's running means over the
+    epoch so far, as the progress bar shows them). Readers keep the epoch lines with
+    ``"step" not in row``. A batch hook given no logs counts the step and writes nothing: a
+    custom loop computes its logs only on the steps that are written.
+
+    >>> import json, os, tempfile, torch
+    >>> import distrib as ds
+    >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    >>> model = torch.nn.Linear(2, 1)
+    >>> _ = ds.fit(model, [(torch.ones(2, 2), torch.zeros(2, 1))] * 4, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+    ...            loss="mse", epochs=2, verbose=0, callbacks=[JsonlLogger(path, log_every=2)])
+    >>> [("step" if "step" in r else "epoch", r.get("step", r["epoch"])) for r in map(json.loads, open(path))]
+    [('step', 2), ('step', 4), ('epoch', 1), ('step', 6), ('step', 8), ('epoch', 2)]
+    """
+
+    def __init__(self, path: str, log_every: int = 0) -> None:
+        if log_every < 0:
+            raise ValueError(f"JsonlLogger(log_every={log_every}): give 0 (epoch lines only) or a number of steps")
+        self.path, self.log_every = path, log_every
         self._start = time.time()
+        self._step = 0
+        self._epoch = 0
+
+    def _write(self, row: Logs) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+        self._step += 1
+        if self.log_every and logs and self._step % self.log_every == 0 and self.loop.is_chief:
+            self._write({"step": self._step, "epoch": self._epoch + 1, **logs,
+                         "seconds": round(time.time() - self._start, 3)})
 
     def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
         if not self.loop.is_chief:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"epoch": epoch + 1, **(logs or {}), "seconds": round(time.time() - self._start, 3)}) + "\n")
+        row: Logs = {"epoch": epoch + 1, **(logs or {}), "seconds": round(time.time() - self._start, 3)}
+        if self._step:
+            row["steps"] = self._step
+        self._write(row)
 
 
 def _positional_arity(fn: Callable[..., Any]) -> int:

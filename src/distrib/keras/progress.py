@@ -4,21 +4,49 @@ On a terminal, a bar redrawn in place::
 
     7/10 [====================>.........] - ETA: 1s - loss: 0.2154 - accuracy: 0.9312
 
-Otherwise (a log file, CI), one line when the epoch ends, as in seed 003::
+Otherwise (a pipe: a log file, CI, the workers of ``distrib launch``), a bar *line* every
+``line_interval`` seconds (10 s by default, or ``DISTRIB_PROGRESS_INTERVAL``), so a long epoch is
+never silent, and one line when the epoch ends, as in seed 003::
 
     10/10 - 3s - loss: 7.4912 - 3s/epoch - 259ms/step
+
+Keras writes a new line every 0.05 s on a pipe; one line every 10 s keeps logs readable.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from typing import IO, Mapping, Optional
 
-__all__ = ["Progbar", "format_logs"]
+__all__ = ["Progbar", "format_logs", "LINE_INTERVAL", "line_interval"]
+
+#: seconds between two progress lines when the output is not a terminal (``DISTRIB_PROGRESS_INTERVAL`` overrides it)
+LINE_INTERVAL = 10.0
+
+
+def line_interval() -> float:
+    """Seconds between two progress lines on a pipe: ``DISTRIB_PROGRESS_INTERVAL``, else :data:`LINE_INTERVAL`."""
+    text = os.environ.get("DISTRIB_PROGRESS_INTERVAL", "")
+    if not text:
+        return LINE_INTERVAL
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"DISTRIB_PROGRESS_INTERVAL={text!r}: give the seconds between two progress lines "
+                         f"(a number, 0 or more; unset: {LINE_INTERVAL:g})")
+    return value
+
+
+_env_interval = line_interval  # Progbar's argument of the same name hides the function
 
 
 def format_logs(logs: Mapping[str, float]) -> str:
+    """``loss: 0.2154 - accuracy: 0.9312``: four decimals, as Keras prints them."""
     return " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
 
 
@@ -39,17 +67,31 @@ def _per_step(seconds: float) -> str:
 
 
 class Progbar:
-    """A progress bar over ``target`` steps (None: unknown). ``verbose``: 0 silent, 1 bar, 2 one line."""
+    """A progress bar over ``target`` steps (None: unknown). ``verbose``: 0 silent, 1 bar, 2 one line per epoch.
+
+    ``verbose=1`` redraws the bar in place on a terminal; on anything else it writes the bar
+    as a new line every ``line_interval`` seconds, then the one-line summary of ``verbose=2``.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> bar = Progbar(4, verbose=2, stream=out)
+    >>> for step in range(1, 5):
+    ...     bar.update(step, {"loss": 1.0 / step}, finalize=step == 4)
+    >>> out.getvalue().startswith("4/4 - 0s - loss: 0.2500 - ")
+    True
+    """
 
     def __init__(self, target: Optional[int], verbose: int = 1, width: int = 30,
-                 stream: Optional[IO[str]] = None, interval: float = 0.05) -> None:
+                 stream: Optional[IO[str]] = None, interval: float = 0.05,
+                 line_interval: Optional[float] = None) -> None:
         self.target, self.width, self.interval = target, width, interval
+        self.line_interval = _env_interval() if line_interval is None else line_interval
         self.stream = stream or sys.stdout
-        if verbose == 1 and not getattr(self.stream, "isatty", lambda: False)():
-            verbose = 2
         self.verbose = verbose
+        self.dynamic = bool(getattr(self.stream, "isatty", lambda: False)())
         self._start = time.monotonic()
         self._last_draw = 0.0
+        self._last_line = self._start
         self._last_len = 0
 
     def update(self, current: int, logs: Optional[Mapping[str, float]] = None, finalize: bool = False) -> None:
@@ -57,7 +99,7 @@ class Progbar:
         logs = logs or {}
         now = time.monotonic()
         elapsed = now - self._start
-        if self.verbose == 1:
+        if self.verbose == 1 and self.dynamic:
             if not finalize and now - self._last_draw < self.interval:
                 return
             self._last_draw = now
@@ -68,11 +110,26 @@ class Progbar:
                 line += f" - ETA: {_duration(elapsed / current * (self.target - current))}"
             if logs:
                 line += " - " + format_logs(logs)
+            excess = len(line) - (_columns(self.stream) - 1)
+            if excess > 0 and self.target:  # a narrower bar rather than a line the terminal wraps
+                narrow = self._bar(current, max(self.width - excess, 10))
+                line = narrow + line[len(self._bar(current)):]
             pad = max(self._last_len - len(line), 0)
             self.stream.write("\r" + line + " " * pad + ("\n" if finalize else ""))
             self._last_len = len(line)
             self.stream.flush()
-        elif self.verbose == 2 and finalize:
+        elif self.verbose == 1 and not finalize:  # a pipe: a bar line now and then
+            if now - self._last_line < self.line_interval:
+                return
+            self._last_line = now
+            line = self._bar(current)
+            if self.target and current:
+                line += f" - ETA: {_duration(elapsed / current * (self.target - current))}"
+            if logs:
+                line += " - " + format_logs(logs)
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        elif self.verbose in (1, 2) and finalize:
             count = f"{current}/{self.target}" if self.target else f"{current}"
             parts = [count, _duration(elapsed)]
             if logs:
@@ -81,10 +138,19 @@ class Progbar:
             self.stream.write(" - ".join(parts) + "\n")
             self.stream.flush()
 
-    def _bar(self, current: int) -> str:
+    def _bar(self, current: int, width: Optional[int] = None) -> str:
+        width = width or self.width
         if not self.target:
             return f"{current}/Unknown"
         digits = len(str(self.target))
-        done = int(self.width * min(current / self.target, 1.0))
-        bar = "=" * max(done - 1, 0) + (">" if current < self.target else "=") + "." * (self.width - done)
-        return f"{current:>{digits}}/{self.target} [{bar[:self.width]}]"
+        done = int(width * min(current / self.target, 1.0))
+        bar = "=" * max(done - 1, 0) + (">" if current < self.target else "=") + "." * (width - done)
+        return f"{current:>{digits}}/{self.target} [{bar[:width]}]"
+
+
+def _columns(stream: IO[str]) -> int:
+    """The terminal's width: the stream's own, else ``COLUMNS`` or stdout's (80 when nothing says)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return shutil.get_terminal_size().columns
