@@ -35,19 +35,9 @@ import torch
 import distrib as ds
 from distrib.app import models
 from distrib.app.train import TensorBatches, make_steps
+from single_process import load_data  # the same data as the fp32 benchmark (benchmarks/ is on sys.path)
 
 BATCH = 64
-
-
-def load_data(data_dir: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
-    try:
-        from distrib.app.datasets import load_fashion_mnist
-
-        train, _ = load_fashion_mnist(data_dir)
-        return train.images, train.labels, "fashion-mnist"
-    except FileNotFoundError:
-        g = torch.Generator().manual_seed(0)
-        return torch.rand(60000, 1, 28, 28, generator=g), torch.randint(0, 10, (60000,), generator=g), "random"
 
 
 def main_job_loop(precision: str) -> tuple[Callable[[Any], None], ds.Strategy]:

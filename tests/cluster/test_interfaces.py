@@ -116,8 +116,8 @@ def test_configure_interface_on_loopback_sets_gloo_to_loopback(monkeypatch):
 def test_configure_interface_turns_the_refusal_into_a_collective_error(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(interfaces, "_interfaces", lambda: IFACES)
-    monkeypatch.setattr(interfaces, "_resolve", lambda host: ["127.0.1.1"])
-    monkeypatch.setattr(interfaces, "_route", lambda address: "127.0.0.1")
+    monkeypatch.setattr(interfaces, "resolve", lambda host: ["127.0.1.1"])
+    monkeypatch.setattr(interfaces, "route_source", lambda address: "127.0.0.1")
     with pytest.raises(CollectiveError, match="GLOO_SOCKET_IFNAME"):
         interfaces.configure_interface("node0", ["node0", "node1"], True, "gloo")
     assert "GLOO_SOCKET_IFNAME" not in interfaces.os.environ

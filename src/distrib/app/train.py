@@ -27,7 +27,7 @@ from distrib.keras.callbacks import Callback, CallbackList, JsonlLogger, TensorB
 from distrib.keras.loop import Loop
 from distrib.keras.progress import line_interval
 from distrib.strategies import registry
-from distrib.strategies.amp import Precision, asynchronous_scaling_error
+from distrib.strategies.amp import Precision, asynchronous_scaling_error, backward_and_step
 
 __all__ = ["TrainConfig", "TensorBatches", "EpochProgress", "make_steps", "make_strategy", "metrics_path",
            "progress_mode", "train"]
@@ -184,13 +184,7 @@ def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size
                 loss = compute_loss(labels, predictions)
             if scaler is None:
                 scaler = mixed.grad_scaler(images.device.type)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
+            backward_and_step(loss, optimizer, scaler)
         optimizer.zero_grad()
         train_accuracy.update_state(labels, predictions)
         return loss

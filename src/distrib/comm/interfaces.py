@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
+from distrib.cluster.hosts import is_loopback, resolve, route_source
 from distrib.comm.communicator import CollectiveError
 
 __all__ = ["InterfaceChoice", "choose_interface", "configure_interface"]
@@ -34,13 +35,6 @@ class InterfaceChoice:
 
     name: Optional[str]
     reason: str
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:
-        return False
 
 
 def choose_interface(chief_host: str, peer_hosts: Iterable[str], across_hosts: Optional[bool], *,
@@ -75,22 +69,22 @@ def choose_interface(chief_host: str, peer_hosts: Iterable[str], across_hosts: O
         return InterfaceChoice(None, f"the chief's host {chief_host!r} does not resolve here")
     peers = [h for h in dict.fromkeys(peer_hosts) if h != chief_host]
     if across_hosts is None:
-        places = {"loopback" if all(_is_loopback(a) for a in resolved(h)) else h for h in [chief_host, *peers]}
+        places = {"loopback" if all(is_loopback(a) for a in resolved(h)) else h for h in [chief_host, *peers]}
         across_hosts = len(places) > 1
-    loopback = next((name for name, addresses in interfaces.items() if any(_is_loopback(a) for a in addresses)), "lo")
-    if not across_hosts and all(_is_loopback(a) for a in chief):
+    loopback = next((name for name, addresses in interfaces.items() if any(is_loopback(a) for a in addresses)), "lo")
+    if not across_hosts and all(is_loopback(a) for a in chief):
         return InterfaceChoice(loopback, f"every worker runs on this host ({chief_host} is a loopback address)")
     for host in [chief_host, *peers]:
         for address in resolved(host):
             local = route(address)
-            if local is None or _is_loopback(local):
+            if local is None or is_loopback(local):
                 continue
             name = next((n for n, addresses in interfaces.items() if local in addresses), None)
             if name is not None:
                 return InterfaceChoice(name, f"{name} ({local}) routes to {host} ({address})")
     if not across_hosts:
         return InterfaceChoice(loopback, f"every worker runs on this host ({chief_host} resolves to loopback here)")
-    others = sorted(n for n, addresses in interfaces.items() if addresses and not all(_is_loopback(a) for a in addresses))
+    others = sorted(n for n, addresses in interfaces.items() if addresses and not all(is_loopback(a) for a in addresses))
     if len(others) == 1:
         return InterfaceChoice(others[0], f"{others[0]} is this host's only non-loopback interface "
                                           f"(no route to the other workers was found)")
@@ -101,21 +95,6 @@ def choose_interface(chief_host: str, peer_hosts: Iterable[str], across_hosts: O
         f"(Debian's /etc/hosts). Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME with NCCL) to the interface "
         f"that reaches the other hosts ({', '.join(others) or 'this host has no other interface'}), or give the "
         f"hosts' routable addresses in the cluster")
-
-
-def _resolve(host: str) -> list[str]:
-    return list(dict.fromkeys(str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)))
-
-
-def _route(address: str) -> Optional[str]:
-    """The local address the kernel picks to reach ``address`` (a UDP ``connect`` sends nothing)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((address, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return None
 
 
 def _interfaces() -> dict[str, list[str]]:
@@ -147,7 +126,7 @@ def configure_interface(chief_host: str, hosts: Sequence[str], across_hosts: Opt
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return
     try:
-        choice = choose_interface(chief_host, hosts, across_hosts, resolve=_resolve, route=_route,
+        choice = choose_interface(chief_host, hosts, across_hosts, resolve=resolve, route=route_source,
                                   interfaces=_interfaces())
     except ValueError as e:
         raise CollectiveError(str(e)) from None

@@ -38,7 +38,7 @@ from distrib import context, metrics as metrics_lib
 from distrib.keras.callbacks import Callback, CallbackList, History
 from distrib.keras.progress import Progbar
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
-from distrib.strategies.amp import Precision, asynchronous_scaling_error
+from distrib.strategies.amp import Precision, backward_and_step, asynchronous_scaling_error
 from distrib.strategies.base import Strategy
 from distrib.strategies.execution import StepExecutor, numbered_batches
 
@@ -264,13 +264,7 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
             pred = model(x)
             per_example = loss_fn(pred, y)
         loss = compute_average_loss(_float(per_example), global_batch_size=n)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        backward_and_step(loss, optimizer, scaler)
         optimizer.zero_grad()
         return tracked.deltas(_float(per_example.detach()), y, _float(pred.detach()))
 

@@ -79,7 +79,7 @@ from distrib import context
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["install", "Precision", "asynchronous_scaling_error"]
+__all__ = ["backward_and_step", "install", "Precision", "asynchronous_scaling_error"]
 
 #: Lightning's precision names (``Trainer(precision=...)``) and the autocast dtype of each (None: no autocast)
 _PRECISIONS: dict[str, Optional[torch.dtype]] = {
@@ -164,6 +164,19 @@ def asynchronous_scaling_error(where: str) -> ValueError:
         "(torch.autocast(device_type, dtype=torch.bfloat16) without a GradScaler; precision='bf16-mixed' in "
         "ds.fit and distrib train), or use float16 with MultiWorkerMirroredStrategy, where every worker agrees "
         "on one scale")
+
+
+def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Optional[GradScaler]) -> None:
+    """``loss.backward(); optimizer.step()``, through ``scaler`` when one is given (float16): PyTorch's own
+    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``. The loops of ``ds.fit`` and
+    ``distrib train`` share it."""
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+        return
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
 
 
 _original_unscale = GradScaler.unscale_

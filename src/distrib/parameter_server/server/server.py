@@ -16,14 +16,13 @@ them): this module holds every running server (:func:`running_servers`).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import socket
 import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from distrib.cluster import ClusterSpec
+from distrib.cluster.hosts import is_loopback, resolve, route_source
 from distrib.cluster.spec import parse_address
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.server.ps_service import ParameterStore
@@ -78,35 +77,9 @@ def listen_address(address: str, bind_address: Optional[str] = None, where: str 
     return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def _resolve(host: str) -> list[str]:
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return []
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
-
-
-def _route(address: str) -> Optional[str]:
-    """The local address the kernel picks to reach ``address`` (a UDP ``connect`` sends nothing), or None."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((address, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return None
-
-
 def routed_address(address: str, other_hosts: Iterable[str], *,
-                   resolve: Callable[[str], list[str]] = _resolve,
-                   route: Callable[[str], Optional[str]] = _route) -> Optional[str]:
+                   resolve: Callable[[str], list[str]] = resolve,
+                   route: Callable[[str], Optional[str]] = route_source) -> Optional[str]:
     """Where else a task at ``address`` must listen for the other hosts to reach it, or None.
 
     Debian's ``/etc/hosts`` maps a host's own name to ``127.0.1.1``: a task whose address is
@@ -126,14 +99,14 @@ def routed_address(address: str, other_hosts: Iterable[str], *,
     """
     host, port = parse_address(address, "the task's address")
     own = resolve(host)
-    if not own or not all(_is_loopback(a) for a in own):
+    if not own or not all(is_loopback(a) for a in own):
         return None
     for other in dict.fromkeys(h for h in other_hosts if h != host):
         for remote in resolve(other):
-            if _is_loopback(remote):
+            if is_loopback(remote):
                 continue
             local = route(remote)
-            if local is not None and not _is_loopback(local):
+            if local is not None and not is_loopback(local):
                 return f"[{local}]:{port}" if ":" in local else f"{local}:{port}"
     return None
 
