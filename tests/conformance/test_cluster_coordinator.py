@@ -370,6 +370,12 @@ def test_cancellation(error_coordinator, tmp_path):
     while not all(v.status is RemoteValueStatus.RUNNING for v in running):
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    # the third worker must be up and waiting: a worker still connecting (a loaded machine) would leave the
+    # failing function to a busy worker's next batch, behind a long function that waits for the flag
+    while "idle" not in error_coordinator.worker_states().values():
+        assert time.monotonic() < deadline, error_coordinator.worker_states()
+        time.sleep(0.01)
+    time.sleep(0.2)  # from its state set to idle to waiting in the queue
     failing = error_coordinator.schedule(error)
     queued = [error_coordinator.schedule(long, args=(flag,)) for _ in range(40)]
     while failing.status is not RemoteValueStatus.FAILED:
