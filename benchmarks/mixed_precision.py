@@ -35,7 +35,7 @@ import torch
 import distrib as ds
 from distrib.app import models
 from distrib.app.train import TensorBatches, make_steps
-from single_process import load_data  # the same data as the fp32 benchmark (benchmarks/ is on sys.path)
+from single_process import load_data, measure  # the same data as the fp32 benchmark (benchmarks/ is on sys.path)
 
 BATCH = 64
 
@@ -56,16 +56,6 @@ def main_job_loop(precision: str) -> tuple[Callable[[Any], None], ds.Strategy]:
         total[0] += strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(batch,)), axis=None).cpu()
 
     return step, strategy
-
-
-def measure(step: Callable[[Any], None], batches: Any, steps: int) -> float:
-    it = iter(batches)
-    for _ in range(3):
-        step(next(it))
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(next(it))
-    return steps * BATCH / (time.perf_counter() - start)
 
 
 def cpu_flags() -> dict[str, bool]:

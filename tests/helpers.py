@@ -45,3 +45,35 @@ def assert_params_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def process_tree(root: int) -> set[int]:
+    """Every live descendant of ``root`` (from /proc: children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":  # a zombie is already dead
+                parents[int(entry)] = int(fields[1])
+    tree, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - tree
+        tree |= frontier
+    return tree
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (not gone, not zombies)."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(pid)
+        except OSError:
+            pass
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import launch
+from helpers import alive, launch, process_tree
 
 
 def test_launch_returns_the_first_failures_exit_code(tmp_path):
@@ -24,38 +24,6 @@ def test_launch_returns_the_first_failures_exit_code(tmp_path):
     code, out, elapsed = launch("--workers", "2", str(script), timeout=60)
     assert code == 7 and "worker 1 failed with exit code 7" in out
     assert elapsed < 30  # the sleeping worker was stopped, not waited for
-
-
-def process_tree(root: int) -> set[int]:
-    """Every live descendant of ``root`` (from /proc: children, their children, ...)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":  # a zombie is already dead
-                parents[int(entry)] = int(fields[1])
-    tree, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - tree
-        tree |= frontier
-    return tree
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` that still run (not gone, not zombies)."""
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.add(pid)
-        except OSError:
-            pass
-    return out
 
 
 SLEEPER = textwrap.dedent("""

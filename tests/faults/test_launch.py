@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from helpers import alive, process_tree
+
 # the chief of a parameter-server cluster that ignores the polite signals and starts a process of its own:
 # the launcher must kill both after its grace period
 STUBBORN_CHIEF = textwrap.dedent("""
@@ -25,36 +27,6 @@ STUBBORN_CHIEF = textwrap.dedent("""
     print("ready", flush=True)
     time.sleep(120)
 """)
-
-
-def _process_tree(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents[int(entry)] = int(fields[1])
-    tree, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - tree
-        tree |= frontier
-    return tree
-
-
-def _alive(pids: set[int]) -> set[int]:
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.add(pid)
-        except OSError:
-            pass
-    return out
 
 
 def _one_trial(script: str, sig: int) -> tuple[int, int, int]:
@@ -70,10 +42,10 @@ def _one_trial(script: str, sig: int) -> tuple[int, int, int]:
             assert line and time.monotonic() < deadline, "".join(lines)
             lines.append(line)
         _wait_for_servers(proc.pid, expected=5, deadline=deadline)
-        started = _process_tree(proc.pid)
+        started = process_tree(proc.pid)
         proc.send_signal(sig)
         proc.communicate(timeout=120)
-        return proc.returncode, len(started), len(_alive(started))
+        return proc.returncode, len(started), len(alive(started))
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -84,7 +56,7 @@ def _one_trial(script: str, sig: int) -> tuple[int, int, int]:
 
 def _wait_for_servers(launcher: int, expected: int, deadline: float) -> None:
     """Until the launcher's tree holds the 4 tasks and the chief's child."""
-    while len(_process_tree(launcher)) < expected:
+    while len(process_tree(launcher)) < expected:
         assert time.monotonic() < deadline, "the cluster did not start"
         time.sleep(0.1)
 
