@@ -49,15 +49,6 @@ def test_a_strategy_that_cannot_run_on_workers_is_refused(capsys):
     assert "needs a multi-worker strategy" in capsys.readouterr().err
 
 
-def test_float16_loss_scaling_on_parameter_servers_is_refused_before_any_process_starts(capsys):
-    from distrib.app.cli import main
-
-    assert main(["train", "--ps", "1", "--workers", "2", "--precision", "16-mixed"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("distrib train: ") and "--precision 16-mixed --strategy parameter-server" in err
-    assert "bf16-mixed" in err
-
-
 @pytest.mark.parametrize("argv", [["train", "--ps", "-1"], ["train", "--max-restarts", "-1"],
                                   ["train", "--workers", "0"], ["train", "--epochs", "-3"],
                                   ["launch", "--ps", "-1", "x.py"], ["launch", "--max-restarts", "-2", "x.py"],

@@ -146,6 +146,21 @@ def test_train_on_parameter_servers_through_launch(idx_dir, tmp_path, capsys):
     assert [r.get("step") for r in rows] == [4, 8, None] and rows[-1]["steps"] == 8  # step lines from the coordinator
 
 
+def test_train_16_mixed_on_parameter_servers(idx_dir, tmp_path, capsys):
+    """float16 with a GradScaler under ParameterServerStrategy: each scheduled step scales on its worker,
+    the coordinator's scaler replays the outcomes (distrib/parameter_server/scaler.py)."""
+    ckpt = tmp_path / "ckpt"
+    code = main(["train", "--ps", "1", "--workers", "2", "--precision", "16-mixed", "--epochs", "1",
+                 "--batch-size-per-replica", "64", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Using float16 Automatic Mixed Precision (AMP)" in out and "[chief 0] 8/8 - " in out
+    accuracy = float(re.search(r"8/8 - .* - val_accuracy: ([\d.]+)", out).group(1))
+    restored = float(re.search(r"without strategy: ([\d.]+)", out).group(1))
+    assert accuracy > 0.3 and restored > 30.0, out  # it learned: the skipped steps were only the overflowing ones
+    assert (ckpt / "ckpt-1.pt").exists()
+
+
 def test_compile_reaches_every_worker_process(idx_dir, tmp_path, capsys):
     code = main(["train", "--workers", "2", "--compile", "--epochs", "1", "--batch-size-per-replica", "64",
                  "--data-dir", str(idx_dir), "--checkpoint-dir", str(tmp_path / "ckpt")])

@@ -42,6 +42,12 @@ class FakeStrategy:
     def optimizer_options(self) -> dict[str, Any]:
         return {}
 
+    def scaler_snapshot(self, acks: Any) -> None:
+        return None  # no GradScaler in these scripts
+
+    def merge_scaler_outcomes(self, info: Any, acks: Any) -> None:
+        raise AssertionError("no GradScaler in these scripts: no outcomes to merge")
+
 
 class FakeWorker:
     def __init__(self, script: Script, address: str, service: str, token: str, tls: Any = None,

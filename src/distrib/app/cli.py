@@ -163,12 +163,6 @@ def _train(args: argparse.Namespace) -> int:
     if args.ps and not entry.parameter_servers:
         print(f"distrib train: --ps needs a parameter-server strategy, not {name}", file=sys.stderr)
         return 2
-    if args.precision == "16-mixed" and entry.parameter_servers:  # refused before any process starts
-        from distrib.strategies.amp import asynchronous_scaling_error
-
-        print(f"distrib train: {asynchronous_scaling_error(f'--precision 16-mixed --strategy {name}')}",
-              file=sys.stderr)
-        return 2
     if args.workers > 1 or args.ps:
         if not entry.multi_worker:
             print(f"distrib train: --workers {args.workers} needs a multi-worker strategy "

@@ -27,7 +27,7 @@ from distrib.keras.callbacks import Callback, CallbackList, JsonlLogger, TensorB
 from distrib.keras.loop import Loop
 from distrib.keras.progress import line_interval
 from distrib.strategies import registry
-from distrib.strategies.amp import Precision, asynchronous_scaling_error, backward_and_step
+from distrib.strategies.amp import Precision, backward_and_step
 
 __all__ = ["TrainConfig", "TensorBatches", "EpochProgress", "make_steps", "make_strategy", "metrics_path",
            "progress_mode", "train"]
@@ -204,8 +204,6 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
     """Run the main job; print one line per epoch; return the per-epoch figures and the restored accuracy."""
     mixed = Precision.parse(config.precision, "precision")
     strategy = strategy or make_strategy(config.strategy, config.replicas, config.device)
-    if mixed.name == "16-mixed" and strategy.should_use_with_coordinator:
-        raise asynchronous_scaling_error("distrib train --precision 16-mixed --strategy parameter-server")
     log.info("Using %r", strategy)
     chief = strategy.is_chief  # under several workers only the chief prints and evaluates the checkpoint
     if chief:

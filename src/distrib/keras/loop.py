@@ -38,7 +38,7 @@ from distrib import context, metrics as metrics_lib
 from distrib.keras.callbacks import Callback, CallbackList, History
 from distrib.keras.progress import Progbar
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
-from distrib.strategies.amp import Precision, backward_and_step, asynchronous_scaling_error
+from distrib.strategies.amp import Precision, backward_and_step
 from distrib.strategies.base import Strategy
 from distrib.strategies.execution import StepExecutor, numbered_batches
 
@@ -235,17 +235,15 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     ``precision`` (Lightning's names): ``"32"``; ``"bf16-mixed"`` runs the forward pass and
     the loss under ``torch.autocast`` to bfloat16; ``"16-mixed"`` to float16, with a
     ``torch.amp.GradScaler`` (a step whose gradients overflow on any replica of any worker is
-    skipped everywhere, see :mod:`distrib.strategies.amp`; not under ParameterServerStrategy, whose
-    asynchronous steps cannot share one scale: a ValueError says to use ``"bf16-mixed"``). Validation
-    runs under the same autocast.
+    skipped everywhere, see :mod:`distrib.strategies.amp`; under ParameterServerStrategy each
+    scheduled step runs the scaler on its worker and the coordinator's scaler replays the outcomes,
+    see :mod:`distrib.parameter_server.scaler`). Validation runs under the same autocast.
     """
     mixed = Precision.parse(precision)
     strategy = _strategy_of(model)
     executor = strategy.step_executor()
     devices = [d for d in strategy.local_devices if d is not None]
     scaler = mixed.grad_scaler(devices[0].type if devices else "cpu")
-    if scaler is not None and strategy.should_use_with_coordinator:  # steps run asynchronously on other processes
-        raise asynchronous_scaling_error(f"fit(precision={precision!r})")
     loss_fn = per_example_loss(loss)
     tracked = _Tracked(strategy, metrics, loss)
     history = History()

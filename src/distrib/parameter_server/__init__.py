@@ -11,12 +11,12 @@ Roles, as in TF 2 (single client):
   ps tasks, compute gradients, send them back.
 
 Layout: :mod:`.strategy`, :mod:`.partitioners`, :mod:`.variables` (placement,
-pull/push), :mod:`.optimizer_state`, :mod:`.datasets` (per-worker data) and
-:mod:`.errors` here; the coordinator's side in :mod:`.client` (``coordinator``,
-``dispatch``, ``remote_value``, ``failure_policy``, ``step_executor``); the tasks'
-side in :mod:`.server` (``server``, ``ps_service``, ``worker_service``); the bytes
-between them in :mod:`.transport` (``rpc``: gRPC, token, TLS; ``wire``: tensors as
-raw bytes; ``pickling``: functions sent once).
+pull/push), :mod:`.optimizer_state`, :mod:`.datasets` (per-worker data), :mod:`.scaler`
+(GradScalers in scheduled functions) and :mod:`.errors` here; the coordinator's side
+in :mod:`.client` (``coordinator``, ``dispatch``, ``remote_value``, ``failure_policy``,
+``step_executor``); the tasks' side in :mod:`.server` (``server``, ``ps_service``,
+``worker_service``); the bytes between them in :mod:`.transport` (``rpc``: gRPC,
+token, TLS; ``wire``: tensors as raw bytes; ``pickling``: functions sent once).
 
 Nothing here is imported by ``import distrib``: grpc and cloudpickle load when a
 name of this package is first used.

@@ -26,6 +26,13 @@ to the workers as copies whose updates come back with each call's result (see
 :class:`~distrib.coordinator.ClusterCoordinator`): after ``coordinator.join()``,
 ``metric.result()`` on the coordinator counts every completed call exactly once.
 
+A ``torch.amp.GradScaler`` that scheduled functions use works as in plain PyTorch inside them
+(``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``): each call runs
+torch's own scaler on a copy of the coordinator's (a step with inf/NaN gradients is not pushed to
+the ps tasks), and the outcome of each ``update()`` comes back with the result and is replayed on
+the coordinator's scaler, the one scale every later call starts from. Steps in flight keep the
+scale they were sent with, as training is asynchronous (see :mod:`distrib.parameter_server.scaler`).
+
 Example::
 
     >>> import distrib as ds, torch
@@ -78,8 +85,8 @@ from distrib.strategies.replication import optimizer_params, wrap_optimizer
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource
+from distrib.parameter_server.scaler import Acknowledgements, ScalerAuthority
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
-from distrib.strategies.amp import asynchronous_scaling_error
 from distrib.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -139,6 +146,7 @@ class ParameterServerStrategy(Strategy):
         self._metric_keys: dict[int, tuple[weakref.ref, str]] = {}
         self._metrics: dict[str, weakref.ref] = {}
         self._metric_lock = threading.Lock()
+        self._scalers = ScalerAuthority(self._session)  # GradScalers sent to the workers: the one scale of each
         self._variables: dict[int, LocalVariable] = {}
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, str]] = {}
         #: the ClusterCoordinator made for this strategy (there is at most one), or None
@@ -389,13 +397,23 @@ class ParameterServerStrategy(Strategy):
                     if hasattr(metric, "_update_count"):
                         metric._update_count += 1  # it has seen an update: compute() must not warn
 
+    # ------------------------------------------------------------------ GradScalers
+    def scaler_snapshot(self, acks: Acknowledgements) -> Optional[dict[str, Any]]:
+        """The state of every GradScaler scheduled functions use, for a request to one worker (see
+        :mod:`distrib.parameter_server.scaler`); ``acks``: that worker's outcomes replayed here."""
+        return self._scalers.snapshot(acks)
+
+    def merge_scaler_outcomes(self, info: Any, acks: Acknowledgements) -> None:
+        """Replay on the coordinator's GradScalers the ``update()`` outcomes of one completed scheduled call."""
+        self._scalers.merge(info, acks)
+
     # ------------------------------------------------------------------ pickling for workers
     def persistent_id(self, obj: Any) -> Optional[tuple[Any, ...]]:
         """How ``obj`` travels inside a scheduled function (None: pickled as usual)."""
         if obj is self:
             return ("strategy",)
         if isinstance(obj, GradScaler) and obj.is_enabled():
-            raise asynchronous_scaling_error("a function scheduled with ClusterCoordinator.schedule uses a GradScaler")
+            return ("scaler", self._scalers.key(obj), obj._device)
         if _is_metric(obj):
             return ("metric", self._metric_key(obj), _MetricCopy(obj))
         if isinstance(obj, torch.Tensor):

@@ -25,10 +25,19 @@ and scale, up to float rounding), and an inf or NaN on any replica skips the ste
 backs the scale off everywhere. Gradients are unscaled once they are summed, so code
 between ``unscale_`` and ``step`` (``clip_grad_norm_``) sees the global gradient.
 
-``ParameterServerStrategy`` is the exception: its steps run asynchronously on worker processes,
-so there is no one scale to agree on; a ``GradScaler`` sent with a scheduled function is refused
-(:func:`asynchronous_scaling_error`), and bfloat16 autocast, which needs no scaling, is the way to
-train in mixed precision there.
+``ParameterServerStrategy`` runs its steps asynchronously on worker processes, one replica
+per worker, so nothing is summed and there is no merge point: the coordinator's ``GradScaler``
+is the one authority (one scale, as TF keeps the loss scale in one variable). A function
+scheduled with ``ClusterCoordinator.schedule`` that uses it carries a snapshot of its state
+(scale, growth tracker, factors, interval, enabled) and runs torch's own ``unscale_``/``step``/
+``update`` on a copy on its worker: a step with an inf or NaN gradient is not pushed to the
+parameter servers. The outcome of each ``update()`` (inf found or not) comes back with the
+function's result and is replayed on the coordinator's scaler in the order results arrive
+(``torch._amp_update_scale_``, torch's own arithmetic), so ``scaler.get_scale()`` there is the
+scale every later function starts from, and what a checkpoint of the scaler saves. Steps in
+flight keep the scale they were sent with: training is asynchronous, as TF's is with parameter
+servers (see :mod:`distrib.parameter_server.scaler`). ``ds.fit(precision="16-mixed")`` and
+``distrib train --precision 16-mixed`` work there through the same path.
 
 The strategy is reached through ``strategy.extended``'s public gradient seam
 (``merges_optimizer_steps``, ``reduce_gradients_then``, ``end_gradient_reduction``,
@@ -79,7 +88,7 @@ from distrib import context
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["backward_and_step", "install", "Precision", "asynchronous_scaling_error"]
+__all__ = ["backward_and_step", "install", "Precision"]
 
 #: Lightning's precision names (``Trainer(precision=...)``) and the autocast dtype of each (None: no autocast)
 _PRECISIONS: dict[str, Optional[torch.dtype]] = {
@@ -141,29 +150,6 @@ class Precision:
     def grad_scaler(self, device_type: str) -> Optional[GradScaler]:
         """A new ``GradScaler`` for float16 training on ``device_type``; None where no scaling applies."""
         return GradScaler(device_type) if self.dtype is torch.float16 else None
-
-def asynchronous_scaling_error(where: str) -> ValueError:
-    """The error for float16 loss scaling under ``ParameterServerStrategy`` (``where``: what the user did).
-
-    A ``GradScaler`` is one scale that every step reads and updates in order. Steps scheduled
-    on parameter-server workers run asynchronously in other processes: a scaler sent with a
-    scheduled function would become an independent copy on each worker, while the user's
-    scaler on the coordinator (its ``get_scale()``, its ``state_dict()`` in a checkpoint) never
-    changes. That is a silent divergence from plain PyTorch, so it is refused.
-
-    Example::
-
-        >>> "bf16-mixed" in str(asynchronous_scaling_error("fit(precision='16-mixed')"))
-        True
-    """
-    return ValueError(
-        f"{where}: float16 loss scaling with torch.amp.GradScaler is not supported under ParameterServerStrategy. "
-        "Its steps run asynchronously on the workers, so a GradScaler sent with a scheduled function would become "
-        "one independent copy per worker while the coordinator's scaler (get_scale(), its state_dict in "
-        "checkpoints) never changes. Train with bfloat16 autocast, which needs no loss scaling "
-        "(torch.autocast(device_type, dtype=torch.bfloat16) without a GradScaler; precision='bf16-mixed' in "
-        "ds.fit and distrib train), or use float16 with MultiWorkerMirroredStrategy, where every worker agrees "
-        "on one scale")
 
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Optional[GradScaler]) -> None:

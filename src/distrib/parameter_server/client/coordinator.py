@@ -95,6 +95,11 @@ class ClusterCoordinator:
     raises adds nothing. So after ``join()``, ``metric.result()`` covers every call that
     completed.
 
+    A ``torch.amp.GradScaler`` works the same way: each call runs torch's scaler on a copy
+    that starts from the coordinator's scale, and the outcome of each ``update()`` (inf
+    found or not) is replayed on the coordinator's scaler, once per completed call, in the
+    order results arrive (see :mod:`distrib.parameter_server.scaler`).
+
     ``connect`` makes the connection to each worker (a fake one in the dispatch tests).
     See the module docstring for a runnable example.
     """

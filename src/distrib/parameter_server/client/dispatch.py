@@ -43,6 +43,7 @@ from distrib.parameter_server.errors import (ClosureCancelledError, ParameterSer
                                              scheduled_function_error)
 from distrib.parameter_server.client.failure_policy import Decision, FailureKind
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.scaler import Acknowledgements
 from distrib.parameter_server.transport.rpc import WORKER_SERVICE, CallPending, Connection
 
 if TYPE_CHECKING:
@@ -211,6 +212,7 @@ class WorkerThread:
         self.sent_functions: set[str] = set()
         self.sent_datasets: set[str] = set()
         self.released = 0  # how many of the coordinator's released iterators this worker was told of
+        self.scaler_acks = Acknowledgements()  # this worker's GradScaler outcomes replayed on the coordinator
         self.thread = threading.Thread(target=self._main, name=f"distrib-coordinator-worker-{index}", daemon=True)
         self.thread.start()
 
@@ -282,6 +284,9 @@ class WorkerThread:
         request: dict[str, Any] = {"calls": calls, "options": self.coordinator.strategy.optimizer_options(),
                                    "payloads": payloads, "release": released[self.released:]}
         self.released = len(released)
+        scalers = self.coordinator.strategy.scaler_snapshot(self.scaler_acks)
+        if scalers is not None:  # the scale each GradScaler's next steps start from
+            request["scalers"] = scalers
         body = wire.encode(request, encode_ref=encode_ref)
         needed = {d: self.coordinator._datasets[d].data for d in datasets if force or d not in self.sent_datasets}
         if needed:
@@ -367,8 +372,9 @@ class WorkerThread:
             status = reply.get("status")
             if status == "ok":
                 self.coordinator._observe(closure, reply.get("seconds", 0.0))
-                try:  # a function's metric updates count once: from the one run whose result is kept
+                try:  # a function's metric updates and scaler outcomes count once: from the run kept
                     self.coordinator._merge_metrics(reply.get("metrics"))
+                    self._merge_scaler_outcomes(reply.get("scaler"))
                 except Exception as e:  # noqa: BLE001 - a metric that cannot take the deltas
                     self._fail(batch, i, e, Decision.RAISE)
                     return
@@ -389,6 +395,11 @@ class WorkerThread:
             self._fail(batch, len(replies), RemoteProtocolError(f"{self.task} ran {len(replies)} of "
                                                                 f"{len(batch)} functions and said nothing more"),
                        Decision.RAISE)
+
+    def _merge_scaler_outcomes(self, info: Any) -> None:
+        """Replay a completed call's GradScaler ``update()`` outcomes on the coordinator's scalers."""
+        if info is not None:
+            self.coordinator.strategy.merge_scaler_outcomes(info, self.scaler_acks)
 
     def _fail(self, batch: list[Closure], index: int, error: BaseException, decision: Decision) -> None:
         """Closure ``index`` failed: the ones after it did not run and go back to the queue first."""

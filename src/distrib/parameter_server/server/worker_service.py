@@ -15,6 +15,13 @@ Metrics a function captured arrive as copies, one per metric, kept by the metric
 id. Before each call their state is reset; after a call that returned, the state
 (what that call added) goes back with its reply, and the coordinator adds it to its
 own metric.
+
+A coordinator's ``torch.amp.GradScaler`` a function captured arrives as this worker's copy
+(torch's own scaler, see :mod:`distrib.parameter_server.scaler`). Each ``Run`` request carries
+the coordinator's scale; before a call the copy starts from it (plus this worker's outcomes the
+coordinator had not replayed yet), and the outcomes of the call's ``update()`` calls go back
+with its reply.
+
 The reply says, per call that ran: ``ok`` (with the result and the seconds it took),
 ``error`` (the function raised: type, message, traceback), or ``ps_unavailable`` (a
 parameter server could not be reached); calls after a failed one do not run. Or,
@@ -40,6 +47,7 @@ from distrib import context
 from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
 from distrib.parameter_server.datasets import call_dataset_fn
+from distrib.parameter_server.scaler import WorkerScalers
 from distrib.parameter_server.transport import pickling, wire
 from distrib.parameter_server.errors import ParameterServerUnavailableError
 from distrib.parameter_server.transport.rpc import TLSConfig
@@ -114,6 +122,7 @@ class _Function:
     fn: Callable[..., Any]
     variables: list[LocalVariable] = field(default_factory=list)
     metrics: list[tuple[str, Any]] = field(default_factory=list)
+    scalers: list[tuple[str, Any]] = field(default_factory=list)  # (key, this worker's GradScaler copy)
 
 
 def _reset_metric(metric: Any) -> None:
@@ -152,6 +161,7 @@ class WorkerService:
         self._datasets: dict[str, Any] = {}
         self._iterators: dict[str, Iterator[Any]] = {}
         self._metrics: dict[str, Any] = {}  # the coordinator's metrics by id: this worker's copies
+        self._scalers = WorkerScalers(self._incarnation)  # the coordinator's GradScalers: this worker's copies
         self._run_lock = threading.Lock()
         self._optimizer_options: dict[str, list[dict]] = {}  # the coordinator's, as of the last Run
         self.decoded = 0  # request bodies decoded (reported by Health)
@@ -175,9 +185,15 @@ class WorkerService:
             self._strategy = ParameterServerStrategy.for_worker(self._spec, self._index)
         return self._strategy
 
-    def _load(self, data: bytes, used: list[LocalVariable], metrics: Optional[list[tuple[str, Any]]] = None) -> Any:
+    def _load(self, data: bytes, used: list[LocalVariable], metrics: Optional[list[tuple[str, Any]]] = None,
+              scalers: Optional[list[tuple[str, Any]]] = None) -> Any:
         def resolve(pid: tuple) -> Any:
             kind = pid[0]
+            if kind == "scaler":
+                scaler = self._scalers.copy(pid[1], pid[2])
+                if scalers is not None and all(k != pid[1] for k, _ in scalers):
+                    scalers.append((pid[1], scaler))
+                return scaler
             if kind == "metric":
                 metric = self._metrics.setdefault(pid[1], pid[2])
                 if metrics is not None and all(k != pid[1] for k, _ in metrics):
@@ -261,11 +277,14 @@ class WorkerService:
         for iterator_id in message.get("release") or ():
             self._iterators.pop(iterator_id, None)
         self._optimizer_options.update(message.get("options") or {})
+        self._scalers.receive(message.get("scalers"))
         for digest, payload in (message.get("payloads") or {}).items():
             if digest not in self._functions:
                 used: list[LocalVariable] = []
                 metrics: list[tuple[str, Any]] = []
-                self._functions[digest] = _Function(self._load(payload, used, metrics), used, metrics)
+                scalers: list[tuple[str, Any]] = []
+                self._functions[digest] = _Function(self._load(payload, used, metrics, scalers), used, metrics,
+                                                    scalers)
                 while len(self._functions) > _MAX_FUNCTIONS:
                     self._functions.popitem(last=False)
         for ds_id, payload in (message.get("datasets") or {}).items():
@@ -281,7 +300,10 @@ class WorkerService:
         entry = self._functions[call["fn"]]
         self._functions.move_to_end(call["fn"])
         start = time.perf_counter()
+        mark: Optional[int] = None
         try:
+            if entry.scalers:  # GradScaler copies start from the coordinator's scale
+                mark = self._scalers.prepare(entry.scalers)
             args, kwargs = pytree.tree_map(lambda x: self._iterator(x) if isinstance(x, IteratorRef) else x,
                                            (call["args"], call["kwargs"]))
             for var in entry.variables:
@@ -295,13 +317,21 @@ class WorkerService:
             metrics = {key: d for key, d in ((key, _metric_deltas(m)) for key, m in entry.metrics) if d is not None}
             if metrics:
                 reply["metrics"] = metrics
+            if mark is not None and (outcomes := self._scalers.finish(mark, entry.scalers)) is not None:
+                reply["scaler"] = outcomes
             return reply
         except ParameterServerUnavailableError as e:
+            self._discard_scaler_outcomes(mark)
             for var in entry.variables:
                 var.invalidate()
             return {"status": "ps_unavailable", "address": e.address, "task": e.task or "", "message": str(e)}
         except Exception as e:  # noqa: BLE001 - the user's error, reported with its traceback
+            self._discard_scaler_outcomes(mark)
             return _error_reply(e)
+
+    def _discard_scaler_outcomes(self, mark: Optional[int]) -> None:
+        if mark is not None:  # a failed call's update() outcomes are never replayed on the coordinator
+            self._scalers.discard(mark)
 
 
 def _iterator_ref(ref: Any) -> IteratorRef:
