@@ -94,6 +94,7 @@ def test_a_disabled_grad_scaler_travels_and_does_nothing(cluster):
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.filterwarnings("ignore:fit\\(precision='16-mixed'\\). float16 on this CPU")  # correct, only slow
 def test_fit_mixed_precision_learns(cluster, precision):
     strategy, model, optimizer = build(cluster)
     x, y = separable(256)

@@ -123,8 +123,16 @@ def test_fit_runs_the_step_and_the_validation_under_the_precision_asked_for(prec
         torch.manual_seed(0)
         model = Recorder()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    history = ds.fit(model, fit_data(), optimizer=optimizer, loss="sparse_categorical_crossentropy",
-                     metrics=["accuracy"], epochs=2, validation_data=fit_data()[:2], verbose=0, precision=precision)
+    from distrib.strategies.amp import _cpu_flags
+
+    slow = precision == "16-mixed" and not _cpu_flags() & {"avx512_fp16", "amx_fp16"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = ds.fit(model, fit_data(), optimizer=optimizer, loss="sparse_categorical_crossentropy",
+                         metrics=["accuracy"], epochs=2, validation_data=fit_data()[:2], verbose=0,
+                         precision=precision)
+    named_slow = [w for w in caught if "runs much slower than float32" in str(w.message)]
+    assert len(named_slow) == (1 if slow else 0), [str(w.message) for w in caught]  # once, naming bf16-mixed
     assert set(model.seen) == {dtype}  # every replica, training and validation
     losses = history.history["loss"]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0]
@@ -183,3 +191,15 @@ def test_distrib_train_precision_bf16_mixed_learns_on_two_replicas(idx_dir, tmp_
     assert "Using bfloat16 Automatic Mixed Precision (AMP)" in out
     accuracy = float(re.findall(r"Test Accuracy: ([\d.]+)", out)[-1])
     assert accuracy > 50.0  # the fake data is learnable: a broken update stays near 10 %
+
+
+def test_float16_on_a_cpu_without_float16_arithmetic_is_named_slow_with_the_fast_choice():
+    from distrib.strategies.amp import Precision, _cpu_flags
+
+    note = Precision.parse("16-mixed").slow_here("cpu")
+    if _cpu_flags() & {"avx512_fp16", "amx_fp16"}:
+        assert note is None
+    else:
+        assert note is not None and "bf16-mixed" in note and "slower than float32" in note
+    assert Precision.parse("16-mixed").slow_here("cuda") is None
+    assert Precision.parse("bf16-mixed").slow_here("cpu") is None and Precision.parse("32").slow_here("cpu") is None

@@ -210,6 +210,10 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         print(f"Number of devices: {strategy.num_replicas_in_sync}", flush=True)
         if mixed.mixed:  # as Lightning says it
             print(f"Using {str(mixed.dtype).removeprefix('torch.')} Automatic Mixed Precision (AMP)", flush=True)
+            devices = [d for d in strategy.local_devices if d is not None]
+            note = mixed.slow_here(devices[0].type if devices else "cpu")
+            if note:
+                print(f"Note: {note}", flush=True)
     train_split, test_split = load_fashion_mnist(config.data_dir)
     torch.manual_seed(config.seed)
 

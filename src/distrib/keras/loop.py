@@ -244,6 +244,9 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     executor = strategy.step_executor()
     devices = [d for d in strategy.local_devices if d is not None]
     scaler = mixed.grad_scaler(devices[0].type if devices else "cpu")
+    slow = mixed.slow_here(devices[0].type if devices else "cpu")
+    if slow:
+        warnings.warn(f"fit(precision={precision!r}): {slow}", UserWarning, stacklevel=2)
     loss_fn = per_example_loss(loss)
     tracked = _Tracked(strategy, metrics, loss)
     history = History()

@@ -151,6 +151,30 @@ class Precision:
         """A new ``GradScaler`` for float16 training on ``device_type``; None where no scaling applies."""
         return GradScaler(device_type) if self.dtype is torch.float16 else None
 
+    def slow_here(self, device_type: str) -> Optional[str]:
+        """A note when this precision is correct but slow on ``device_type``, else None.
+
+        float16 autocast on a CPU without float16 arithmetic (AVX512-FP16 or AMX-FP16) falls back
+        to slow kernels: the main job's step took 14x as long as in float32 on an AVX512-BF16 CPU
+        (docs/performance.md). bfloat16 is the mixed precision such CPUs run fast.
+        """
+        if self.dtype is not torch.float16 or device_type != "cpu" or _cpu_flags() & {"avx512_fp16", "amx_fp16"}:
+            return None
+        return ("float16 on this CPU (no AVX512-FP16 or AMX-FP16) runs much slower than float32; "
+                "'bf16-mixed' is the mixed precision that is fast on CPUs")
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Optional[GradScaler]) -> None:
     """``loss.backward(); optimizer.step()``, through ``scaler`` when one is given (float16): PyTorch's own
