@@ -369,3 +369,61 @@ def test_a_hung_worker_is_marked_down_within_the_heartbeat(tmp_path):
 @pytest.mark.faults_full
 def test_a_hung_worker_is_marked_down_within_the_heartbeat_5_times(tmp_path):
     _hung_worker(tmp_path, 5)
+
+
+# --------------------------------------------------------------------------- a worker killed under a GradScaler
+def _scaled_training_with_a_worker_killed(trials: int) -> None:
+    """Worker 1 is SIGKILLed while it runs float16 steps with the coordinator's GradScaler: its calls run again
+    on worker 0, and the coordinator's scale is every step's update() counted once (a lost call's outcome never
+    reached it, its rerun's did): the state of n clean steps of torch's own scaler."""
+    n, interval, retried_total = 40, 3, 0
+    for _ in range(trials):
+        with ds.testing.LocalCluster(num_workers=2, num_ps=1) as cluster:
+            cluster.wait_ready(timeout=120)
+            strategy = ds.ParameterServerStrategy(cluster.resolver(), token=cluster.token)
+            with strategy.scope():
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            coordinator = ds.coordinator.ClusterCoordinator(strategy)
+            scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=interval)
+
+            def step(x: torch.Tensor, y: torch.Tensor) -> None:
+                time.sleep(0.05)  # long enough to go alone (not batched), so that both workers take calls
+
+                def replica_step(x: torch.Tensor, y: torch.Tensor) -> None:
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = torch.nn.functional.cross_entropy(model(x), y)
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad()
+
+                strategy.run(replica_step, args=(x, y))
+
+            g = torch.Generator().manual_seed(1)
+            data = [(x, (x[:, 0] > 0).long()) for x in (torch.randn(16, 8, generator=g) for _ in range(n))]
+            values = [coordinator.schedule(step, args=batch) for batch in data]
+            _wait_until(lambda: any(v.status is RemoteValueStatus.RUNNING and v.worker.endswith("task:1")
+                                    for v in values), 60, "worker 1 to take a call")
+            time.sleep(0.1)
+            cluster.kill("worker", 1)
+            coordinator.join(timeout=120)
+            assert all(v.status is RemoteValueStatus.READY for v in values)
+            retried = [v for v in values if v.attempts > 1]
+            assert retried and all(v.worker.endswith("task:0") for v in retried)
+            retried_total += len(retried)
+            assert scaler.get_scale() == 2.0 ** (n // interval), scaler.state_dict()
+            assert scaler.state_dict()["_growth_tracker"] == n % interval
+            coordinator.close()
+    print(f"FAULT ps worker killed mid-training with a GradScaler: {trials} trial(s), {retried_total} call(s) run "
+          f"again, the coordinator's scale 2^{n // interval} (each of {n} steps counted once) in every trial")
+
+
+def test_a_worker_killed_under_a_grad_scaler_leaves_every_step_counted_once():
+    _scaled_training_with_a_worker_killed(trials=1)
+
+
+@pytest.mark.faults_full
+def test_a_worker_killed_under_a_grad_scaler_leaves_every_step_counted_once_5_times():
+    _scaled_training_with_a_worker_killed(trials=5)
