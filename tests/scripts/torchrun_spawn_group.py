@@ -75,6 +75,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     torch.save([t.detach().clone() for t in model.parameters()], f"{args.out}.{rank}")
     print(f"done: rank {rank}", flush=True)
     mismatch(rank, args.procs)
+    # the group is this script's, as in the mp.spawn tutorials: a gloo group left to the interpreter's exit can
+    # abort the process ("terminate called without an active exception", pytorch#190489)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
