@@ -158,14 +158,16 @@ class Precision:
         to slow kernels: the main job's step took 14x as long as in float32 on an AVX512-BF16 CPU
         (docs/performance.md). bfloat16 is the mixed precision such CPUs run fast.
         """
-        if self.dtype is not torch.float16 or device_type != "cpu" or _cpu_flags() & {"avx512_fp16", "amx_fp16"}:
-            return None
+        flags = _cpu_flags()
+        if self.dtype is not torch.float16 or device_type != "cpu" or flags is None \
+                or flags & {"avx512_fp16", "amx_fp16"}:
+            return None  # flags None: not an x86 /proc/cpuinfo (ARM CPUs often have float16 arithmetic): say nothing
         return ("float16 on this CPU (no AVX512-FP16 or AMX-FP16) runs much slower than float32; "
                 "'bf16-mixed' is the mixed precision that is fast on CPUs")
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def _cpu_flags() -> Optional[set[str]]:
+    """An x86 CPU's feature flags from /proc/cpuinfo; None where there are none to read (other CPUs, systems)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -173,7 +175,7 @@ def _cpu_flags() -> set[str]:
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return None
 
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Optional[GradScaler]) -> None:
