@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
+
+from multi_worker import rmsprop, run_tf_config_workers, seed001_cnn  # benchmarks/ is on sys.path
 
 HERE = os.path.abspath(__file__)
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
@@ -50,8 +50,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def build() -> nn.Module:
         torch.manual_seed(args.seed)
-        return nn.Sequential(nn.Unflatten(1, (1, 28)), nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Flatten(),
-                             nn.Linear(32 * 26 * 26, 128), nn.ReLU(), nn.Linear(128, 10))
+        return seed001_cnn()
 
     def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         correct = 0
@@ -77,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
 
         with strategy.scope():
             model = build()
-            optimizer = torch.optim.RMSprop(model.parameters(), lr=0.001, alpha=0.9, eps=1e-7)
+            optimizer = rmsprop(model.parameters())
             train_accuracy = ds.metrics.SparseCategoricalAccuracy(name="train_accuracy")
             dist_dataset = strategy.distribute_datasets_from_function(make_dataset)
 
@@ -114,28 +113,6 @@ def worker(args: argparse.Namespace) -> None:
             json.dump(results, f)
 
 
-def run_cluster(args: argparse.Namespace, out: str) -> dict:
-    from distrib.cluster.launch import make_cluster
-
-    cluster = make_cluster(2, 0, False)
-    procs = []
-    for i in range(2):
-        env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-               "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, HERE, "--worker", "--out", out, "--epochs", str(args.epochs), "--seed", str(args.seed),
-               "--steps-per-epoch", str(args.steps_per_epoch)] + (["--data-dir", args.data_dir] if args.data_dir else [])
-        procs.append(subprocess.Popen(cmd, env=env))
-    try:
-        codes = [p.wait(timeout=3600) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    if any(codes):
-        raise SystemExit(f"workers failed: exit codes {codes}")
-    with open(out) as f:
-        return json.load(f)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=3)
@@ -149,7 +126,9 @@ def main() -> None:
     if args.worker:
         return worker(args)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = run_cluster(args, os.path.join(tmp, "accuracy.json"))
+        argv = ["--epochs", str(args.epochs), "--seed", str(args.seed), "--steps-per-epoch", str(args.steps_per_epoch),
+                *(["--data-dir", args.data_dir] if args.data_dir else [])]
+        runs = run_tf_config_workers(HERE, argv, os.path.join(tmp, "accuracy.json"))
     base = runs["none"]["final_train_accuracy"]
     for name, run in runs.items():
         run["gap_vs_none"] = run["final_train_accuracy"] - base

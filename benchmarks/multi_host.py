@@ -200,16 +200,22 @@ class Network:
                   "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1);t=[]\n"
                   f"for _ in range({count}):\n a=time.perf_counter();c.sendall(b'x');c.recv(1);t.append(time.perf_counter()-a)\n"
                   "print(statistics.median(t)*1e3)")
-        with tempfile.TemporaryFile("w+") as log_e, tempfile.TemporaryFile("w+") as log_c:
-            e = self.popen(1, [sys.executable, "-c", echo], dict(os.environ), log_e)
+        return self.exchange(echo, client, report="client")
+
+    def exchange(self, server: str, client: str, report: str) -> Optional[float]:
+        """Run Python ``server`` on host 2 and ``client`` on host 1 (each ``python -c``), wait for both (60 s
+        each), and return the number the ``report``-ing side ("server" or "client") printed last (None: none)."""
+        with tempfile.TemporaryFile("w+") as log_s, tempfile.TemporaryFile("w+") as log_c:
+            s = self.popen(1, [sys.executable, "-c", server], dict(os.environ), log_s)
             c = self.popen(0, [sys.executable, "-c", client], dict(os.environ), log_c)
             try:
                 c.wait(timeout=60)
-                e.wait(timeout=10)
+                s.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 return None
-            log_c.seek(0)
-            lines = log_c.read().strip().splitlines()
+            log = log_s if report == "server" else log_c
+            log.seek(0)
+            lines = log.read().strip().splitlines()
         try:
             return float(lines[-1])
         except (IndexError, ValueError):
@@ -236,12 +242,6 @@ class Network:
 
 
 # ============================================================================ the workers
-def seed001_cnn() -> Any:
-    from torch import nn
-    return nn.Sequential(nn.Unflatten(1, (1, 28)), nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(32 * 26 * 26, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
 def worker(args: argparse.Namespace) -> None:
     """Round after round: solo (worker 0), ceiling (all, no communication), every compression; rotated."""
     import torch
@@ -249,15 +249,13 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import distrib as ds
+    from multi_worker import rmsprop, seed001_cnn  # benchmarks/ is on sys.path
 
     torch.set_num_threads(1)
     settings: dict[str, Any] = {"none": None, "bf16": "bf16", "fp16": "fp16",
                                 "powersgd": ds.PowerSGD(rank=2, start_iter=10)}
     base = ds.MultiWorkerMirroredStrategy()  # the group; every other strategy joins it
     rank, world = base.worker_index, base.num_workers
-
-    def rmsprop(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.RMSprop(params, lr=1e-3, alpha=0.9, eps=1e-7)
 
     def plain() -> Callable[[Any], None]:
         torch.manual_seed(0)
@@ -339,20 +337,7 @@ def measure_link(net: Network, seconds: float = 1.0) -> Optional[float]:
               f"  c=socket.create_connection(('{net.addresses[1]}',{PORT + 1}));break\n except OSError: time.sleep(0.05)\n"
               f"b=bytes(1<<20);end=time.perf_counter()+{seconds}\n"
               "while time.perf_counter()<end: c.sendall(b)\nc.close()")
-    with tempfile.TemporaryFile("w+") as log_r, tempfile.TemporaryFile("w+") as log_s:
-        r = net.popen(1, [sys.executable, "-c", receiver], dict(os.environ), log_r)
-        s = net.popen(0, [sys.executable, "-c", sender], dict(os.environ), log_s)
-        try:
-            s.wait(timeout=60)
-            r.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            return None
-        log_r.seek(0)
-        text = log_r.read().strip().splitlines()
-    try:
-        return float(text[-1])
-    except (IndexError, ValueError):
-        return None
+    return net.exchange(receiver, sender, report="server")
 
 
 def run_cluster(args: argparse.Namespace, workers: int, rate: str, use_netem: bool) -> dict:

@@ -336,24 +336,24 @@ def breakdown(windows: list[dict], name: str) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
 
 
-def _run_cluster(args: argparse.Namespace, out: str) -> dict:
+def run_tf_config_workers(script: str, argv: list[str], out: str, workers: int = 2) -> dict:
+    """Run ``script --worker --out OUT ARGV`` as ``workers`` processes of one TF_CONFIG cluster (one torch
+    thread each, loopback); every process must exit 0; returns the JSON the chief wrote to ``out``."""
     from distrib.cluster.launch import make_cluster
 
-    cluster = make_cluster(2, 0, False)
+    cluster = make_cluster(workers, 0, False)
     procs = []
-    for i in range(2):
+    for i in range(workers):
         env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
                "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, HERE, "--worker", "--out", out, "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--bytes-per-pack", str(args.bytes_per_pack)]
-        procs.append(subprocess.Popen(cmd, env=env))
+        procs.append(subprocess.Popen([sys.executable, script, "--worker", "--out", out, *argv], env=env))
     try:
         codes = [p.wait(timeout=3600) for p in procs]
     finally:
         for p in procs:
             p.kill()
     if any(codes):
-        raise SystemExit(f"benchmark workers failed: exit codes {codes}")
+        raise SystemExit(f"{os.path.basename(script)} workers failed: exit codes {codes}")
     with open(out) as f:
         return json.load(f)
 
@@ -432,7 +432,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
     with tempfile.TemporaryDirectory() as tmp:
-        raw = _run_cluster(args, os.path.join(tmp, "two.json"))
+        raw = run_tf_config_workers(HERE, ["--steps", str(args.steps), "--rounds", str(args.rounds),
+                                           "--bytes-per-pack", str(args.bytes_per_pack)], os.path.join(tmp, "two.json"))
     result = summarize(raw, args)
     print(json.dumps(result, indent=2))
     if args.json:
