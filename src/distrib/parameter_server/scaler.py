@@ -49,13 +49,13 @@ Example (the coordinator's side, replaying what workers reported)::
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Optional, Union
 
 import torch
 from torch.amp.grad_scaler import GradScaler
 
 from distrib.parameter_server.errors import RemoteProtocolError
+from distrib.parameter_server.weak_names import WeakNames
 
 __all__ = ["Acknowledgements", "ScalerAuthority", "WorkerScalers", "scaler_state", "replay"]
 
@@ -129,34 +129,17 @@ class ScalerAuthority:
     def __init__(self, session: str) -> None:
         self._session = session
         self._lock = threading.Lock()
-        self._keys: dict[int, tuple[weakref.ref, str]] = {}
-        self._scalers: dict[str, weakref.ref] = {}
+        self._scalers = WeakNames(f"{session}/scaler")
         self._stamp = 0
-        self._named = 0  # scalers named so far (a key is never reused)
 
     def key(self, scaler: GradScaler) -> str:
         """The name ``scaler`` travels under (the same for the same scaler, for the function's digest)."""
-        with self._lock:
-            entry = self._keys.get(id(scaler))
-            if entry is not None and entry[0]() is scaler:
-                return entry[1]
-            key = f"{self._session}/scaler{self._named}"
-            self._named += 1
-            self._keys[id(scaler)] = (weakref.ref(scaler), key)
-            self._scalers[key] = weakref.ref(scaler)
-            return key
+        return self._scalers.name(scaler)
 
     def snapshot(self, acks: Acknowledgements) -> Optional[dict[str, Any]]:
         """Every live scaler's state, for one worker's request (None while no function uses a scaler)."""
         with self._lock:
-            states = {}
-            for key, ref in list(self._scalers.items()):
-                scaler = ref()
-                if scaler is None:  # garbage-collected: no longer sent
-                    del self._scalers[key]
-                    self._keys = {i: e for i, e in self._keys.items() if e[1] != key}
-                    continue
-                states[key] = scaler_state(scaler)
+            states = {key: scaler_state(scaler) for key, scaler in self._scalers.live()}  # a dropped one: not sent
             if not states:
                 return None
             self._stamp += 1  # the snapshot and acks.unconfirmed agree: both change only under this lock
@@ -175,8 +158,7 @@ class ScalerAuthority:
             raise RemoteProtocolError(f"a worker sent malformed GradScaler outcomes: {info!r:.200}")
         with self._lock:
             for key, seq, kind, value in checked:
-                ref = self._scalers.get(key)
-                scaler = ref() if ref is not None else None
+                scaler = self._scalers.get(key)
                 if scaler is not None:  # a scaler garbage-collected since is skipped
                     replay(scaler, kind, value)
             if acks.worker != worker:  # another worker process (restarted): its outcomes are numbered afresh

@@ -70,7 +70,6 @@ import sys
 import threading
 import types
 import uuid
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import cloudpickle
@@ -87,6 +86,7 @@ from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource
 from distrib.parameter_server.scaler import Acknowledgements, ScalerAuthority
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
+from distrib.parameter_server.weak_names import WeakNames
 from distrib.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -142,10 +142,8 @@ class ParameterServerStrategy(Strategy):
         self._connected = False
         self._session = uuid.uuid4().hex[:12]
         self._placer = Placer(spec.num_tasks("ps"), variable_partitioner, self._session, self._ps.budget)
-        # metrics sent to the workers inside scheduled functions: id -> (weak ref, key), key -> weak ref
-        self._metric_keys: dict[int, tuple[weakref.ref, str]] = {}
-        self._metrics: dict[str, weakref.ref] = {}
-        self._metric_lock = threading.Lock()
+        self._metrics = WeakNames(f"{self._session}/m")  # metrics sent to the workers inside scheduled functions
+        self._metric_lock = threading.Lock()  # one call's deltas merged at a time
         self._scalers = ScalerAuthority(self._session)  # GradScalers sent to the workers: the one scale of each
         self._variables: dict[int, LocalVariable] = {}
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, str]] = {}
@@ -369,14 +367,7 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ metrics
     def _metric_key(self, metric: Any) -> str:
-        with self._metric_lock:
-            entry = self._metric_keys.get(id(metric))
-            if entry is not None and entry[0]() is metric:
-                return entry[1]
-            key = f"{self._session}/m{len(self._metrics)}"
-            self._metric_keys[id(metric)] = (weakref.ref(metric), key)
-            self._metrics[key] = weakref.ref(metric)
-            return key
+        return self._metrics.name(metric)
 
     def merge_metric_deltas(self, deltas: dict[str, dict[str, Any]]) -> None:
         """Add what one completed scheduled call added to workers' copies of metrics into the metrics here.
@@ -386,8 +377,7 @@ class ParameterServerStrategy(Strategy):
         """
         with self._metric_lock:
             for key, state in deltas.items():
-                ref = self._metrics.get(key)
-                metric = ref() if ref is not None else None
+                metric = self._metrics.get(key)
                 if metric is None:
                     continue
                 if hasattr(metric, "merge_deltas"):
