@@ -101,6 +101,9 @@ def test_error_in_scheduled_function_surfaces_from_join_with_remote_traceback(cl
         coordinator.join(timeout=60)
     assert isinstance(info.value, ScheduledFunctionError)
     assert "fails_on_three" in info.value.remote_traceback and 'raise ValueError(f"bad input {i}")' in str(info.value)
+    # the user's file and line, not cloudpickle >= 3.1.3's "<dynamic-code>" (pickling.py restores it)
+    raise_line = fails_on_three.__code__.co_firstlineno + 2
+    assert f'File "{__file__}", line {raise_line}, in fails_on_three' in info.value.remote_traceback
     statuses = {v.status for v in values}
     assert ds.coordinator.RemoteValueStatus.FAILED in statuses
     cancelled = [v for v in values if v.status is ds.coordinator.RemoteValueStatus.CANCELLED]

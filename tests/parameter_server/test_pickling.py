@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import traceback
 
 import pytest
 import torch
@@ -62,3 +63,23 @@ def test_the_digest_names_the_content():
 def test_loading_refuses_what_is_not_a_wire_message():
     with pytest.raises(wire.WireError):
         pickling.loads(pickle.dumps(len), lambda pid: None)
+
+
+def test_a_worker_traceback_names_the_users_file_and_source_line_with_any_cloudpickle():
+    # cloudpickle >= 3.1.3 renames every pickled-by-value code object's file "<dynamic-code>";
+    # pickling.py restores the real name, for the function and for the code nested in it.
+    def fn(n: int) -> list:
+        def helper(i: int) -> int:
+            raise ValueError(f"bad input {i}")
+
+        return [helper(i) for i in range(n)]
+
+    loaded = pickling.loads(pickling.dumps(fn, _no_shared).data, lambda pid: None)
+    assert loaded.__code__.co_filename == fn.__code__.co_filename == __file__
+    with pytest.raises(ValueError) as info:
+        loaded(2)
+    text = "".join(traceback.format_exception(info.value))
+    assert "<dynamic-code>" not in text
+    helper_line = fn.__code__.co_firstlineno + 2
+    assert f'File "{__file__}", line {helper_line}, in helper\n    raise ValueError(f"bad input {{i}}")' in text
+    assert f'File "{__file__}", line {helper_line + 2}, in fn\n    return [helper(i) for i in range(n)]' in text

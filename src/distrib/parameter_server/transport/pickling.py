@@ -14,6 +14,10 @@ by reference otherwise). Objects that must not be copied become *persistent ids*
 The result, a :mod:`wire` message holding the pickle and the tensors, is identified
 by its SHA-256 digest; each worker keeps the functions it has seen by digest, so a
 function is sent to a worker once, not with every call.
+
+Every code object pickled by value keeps its own file name (``co_filename``), so that
+a worker's traceback of a failed scheduled function names the user's file and source
+line with any cloudpickle (see :func:`_reduce_code`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import types
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -42,7 +48,38 @@ class Payload:
     digest: str
 
 
+def _reduce_code(code: types.CodeType) -> tuple:
+    """cloudpickle's reduction of a code object, plus the code's real ``co_filename``.
+
+    Why: cloudpickle 3.1.3+ (cloudpipe/cloudpickle#560, for payloads that do not depend
+    on where a function was defined) pickles every code object with ``co_filename`` set
+    to ``"<dynamic-code>"``. A worker's traceback of a failed scheduled function then reads
+    ``File "<dynamic-code>", line 96, in fn``: no user file, and ``linecache`` finds no
+    source line. Restoring the name here, on the pickling side, is the robust place: it
+    covers every code object that travels by value (the scheduled function, the helpers
+    and lambdas it calls, methods of classes defined in ``__main__``, nested code in
+    ``co_consts``, dataset functions), the worker's Python then formats its own traceback
+    as usual (file, line, source line from ``linecache``, 3.11's position carets), and no
+    formatted text is parsed back on the coordinator. It keeps cloudpickle's own reduction
+    (whatever its constructor arguments are in a given version) and only replaces one
+    field after construction, so it holds for older cloudpickles (which keep the name
+    anyway) and newer ones alike. The price is what cloudpickle < 3.1.3 always paid: the
+    payload, and so its digest, depends on the file name of the function.
+    """
+    reduced = cloudpickle.CloudPickler.dispatch_table[types.CodeType](code)
+    return _code_in_file, (reduced[0], reduced[1], code.co_filename)
+
+
+def _code_in_file(constructor: Callable[..., types.CodeType], args: tuple, filename: str) -> types.CodeType:
+    """Rebuild a code object as cloudpickle does, then give it back its file name (see :func:`_reduce_code`)."""
+    code = constructor(*args)
+    return code if code.co_filename == filename else code.replace(co_filename=filename)
+
+
 class _Pickler(cloudpickle.CloudPickler):
+    # A class attribute: the C pickler reads ``dispatch_table`` once, in ``__init__``.
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.CloudPickler.dispatch_table)
+
     def __init__(self, file: io.BytesIO, resolve: Resolver) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._resolve = resolve
