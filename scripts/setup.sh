@@ -2,7 +2,9 @@
 # Sets up everything distrib needs on a fresh machine. Safe to run again.
 #   1. torch==2.13.0 first (its CPU wheel lies on these machines; an unpinned torch
 #      would pull a multi-GB CUDA build),
-#   2. the package itself, editable, with its test extras,
+#   2. every test and development dependency at the version in requirements/test.lock (the versions
+#      CI last passed with; `bash scripts/lock.sh` regenerates it), then the package itself, editable,
+#      without resolving again (so nothing unpinned slips in),
 #   3. Debian's dataset-fashion-mnist (only when root and apt-get exist; otherwise
 #      `distrib train` explains how to get the data, and the tests do not need it),
 #   4. Debian's Slurm 22.05 (slurm-wlm: munge, slurmctld, slurmd) and iproute2, which the
@@ -14,10 +16,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+LOCK=requirements/test.lock
+# pip's notes about this machine's empty local index folders are noise here
+quiet_pip() { "$PY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
-  "$PY" -m pip install -q "torch==2.13.0"
+  quiet_pip -c "$LOCK" "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test]"
+quiet_pip -r "$LOCK"
+quiet_pip --no-deps -e .
 
 DATA=/usr/share/datasets/fashion-mnist
 if [ ! -f "$DATA/train-images-idx3-ubyte.gz" ]; then
