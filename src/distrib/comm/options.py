@@ -49,6 +49,8 @@ class CommunicationOptions:
         30.0
         >>> CommunicationOptions(compression="bf16").comm_hook()
         CastHook('bf16')
+        >>> CommunicationOptions(implementation="NCCL").implementation
+        'nccl'
     """
 
     bytes_per_pack: int = 0
@@ -66,6 +68,8 @@ class CommunicationOptions:
             raise ValueError(f"timeout_seconds must be positive or None, got {self.timeout_seconds}")
         if self.implementation.lower() not in ("auto", "ring", "gloo", "nccl"):
             raise ValueError(f"implementation must be 'auto', 'ring', 'gloo' or 'nccl', got {self.implementation!r}")
+        # one spelling whatever the case given ("NCCL", TF's enum): code that compares it reads what it asked for
+        object.__setattr__(self, "implementation", self.implementation.lower())
 
     @property
     def timeout(self) -> float:

@@ -1,0 +1,349 @@
+"""The docs/migration.md rows a port leans on are true: what ``load_fashion_mnist`` returns, what each
+mapped Keras layer gives on the input its row names, the losses' shapes and values, the optimizers'
+defaults and updates, and the signatures whose defaults a row copies from TF.
+
+TensorFlow is not installed here, so Keras' side is written out from its documented formulas (output
+shapes of 'valid' convolutions and pooling, the update rules in Keras' optimizer sources), each with
+the row it checks. Every test also checks that its row still says what is tested, so a row edited
+without its test (or the reverse) fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distrib as ds
+from conftest import write_idx
+from distrib.app.datasets import DEFAULT_FASHION_MNIST_DIR, load_fashion_mnist
+from distrib.app.models import fashion_mnist_optimizer, keras_init_
+
+MIGRATION = (Path(__file__).resolve().parents[1] / "docs" / "migration.md").read_text()
+
+
+def row(first_cell: str) -> str:
+    """The one table row of migration.md whose first cell starts with ``first_cell``."""
+    rows = [line for line in MIGRATION.splitlines() if line.startswith("| " + first_cell)]
+    assert len(rows) == 1, f"{len(rows)} rows of migration.md start with {first_cell!r}"
+    return rows[0]
+
+
+# -- data loading --------------------------------------------------------------------------------------------
+
+def test_load_fashion_mnist_gives_float32_in_0_1_channels_first_and_int64_labels(tmp_path):
+    text = row("`tf.keras.datasets.mnist.load_data()`")
+    assert "float32 in [0, 1]" in text and "`(N, 1, 28, 28)`" in text and "labels `int64`, shape `(N,)`" in text
+    rng = np.random.default_rng(0)
+    images = {"train": rng.integers(0, 256, (6, 28, 28)), "t10k": rng.integers(0, 256, (4, 28, 28))}
+    images["train"][0, 0, :2] = [0, 255]  # both ends of the range
+    labels = {"train": np.arange(6) % 10, "t10k": np.arange(4)}
+    for prefix in ("train", "t10k"):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", images[prefix])
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", labels[prefix])
+
+    (x_train, y_train), (x_test, y_test) = load_fashion_mnist(tmp_path)  # unpacks as Keras' load_data()
+
+    assert x_train.dtype == torch.float32 and x_train.shape == (6, 1, 28, 28) and x_test.shape == (4, 1, 28, 28)
+    assert y_train.dtype == torch.int64 and y_train.shape == (6,) and y_test.tolist() == [0, 1, 2, 3]
+    assert (x_train[0, 0, 0, 0], x_train[0, 0, 0, 1]) == (0.0, 1.0)  # divided by 255 already
+    expected = torch.from_numpy(images["train"].astype(np.float32) / np.float32(255))  # the tutorial's own scaling
+    torch.testing.assert_close(x_train[:, 0], expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.skipif(not Path(DEFAULT_FASHION_MNIST_DIR).is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_the_real_fashion_mnist_has_the_shapes_the_row_states():
+    train, test = load_fashion_mnist()
+    assert train.images.shape == (60000, 1, 28, 28) and test.images.shape == (10000, 1, 28, 28)
+    assert train.images.dtype == torch.float32 and 0.0 == float(train.images.min()) and float(train.images.max()) == 1.0
+    assert train.labels.dtype == torch.int64 and sorted(train.labels.unique().tolist()) == list(range(10))
+
+
+# -- layer mappings: the tutorials' models, layer by layer ---------------------------------------------------
+
+def channels_first(keras_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Keras' ``(N, H, W, C)`` as PyTorch's ``(N, C, H, W)``; other ranks unchanged."""
+    if len(keras_shape) == 4:
+        n, h, w, c = keras_shape
+        return (n, c, h, w)
+    return keras_shape
+
+
+def conv_valid(size: int, kernel: int) -> int:
+    return size - kernel + 1  # Keras' Conv2D default padding="valid", strides=1
+
+
+def pool_valid(size: int) -> int:
+    return size // 2  # Keras' MaxPooling2D() default pool_size=(2, 2), strides=pool_size, padding="valid"
+
+
+N = 3
+# (row's first cell, what the row maps it to, the torch layer, the input shape, Keras' output shape (NHWC))
+LAYERS: list[tuple[str, str, Callable[[], Any], tuple[int, ...], tuple[int, ...]]] = [
+    ("`tf.keras.layers.Reshape(target_shape=(28, 28, 1))`", "`nn.Unflatten(1, (1, 28))`",
+     lambda: nn.Unflatten(1, (1, 28)), (N, 28, 28), (N, 28, 28, 1)),
+    ("`tf.keras.layers.Reshape(target_shape=(28, 28, 1))`", "`x.unsqueeze(1)`",
+     lambda: (lambda x: x.unsqueeze(1)), (N, 28, 28), (N, 28, 28, 1)),
+    ("`tf.keras.layers.Reshape(target_shape=(28, 28, 1))`", "`nn.Unflatten(1, (1, 28, 28))`",
+     lambda: nn.Unflatten(1, (1, 28, 28)), (N, 784), (N, 28, 28, 1)),
+    ("`tf.keras.layers.Reshape(target_shape=(28, 28, 1))`", "`x.view(-1, 1, 28, 28)`",
+     lambda: (lambda x: x.view(-1, 1, 28, 28)), (N, 1, 28, 28), (N, 28, 28, 1)),
+    ("`tf.keras.layers.Conv2D(32, 3, activation=\"relu\")`", "`nn.Conv2d(1, 32, 3)` then `nn.ReLU()`",
+     lambda: nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU()), (N, 1, 28, 28), (N, conv_valid(28, 3), conv_valid(28, 3), 32)),
+    ("`tf.keras.layers.MaxPooling2D()`", "`nn.MaxPool2d(2)`",
+     lambda: nn.MaxPool2d(2), (N, 32, 26, 26), (N, pool_valid(26), pool_valid(26), 32)),
+    ("`tf.keras.layers.MaxPooling2D()`", "`nn.MaxPool2d(2)`",  # the tutorial's second pooling: an odd size floors
+     lambda: nn.MaxPool2d(2), (N, 64, 11, 11), (N, pool_valid(11), pool_valid(11), 64)),
+    ("`tf.keras.layers.Flatten()`", "`nn.Flatten()`", lambda: nn.Flatten(), (N, 64, 5, 5), (N, 5 * 5 * 64)),
+    ("`tf.keras.layers.Dense(128, activation=\"relu\")`", "`nn.Linear(in, 128)` then `nn.ReLU()`",
+     lambda: nn.Sequential(nn.Linear(5408, 128), nn.ReLU()), (N, 5408), (N, 128)),
+    ("`tf.keras.layers.Dense(1, input_shape=(1,))`", "`nn.Linear(1, 1)`", lambda: nn.Linear(1, 1), (N, 1), (N, 1)),
+]
+
+
+@pytest.mark.parametrize("first_cell, mapping, make, in_shape, keras_out", LAYERS,
+                         ids=[f"{m}-{s}" for _, m, _, s, _ in LAYERS])
+def test_each_mapped_layer_gives_the_shape_keras_gives(first_cell, mapping, make, in_shape, keras_out):
+    assert mapping in row(first_cell)
+    with torch.no_grad():
+        out = make()(torch.rand(in_shape))
+    assert tuple(out.shape) == channels_first(keras_out)
+
+
+def test_unflatten_1_28_28_refuses_the_tutorials_input_as_the_reshape_row_warns():
+    assert "is a RuntimeError" in row("`tf.keras.layers.Reshape(target_shape=(28, 28, 1))`")
+    with pytest.raises(RuntimeError, match="unflatten"):
+        nn.Unflatten(1, (1, 28, 28))(torch.rand(N, 28, 28))
+
+
+def test_the_tutorials_models_run_end_to_end_on_the_row_mappings():
+    """Seed 001's model on Keras' (N, 28, 28) input and seed 000's on load_fashion_mnist's (N, 1, 28, 28):
+    the rows' layers chained give Keras' logits shape (N, 10)."""
+    seed_001 = nn.Sequential(nn.Unflatten(1, (1, 28)), nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Flatten(),
+                             nn.Linear(32 * 26 * 26, 128), nn.ReLU(), nn.Linear(128, 10))
+    seed_000 = nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 5 * 5, 64), nn.ReLU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        assert seed_001(torch.rand(N, 28, 28)).shape == (N, 10)
+        assert seed_000(torch.rand(N, 1, 28, 28)).shape == (N, 10)
+
+
+def test_flatten_orders_features_channel_first_where_keras_orders_them_channel_last():
+    assert "flattens `[C, H, W]`, where Keras flattens `[H, W, C]`" in row("`tf.keras.layers.Flatten()`")
+    nhwc = torch.arange(2 * 3 * 3 * 4, dtype=torch.float32).reshape(2, 3, 3, 4)
+    keras = nhwc.reshape(2, -1)
+    torch_ = nn.Flatten()(nhwc.permute(0, 3, 1, 2))  # the same activations, channels first
+    assert not torch.equal(keras, torch_) and torch.equal(keras.sort().values, torch_.sort().values)
+
+
+def test_keras_init_gives_glorot_uniform_weights_and_zero_biases_where_torch_defaults_differ():
+    assert "`nn.init.xavier_uniform_(conv.weight)` and `nn.init.zeros_(conv.bias)`" in row(
+        "`tf.keras.layers.Conv2D(32, 3, activation=\"relu\")`")
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 64, 3)
+    fan_in, fan_out = 32 * 9, 64 * 9
+    conv.requires_grad_(False)
+    assert float(conv.bias.abs().max()) > 0  # torch's default: uniform biases
+    assert float(conv.weight.abs().max()) <= 1 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)): 1/sqrt(fan_in)
+    keras_init_(conv)
+    glorot = math.sqrt(6 / (fan_in + fan_out))
+    assert float(conv.bias.abs().max()) == 0.0
+    assert 0.95 * glorot < float(conv.weight.abs().max()) <= glorot
+
+
+# -- losses --------------------------------------------------------------------------------------------------
+
+def test_sparse_categorical_crossentropy_from_logits_none_is_cross_entropy_per_example():
+    assert '`F.cross_entropy(logits, labels, reduction="none")`' in row(
+        "`tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=NONE)`")
+    logits, labels = torch.randn(5, 10, dtype=torch.float64), torch.tensor([0, 3, 9, 3, 1])
+    per_example = F.cross_entropy(logits, labels, reduction="none")
+    keras = -(logits - logits.exp().sum(-1, keepdim=True).log()).gather(1, labels[:, None])[:, 0]  # -log softmax
+    assert per_example.shape == (5,)
+    torch.testing.assert_close(per_example, keras)
+
+
+@pytest.mark.parametrize("shape", [(5, 1), (5, 3)])
+def test_binary_crossentropy_from_logits_none_gives_one_value_per_example(shape):
+    assert '`F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(-1)`' in row(
+        "`tf.keras.losses.BinaryCrossentropy(from_logits=True, reduction=NONE)`")
+    x, z = torch.randn(shape, dtype=torch.float64), torch.randint(0, 2, shape).double()
+    ours = F.binary_cross_entropy_with_logits(x, z, reduction="none").mean(-1)
+    # tf.nn.sigmoid_cross_entropy_with_logits' documented form, then Keras' mean over the last axis
+    keras = (x.clamp(min=0) - x * z + torch.log1p(torch.exp(-x.abs()))).mean(-1)
+    assert ours.shape == (5,)
+    torch.testing.assert_close(ours, keras)
+
+
+# -- optimizers: the defaults each row states, and the updates its mapping gives -----------------------------
+
+def defaults(cls: type, *args: Any) -> dict[str, Any]:
+    return cls([nn.Parameter(torch.zeros(1))], *args).defaults
+
+
+def test_torch_optimizer_defaults_are_those_the_rows_contrast_with_keras():
+    assert "torch's `lr` 1e-3" in row("`tf.keras.optimizers.SGD()`")
+    assert defaults(torch.optim.SGD)["lr"] == 1e-3
+    adam = defaults(torch.optim.Adam)
+    assert "torch's `eps` 1e-8" in row("`tf.keras.optimizers.Adam()`")
+    assert (adam["lr"], adam["betas"], adam["eps"]) == (1e-3, (0.9, 0.999), 1e-8)
+    rmsprop = defaults(torch.optim.RMSprop)
+    assert "torch's `alpha` 0.99; `epsilon` 1e-7 against 1e-8" in row("`tf.keras.optimizers.RMSprop(")
+    assert "torch's `lr` 0.01" in row("`tf.keras.optimizers.RMSprop(")
+    assert (rmsprop["alpha"], rmsprop["eps"], rmsprop["lr"]) == (0.99, 1e-8, 0.01)
+    adagrad = defaults(torch.optim.Adagrad)
+    assert "accumulator at 0.1 (torch 0)" in row("`tf.keras.optimizers.Adagrad(") and "(torch 1e-10)" in row(
+        "`tf.keras.optimizers.Adagrad(")
+    assert (adagrad["initial_accumulator_value"], adagrad["eps"], adagrad["lr"]) == (0, 1e-10, 0.01)
+
+
+def test_distrib_train_uses_keras_adam_epsilon():
+    assert "`distrib train` spells Keras' value" in row("`tf.keras.optimizers.Adam()`")
+    assert fashion_mnist_optimizer(nn.Linear(2, 2).parameters()).defaults["eps"] == 1e-7
+
+
+def one_step(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], grads: list[torch.Tensor],
+             start: torch.Tensor) -> torch.Tensor:
+    p = nn.Parameter(start.clone())
+    opt = optimizer([p])
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+def test_the_adagrad_mapping_is_keras_adagrad_update():
+    assert "`torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1, eps=1e-7)`" in row(
+        "`tf.keras.optimizers.Adagrad(")
+    start = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    grads = [torch.tensor([0.3, -0.1, 2.0], dtype=torch.float64), torch.tensor([-0.2, 0.4, 1e-3], dtype=torch.float64)]
+    ours = one_step(lambda ps: torch.optim.Adagrad(ps, lr=0.05, initial_accumulator_value=0.1, eps=1e-7), grads, start)
+    # Keras' Adagrad: accumulator starts at 0.1; accumulator += g**2; var -= lr * g / (sqrt(accumulator) + epsilon)
+    var, acc = start.clone(), torch.full_like(start, 0.1)
+    for g in grads:
+        acc += g ** 2
+        var -= 0.05 * g / (acc.sqrt() + 1e-7)
+    torch.testing.assert_close(ours, var, rtol=1e-12, atol=1e-12)
+
+
+def keras_adam(start: torch.Tensor, grads: list[torch.Tensor], lr: float = 1e-3, epsilon: float = 1e-7) -> torch.Tensor:
+    """Keras' Adam: ``alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)``, ``var -= alpha * m / (sqrt(v) + epsilon)``."""
+    var, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
+    for t, g in enumerate(grads, 1):
+        m += (g - m) * (1 - 0.9)
+        v += (g * g - v) * (1 - 0.999)
+        var -= lr * math.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t) * m / (v.sqrt() + epsilon)
+    return var
+
+
+def test_the_adam_mapping_is_keras_adam_except_where_sqrt_v_is_near_epsilon():
+    text = row("`tf.keras.optimizers.Adam()`")
+    assert "`torch.optim.Adam(params, lr=1e-3, eps=1e-7)`" in text and "\"epsilon hat\"" in text
+    start = torch.zeros(2, dtype=torch.float64)
+    ordinary = [torch.tensor([0.5, -1.5], dtype=torch.float64)] * 3
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-7)  # noqa: E731
+    torch.testing.assert_close(one_step(adam, ordinary, start), keras_adam(start, ordinary), rtol=1e-5, atol=0)
+    tiny = [torch.tensor([1e-8, -1e-8], dtype=torch.float64)]  # sqrt(v) ~ 3e-10 after the first step
+    ours, keras = one_step(adam, tiny, start), keras_adam(start, tiny)
+    assert (ours.abs() > 2 * keras.abs()).all()  # eps after the bias correction: a step many times Keras'
+
+
+# -- signatures whose defaults a row copies from TF ----------------------------------------------------------
+
+def call_parameters(call: str) -> dict[str, Any]:
+    """``name(a, b=1, *, c="x")`` as ``{"a": inspect.Parameter.empty, "b": 1, "c": "x"}``; a default that is
+    not a literal (``rank=r``) maps to ``...``."""
+    node = ast.parse(call.replace("*, ", ""), mode="eval").body
+    assert isinstance(node, ast.Call), call
+    params: dict[str, Any] = {}
+    for arg in node.args:
+        assert isinstance(arg, ast.Name), call
+        params[arg.id] = inspect.Parameter.empty
+    for kw in node.keywords:
+        try:
+            params[str(kw.arg)] = ast.literal_eval(kw.value)
+        except ValueError:
+            params[str(kw.arg)] = ...
+    return params
+
+
+# (the row's first cell, the call in that row that states the signature, distrib's callable)
+SIGNATURES: list[tuple[str, str, Callable[..., Any]]] = [
+    ("`tf.keras.callbacks.ModelCheckpoint(", "tf.keras.callbacks.ModelCheckpoint(", ds.callbacks.ModelCheckpoint),
+    ("`tf.keras.callbacks.BackupAndRestore(", "tf.keras.callbacks.BackupAndRestore(", ds.callbacks.BackupAndRestore),
+    ("`tf.keras.callbacks.CSVLogger(", "tf.keras.callbacks.CSVLogger(", ds.callbacks.CSVLogger),
+    ("`tf.keras.callbacks.LearningRateScheduler(", "tf.keras.callbacks.LearningRateScheduler(",
+     ds.callbacks.LearningRateScheduler),
+    ("`tf.train.checkpoints_iterator(", "tf.train.checkpoints_iterator(", ds.checkpoints_iterator),
+    ("`SimpleClusterResolver(", "ds.cluster_resolver.SimpleClusterResolver(", ds.cluster_resolver.SimpleClusterResolver),
+    ("DDP `powerSGD_hook.PowerSGDState(", "ds.PowerSGD(", ds.PowerSGD),
+    ("`tf.distribute.experimental.CommunicationOptions(...)` |", "ds.CommunicationOptions(", ds.CommunicationOptions),
+    ("a barrier", "strategy.barrier(", ds.MirroredStrategy.barrier),
+    ("`tf.distribute.Server(cluster, job_name, task_index)`", "ds.Server(", ds.Server),
+    ("a hung worker", "ClusterCoordinator(", ds.coordinator.ClusterCoordinator.__init__),
+    ("`tf.keras.callbacks.CSVLogger` / a metrics file", "ds.callbacks.JsonlLogger(", ds.callbacks.JsonlLogger),
+    ("an in-process cluster", "ds.testing.create_in_process_cluster(", ds.testing.create_in_process_cluster),
+]
+
+
+@pytest.mark.parametrize("first_cell, call, target", SIGNATURES, ids=[c.rstrip("(") for _, c, _ in SIGNATURES])
+def test_the_signature_a_row_states_is_distribs(first_cell, call, target):
+    found = re.search("`(" + re.escape(call) + r"[^`]*\))`", row(first_cell))
+    assert found, f"the row {first_cell!r} no longer spells `{call}...)`"
+    params = inspect.signature(target).parameters
+    for name, default in call_parameters("f(" + found.group(1)[len(call):]).items():
+        assert name in params, f"{found.group(1)}: distrib's {target.__qualname__} has no parameter {name!r}"
+        if default is not inspect.Parameter.empty and default is not ...:
+            assert params[name].default == default, f"{found.group(1)}: distrib's {name} defaults to {params[name].default!r}"
+
+
+def test_communication_options_defaults_and_spellings():
+    assert "`timeout_seconds=None`, the default, means 300 s" in row("`tf.distribute.experimental.CommunicationOptions(...)` |")
+    assert "reads back as the lower-case string" in row("`tf.distribute.experimental.CommunicationImplementation")
+    options = ds.CommunicationOptions()
+    assert (options.timeout_seconds, options.timeout) == (None, 300.0)
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        ds.CommunicationOptions(timeout_seconds=0)
+    spellings = ["NCCL", "Ring", "gloo", ds.CommunicationImplementation.NCCL, ds.CommunicationImplementation.AUTO]
+    assert [ds.CommunicationOptions(implementation=s).implementation for s in spellings] == \
+        ["nccl", "ring", "gloo", "nccl", "auto"]
+
+
+# -- metrics, reduce and input: the return forms the rows state ----------------------------------------------
+
+def test_metric_results_state_and_default_names():
+    text = row("`tf.keras.metrics.Mean/Sum/Accuracy/")
+    assert "`result()` is a 0-d float32 CPU tensor" in text and "The state is float64 by default" in text
+    expected = {"Mean": "mean", "Sum": "sum", "Accuracy": "accuracy", "BinaryAccuracy": "binary_accuracy",
+                "CategoricalAccuracy": "categorical_accuracy",
+                "SparseCategoricalAccuracy": "sparse_categorical_accuracy",
+                "TopKCategoricalAccuracy": "top_k_categorical_accuracy",
+                "SparseTopKCategoricalAccuracy": "sparse_top_k_categorical_accuracy"}
+    for cls, name in expected.items():
+        metric = getattr(ds.metrics, cls)()
+        assert metric.name == name and metric.total.dtype == torch.float64, cls
+    assert ds.metrics.BinaryAccuracy().threshold == 0.5 and ds.metrics.TopKCategoricalAccuracy().k == 5
+    accuracy = ds.metrics.SparseCategoricalAccuracy()
+    accuracy.update_state(torch.tensor([0, 1]), torch.tensor([[2.0, 1.0], [3.0, 0.0]]))
+    result = accuracy.result()
+    assert (result.dtype, result.shape, result.device.type, float(result)) == (torch.float32, (), "cpu", 0.5)
+    per_example = ds.metrics.sparse_categorical_accuracy(torch.tensor([0, 1]), torch.tensor([[2.0, 1.0], [3.0, 0.0]]))
+    assert per_example.dtype == torch.float64 and per_example.tolist() == [1.0, 0.0]
+
+
+def test_reduce_of_a_python_number_and_the_uneven_split_the_rows_show():
+    assert "returns `tensor(1.)`" in row('`strategy.reduce("SUM", 1., axis=None)`')
+    assert repr(ds.get_strategy().reduce("SUM", 1.0, axis=None)) == "tensor(1.)"
+    assert "| `[0, 1], [2], [3]` |" in row("rebatching: `range(8).batch(4)` over 3 replicas")
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    first = next(iter(strategy.experimental_distribute_dataset([torch.arange(4), torch.arange(4, 8)])))
+    assert [v.tolist() for v in first.values] == [[0, 1], [2], [3]]
