@@ -60,7 +60,8 @@ def test_load_fashion_mnist_gives_float32_in_0_1_channels_first_and_int64_labels
     torch.testing.assert_close(x_train[:, 0], expected, rtol=0, atol=1e-7)
 
 
-@pytest.mark.skipif(not Path(DEFAULT_FASHION_MNIST_DIR).is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+@pytest.mark.skipif(not Path(DEFAULT_FASHION_MNIST_DIR).is_dir(),
+                    reason="Debian's dataset-fashion-mnist is not installed")
 def test_the_real_fashion_mnist_has_the_shapes_the_row_states():
     train, test = load_fashion_mnist()
     assert train.images.shape == (60000, 1, 28, 28) and test.images.shape == (10000, 1, 28, 28)
@@ -98,7 +99,8 @@ LAYERS: list[tuple[str, str, Callable[[], Any], tuple[int, ...], tuple[int, ...]
     ("`tf.keras.layers.Reshape(target_shape=(28, 28, 1))`", "`x.view(-1, 1, 28, 28)`",
      lambda: (lambda x: x.view(-1, 1, 28, 28)), (N, 1, 28, 28), (N, 28, 28, 1)),
     ("`tf.keras.layers.Conv2D(32, 3, activation=\"relu\")`", "`nn.Conv2d(1, 32, 3)` then `nn.ReLU()`",
-     lambda: nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU()), (N, 1, 28, 28), (N, conv_valid(28, 3), conv_valid(28, 3), 32)),
+     lambda: nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU()), (N, 1, 28, 28),
+     (N, conv_valid(28, 3), conv_valid(28, 3), 32)),
     ("`tf.keras.layers.MaxPooling2D()`", "`nn.MaxPool2d(2)`",
      lambda: nn.MaxPool2d(2), (N, 32, 26, 26), (N, pool_valid(26), pool_valid(26), 32)),
     ("`tf.keras.layers.MaxPooling2D()`", "`nn.MaxPool2d(2)`",  # the tutorial's second pooling: an odd size floors
@@ -236,7 +238,8 @@ def test_the_adagrad_mapping_is_keras_adagrad_update():
 
 
 def keras_adam(start: torch.Tensor, grads: list[torch.Tensor], lr: float = 1e-3, epsilon: float = 1e-7) -> torch.Tensor:
-    """Keras' Adam: ``alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)``, ``var -= alpha * m / (sqrt(v) + epsilon)``."""
+    """Keras' Adam: ``alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)``,
+    ``var -= alpha * m / (sqrt(v) + epsilon)``."""
     var, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
     for t, g in enumerate(grads, 1):
         m += (g - m) * (1 - 0.9)
@@ -284,7 +287,8 @@ SIGNATURES: list[tuple[str, str, Callable[..., Any]]] = [
     ("`tf.keras.callbacks.LearningRateScheduler(", "tf.keras.callbacks.LearningRateScheduler(",
      ds.callbacks.LearningRateScheduler),
     ("`tf.train.checkpoints_iterator(", "tf.train.checkpoints_iterator(", ds.checkpoints_iterator),
-    ("`SimpleClusterResolver(", "ds.cluster_resolver.SimpleClusterResolver(", ds.cluster_resolver.SimpleClusterResolver),
+    ("`SimpleClusterResolver(", "ds.cluster_resolver.SimpleClusterResolver(",
+     ds.cluster_resolver.SimpleClusterResolver),
     ("DDP `powerSGD_hook.PowerSGDState(", "ds.PowerSGD(", ds.PowerSGD),
     ("`tf.distribute.experimental.CommunicationOptions(...)` |", "ds.CommunicationOptions(", ds.CommunicationOptions),
     ("a barrier", "strategy.barrier(", ds.MirroredStrategy.barrier),
@@ -303,11 +307,13 @@ def test_the_signature_a_row_states_is_distribs(first_cell, call, target):
     for name, default in call_parameters("f(" + found.group(1)[len(call):]).items():
         assert name in params, f"{found.group(1)}: distrib's {target.__qualname__} has no parameter {name!r}"
         if default is not inspect.Parameter.empty and default is not ...:
-            assert params[name].default == default, f"{found.group(1)}: distrib's {name} defaults to {params[name].default!r}"
+            assert params[name].default == default, \
+                f"{found.group(1)}: distrib's {name} defaults to {params[name].default!r}"
 
 
 def test_communication_options_defaults_and_spellings():
-    assert "`timeout_seconds=None`, the default, means 300 s" in row("`tf.distribute.experimental.CommunicationOptions(...)` |")
+    assert "`timeout_seconds=None`, the default, means 300 s" in row(
+        "`tf.distribute.experimental.CommunicationOptions(...)` |")
     assert "reads back as the lower-case string" in row("`tf.distribute.experimental.CommunicationImplementation")
     options = ds.CommunicationOptions()
     assert (options.timeout_seconds, options.timeout) == (None, 300.0)
@@ -347,3 +353,32 @@ def test_reduce_of_a_python_number_and_the_uneven_split_the_rows_show():
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
     first = next(iter(strategy.experimental_distribute_dataset([torch.arange(4), torch.arange(4, 8)])))
     assert [v.tolist() for v in first.values] == [[0, 1], [2], [3]]
+
+
+def test_tensor_batches_shuffle_is_a_function_of_seed_and_epoch():
+    assert "`TensorBatches.set_epoch(e)` makes the order a function of (seed, epoch)" in row(
+        "`dataset.shuffle(N).batch(B)`")
+    from distrib.app.train import TensorBatches
+
+    x = torch.arange(10)
+
+    def order(seed: int, epoch: int) -> list[list[int]]:
+        batches = TensorBatches(x, x * 10, batch_size=4, shuffle=True, seed=seed)
+        batches.set_epoch(epoch)
+        return [b[0].tolist() for b in batches]
+
+    first = order(0, 0)
+    assert [len(b) for b in first] == [4, 4, 2] and sorted(sum(first, [])) == list(range(10))
+    assert order(0, 0) == first  # every worker reads the same global batches
+    assert order(0, 1) != first and order(1, 0) != first
+
+
+def test_fit_and_evaluate_default_as_keras_where_the_rows_leave_them_out():
+    """Keras' ``fit(epochs=1, steps_per_epoch=None, validation_data=None, validation_steps=None)`` and
+    ``evaluate(steps=None)``: the seeds' ``model.fit(..., epochs, steps_per_epoch)`` row ports them as they are."""
+    assert "`ds.fit(model, data, optimizer=..., loss=..., epochs, steps_per_epoch)`" in row(
+        "`model.fit(dataset, epochs, steps_per_epoch)`")
+    fit = inspect.signature(ds.fit).parameters
+    assert {n: fit[n].default for n in ("epochs", "steps_per_epoch", "validation_data", "validation_steps")} == \
+        {"epochs": 1, "steps_per_epoch": None, "validation_data": None, "validation_steps": None}
+    assert inspect.signature(ds.evaluate).parameters["steps"].default is None
