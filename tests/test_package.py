@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +97,40 @@ except ImportError as e:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'distrib[ps]'" in out
+
+
+def _third_party_imports(package: Path) -> dict[str, str]:
+    """Every absolute import of a non-stdlib, non-distrib module in ``package``: module -> first file:line."""
+    found: dict[str, str] = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] not in sys.stdlib_module_names | {"distrib"}:
+                    found.setdefault(name, f"{path.relative_to(package.parent)}:{node.lineno}")
+    return found
+
+
+def test_mypy_s_result_does_not_depend_on_which_optional_packages_are_installed():
+    # An optional package imported without an ignore_missing_imports override makes `python -m mypy` fail
+    # wherever that extra is not installed ("Cannot find implementation or library stub"), as cryptography did.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    base = {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("-", "_")
+            for req in config["project"]["dependencies"]}
+    patterns = [p for o in config["tool"]["mypy"]["overrides"] if o.get("ignore_missing_imports") for p in o["module"]]
+
+    def covered(module: str) -> bool:  # mypy's "a.*" matches a and its submodules
+        return module.split(".")[0] in base or any(
+            module == p or (p.endswith(".*") and (module == p[:-2] or module.startswith(p[:-1]))) for p in patterns)
+
+    imports = _third_party_imports(root / "src" / "distrib")
+    assert {"torch", "cloudpickle", "grpc", "cryptography"} <= {m.split(".")[0] for m in imports}  # the walk works
+    missing = {m: where for m, where in imports.items() if not covered(m)}
+    assert not missing, f"add these to [[tool.mypy.overrides]] ignore_missing_imports in pyproject.toml: {missing}"

@@ -4,6 +4,7 @@ throwaway CA for `--tls`, and the cluster token's minimum length."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,6 +167,21 @@ def test_both_certificate_backends_make_a_mutual_tls_cluster(tmp_path, backend):
         stranger.close()
     finally:
         server.stop(grace=0)
+
+
+def test_without_a_certificate_backend_the_error_names_the_install_commands(tmp_path, monkeypatch):
+    from distrib.parameter_server.transport.certificates import available_backend, make_cluster_certificates
+
+    monkeypatch.setitem(sys.modules, "cryptography", None)  # `import cryptography` now raises ImportError
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no openssl command
+    assert available_backend() is None
+    for backend, fix in ((None, "pip install 'distrib[tls]'"), ("cryptography", "pip install 'distrib[tls]'"),
+                         ("openssl", "apt-get install openssl")):
+        with pytest.raises(RuntimeError, match=re.escape(fix)):
+            make_cluster_certificates(str(tmp_path / "tls"), ["chief-0"], ["127.0.0.1"], backend=backend)
+    with pytest.raises(ValueError, match="'cryptography' or 'openssl'"):
+        make_cluster_certificates(str(tmp_path / "tls"), ["chief-0"], ["127.0.0.1"], backend="gnutls")
+    assert not (tmp_path / "tls").exists()  # nothing written before the check
 
 
 def test_a_short_cluster_token_is_refused_before_any_task_starts(tmp_path):

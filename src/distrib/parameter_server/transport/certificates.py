@@ -8,8 +8,8 @@ hosts it may be reached at (``localhost`` and the launcher's host) and serves bo
 server and as client certificate.
 
 Two backends, the first that is available: the ``cryptography`` package when it is
-installed (it is not a dependency of distrib), else the ``openssl`` command line
-(Debian's ``openssl`` package). Keys are EC P-256, written with mode 0600 in a
+installed (``pip install 'distrib[tls]'``; not a base dependency), else the ``openssl``
+command line (Debian's ``openssl`` package); either one suffices. Keys are EC P-256, written with mode 0600 in a
 directory of mode 0700 that the launcher removes when the cluster stops.
 
 Example::
@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 __all__ = ["ClusterCertificates", "make_cluster_certificates", "available_backend"]
 
 _DAYS = 7
+_INSTALL_CRYPTOGRAPHY = "pip install 'distrib[tls]'"
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,19 @@ class ClusterCertificates:
         return {"DISTRIB_TLS_CERT": cert, "DISTRIB_TLS_KEY": key, "DISTRIB_TLS_CA": self.ca_file}
 
 
-def available_backend() -> Optional[str]:
-    """``"cryptography"`` if that package imports, else ``"openssl"`` if the command exists, else None."""
+def _has_cryptography() -> bool:
     try:
         import cryptography  # noqa: F401
     except ImportError:
-        return "openssl" if shutil.which("openssl") else None
-    return "cryptography"
+        return False
+    return True
+
+
+def available_backend() -> Optional[str]:
+    """``"cryptography"`` if that package imports, else ``"openssl"`` if the command exists, else None."""
+    if _has_cryptography():
+        return "cryptography"
+    return "openssl" if shutil.which("openssl") else None
 
 
 def _split_hosts(hosts: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -157,10 +164,18 @@ def make_cluster_certificates(directory: str, tasks: Sequence[str], hosts: Seque
     ``backend`` forces ``"cryptography"`` or ``"openssl"`` (default: :func:`available_backend`).
     The CA's private key is deleted once the task certificates are signed.
     """
+    if backend not in (None, "cryptography", "openssl"):
+        raise ValueError(f"backend must be 'cryptography' or 'openssl' (or None: the first available), not {backend!r}")
     backend = backend or available_backend()
-    if backend not in ("cryptography", "openssl"):
+    if backend is None:
         raise RuntimeError("TLS certificates need the `cryptography` package or the `openssl` command; install one "
-                           "(pip install cryptography, or apt-get install openssl)")
+                           f"({_INSTALL_CRYPTOGRAPHY}, or apt-get install openssl)")
+    if backend == "cryptography" and not _has_cryptography():
+        raise RuntimeError(f"backend='cryptography' needs the cryptography package: {_INSTALL_CRYPTOGRAPHY} "
+                           "(or leave backend unset: the openssl command is used when it exists)")
+    if backend == "openssl" and not shutil.which("openssl"):
+        raise RuntimeError("backend='openssl' needs the openssl command (apt-get install openssl), or leave "
+                           f"backend unset to use the cryptography package ({_INSTALL_CRYPTOGRAPHY})")
     for task in tasks:
         if not task or not all(c.isalnum() or c in "-_" for c in task):
             raise ValueError(f"task name {task!r} must be letters, digits, '-' or '_' (it names files)")
