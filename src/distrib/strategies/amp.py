@@ -84,6 +84,8 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from distrib import context
+from distrib.strategies import amp_speed
+from distrib.strategies.amp_speed import Slowdown
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -151,31 +153,52 @@ class Precision:
         """A new ``GradScaler`` for float16 training on ``device_type``; None where no scaling applies."""
         return GradScaler(device_type) if self.dtype is torch.float16 else None
 
-    def slow_here(self, device_type: str) -> Optional[str]:
-        """A note when this precision is correct but slow on ``device_type``, else None.
+    def slow_here(self, device_type: str, slowdown: "Optional[SlowdownProbe]" = None) -> Optional[str]:
+        """A note naming the faster choice when this precision is correct but slow on ``device_type``, else None.
 
-        float16 autocast on a CPU without float16 arithmetic (AVX512-FP16 or AMX-FP16) falls back
-        to slow kernels: the main job's step took 14x as long as in float32 on an AVX512-BF16 CPU
-        (docs/performance.md). bfloat16 is the mixed precision such CPUs run fast.
+        Whether a CPU runs bfloat16 or float16 autocast fast depends on the kernels oneDNN and ATen
+        pick on it, so it is measured (:func:`distrib.strategies.amp_speed.measured_slowdown`: a few
+        milliseconds, once per process, only for a mixed precision). The note never recommends a
+        precision that is slow here: the other mixed precision if it is not slow, else ``'32'``.
+        On CUDA nothing is measured: float16 is fast on every GPU, bfloat16 where
+        ``torch.cuda.is_bf16_supported(including_emulation=False)``. Other devices: None.
+
+        ``slowdown(dtype, device_type)`` is the measurement, returning a
+        :class:`~distrib.strategies.amp_speed.Slowdown` or None; None (the default) is
+        ``amp_speed.measured_slowdown``, looked up at each call, so that a test can give the
+        outcome here or, for ``ds.fit`` and ``distrib train``, by replacing that function.
         """
-        flags = _cpu_flags()
-        if self.dtype is not torch.float16 or device_type != "cpu" or flags is None \
-                or flags & {"avx512_fp16", "amx_fp16"}:
-            return None  # flags None: not an x86 /proc/cpuinfo (ARM CPUs often have float16 arithmetic): say nothing
-        return ("float16 on this CPU (no AVX512-FP16 or AMX-FP16) runs much slower than float32; "
-                "'bf16-mixed' is the mixed precision that is fast on CPUs")
+        if self.dtype is None:
+            return None
+        if device_type == "cuda":
+            if self.dtype is torch.bfloat16 and torch.cuda.is_available() \
+                    and not torch.cuda.is_bf16_supported(including_emulation=False):
+                return ("bfloat16 autocast is slow on this GPU (no bfloat16 arithmetic: "
+                        "torch.cuda.is_bf16_supported() is False); '16-mixed' is the faster choice here")
+            return None
+        if device_type != "cpu":
+            return None
+        slowdown = slowdown or amp_speed.measured_slowdown
+        mine = slowdown(self.dtype, device_type)
+        if mine is None or not mine.slow:
+            return None
+        other_dtype = torch.float16 if self.dtype is torch.bfloat16 else torch.bfloat16
+        other = slowdown(other_dtype, device_type)
+        said = (f"{_NAMES[self.dtype]} autocast is slow on this CPU: a small convolution and linear step took "
+                f"{mine.ratio:.1f}x its float32 time here")
+        if other is not None and not other.slow:
+            return (f"{said}; '{_MIXED[other_dtype]}' is the faster choice here ({_NAMES[other_dtype]}: "
+                    f"{other.ratio:.1f}x)")
+        if other is not None:
+            said += f", and {_NAMES[other_dtype]} is slow here too ({other.ratio:.1f}x)"
+        return f"{said}; '32' (float32) is the faster choice here"
 
 
-def _cpu_flags() -> Optional[set[str]]:
-    """An x86 CPU's feature flags from /proc/cpuinfo; None where there are none to read (other CPUs, systems)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
+#: what the notes call each autocast dtype, and the mixed precision that uses it
+_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MIXED = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+#: the measurement :meth:`Precision.slow_here` consults: ``(dtype, device_type) -> Slowdown or None``
+SlowdownProbe = Callable[[torch.dtype, str], Optional[Slowdown]]
 
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Optional[GradScaler]) -> None:
