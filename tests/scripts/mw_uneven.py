@@ -2,7 +2,8 @@
 
     distrib launch --workers 2 tests/scripts/mw_uneven.py CHECKPOINT_BASE
 Prints "steps=N examples=M" on every worker (M counted by a Sum metric over all workers), then every
-worker saves a checkpoint to CHECKPOINT_BASE/w<index>/ckpt: only the chief's may exist.
+worker saves a checkpoint to a path of its own, CHECKPOINT_BASE/w<index>/ckpt: each writes its own copy,
+as TF's workers write where they are told, and prints whether the path save returned exists.
 """
 
 import os
@@ -31,4 +32,4 @@ for x in strategy.distribute_datasets_from_function(dataset_fn):
     steps += 1
 print(f"steps={steps} examples={int(examples.result())} weight={int(weights.result())}", flush=True)
 path = ds.Checkpoint(steps=torch.tensor(steps)).save(os.path.join(sys.argv[1], f"w{strategy.worker_index}", "ckpt"))
-print(f"saved {path}", flush=True)
+print(f"saved {path} exists={os.path.isfile(path + '.pt')}", flush=True)

@@ -89,6 +89,9 @@ def test_uneven_shards_end_the_epoch_together_and_count_every_example_once(tmp_p
     assert code == 0, out
     # worker 0: 5 batches of 4 (weight 1), worker 1: 2 batches of 4 (weight 2)
     assert out.count("steps=5 examples=28 weight=36") == 2, out
-    # every worker called save and got its path back; only the chief wrote anything
-    assert "[worker 1] saved " in out and (tmp_path / "w0" / "ckpt-1.pt").is_file()
-    assert not (tmp_path / "w1").exists()
+    # every worker called save with a path of its own: each wrote its copy there (as TF), so the path returned exists
+    assert f"[worker 1] saved {tmp_path / 'w1' / 'ckpt-1'} exists=True" in out, out
+    assert f"[worker 0] saved {tmp_path / 'w0' / 'ckpt-1'} exists=True" in out, out
+    restored = torch.tensor(0)
+    ds.Checkpoint(steps=restored).restore(str(tmp_path / "w1" / "ckpt-1"))
+    assert int(restored) == 5  # worker 1's copy holds the global step count

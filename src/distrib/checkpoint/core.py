@@ -1,11 +1,18 @@
 """``Checkpoint``: save, write, restore and read a named group of objects (``tf.train.Checkpoint``).
 
 The strategy contract: a checkpoint asks the strategy that owns its objects for each one's
-whole state (``strategy.checkpoint_state``) on every worker; the chief alone writes; then every
+whole state (``strategy.checkpoint_state``) on every worker; the chief writes; then every
 worker meets at ``strategy.barrier(timeout=...)`` with the checkpoint's own, longer timeout
-(:func:`~distrib.checkpoint.errors.checkpoint_timeout`), and learns whether the chief's write
+(:func:`~distrib.checkpoint.errors.checkpoint_timeout`), and learns whether every write
 succeeded. Restoring loads the file on every worker and hands each state to
 ``strategy.restore_checkpoint_state``.
+
+Where the other workers write: every worker is given a path, as in TF. A worker given the
+chief's path (distrib's idiom: every worker calls ``save`` with the same arguments) writes
+nothing, so no two processes write one file. A worker given a path of its own (the TF
+tutorials' ``write_filepath``: a ``workertemp_<id>`` directory that the tutorial deletes
+afterwards) writes its own copy there, as a TF worker does, so what ``save`` returns exists on
+every worker and the tutorials' cleanup code runs as written.
 """
 
 from __future__ import annotations
@@ -85,13 +92,35 @@ def _check_trackable(name: str, obj: Any) -> None:
                         f"which cannot be checkpointed; accepted: {_ACCEPTED}{hint}")
 
 
+def writes_here(strategy: "Strategy", path: str) -> bool:
+    """Whether this worker writes ``path``: the chief always; another worker when ``path`` is not the chief's.
+
+    Called on every worker (a collective when there are several: the chief broadcasts its
+    absolute path). See the module docstring for why a worker given a path of its own writes there.
+    """
+    if strategy.num_workers <= 1:
+        return strategy.is_chief
+    here = os.path.abspath(path)
+    chief_path = strategy.communicator.broadcast_object(here if strategy.is_chief else None)
+    return strategy.is_chief or chief_path != here
+
+
 def meet(strategy: "Strategy", timeout: Optional[float], error: Optional[BaseException]) -> None:
-    """Every worker waits (checkpoint timeout) for the chief's write, then learns whether it failed."""
+    """Every worker waits (checkpoint timeout) for the writes, then learns whether any failed.
+
+    The chief's failure is a :class:`CheckpointError` on every other worker; so is the failure
+    of a worker writing a copy of its own, so that no worker goes on alone to wait in vain at
+    the next collective. The worker that failed raises its own error.
+    """
     strategy.barrier(timeout=checkpoint_timeout(timeout))
     if strategy.num_workers > 1:
-        chief_error = strategy.communicator.broadcast_object(None if error is None else str(error))
-        if error is None and chief_error is not None:
-            raise CheckpointError(f"The chief could not write the checkpoint: {chief_error}")
+        errors = strategy.communicator.all_gather_object(None if error is None else str(error))
+        if error is None and errors[0] is not None:
+            raise CheckpointError(f"The chief could not write the checkpoint: {errors[0]}")
+        failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+        if error is None and failed:
+            raise CheckpointError(f"Worker {failed[0][0]} could not write its own copy of the checkpoint (it was "
+                                  f"given a path other than the chief's): {failed[0][1]}")
     if error is not None:
         raise error
 
@@ -159,6 +188,12 @@ class Checkpoint:
         ``timeout``: seconds the other workers wait for the chief to write (default
         ``$DISTRIB_CHECKPOINT_TIMEOUT`` or 1800). A failed write raises :class:`CheckpointError`
         on every worker and leaves the counter and the previous checkpoints as they were.
+
+        On a worker other than the chief the path returned is always a checkpoint that
+        exists: given the chief's ``file_prefix``, the chief's file (which this worker did not
+        write: on another host it is on the chief's disk, or shared storage); given a
+        ``file_prefix`` of its own (the TF tutorials' temporary directory), this worker's own
+        copy, written there as TF writes it (see the module docstring).
         """
         n = self._save_counter + 1
         path = f"{os.fspath(file_prefix)}-{n}"
@@ -173,25 +208,29 @@ class Checkpoint:
         ``update_latest=True`` also makes it its directory's latest checkpoint, so that
         :func:`~distrib.checkpoint.latest_checkpoint` finds it (what Keras' ``save_weights``
         and ``ModelCheckpoint`` do); by default the index is left alone, as TF's ``write``.
+        Under several workers, as :meth:`save`: the chief writes, and a worker given a path of
+        its own writes its own copy there.
         """
         path = os.fspath(file_prefix)
         self._write(path, self._save_counter, timeout, after=(lambda: idx.record(path)) if update_latest else None)
         return path
 
-    def _payload(self, strategy: "Strategy") -> dict[str, Any]:
-        """Every tracked object's whole state, on the CPU on the chief (gathered on every worker:
+    def _payload(self, strategy: "Strategy", writes: bool) -> dict[str, Any]:
+        """Every tracked object's whole state, on the CPU where it is written (gathered on every worker:
         a strategy may need all of them to assemble a sharded value)."""
         states = {name: _state(strategy, obj) for name, obj in self._objects.items()}
-        return {name: _to_cpu(state) for name, state in states.items()} if strategy.is_chief else states
+        return {name: _to_cpu(state) for name, state in states.items()} if writes else states
 
     def _write(self, path: str, counter: int, timeout: Optional[float],
                after: Optional[Callable[[], None]] = None) -> None:
-        """Gather on every worker; the chief writes ``path.pt`` (then runs ``after``); all meet."""
+        """Gather on every worker; the chief writes ``path.pt`` (then runs ``after``), and so does a worker
+        given a path other than the chief's; all meet."""
         strategy = _strategy(self._objects)
         checkpoint_timeout(timeout)  # a bad timeout is an error before anything is written
-        payload = self._payload(strategy)
+        writes = writes_here(strategy, path)
+        payload = self._payload(strategy, writes)
         error: Optional[BaseException] = None
-        if strategy.is_chief:
+        if writes:
             try:
                 write_data_file(path, counter, payload)
                 if after is not None:

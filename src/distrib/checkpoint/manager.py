@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable, Optional
 
 from distrib.checkpoint import index as idx
-from distrib.checkpoint.core import Checkpoint, _strategy, meet, write_data_file
+from distrib.checkpoint.core import Checkpoint, _strategy, meet, write_data_file, writes_here
 from distrib.checkpoint.errors import checkpoint_timeout
 
 __all__ = ["CheckpointManager"]
@@ -132,6 +132,12 @@ class CheckpointManager:
         With ``checkpoint_interval``, returns None without saving when fewer than
         ``checkpoint_interval`` steps passed since the last checkpoint (``check_interval=False``:
         save anyway), or when this step was already saved.
+
+        Under several workers every worker calls it. The chief writes. A worker whose manager
+        has the chief's directory writes nothing and returns the chief's checkpoint path (on
+        another host, a file on the chief's disk or shared storage); a worker whose manager has
+        a directory of its own (the TF tutorials' ``write_filepath`` temporary directory) writes
+        and manages its own copy there, as a TF worker does, and returns that path.
         """
         if self._checkpoint_interval is not None:
             step = int(self._step_counter)
@@ -147,13 +153,14 @@ class CheckpointManager:
         path = os.path.join(self.directory, base)
         strategy = _strategy(ckpt.objects)
         checkpoint_timeout(self.timeout)
-        payload = ckpt._payload(strategy)
+        writes = writes_here(strategy, path)
+        payload = ckpt._payload(strategy, writes)
         managed, last_preserved = dict(self._managed), self._last_preserved
         self._managed.pop(base, None)
         self._managed[base] = time.time()
         deleted, preserved = self._sweep()
         error: Optional[BaseException] = None
-        if strategy.is_chief:
+        if writes:  # the chief; or a worker given a directory of its own (TF's temporary one), which it manages
             try:
                 write_data_file(path, counter, payload)
                 self._commit(base, deleted + preserved)
