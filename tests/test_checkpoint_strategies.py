@@ -226,10 +226,13 @@ SLOW_CHIEF = textwrap.dedent("""
     def full_save(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    if strategy.is_chief:
+    own = mode == "worker_full" and not strategy.is_chief  # a path of its own, as the TF tutorials give it
+    if strategy.is_chief and mode != "worker_full":
         torch.save = slow_save if mode == "slow" else full_save
+    elif own:
+        torch.save = full_save
     try:
-        path = ds.Checkpoint(model=model, optimizer=optimizer).save(out + "/ckpt")
+        path = ds.Checkpoint(model=model, optimizer=optimizer).save(out + ("/workertemp_1/ckpt" if own else "/ckpt"))
         total = float(strategy.reduce("SUM", torch.ones(1)))  # the workers still talk after the save
         print(f"SAVED {os.path.basename(path)}, then reduce={total}", flush=True)
     except (CheckpointError, CollectiveError) as e:
@@ -272,6 +275,16 @@ def test_a_chief_that_cannot_write_fails_the_save_on_every_worker(tmp_path, monk
     assert lines["[worker 0]"].startswith("CheckpointError: Writing checkpoint file") and "ENOSPC" in lines["[worker 0]"]
     assert lines["[worker 1]"].startswith("CheckpointError: The chief could not write the checkpoint: Writing")
     assert ds.latest_checkpoint(tmp_path / "ckpts") is None
+
+
+def test_a_worker_that_cannot_write_its_own_copy_fails_the_save_on_every_worker(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISTRIB_CHECKPOINT_TIMEOUT", raising=False)
+    code, lines = _two_workers(tmp_path, "worker_full")
+    assert code != 0
+    assert lines["[worker 1]"].startswith("CheckpointError: Writing checkpoint file") and "ENOSPC" in lines["[worker 1]"]
+    assert lines["[worker 0]"].startswith("CheckpointError: Worker 1 could not write its own copy of the checkpoint "
+                                          "(it was given a path other than the chief's): Writing checkpoint file")
+    assert ds.latest_checkpoint(tmp_path / "ckpts") == str(tmp_path / "ckpts" / "ckpt-1")  # the chief's is written
 
 
 WRITER = """
