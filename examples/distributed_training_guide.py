@@ -174,7 +174,7 @@ with mirrored_strategy.scope():
 
 dataset = ones_dataset(100, 10)
 ds.fit(model, dataset, optimizer=optimizer, loss="mse", epochs=2)
-print(ds.evaluate(model, dataset, loss="mse", verbose=1))
+print(ds.evaluate(model, dataset, loss="mse"))  # model.evaluate(dataset): the loss, a progress line first
 
 # NumPy arrays: ds.fit takes batches, so the arrays go through a DataLoader (model.fit's batch_size=10).
 inputs, targets = np.ones((100, 1)), np.ones((100, 1))

@@ -1,4 +1,5 @@
-"""LearningRateScheduler, TerminateOnNaN and CSVLogger with Keras' semantics, under every strategy."""
+"""LearningRateScheduler, TerminateOnNaN and CSVLogger with Keras' semantics, under every strategy; what a custom
+callback reaches (self.optimizer, self.learning_rate)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,48 @@ def test_under_parameter_servers_the_scheduled_rate_reaches_the_ps_tasks():
         assert all(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
     finally:
         ds.testing.stop_in_process_cluster(resolver)
+
+
+@pytest.mark.parametrize("make", STRATEGIES)
+def test_a_callback_reads_and_sets_the_learning_rate_as_keras_model_optimizer_learning_rate(make):
+    model, optimizer = build(make(), groups=True)
+    seen = LrSeen()
+
+    class Halve(ds.callbacks.Callback):  # Keras: self.model.optimizer.learning_rate = lr / 2
+        def __init__(self) -> None:
+            self.read: list[float] = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            assert self.optimizer is optimizer and self.model is model
+            self.read.append(self.learning_rate)
+            self.learning_rate = self.learning_rate / 2
+
+    halve = Halve()
+    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=3, verbose=0, callbacks=[halve, seen])
+    assert halve.read == [0.1, 0.05, 0.025]  # the first group's rate
+    assert seen.rates == [[0.1, 0.5]] * 6 + [[0.05, 0.05]] * 6 + [[0.025, 0.025]] * 6  # then every group's
+    with pytest.raises(ValueError, match="Halve.learning_rate: a learning rate must be a finite float, got 'x'"):
+        halve.learning_rate = "x"
+
+
+def test_the_callback_shortcuts_name_the_fix_before_fit_and_without_an_optimizer():
+    class Early(ds.callbacks.Callback):
+        def __init__(self) -> None:
+            self.learning_rate = 0.1  # a Keras habit that would silently shadow the optimizer's rate
+
+    with pytest.raises(AttributeError, match=r"Early.learning_rate is the running loop's.*under another name"):
+        Early()
+
+    class Reader(ds.callbacks.Callback):
+        def on_test_end(self, logs=None):
+            assert self.optimizer is None
+            self.learning_rate
+
+    model, _ = build(ds.get_strategy())
+    with pytest.raises(ValueError, match="Reader.learning_rate needs an optimizer.*evaluate and predict train nothing"):
+        ds.evaluate(model, data(), loss="mse", callbacks=[Reader()], verbose=0)
+    with pytest.raises(AttributeError, match="Reader.optimizer is the optimizer fit trains with, not settable"):
+        Reader().optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 class Batches(ds.callbacks.Callback):

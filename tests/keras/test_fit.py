@@ -57,7 +57,7 @@ def test_fit_gives_the_weights_of_the_equivalent_custom_loop(make):
         torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6)
     assert history.epoch == [0, 1] and len(history.history["loss"]) == 2
     assert history.history["loss"][1] < history.history["loss"][0]
-    logs = ds.evaluate(model, batches, loss="mse", metrics=["mae"])
+    logs = ds.evaluate(model, batches, loss="mse", metrics=["mae"], return_dict=True)
     with torch.no_grad():
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
@@ -86,8 +86,8 @@ def test_fit_under_an_in_process_parameter_server_cluster_lowers_the_loss_every_
                      verbose=0)
     losses = history.history["loss"]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
-    result = ds.evaluate(model, [(features, labels)], loss="mse", steps=4)
-    assert result["loss"] < losses[0]
+    loss = ds.evaluate(model, [(features, labels)], loss="mse", steps=4)  # no metrics: Keras' scalar
+    assert isinstance(loss, float) and loss < losses[0]
     with pytest.raises(ValueError, match="steps_per_epoch"):
         ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse")
 
@@ -195,12 +195,58 @@ def test_tensorboard_writes_the_logged_scalars(tmp_path):
     assert [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
 
 
-def test_on_two_workers_only_the_chief_writes_events_and_prints_progress(tmp_path):
+@pytest.mark.parametrize("make", [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])])
+def test_tensorboard_writes_the_model_graph_by_default_and_writing_it_changes_no_result(make, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def train(write_graph: bool) -> list[torch.Tensor]:
+        with make().scope():
+            torch.manual_seed(1)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                        torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(2)  # the dropout masks: tracing must draw none of them
+        ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, verbose=0,
+               callbacks=[ds.callbacks.TensorBoard(str(tmp_path / str(write_graph)), write_graph=write_graph)])
+        return [t.detach().clone() for t in model.state_dict().values()]  # BatchNorm's running stats included
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TracerWarning or other noise reaches the user
+        traced = train(True)
+    plain = train(False)
+    for a, b in zip(traced, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    graph = EventAccumulator(str(tmp_path / "True" / "train")).Reload()
+    ops = [node.op for node in graph.Graph().node]
+    assert graph.Tags()["graph"] and ops.count("aten::linear") == 2 and "aten::batch_norm" in ops, ops
+    assert not EventAccumulator(str(tmp_path / "False" / "train")).Reload().Tags()["graph"]
+
+
+def test_tensorboard_warns_once_and_trains_on_when_the_model_cannot_be_traced(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Untraceable(torch.nn.Linear):
+        def forward(self, x):
+            if torch.jit.is_tracing():  # what libraries whose models cannot be traced do
+                raise RuntimeError("this model cannot be traced")
+            return super().forward(x)
+
+    model = Untraceable(4, 1)
+    with pytest.warns(UserWarning, match=r"TensorBoard\(write_graph=True\): the graph of Untraceable could not be "
+                                         r"traced .*this model cannot be traced.*pass write_graph=False") as record:
+        history = ds.fit(model, data(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss="mse", epochs=2,
+                         verbose=0, callbacks=[ds.callbacks.TensorBoard(str(tmp_path))])
+    assert len([w for w in record if "TensorBoard" in str(w.message)]) == 1 and history.epoch == [0, 1]
+    train = EventAccumulator(str(tmp_path / "train")).Reload()
+    assert not train.Tags()["graph"] and [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
+
+
+def test_on_two_workers_only_the_chief_writes_events_and_every_worker_prints_progress(tmp_path):
     code, out, _ = launch("--workers", "2", str(SCRIPTS / "fit_worker.py"), "--out", str(tmp_path / "w.pt"),
                           "--tensorboard", str(tmp_path / "tb"))
     assert code == 0, out
-    assert "[worker 0] Epoch 3/3" in out and "[worker 0] 5/5 - " in out
-    assert not any(line.startswith("[worker 1] Epoch") or line.startswith("[worker 1] 5/5") for line in out.splitlines())
+    for worker in (0, 1):  # as tf.keras: fit shows its output on every worker (here verbose=2: a line per epoch)
+        assert f"[worker {worker}] Epoch 3/3" in out and f"[worker {worker}] 5/5 - " in out, out
     assert (tmp_path / "tb" / "task0" / "train").is_dir()
     assert not (tmp_path / "tb" / "task1").exists()
 
@@ -221,14 +267,19 @@ def test_early_stopping_and_model_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------- evaluate's list, data shorter than asked (A.6)
 
-def test_evaluate_without_return_dict_gives_keras_list_in_compile_order_and_a_scalar_without_metrics():
+def test_evaluate_gives_keras_list_in_compile_order_by_default_a_scalar_without_metrics_and_a_dict_if_asked():
     model, _ = build(ds.get_strategy())
     batches = data()
-    logs = ds.evaluate(model, batches, loss="mse", metrics=["mae", "mse"])
-    values = ds.evaluate(model, batches, loss="mse", metrics=["mae", "mse"], return_dict=False)
-    assert values == [logs["loss"], logs["mae"], logs["mse"]] and logs["loss"] == pytest.approx(logs["mse"])
-    alone = ds.evaluate(model, batches, loss="mse", return_dict=False)
+    logs = ds.evaluate(model, batches, loss="mse", metrics=["mae", "mse"], return_dict=True)
+    assert list(logs) == ["loss", "mae", "mse"] and logs["loss"] == pytest.approx(logs["mse"])
+    loss, mae, mse = ds.evaluate(model, batches, loss="mse", metrics=["mae", "mse"])  # Keras' return_dict=False
+    assert [loss, mae, mse] == [logs["loss"], logs["mae"], logs["mse"]] and type(mae) is float
+    with torch.no_grad():
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        assert mae == pytest.approx(float((model(x) - y).abs().mean()), rel=1e-5)  # numbers, not the keys
+    alone = ds.evaluate(model, batches, loss="mse")
     assert isinstance(alone, float) and alone == pytest.approx(logs["loss"])
+    assert ds.evaluate(model, batches, loss="mse", return_dict=False) == alone
 
 
 @pytest.mark.parametrize("make", [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])])

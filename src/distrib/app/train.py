@@ -310,7 +310,11 @@ def metrics_path(config: TrainConfig) -> str:
 
 
 def _verbose(config: TrainConfig) -> int:
-    """``fit``'s verbosity: 1 (a bar on a terminal, bar lines on a pipe), 2 (a line per epoch) with --no-progress."""
+    """``fit``'s verbosity: 1 (a bar on a terminal, bar lines on a pipe), 2 (a line per epoch) with --no-progress.
+
+    ``distrib train`` shows the chief's progress alone (its epoch lines already cover every worker), so the
+    other workers pass 0: ``fit`` itself prints on every worker, as Keras.
+    """
     return 2 if config.progress is False else 1
 
 
@@ -324,7 +328,8 @@ def _reporters(config: TrainConfig, model: torch.nn.Module, optimizer: torch.opt
                 os.remove(stale)
     callbacks: list[Any] = [JsonlLogger(path, log_every=config.log_every)]
     if config.tensorboard:
-        callbacks.append(TensorBoard(config.tensorboard, update_freq=config.log_every or "epoch"))
+        # scalars only: tracing the graph would slow the first logged step (and, with --compile, recompile)
+        callbacks.append(TensorBoard(config.tensorboard, update_freq=config.log_every or "epoch", write_graph=False))
     reporters = CallbackList(callbacks)
     reporters.set_loop(Loop(model, optimizer, strategy))
     return reporters
@@ -346,7 +351,7 @@ def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, mo
                     train_batches: TensorBatches, test_batches: TensorBatches, reporters: Any) -> None:
     """The same job through ``ds.fit``: Keras-style progress, a checkpoint every 2 epochs as the seed."""
     ds.fit(forward, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
-           metrics=["accuracy"], validation_data=test_batches, verbose=_verbose(config),
+           metrics=["accuracy"], validation_data=test_batches, verbose=_verbose(config) if strategy.is_chief else 0,
            callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
            precision=config.precision)
 

@@ -1,13 +1,10 @@
-"""Callbacks for ``ds.fit``, with Keras' names and hooks.
+"""Callbacks for ``ds.fit``, with Keras' names and hooks (``ds.callbacks``).
 
-A callback sees the training loop through ``self.loop`` (set before training starts):
-``loop.model``, ``loop.optimizer``, ``loop.strategy``, ``loop.epoch`` and
-``loop.step_in_epoch`` (tensors: the position training resumes from),
-``loop.stop_training`` (set it in a batch hook to stop after that batch, in an epoch hook
-to stop after that epoch, as Keras' ``model.stop_training``) and ``loop.is_chief``.
-Under several workers every worker runs every callback, and they all see the same
-epoch logs (metrics are global; batch logs are this worker's running values); only
-the chief writes files.
+The base class and what a callback sees of the loop (``self.loop``, ``self.model``,
+``self.optimizer``, ``self.learning_rate``) are in :mod:`distrib.keras.callback_base`;
+TensorBoard is in :mod:`distrib.keras.tensorboard`. Under several workers every worker
+runs every callback, and they all see the same epoch logs (metrics are global; batch logs
+are this worker's running values); only the chief writes files.
 """
 
 from __future__ import annotations
@@ -19,81 +16,17 @@ import math
 import os
 import shutil
 import time
-from typing import IO, TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import IO, Any, Callable, Optional, Union
 
 import torch
 
 from distrib.checkpoint import Checkpoint, CheckpointManager
-
-if TYPE_CHECKING:
-    from distrib.keras.loop import Loop
+from distrib.keras.callback_base import (Callback, CallbackList, History, Logs, as_learning_rate, first_learning_rate,
+                                        set_learning_rate)
+from distrib.keras.tensorboard import TensorBoard
 
 __all__ = ["Callback", "CallbackList", "History", "ModelCheckpoint", "BackupAndRestore", "EarlyStopping",
            "TensorBoard", "JsonlLogger", "LearningRateScheduler", "TerminateOnNaN", "CSVLogger"]
-
-Logs = dict[str, Any]
-
-
-class Callback:
-    """Base class: override the hooks you need. ``logs`` hold the metrics so far."""
-
-    loop: "Loop"
-
-    def set_loop(self, loop: "Loop") -> None:
-        self.loop = loop
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.loop.model
-
-    def on_train_begin(self, logs: Optional[Logs] = None) -> None: ...
-    def on_train_end(self, logs: Optional[Logs] = None) -> None: ...
-    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_train_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_test_begin(self, logs: Optional[Logs] = None) -> None: ...
-    def on_test_end(self, logs: Optional[Logs] = None) -> None: ...
-    def on_test_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_test_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_begin(self, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_end(self, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-
-
-class CallbackList:
-    """Calls a hook on every callback, in order: ``callbacks.on_epoch_end(epoch, logs)``."""
-
-    def __init__(self, callbacks: Sequence[Callback]) -> None:
-        self.callbacks = list(callbacks)
-
-    def set_loop(self, loop: "Loop") -> None:
-        for c in self.callbacks:
-            c.set_loop(loop)
-
-    def __getattr__(self, hook: str) -> Any:
-        if not hook.startswith("on_"):
-            raise AttributeError(hook)
-
-        def call(*args: Any) -> None:
-            for c in self.callbacks:
-                getattr(c, hook)(*args)
-
-        return call
-
-
-class History(Callback):
-    """Per-epoch logs: ``history.history["loss"]`` is the list of epoch losses; returned by ``fit``."""
-
-    def __init__(self) -> None:
-        self.history: dict[str, list[float]] = {}
-        self.epoch: list[int] = []
-
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
-        self.epoch.append(epoch)
-        for k, v in (logs or {}).items():
-            self.history.setdefault(k, []).append(v)
 
 
 def _better(mode: str, monitor: str) -> Any:
@@ -290,47 +223,6 @@ class EarlyStopping(Callback):
                 self.loop.model.load_state_dict(self._best_state)
 
 
-class TensorBoard(Callback):
-    """Write the logs as TensorBoard scalars (``epoch_loss``, ``epoch_val_loss`` → ``validation/epoch_loss``, ...).
-
-    The chief alone writes, with ``torch.utils.tensorboard`` (needs the ``tensorboard``
-    package), under ``log_dir/train`` and ``log_dir/validation`` as Keras does. With
-    ``update_freq=N`` the training loss is also written every N batches (``batch_loss``).
-    """
-
-    def __init__(self, log_dir: str = "logs", update_freq: Union[str, int] = "epoch") -> None:
-        self.log_dir, self.update_freq = log_dir, update_freq
-        self._writers: dict[str, Any] = {}
-        self._step = 0
-
-    def _writer(self, kind: str) -> Any:
-        if kind not in self._writers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writers[kind] = SummaryWriter(os.path.join(self.log_dir, kind))
-        return self._writers[kind]
-
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
-        self._step += 1
-        if self.loop.is_chief and isinstance(self.update_freq, int) and self._step % self.update_freq == 0:
-            for k, v in (logs or {}).items():
-                self._writer("train").add_scalar(f"batch_{k}", v, self._step)
-
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
-        if not self.loop.is_chief:
-            return
-        for k, v in (logs or {}).items():
-            kind, name = ("validation", k[4:]) if k.startswith("val_") else ("train", k)
-            self._writer(kind).add_scalar(f"epoch_{name}", v, epoch)
-        for w in self._writers.values():
-            w.flush()
-
-    def on_train_end(self, logs: Optional[Logs] = None) -> None:
-        for w in self._writers.values():
-            w.close()
-        self._writers = {}
-
-
 class JsonlLogger(Callback):
     """Append one JSON line per epoch to ``path`` and, with ``log_every=N``, one per N training steps; chief only.
 
@@ -420,33 +312,20 @@ class LearningRateScheduler(Callback):
         self.schedule, self.verbose = schedule, verbose
         self._with_lr = _positional_arity(schedule) >= 2
 
-    def _optimizer(self) -> torch.optim.Optimizer:
-        optimizer = self.loop.optimizer
-        if optimizer is None or not optimizer.param_groups or "lr" not in optimizer.param_groups[0]:
-            raise ValueError(f"LearningRateScheduler needs an optimizer whose param_groups have an 'lr', got "
-                             f"{type(optimizer).__name__}: give fit an optimizer such as torch.optim.SGD(..., lr=...)")
-        return optimizer
-
     def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None:
-        optimizer = self._optimizer()
-        current = float(optimizer.param_groups[0]["lr"])
-        lr = self.schedule(epoch, current) if self._with_lr else self.schedule(epoch)
-        if isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.is_floating_point():
-            lr = float(lr)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
+        current = first_learning_rate(self.loop.optimizer, "LearningRateScheduler")
+        output = self.schedule(epoch, current) if self._with_lr else self.schedule(epoch)
+        lr = as_learning_rate(output)
+        if lr is None:
             raise ValueError(f"The output of the schedule function should be a finite float: schedule returned "
-                             f"{lr!r} for epoch {epoch}")
-        for group in optimizer.param_groups:
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(float(lr))  # a tensor learning rate (capturable optimizers) stays a tensor
-            else:
-                group["lr"] = float(lr)
+                             f"{output!r} for epoch {epoch}")
+        set_learning_rate(self.loop.optimizer, lr, "LearningRateScheduler")
         if self.verbose > 0 and self.loop.is_chief:
-            print(f"\nEpoch {epoch + 1:05d}: LearningRateScheduler setting learning rate to {float(lr)}.", flush=True)
+            print(f"\nEpoch {epoch + 1:05d}: LearningRateScheduler setting learning rate to {lr}.", flush=True)
 
     def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
         if logs is not None:
-            logs["lr"] = float(self._optimizer().param_groups[0]["lr"])
+            logs["lr"] = first_learning_rate(self.loop.optimizer, "LearningRateScheduler")
 
 
 class TerminateOnNaN(Callback):

@@ -7,8 +7,9 @@ synchronous strategy, or scheduled on the workers of a parameter-server cluster.
 Everything else is the same everywhere: the loss is scaled by the true global batch
 size of every step (so a short last batch counts right), loss and metrics cover
 every replica and worker (a step returns its metric *deltas*, merged here as each
-step completes, in step order), every callback hook fires, and the chief alone
-shows progress.
+step completes, in step order), every callback hook fires, and every worker shows
+progress, as Keras' (``verbose="auto"``: a bar, or one line per epoch under parameter
+servers; pass ``verbose=0`` on the workers that should stay quiet).
 
 Example::
 
@@ -21,7 +22,8 @@ Example::
     >>> history = ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=2, verbose=0)
     >>> len(history.history["loss"])
     2
-    >>> sorted(ds.evaluate(model, data, loss="mse", metrics=["mae"]))
+    >>> loss, mae = ds.evaluate(model, data, loss="mse", metrics=["mae"], verbose=0)  # Keras' list
+    >>> sorted(ds.evaluate(model, data, loss="mse", metrics=["mae"], verbose=0, return_dict=True))
     ['loss', 'mae']
 """
 
@@ -35,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from distrib import context, metrics as metrics_lib
-from distrib.keras.callbacks import Callback, CallbackList, History
+from distrib.keras.callback_base import Callback, CallbackList, History
 from distrib.keras.progress import Progbar
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
 from distrib.strategies.amp import Precision, backward_and_step
@@ -193,7 +195,17 @@ def _strategy_of(model: torch.nn.Module) -> Strategy:
 
 
 def _verbosity(strategy: Strategy, verbose: Union[str, int]) -> int:
-    return (1 if verbose == "auto" else int(verbose)) if strategy.is_chief else 0
+    """Keras' ``verbose``: ``"auto"`` is 1 (a progress bar), 2 (a line per epoch) under parameter servers.
+
+    As tf.keras (``Model._get_verbosity``), every worker shows what it is asked to, not the
+    chief alone: a multi-worker job's logs each show training, as the TF tutorials' do.
+    """
+    if verbose == "auto":
+        return 2 if strategy.should_use_with_coordinator else 1
+    if not isinstance(verbose, int) or verbose not in (0, 1, 2):  # bools are ints: True is 1, as in Keras
+        raise ValueError(f"verbose={verbose!r}: expected 'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
+                         "epoch), as Keras")
+    return int(verbose)
 
 
 def _device_type(x: Any, model: torch.nn.Module) -> str:
@@ -238,6 +250,11 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     skipped everywhere, see :mod:`distrib.strategies.amp`; under ParameterServerStrategy each
     scheduled step runs the scaler on its worker and the coordinator's scaler replays the outcomes,
     see :mod:`distrib.parameter_server.scaler`). Validation runs under the same autocast.
+
+    ``verbose`` (Keras'): 0 silent, 1 a progress bar (on a pipe, a bar line every 10 s, see
+    :mod:`distrib.keras.progress`), 2 one line per epoch; ``"auto"`` is 1, or 2 under
+    ParameterServerStrategy. Every worker prints, as in tf.keras; pass
+    ``verbose="auto" if strategy.is_chief else 0`` for the chief's output alone.
     """
     mixed = Precision.parse(precision)
     strategy = _strategy_of(model)
@@ -393,14 +410,17 @@ def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked
 
 
 def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optional[int] = None,
-             metrics: Sequence[Any] = (), return_dict: bool = True, verbose: Union[str, int] = 0,
+             metrics: Sequence[Any] = (), return_dict: bool = False, verbose: Union[str, int] = "auto",
              callbacks: Sequence[Callback] = (), precision: Union[str, int] = "32") -> Any:
     """The loss and metrics of ``model`` over ``data`` (``steps`` batches, or all), over every replica.
 
-    ``return_dict=False`` gives Keras' list ``[loss, *metrics]`` in the order given (the
-    loss alone, a float, when there are no metrics). Under ParameterServerStrategy
-    ``steps`` is required (workers cycle through their data). Data that gives no batch
-    is a ValueError. ``precision``: as :func:`fit`'s (autocast only).
+    Returns what Keras' ``Model.evaluate`` returns: by default the list ``[loss, *metrics]``
+    (floats, in the order given), so ``loss, acc = ds.evaluate(..., metrics=["accuracy"])``
+    unpacks two numbers; the loss alone, a float, when there are no metrics.
+    ``return_dict=True`` gives ``{"loss": ..., "<metric name>": ...}``. ``verbose`` as
+    :func:`fit`'s (``"auto"``: a progress bar on every worker, as Keras). Under
+    ParameterServerStrategy ``steps`` is required (workers cycle through their data). Data
+    that gives no batch is a ValueError. ``precision``: as :func:`fit`'s (autocast only).
     """
     mixed = Precision.parse(precision)
     strategy = _strategy_of(model)
