@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -90,6 +91,19 @@ def test_fit_under_an_in_process_parameter_server_cluster_lowers_the_loss_every_
     assert isinstance(loss, float) and loss < losses[0]
     with pytest.raises(ValueError, match="steps_per_epoch"):
         ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse")
+
+
+def test_verbose_auto_is_a_bar_and_under_parameter_servers_a_line_per_epoch_as_keras(seed_003, capsys, monkeypatch):
+    monkeypatch.setenv("DISTRIB_PROGRESS_INTERVAL", "0")  # on a pipe, verbose=1 writes a bar line at every step
+    model, optimizer, features, labels = seed_003
+    ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=1, steps_per_epoch=3)
+    out = capsys.readouterr().out
+    assert "Epoch 1/1" in out and re.search(r"^3/3 - \S+ - loss: ", out, re.M) and not re.search(r"^\d/3 \[", out, re.M)
+    local, local_optimizer = build(ds.get_strategy())
+    ds.fit(local, data(), optimizer=local_optimizer, loss="mse")
+    assert re.search(r"^1/6 \[=", capsys.readouterr().out, re.M)  # elsewhere: the bar
+    with pytest.raises(ValueError, match=r"verbose=3: expected 'auto', 0 \(silent\), 1 \(progress bar\) or 2"):
+        ds.fit(local, data(), optimizer=local_optimizer, loss="mse", verbose=3)
 
 
 class Recorder(ds.callbacks.Callback):

@@ -1,0 +1,122 @@
+"""TF's Keras tutorials ported line by line, as a TF user would, behave as the tutorials show.
+
+- site/en/tutorials/distribute/keras.ipynb (MirroredStrategy, two CPU replicas here): the ``decay`` schedule,
+  the ``PrintLR`` callback reading the optimizer's learning rate, TensorBoard with its graph, ModelCheckpoint,
+  and ``eval_loss, eval_acc = model.evaluate(eval_dataset)``;
+- site/en/tutorials/distribute/multi_worker_with_keras.ipynb and multi_worker_with_ctl.ipynb (two real workers
+  under ``distrib launch``, tests/scripts/keras_tutorial_worker.py): ``fit`` shows progress on every worker, and the
+  chief-only saving with the non-chief's temporary directories and their cleanup runs as written.
+
+MNIST is replaced by random images of its shape (nothing to download); the values the tests check do not
+depend on the data.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import distrib as ds
+from distrib.app.train import TensorBatches
+
+from helpers import SCRIPTS, launch
+
+
+def test_distributed_keras_tutorial_on_two_replicas(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+    BATCH_SIZE_PER_REPLICA = 16
+    BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.rand(160, 1, 28, 28, generator=g), torch.randint(0, 10, (160,), generator=g)
+    train_dataset = TensorBatches(images[:96], labels[:96], batch_size=BATCH_SIZE, shuffle=True, seed=0)
+    eval_dataset = TensorBatches(images[96:], labels[96:], batch_size=BATCH_SIZE)
+
+    with strategy.scope():
+        model = nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                              nn.Linear(32 * 13 * 13, 64), nn.ReLU(), nn.Linear(64, 10))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
+
+    checkpoint_dir = str(tmp_path / 'training_checkpoints')
+    checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch:04d}")
+
+    def decay(epoch):
+        if epoch < 3:
+            return 1e-3
+        elif epoch >= 3 and epoch < 7:
+            return 1e-4
+        else:
+            return 1e-5
+
+    class PrintLR(ds.callbacks.Callback):  # model.optimizer.learning_rate.numpy(): self.learning_rate
+        def on_epoch_end(self, epoch, logs=None):
+            print('\nLearning rate for epoch {} is {}'.format(epoch + 1, self.learning_rate))
+
+    callbacks = [
+        ds.callbacks.TensorBoard(log_dir=str(tmp_path / 'logs')),
+        ds.callbacks.ModelCheckpoint(filepath=checkpoint_prefix, save_weights_only=True),
+        ds.callbacks.LearningRateScheduler(decay),
+        PrintLR()
+    ]
+    EPOCHS = 12
+    ds.fit(model, train_dataset, optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+           epochs=EPOCHS, callbacks=callbacks)
+
+    latest_checkpoint = sorted(pathlib.Path(checkpoint_dir).glob('*'))[-1]
+    ds.Checkpoint(model=model).read(latest_checkpoint)  # model.load_weights(latest_checkpoint)
+    eval_loss, eval_acc = ds.evaluate(model, eval_dataset, loss="sparse_categorical_crossentropy",
+                                      metrics=["accuracy"])
+    print('Eval loss: {}, Eval accuracy: {}'.format(eval_loss, eval_acc))
+
+    out = capsys.readouterr().out
+    assert re.findall(r"Learning rate for epoch (\d+) is (\S+)", out) == [
+        (str(epoch + 1), str(decay(epoch))) for epoch in range(EPOCHS)]
+    assert latest_checkpoint.name == "ckpt_0012.pt"
+    # two numbers, the ones evaluate's dict holds (a literal port once unpacked the keys 'loss' and 'accuracy')
+    assert isinstance(eval_loss, float) and isinstance(eval_acc, float)
+    logs = ds.evaluate(model, eval_dataset, loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                       return_dict=True, verbose=0)
+    assert (eval_loss, eval_acc) == (logs["loss"], logs["accuracy"])
+    with torch.no_grad():
+        assert eval_acc == pytest.approx(float((model(images[96:]).argmax(1) == labels[96:]).float().mean()))
+    assert f"Eval loss: {eval_loss}, Eval accuracy: {eval_acc}" in out
+    assert re.search(r"^2/2 - \S+ - loss: [\d.]+ - accuracy: [\d.]+ - ", out, re.M)  # evaluate's progress line
+    # TensorBoard: the scalars and, with Keras' default write_graph=True, the model's graph
+    train = EventAccumulator(str(tmp_path / 'logs' / 'train')).Reload()
+    assert train.Tags()["graph"] and {"epoch_loss", "epoch_accuracy"} <= set(train.Tags()["scalars"])
+    ops = [node.op for node in train.Graph().node]
+    assert ops.count("aten::_convolution") + ops.count("aten::conv2d") == 1 and ops.count("aten::linear") == 2, ops
+
+
+def test_multi_worker_keras_tutorials_on_two_workers_show_progress_everywhere_and_keep_only_the_chief_s_files(
+        tmp_path):
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "keras_tutorial_worker.py"), str(tmp_path), "2",
+                          timeout=240)
+    assert code == 0, out  # before: FileNotFoundError in the non-chief's rmtree, CollectiveError on the chief
+    for worker in (0, 1):
+        lines = [line[len(f"[worker {worker}] "):] for line in out.splitlines()
+                 if line.startswith(f"[worker {worker}] ")]
+        # verbose="auto": every worker shows fit's progress, as tf.keras (before: the chief alone)
+        assert [line for line in lines if line.startswith("Epoch ")] == [
+            "Epoch 1/3", "Epoch 2/3", "Epoch 3/3", "Epoch 1/2", "Epoch 2/2"], out
+        assert len([line for line in lines if re.match(r"2/2 - \S+ - loss: [\d.]+ - accuracy: ", line)]) == 5, out
+        assert "loaded the chief's model: same=True" in lines and lines[-1] == "DONE", out
+    # every save returned a path that exists on the worker that got it: the chief's files, and the
+    # non-chief's own copies in the temporary directories the tutorials give it (before: never written)
+    assert f"[worker 0] model saved {tmp_path / 'keras-model'} exists=True" in out, out
+    assert f"[worker 1] model saved {tmp_path / 'workertemp_1' / 'keras-model'} exists=True" in out, out
+    assert f"[worker 1] manager saved {tmp_path / 'workertemp_1' / 'ckpt' / 'ckpt-1'} exists=True" in out, out
+    for epoch in (0, 1):
+        assert (f"[worker 1] epoch {epoch} saved {tmp_path / 'ctl' / 'workertemp_1' / 'ckpt' / f'ckpt-{epoch + 1}'}"
+                " exists=True") in out, out
+    # after the tutorials' cleanup only the chief's files remain (the tutorials leave workertemp_1 itself, empty)
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["ckpt/checkpoint", "ckpt/ckpt-1.pt", "ctl/ckpt/checkpoint", "ctl/ckpt/ckpt-2.pt",
+                     "keras-model.pt"], files
