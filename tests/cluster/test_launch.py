@@ -207,3 +207,32 @@ def test_the_command_line_takes_tls_and_refuses_negative_counts(tmp_path):
         result = subprocess.run([sys.executable, "-m", "distrib.app.cli", "launch", option, "-1", "script.py"],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "usage:" in result.stderr and "Traceback" not in result.stderr
+
+
+THREADS = "import os, torch; print('threads', os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads(), flush=True)\n"
+
+
+def test_each_task_gets_its_share_of_the_cpus_unless_omp_num_threads_is_set(tmp_path, monkeypatch):
+    """N processes on one host, each with torch's default (every CPU), would run N times more threads than cores."""
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    code, out, _ = launch("--workers", "2", str(script), timeout=120)
+    assert code == 0, out
+    assert sorted(re.findall(r"threads (\S+) (\d+)", out)) == [(str(share), str(share))] * 2, out
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice is kept (torch caps it at the CPUs)
+    code, out, _ = launch("--workers", "2", str(script), timeout=120)
+    mine = str(min(2, len(os.sched_getaffinity(0))))
+    assert code == 0 and sorted(re.findall(r"threads (\S+) (\d+)", out)) == [("2", mine)] * 2, out
+
+
+def test_the_cpus_are_shared_among_the_tasks_that_train(monkeypatch):
+    from distrib.cluster.launch import _threads_per_task
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    cluster = {"chief": ["h:1"], "worker": ["h:2", "h:3", "h:4"]}
+    assert _threads_per_task(cluster, False, {}) == "4"  # chief and workers all train
+    assert _threads_per_task({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:5"]}, True, {}) == "8"  # workers
+    assert _threads_per_task({"worker": [f"h:{i}" for i in range(40)]}, False, {}) == "1"  # at least one
+    assert _threads_per_task(cluster, False, {"OMP_NUM_THREADS": "2"}) is None

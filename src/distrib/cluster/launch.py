@@ -16,6 +16,12 @@ Every child process gets these environment variables (plus the launcher's own):
     How many times the group was restarted before this process was started (0 first).
 ``PYTHONUNBUFFERED``
     ``1``, so log lines arrive as they are printed.
+``OMP_NUM_THREADS``
+    Unless the launcher's environment (or ``LaunchConfig.env``) sets it: this host's usable
+    CPUs divided among the tasks that train (every task without ``--ps``; the workers with
+    it), at least 1. torch gives each process as many threads as the host has CPUs, so N
+    processes on one host would run N times as many threads as there are cores, each
+    waiting on the others (torchrun sets 1 for the same reason).
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
     torchrun's variables, in a cluster without parameter servers: the task's rank among the
     chief and workers (the chief first), their number (every task runs on this host, so the
@@ -228,6 +234,15 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _threads_per_task(cluster: dict[str, list[str]], with_ps: bool, env: dict[str, str]) -> Optional[str]:
+    """``OMP_NUM_THREADS`` for each task: the usable CPUs shared among the training tasks; None if the user set it."""
+    if "OMP_NUM_THREADS" in env:
+        return None
+    training = len(cluster.get("worker", [])) if with_ps else sum(len(cluster.get(t, [])) for t in ("chief", "worker"))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return str(max(1, cpus // max(1, training)))
+
+
 class _Group:
     """One start of the whole cluster."""
 
@@ -237,6 +252,7 @@ class _Group:
         cluster = make_cluster(config.workers if workers is None else workers, config.ps, config.chief, config.host)
         script = [sys.executable, *config.command]
         server = [sys.executable, "-m", "distrib.parameter_server"]
+        threads = _threads_per_task(cluster, config.ps > 0, {**os.environ, **config.env})
         self.tasks: list[_Task] = []
         for task_type, addresses in cluster.items():
             for index in range(len(addresses)):
@@ -244,6 +260,8 @@ class _Group:
                        "DISTRIB_CLUSTER_TOKEN": token,
                        "DISTRIB_RESTART": str(restart),
                        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+                if threads is not None:
+                    env["OMP_NUM_THREADS"] = threads
                 if not config.ps:
                     env.update(torchrun_variables(cluster, task_type, index))
                 if tls is not None:
