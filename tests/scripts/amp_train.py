@@ -1,6 +1,7 @@
 """Mixed-precision training with torch.amp.GradScaler used as in plain PyTorch, under any strategy.
 
     distrib launch --workers 2 tests/scripts/amp_train.py --out OUT [--strategy multi-worker2] [--clip]
+        [--devices cuda:0] [--implementation ring|nccl|auto]
 
 Trains a small MLP for STEPS global batches of 12 under float16 autocast with a GradScaler
 (init scale 2**10, growing every 2 clean steps). The global batch of step POISONED has a NaN in
@@ -36,16 +37,18 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return data
 
 
-def train(strategy: Any, clip: bool = False) -> dict[str, Any]:
-    """Train under ``strategy``; the parameters, the scale after each step, and the parameters before/after POISONED."""
+def train(strategy: Any, clip: bool = False, device_type: str = "cpu") -> dict[str, Any]:
+    """Train under ``strategy``; the parameters, the scale after each step, and the parameters before/after POISONED.
+
+    ``device_type`` is autocast's and the GradScaler's ("cuda" for replicas on a GPU: tests/cuda)."""
     with strategy.scope():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # a wrong gradient scale shows
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    scaler = torch.amp.GradScaler(device_type, init_scale=2.0 ** 10, growth_interval=2)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device_type, dtype=torch.float16):
             loss = ds.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"),
                                            global_batch_size=GLOBAL_BATCH)
         scaler.scale(loss).backward()
@@ -72,11 +75,18 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="multi-worker")
     p.add_argument("--clip", action="store_true")
+    p.add_argument("--devices", default=None, help="comma-separated local devices (default: the strategy's choice)")
+    p.add_argument("--implementation", default="auto", help="CommunicationOptions(implementation=...)")
     args = p.parse_args()
-    options = ds.CommunicationOptions(timeout_seconds=60)
+    options = ds.CommunicationOptions(timeout_seconds=60, implementation=args.implementation)
     devices = ["cpu:0", "cpu:1"] if args.strategy == "multi-worker2" else None
+    if args.devices:
+        devices = args.devices.split(",")
     strategy = ds.MultiWorkerMirroredStrategy(communication_options=options, devices=devices)
-    result = train(strategy, args.clip)
+    device_type = strategy.local_devices[0].type
+    result = train(strategy, args.clip, device_type)
+    print(f"worker {strategy.worker_index} devices {[str(d) for d in strategy.local_devices]} backend "
+          f"{getattr(strategy.communicator, 'backend', 'local')}", flush=True)
     print(f"worker {strategy.worker_index} of {strategy.num_workers}, {strategy.num_replicas_in_sync} replicas: "
           f"scales: {json.dumps(result['scales'])}", flush=True)
     if strategy.is_chief:

@@ -28,6 +28,7 @@ import datetime
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 import zlib
@@ -42,8 +43,8 @@ from distrib.comm.interfaces import InterfaceChoice, choose_interface, configure
 from distrib.comm.options import CommunicationOptions
 from distrib.comm.rendezvous import attempt_store, tcp_store, uses_agent_store
 
-__all__ = ["InterfaceChoice", "ProcessGroupCommunicator", "choose_interface", "current_group",
-           "uses_agent_store"]
+__all__ = ["InterfaceChoice", "ProcessGroupCommunicator", "choose_interface", "current_group", "gpu_identity",
+           "shared_gpus", "uses_agent_store"]
 
 log = logging.getLogger("distrib.comm")
 
@@ -61,7 +62,8 @@ class ProcessGroupCommunicator:
 
     def __init__(self, master_address: str, rank: int, world_size: int,
                  options: CommunicationOptions, uses_cuda: bool = False,
-                 hosts: Sequence[str] = (), across_hosts: Optional[bool] = None) -> None:
+                 hosts: Sequence[str] = (), across_hosts: Optional[bool] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.options = options
         self._rank, self._world_size = rank, world_size
         self.backend = options.backend(uses_cuda)
@@ -79,8 +81,9 @@ class ProcessGroupCommunicator:
         configure_interface(host, hosts, across_hosts, self.backend)
         log.info("worker %d/%d joining at %s (%s, timeout %.0fs)", rank, world_size, master_address,
                  self.backend, options.timeout)
-        _join(self.backend, host, int(port), rank, world_size, options.timeout, master_address,
-              agent_store=uses_agent_store(master_address))
+        self.backend = _join(self.backend, host, int(port), rank, world_size, options.timeout, master_address,
+                             agent_store=uses_agent_store(master_address), gpu=gpu_identity(device),
+                             nccl_asked=options.implementation.lower() == "nccl")
         atexit.register(_shutdown)
 
     @property
@@ -217,15 +220,65 @@ def current_group() -> Optional[tuple[int, int, str]]:
     return dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
 
 
+def gpu_identity(device: Optional[torch.device]) -> Optional[str]:
+    """``host/GPU-uuid`` of a CUDA ``device`` (None for another device): two ranks with the same one share a GPU."""
+    if device is None or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"{socket.gethostname()}/{uuid if uuid is not None else f'cuda:{index}'}"
+
+
+def shared_gpus(identities: Sequence[Optional[str]]) -> dict[str, list[int]]:
+    """The GPUs that several ranks use, each with its ranks (``identities``: :func:`gpu_identity` of each rank).
+
+        >>> shared_gpus(["h/GPU-1", "h/GPU-1", "h/GPU-2"]), shared_gpus(["a/GPU-1", "b/GPU-1"])
+        ({'h/GPU-1': [0, 1]}, {})
+    """
+    ranks: dict[str, list[int]] = {}
+    for rank, key in enumerate(identities):
+        if key is not None:
+            ranks.setdefault(key, []).append(rank)
+    return {key: r for key, r in ranks.items() if len(r) > 1}
+
+
+def _nccl_or_gloo(store: Any, rank: int, world_size: int, gpu: Optional[str], nccl_asked: bool) -> str:
+    """The backend to initialise where NCCL was chosen: NCCL refuses two ranks on one GPU.
+
+    Every rank publishes its GPU in the store and reads the others'. Where ranks share a GPU
+    (several processes per GPU, e.g. on a one-GPU machine), ``implementation="auto"`` falls back
+    to gloo, which all-reduces CUDA tensors too, with a warning; ``implementation="nccl"`` is a
+    CollectiveError naming the fix instead of NCCL's late ``Duplicate GPU detected``.
+    Otherwise ``"cpu:gloo,cuda:nccl"``: NCCL for CUDA tensors, gloo for the small CPU
+    collectives distrib makes (agreement checks, objects), which NCCL alone refuses.
+    """
+    store.set(f"distrib/gpu/{rank}", gpu or "")
+    identities = [store.get(f"distrib/gpu/{r}").decode() or None for r in range(world_size)]
+    shared = shared_gpus(identities)
+    if not shared:
+        return "cpu:gloo,cuda:nccl"
+    described = "; ".join(f"ranks {ranks} share {key}" for key, ranks in shared.items())
+    if nccl_asked:
+        raise CollectiveError(
+            f"NCCL cannot run two ranks on one GPU ({described}): give each worker its own GPU "
+            "(devices=['cuda:N'], CUDA_VISIBLE_DEVICES), or use CommunicationOptions(implementation='ring') "
+            "for gloo, which all-reduces CUDA tensors on a shared GPU")
+    if rank == 0:
+        log.warning("NCCL cannot run two ranks on one GPU (%s): using gloo instead (slower on GPUs); give each "
+                    "worker its own GPU to use NCCL", described)
+    return "gloo"
+
+
 def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeout: float, address: str,
-          agent_store: bool = False) -> None:
+          agent_store: bool = False, gpu: Optional[str] = None, nccl_asked: bool = False) -> str:
     """``init_process_group``, bounded by ``timeout`` whatever phase hangs (store connect retries, gloo's mesh).
 
     Rank 0 hosts the store at ``host:port`` and the others connect to it, as torch's
     ``tcp://`` rendezvous does; under a torchrun agent that keeps its store
     (``agent_store``), the store is this attempt's own (:func:`~distrib.comm.rendezvous.attempt_store`).
+    Returns the backend initialised: for ``"nccl"``, see :func:`_nccl_or_gloo`.
     """
-    outcome: dict[str, BaseException] = {}
+    outcome: dict[str, Any] = {}
     deadline = time.monotonic() + timeout
 
     def rendezvous() -> None:
@@ -235,8 +288,10 @@ def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeou
                                        os.environ.get("TORCHELASTIC_RUN_ID", "none"))
             else:
                 store = tcp_store(host, port, world_size, rank == 0, timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+            chosen = _nccl_or_gloo(store, rank, world_size, gpu, nccl_asked) if backend == "nccl" else backend
+            dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout))
+            outcome["backend"] = chosen
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             outcome["error"] = e
 
@@ -244,12 +299,15 @@ def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeou
     thread.start()
     thread.join(timeout + 2.0)  # torch's own timeout error, when it comes, is the more precise one
     error = outcome.get("error")
+    if isinstance(error, CollectiveError):  # distrib's own verdict (ranks sharing a GPU) says it all
+        raise error
     if thread.is_alive() or error is not None:
         detail = f": {error}" if error is not None else " (still connecting)"
         raise CollectiveError(
             f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:.0f}s"
             f"{detail}. Check that every worker is started with the same cluster and that the chief's address "
             "is reachable from this host (CommunicationOptions(timeout_seconds=...) sets the bound)") from error
+    return str(outcome["backend"])
 
 
 def _difference(signatures: list[str]) -> str:

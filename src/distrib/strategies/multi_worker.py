@@ -69,7 +69,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             spans = resolver.spans_hosts if isinstance(resolver, cluster.TorchrunClusterResolver) else None
             communicator = ProcessGroupCommunicator(resolver.rendezvous_address(), rank, world, options,
                                                     uses_cuda=parsed[0].type == "cuda", hosts=hosts,
-                                                    across_hosts=spans)
+                                                    across_hosts=spans, device=parsed[0])
         else:
             communicator = LocalCommunicator()
         super().__init__(parsed, communicator, resolver, device_names=names)
