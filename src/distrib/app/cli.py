@@ -117,8 +117,10 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
                                   "file and TensorBoard (0: per epoch only)")),
         ("--precision", dict(choices=["32", "bf16-mixed", "16-mixed"], default="32",
                              help="32: float32; bf16-mixed: autocast to bfloat16 (fast on CPUs with avx512_bf16 "
-                                  "or AMX, and on recent GPUs); 16-mixed: autocast to float16 with a GradScaler "
-                                  "(Lightning's names)")),
+                                  "or AMX and on recent GPUs, slow on AVX2-only CPUs); 16-mixed: autocast to float16 "
+                                  "with a GradScaler (fast on GPUs, slow on the CPUs measured); a mixed precision "
+                                  "that is slow here is measured at the start and named in a note with the faster "
+                                  "choice (Lightning's names)")),
     ]
 
 
