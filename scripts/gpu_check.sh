@@ -40,8 +40,8 @@ if [ $DRY -eq 1 ]; then
                 --compile-precisions fp32 --compile-backend eager --mw-steps 2 --mw-timeout 60)
 else
     export DISTRIB_CHECK_DEVICE=cuda
-    DEVICE=cuda TESTS_LIMIT=200 PER_TEST=120 BENCH_LIMIT=240
-    BENCH_ARGS=(--device cuda)
+    DEVICE=cuda TESTS_LIMIT=180 PER_TEST=120 BENCH_LIMIT=270  # + ~15 s of set-up: within 8 minutes
+    BENCH_ARGS=(--device cuda --budget-s 110)
 fi
 
 echo "=== environment ($( [ $DRY -eq 1 ] && echo 'DRY RUN on the CPU' || echo 'GPU check' ), $(date -u +%FT%TZ)) ==="
