@@ -382,3 +382,61 @@ def test_fit_and_evaluate_default_as_keras_where_the_rows_leave_them_out():
     assert {n: fit[n].default for n in ("epochs", "steps_per_epoch", "validation_data", "validation_steps")} == \
         {"epochs": 1, "steps_per_epoch": None, "validation_data": None, "validation_steps": None}
     assert inspect.signature(ds.evaluate).parameters["steps"].default is None
+
+
+# -- the Keras loop a port uses: evaluate's return form, verbose, the callback API ---------------------------
+
+def _linear_fit_data() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    x = torch.randn(8, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), [(x[:4], x[:4, :1]), (x[4:], x[4:, :1])]
+
+
+def test_evaluate_returns_what_its_rows_say():
+    for first_cell in ("`loss, acc = model.evaluate(x)`", "`model.evaluate(dataset)`"):
+        assert "the list `[loss, *metrics]`" in row(first_cell) and "float" in row(first_cell)
+    assert "the dict `{\"loss\": ..., \"accuracy\": ...}` with `return_dict=True`" in row(
+        "`loss, acc = model.evaluate(x)`")
+    evaluate = inspect.signature(ds.evaluate).parameters
+    assert (evaluate["return_dict"].default, evaluate["verbose"].default) == (False, "auto")  # Keras' defaults
+    model, _, data = _linear_fit_data()
+    loss, mae = ds.evaluate(model, data, loss="mse", metrics=["mae"], verbose=0)
+    assert type(loss) is float and type(mae) is float
+    assert ds.evaluate(model, data, loss="mse", metrics=["mae"], return_dict=True, verbose=0) == {"loss": loss,
+                                                                                               "mae": mae}
+    assert ds.evaluate(model, data, loss="mse", verbose=0) == loss
+
+
+def test_verbose_auto_shows_progress_on_a_worker_that_is_not_the_chief(capsys):
+    assert "1, or 2 (one line per epoch) under ParameterServerStrategy, on every worker" in row(
+        "`model.fit(verbose=\"auto\")`")
+    from distrib import context
+    from distrib.strategies import DefaultStrategy
+
+    class NotChief(DefaultStrategy):  # what fit asks of the strategy: this process is not the chief
+        is_chief = False
+
+    model, optimizer, data = _linear_fit_data()
+    context.set_owner(model, NotChief())
+    ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=2)
+    out = capsys.readouterr().out
+    assert "Epoch 2/2" in out and re.search(r"^2/2 - \S+ - loss: ", out, re.M), out
+
+
+def test_a_custom_callback_reaches_the_optimizer_and_its_rate_as_its_row_says(capsys):
+    text = row("a custom `tf.keras.callbacks.Callback`")
+    assert "`self.learning_rate` (the first parameter group's rate, a float; assigning it sets every group's)" in text
+    assert "`self.optimizer` (the `torch.optim.Optimizer` given to `ds.fit`)" in text
+
+    class PrintLR(ds.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            assert self.optimizer is optimizer
+            print('Learning rate for epoch {} is {}'.format(epoch + 1, self.learning_rate))
+            self.learning_rate = self.learning_rate / 10
+
+    model, optimizer, data = _linear_fit_data()
+    ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=2, verbose=0, callbacks=[PrintLR()])
+    assert capsys.readouterr().out.splitlines() == ["Learning rate for epoch 1 is 0.1",
+                                                    "Learning rate for epoch 2 is 0.01"]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.001)
