@@ -15,7 +15,10 @@ or start them by hand, one TF_CONFIG each, as the tutorial does:
 
 Without TF_CONFIG it trains as a single worker. The tutorial's chief/temp-directory
 checkpoint logic (`_is_chief`, `_get_temp_dir`, `write_filepath`, deleting the
-non-chief's copy) is gone: every worker calls `save`, distrib writes on the chief only.
+non-chief's copy) is not needed: every worker calls `save` with the same directory, and
+distrib writes on the chief only. Kept as written it runs too (the other workers write
+their copies into their temporary directories, which the tutorial then deletes; see
+tests/scripts/keras_tutorial_worker.py).
 """
 
 import argparse
