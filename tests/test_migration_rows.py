@@ -440,3 +440,31 @@ def test_a_custom_callback_reaches_the_optimizer_and_its_rate_as_its_row_says(ca
     assert capsys.readouterr().out.splitlines() == ["Learning rate for epoch 1 is 0.1",
                                                     "Learning rate for epoch 2 is 0.01"]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.001)
+
+
+def test_every_hook_gets_a_dict_of_logs_and_model_stop_training_stops_as_the_rows_say():
+    assert "each given a dict of logs as in Keras (`{}` before there is anything to log" in row(
+        "a custom `tf.keras.callbacks.Callback`")
+    assert "`fit` reads too and sets back to False when a `fit` starts" in row("`self.model.stop_training = True`")
+
+    class Keys(ds.callbacks.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, list[str]]] = []
+
+        def on_train_begin(self, logs=None):
+            self.seen.append(("train_begin", list(logs.keys())))
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.seen.append(("epoch_begin", list(logs.keys())))
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seen.append(("epoch_end", list(logs.keys())))
+            self.model.stop_training = True  # Keras' spelling
+
+    model, optimizer, data = _linear_fit_data()
+    keys = Keys()
+    history = ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=5, verbose=0, callbacks=[keys])
+    assert history.epoch == [0]
+    assert keys.seen == [("train_begin", []), ("epoch_begin", []), ("epoch_end", ["loss"])]
+    assert model.stop_training is True  # left set, as Keras leaves it; the next fit starts afresh
+    assert ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=2, verbose=0).epoch == [0, 1]

@@ -3,6 +3,8 @@
 - site/en/tutorials/distribute/keras.ipynb (MirroredStrategy, two CPU replicas here): the ``decay`` schedule,
   the ``PrintLR`` callback reading the optimizer's learning rate, TensorBoard with its graph, ModelCheckpoint,
   and ``eval_loss, eval_acc = model.evaluate(eval_dataset)``;
+- site/en/guide/keras/custom_callback.ipynb: every hook gets a dict of logs with Keras' keys, an early stopper sets
+  ``self.model.stop_training``, a learning-rate scheduler reads and sets the optimizer's rate;
 - site/en/tutorials/distribute/multi_worker_with_keras.ipynb and multi_worker_with_ctl.ipynb (two real workers
   under ``distrib launch``, tests/scripts/keras_tutorial_worker.py): ``fit`` shows progress on every worker, and the
   chief-only saving with the non-chief's temporary directories and their cleanup runs as written.
@@ -120,3 +122,156 @@ def test_multi_worker_keras_tutorials_on_two_workers_show_progress_everywhere_an
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert files == ["ckpt/checkpoint", "ckpt/ckpt-1.pt", "ctl/ckpt/checkpoint", "ctl/ckpt/ckpt-2.pt",
                      "keras-model.pt"], files
+
+
+def test_custom_callback_guide(capsys):
+    """site/en/guide/keras/custom_callback.ipynb, its callbacks as written (only the model's API is PyTorch's)."""
+    def get_model():
+        torch.manual_seed(0)
+        model = nn.Linear(784, 1)
+        return model, torch.optim.RMSprop(model.parameters(), lr=0.1, alpha=0.9, eps=1e-7)
+
+    g = torch.Generator().manual_seed(0)
+    x_train, y_train = torch.rand(512, 784, generator=g), torch.randint(0, 10, (512, 1), generator=g).float()
+
+    def batches(x, y, b):
+        return [(x[i:i + b], y[i:i + b]) for i in range(0, len(x), b)]
+
+    class CustomCallback(ds.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            keys = list(logs.keys())
+            print("Starting training; got log keys: {}".format(keys))
+
+        def on_train_end(self, logs=None):
+            keys = list(logs.keys())
+            print("Stop training; got log keys: {}".format(keys))
+
+        def on_epoch_begin(self, epoch, logs=None):
+            keys = list(logs.keys())
+            print("Start epoch {} of training; got log keys: {}".format(epoch, keys))
+
+        def on_epoch_end(self, epoch, logs=None):
+            keys = list(logs.keys())
+            print("End epoch {} of training; got log keys: {}".format(epoch, keys))
+
+        def on_test_begin(self, logs=None):
+            keys = list(logs.keys())
+            print("Start testing; got log keys: {}".format(keys))
+
+        def on_test_end(self, logs=None):
+            keys = list(logs.keys())
+            print("Stop testing; got log keys: {}".format(keys))
+
+        def on_predict_begin(self, logs=None):
+            keys = list(logs.keys())
+            print("Start predicting; got log keys: {}".format(keys))
+
+        def on_predict_end(self, logs=None):
+            keys = list(logs.keys())
+            print("Stop predicting; got log keys: {}".format(keys))
+
+        def on_train_batch_begin(self, batch, logs=None):
+            keys = list(logs.keys())
+            print("...Training: start of batch {}; got log keys: {}".format(batch, keys))
+
+        def on_train_batch_end(self, batch, logs=None):
+            keys = list(logs.keys())
+            print("...Training: end of batch {}; got log keys: {}".format(batch, keys))
+
+        def on_test_batch_begin(self, batch, logs=None):
+            keys = list(logs.keys())
+            print("...Evaluating: start of batch {}; got log keys: {}".format(batch, keys))
+
+        def on_test_batch_end(self, batch, logs=None):
+            keys = list(logs.keys())
+            print("...Evaluating: end of batch {}; got log keys: {}".format(batch, keys))
+
+        def on_predict_batch_begin(self, batch, logs=None):
+            keys = list(logs.keys())
+            print("...Predicting: start of batch {}; got log keys: {}".format(batch, keys))
+
+        def on_predict_batch_end(self, batch, logs=None):
+            keys = list(logs.keys())
+            print("...Predicting: end of batch {}; got log keys: {}".format(batch, keys))
+
+    model, optimizer = get_model()
+    ds.fit(model, batches(x_train[:256], y_train[:256], 128), optimizer=optimizer, loss="mean_squared_error",
+           metrics=["mean_absolute_error"], epochs=1, verbose=0,
+           validation_data=batches(x_train[256:384], y_train[256:384], 128), callbacks=[CustomCallback()])
+    res = ds.predict(model, batches(x_train[:128], y_train[:128], 128), callbacks=[CustomCallback()])
+    metrics = "['loss', 'mean_absolute_error']"
+    assert capsys.readouterr().out.splitlines() == [  # Keras' lines: a dict in every hook, validation unprefixed
+        "Starting training; got log keys: []",
+        "Start epoch 0 of training; got log keys: []",
+        "...Training: start of batch 0; got log keys: []",
+        f"...Training: end of batch 0; got log keys: {metrics}",
+        "...Training: start of batch 1; got log keys: []",
+        f"...Training: end of batch 1; got log keys: {metrics}",
+        "Start testing; got log keys: []",
+        "...Evaluating: start of batch 0; got log keys: []",
+        f"...Evaluating: end of batch 0; got log keys: {metrics}",
+        f"Stop testing; got log keys: {metrics}",
+        "End epoch 0 of training; got log keys: ['loss', 'mean_absolute_error', 'val_loss', "
+        "'val_mean_absolute_error']",
+        "Stop training; got log keys: ['loss', 'mean_absolute_error', 'val_loss', 'val_mean_absolute_error']",
+        "Start predicting; got log keys: []",
+        "...Predicting: start of batch 0; got log keys: []",
+        "...Predicting: end of batch 0; got log keys: ['outputs']",
+        "Stop predicting; got log keys: []"]
+    assert res.shape == (128, 1)
+
+    class EarlyStoppingAtMinLoss(ds.callbacks.Callback):
+        def __init__(self, patience=0):
+            super(EarlyStoppingAtMinLoss, self).__init__()
+            self.patience = patience
+            self.best_weights = None
+
+        def on_train_begin(self, logs=None):
+            self.wait = 0
+            self.stopped_epoch = 0
+            self.best = float("inf")  # np.Inf
+
+        def on_epoch_end(self, epoch, logs=None):
+            current = logs.get("loss")
+            if current < self.best:  # np.less(current, self.best)
+                self.best = current
+                self.wait = 0
+                self.best_weights = {k: v.clone() for k, v in self.model.state_dict().items()}  # get_weights()
+            else:
+                self.wait += 1
+                if self.wait >= self.patience:
+                    self.stopped_epoch = epoch
+                    self.model.stop_training = True
+                    print("Restoring model weights from the end of the best epoch.")
+                    self.model.load_state_dict(self.best_weights)  # set_weights(self.best_weights)
+
+        def on_train_end(self, logs=None):
+            if self.stopped_epoch > 0:
+                print("Epoch %05d: early stopping" % (self.stopped_epoch + 1))
+
+    class CustomLearningRateScheduler(ds.callbacks.Callback):
+        def __init__(self, schedule):
+            super(CustomLearningRateScheduler, self).__init__()
+            self.schedule = schedule
+
+        def on_epoch_begin(self, epoch, logs=None):
+            lr = float(self.learning_rate)  # tf.keras.backend.get_value(self.model.optimizer.learning_rate)
+            scheduled_lr = self.schedule(epoch, lr)
+            self.learning_rate = scheduled_lr  # tf.keras.backend.set_value(self.model.optimizer.lr, scheduled_lr)
+            print("\nEpoch %05d: Learning rate is %6.4f." % (epoch, scheduled_lr))
+
+    stopper = EarlyStoppingAtMinLoss()
+    model, optimizer = get_model()
+    history = ds.fit(model, batches(x_train, y_train, 64), optimizer=optimizer, loss="mean_squared_error",
+                     metrics=["mean_absolute_error"], steps_per_epoch=5, epochs=30, verbose=0,
+                     callbacks=[stopper, CustomLearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))])
+    out = capsys.readouterr().out
+    assert 0 < stopper.stopped_epoch < 29 and history.epoch == list(range(stopper.stopped_epoch + 1)), out
+    assert out.count("Restoring model weights") == 1 and "Epoch %05d: early stopping" % (stopper.stopped_epoch + 1) \
+        in out  # before: model.stop_training, an attribute of the module, was ignored and all 30 epochs ran
+    assert all(torch.equal(v, stopper.best_weights[k]) for k, v in model.state_dict().items())
+    assert re.findall(r"Learning rate is (\S+)\.", out) == ["%6.4f" % (0.1 / (e + 1)) for e in history.epoch]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / (stopper.stopped_epoch + 1))
+    # a new fit starts with model.stop_training False again, as Keras' fit sets it
+    assert len(ds.fit(model, batches(x_train, y_train, 64), optimizer=optimizer, loss="mse", steps_per_epoch=2,
+                      epochs=3, verbose=0).epoch) == 3

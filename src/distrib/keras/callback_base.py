@@ -4,7 +4,7 @@ A callback sees the training loop through ``self.loop`` (set before training sta
 ``loop.model``, ``loop.optimizer``, ``loop.strategy``, ``loop.epoch`` and
 ``loop.step_in_epoch`` (tensors: the position training resumes from),
 ``loop.stop_training`` (set it in a batch hook to stop after that batch, in an epoch hook
-to stop after that epoch, as Keras' ``model.stop_training``) and ``loop.is_chief``.
+to stop after that epoch, as Keras' ``model.stop_training``, which works too) and ``loop.is_chief``.
 The shortcuts ``self.model``, ``self.optimizer`` and ``self.learning_rate`` are what a
 Keras callback reaches as ``self.model``, ``self.model.optimizer`` and
 ``self.model.optimizer.learning_rate``: a PyTorch module has no optimizer, so the
@@ -153,8 +153,19 @@ class Callback:
     def on_predict_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None: ...
 
 
+#: the hooks whose only argument is ``logs`` (the others take a batch or epoch number first)
+_LOGS_ONLY = frozenset({"on_train_begin", "on_train_end", "on_test_begin", "on_test_end", "on_predict_begin",
+                        "on_predict_end"})
+
+
 class CallbackList:
-    """Calls a hook on every callback, in order: ``callbacks.on_epoch_end(epoch, logs)``."""
+    """Calls a hook on every callback, in order: ``callbacks.on_epoch_end(epoch, logs)``.
+
+    As Keras' ``CallbackList``, every hook gets a dict of logs (``{}`` when there is nothing to
+    log yet: ``on_train_begin``, ``on_epoch_begin``, ``on_*_batch_begin``), the same dict for
+    every callback, so ``list(logs.keys())`` in a callback works as in the Keras guides and
+    what one callback adds (``LearningRateScheduler``'s ``lr``) reaches the next.
+    """
 
     def __init__(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = list(callbacks)
@@ -166,8 +177,11 @@ class CallbackList:
     def __getattr__(self, hook: str) -> Any:
         if not hook.startswith("on_"):
             raise AttributeError(hook)
+        at = 0 if hook in _LOGS_ONLY else 1  # where the logs argument is
 
         def call(*args: Any) -> None:
+            if len(args) <= at or args[at] is None:
+                args = (*args[:at], {})
             for c in self.callbacks:
                 getattr(c, hook)(*args)
 

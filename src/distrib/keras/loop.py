@@ -61,11 +61,27 @@ class Loop:
     steps_per_epoch: Optional[int] = None
     epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
     step_in_epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
-    stop_training: bool = False
+    _stop: bool = field(default=False, repr=False)
 
     @property
     def is_chief(self) -> bool:
         return self.strategy.is_chief
+
+    @property
+    def stop_training(self) -> bool:
+        """Set it (``self.loop.stop_training = True``) to stop after this batch or epoch.
+
+        Keras' own spelling, ``self.model.stop_training = True`` in a callback, stops training
+        too: it sets a plain attribute on the module, which ``fit`` reads here (and sets back
+        to False when a ``fit`` starts, as Keras does), so a literal port is never ignored.
+        """
+        return self._stop or vars(self.model).get("stop_training") is True
+
+    @stop_training.setter
+    def stop_training(self, value: bool) -> None:
+        self._stop = bool(value)
+        if not value and vars(self.model).get("stop_training") is True:
+            setattr(self.model, "stop_training", False)  # the user's attribute (Module types it as a submodule)
 
 
 class _Tracked:
@@ -268,6 +284,7 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     tracked = _Tracked(strategy, metrics, loss)
     history = History()
     loop = Loop(model, optimizer, strategy, steps_per_epoch)
+    loop.stop_training = False  # as Keras' fit: a model.stop_training left by an earlier fit does not stop this one
     cbs = CallbackList([*callbacks, history])  # History last, as Keras: it sees what callbacks add to the logs
     cbs.set_loop(loop)
     verbosity = _verbosity(strategy, verbose)
@@ -403,10 +420,10 @@ def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked
     if ended or (steps is not None and submitted < steps):
         _ran_out(f"{what} ran {done} of {steps_name}={steps} steps ({_has(original, done)})", "Evaluation stops here",
                  steps_name, stacklevel)
-    logs = tracked.logs(prefix)
+    logs = tracked.logs()
     bar.update(done, logs, finalize=True)
-    cbs.on_test_end(logs)
-    return logs
+    cbs.on_test_end(logs)  # unprefixed, as Keras' evaluate gives them to on_test_end inside fit too
+    return {prefix + k: v for k, v in logs.items()}
 
 
 def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optional[int] = None,
