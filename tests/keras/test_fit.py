@@ -255,6 +255,19 @@ def test_tensorboard_warns_once_and_trains_on_when_the_model_cannot_be_traced(tm
     assert not train.Tags()["graph"] and [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
 
 
+def test_tensorboard_under_parameter_servers_says_why_it_writes_no_graph(seed_003, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, optimizer, features, labels = seed_003
+    with pytest.warns(UserWarning, match="no graph is written: under ParameterServerStrategy the model runs on the "
+                                         "workers") as record:
+        ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=3, verbose=0,
+               callbacks=[ds.callbacks.TensorBoard(str(tmp_path))])
+    assert record[0].filename == __file__  # pointed at the user's fit
+    train = EventAccumulator(str(tmp_path / "train")).Reload()
+    assert not train.Tags()["graph"] and [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
+
+
 def test_on_two_workers_only_the_chief_writes_events_and_every_worker_prints_progress(tmp_path):
     code, out, _ = launch("--workers", "2", str(SCRIPTS / "fit_worker.py"), "--out", str(tmp_path / "w.pt"),
                           "--tensorboard", str(tmp_path / "tb"))

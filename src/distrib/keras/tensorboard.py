@@ -77,7 +77,8 @@ class TensorBoard(Callback):
         except Exception as e:  # any tracing failure: the graph is an extra, training goes on
             warnings.warn(f"TensorBoard(write_graph=True): the graph of {type(model).__name__} could not be traced "
                           f"with torch.jit.trace, so none is written ({type(e).__name__}: {str(e).strip()[:300]}). "
-                          "Training goes on; pass write_graph=False to skip it.", UserWarning, stacklevel=2)
+                          "Training goes on; pass write_graph=False to skip it.", UserWarning,
+                          stacklevel=6)  # the user's fit: _trace_graph, the hook, CallbackList, settle, fit
         self._writer("train").flush()
 
     def _release_hook(self) -> None:
@@ -112,7 +113,7 @@ class TensorBoard(Callback):
             else:
                 reason = "the model was not called during training"
             warnings.warn(f"TensorBoard(write_graph=True): no graph is written: {reason}. Pass write_graph=False "
-                          "to silence this.", UserWarning, stacklevel=2)
+                          "to silence this.", UserWarning, stacklevel=4)  # the user's fit: the hook, CallbackList, fit
         for w in self._writers.values():
             w.close()
         self._writers = {}
