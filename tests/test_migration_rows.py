@@ -468,3 +468,29 @@ def test_every_hook_gets_a_dict_of_logs_and_model_stop_training_stops_as_the_row
     assert keys.seen == [("train_begin", []), ("epoch_begin", []), ("epoch_end", ["loss"])]
     assert model.stop_training is True  # left set, as Keras leaves it; the next fit starts afresh
     assert ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=2, verbose=0).epoch == [0, 1]
+
+
+def test_keras_arrays_form_is_refused_and_older_batch_hooks_are_called_as_the_rows_say():
+    assert "is a ValueError naming the fix (`[(x_val, y_val)]`" in row("`model.fit(x_array, y_array")
+    assert "Keras' older `on_batch_begin`/`on_batch_end` too" in row("a custom `tf.keras.callbacks.Callback`")
+    model, optimizer, data = _linear_fit_data()
+    (x, y), = data[:1]
+    for kwargs in ({"validation_data": (x, y)}, {}):
+        with pytest.raises(ValueError, match=r"looks like Keras' arrays form .*Give \[\(x, y\)\] for one batch"):
+            ds.fit(model, data if kwargs else (x, y), optimizer=optimizer, loss="mse", verbose=0, **kwargs)
+    with pytest.raises(ValueError, match="looks like Keras' arrays form"):
+        ds.evaluate(model, (x, y), loss="mse", verbose=0)
+
+    class Older(ds.callbacks.Callback):
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def on_batch_begin(self, batch, logs=None):
+            self.calls.append(f"begin {batch}")
+
+        def on_batch_end(self, batch, logs=None):
+            self.calls.append(f"end {batch} {sorted(logs)}")
+
+    older = Older()
+    ds.fit(model, data, optimizer=optimizer, loss="mse", verbose=0, callbacks=[older])
+    assert older.calls == ["begin 0", "end 0 ['loss']", "begin 1", "end 1 ['loss']"]

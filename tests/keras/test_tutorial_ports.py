@@ -5,6 +5,8 @@
   and ``eval_loss, eval_acc = model.evaluate(eval_dataset)``;
 - site/en/guide/keras/custom_callback.ipynb: every hook gets a dict of logs with Keras' keys, an early stopper sets
   ``self.model.stop_training``, a learning-rate scheduler reads and sets the optimizer's rate;
+- site/en/guide/migrate/fault_tolerance.ipynb: ``BackupAndRestore(save_freq=30)`` with a callback that overrides
+  Keras' older ``on_batch_begin`` / ``on_batch_end`` resumes at the backed-up step;
 - site/en/tutorials/distribute/multi_worker_with_keras.ipynb and multi_worker_with_ctl.ipynb (two real workers
   under ``distrib launch``, tests/scripts/keras_tutorial_worker.py): ``fit`` shows progress on every worker, and the
   chief-only saving with the non-chief's temporary directories and their cleanup runs as written.
@@ -275,3 +277,59 @@ def test_custom_callback_guide(capsys):
     # a new fit starts with model.stop_training False again, as Keras' fit sets it
     assert len(ds.fit(model, batches(x_train, y_train, 64), optimizer=optimizer, loss="mse", steps_per_epoch=2,
                       epochs=3, verbose=0).epoch) == 3
+
+
+def test_fault_tolerance_migration_guide_interrupted_at_a_step_resumes_from_the_backup(tmp_path):
+    """site/en/guide/migrate/fault_tolerance.ipynb, "BackupAndRestore ... save_freq": its InterruptAtStep overrides
+    Keras' older hooks on_batch_begin / on_batch_end (before: never called, so training was never interrupted)."""
+    def create_model():
+        torch.manual_seed(0)
+        # Dense(512) is Linear(784, 64) here: the hooks and the backup are what this checks, not the width
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
+
+    g = torch.Generator().manual_seed(0)
+    x_train, y_train = torch.rand(640, 28, 28, generator=g), torch.randint(0, 10, (640,), generator=g)
+    x_test, y_test = x_train[:64], y_train[:64]
+    train = TensorBatches(x_train, y_train, batch_size=32)  # x=x_train, y=y_train (batch_size=32)
+
+    class InterruptAtStep(ds.callbacks.Callback):
+        # A callback for artificially interrupting training.
+        def __init__(self, interrupting_step=140):
+            self.total_step_count = 0
+            self.interrupting_step = interrupting_step
+
+        def on_batch_begin(self, batch, logs=None):
+            self.total_step_count += 1
+
+        def on_batch_end(self, batch, logs=None):
+            if self.total_step_count == self.interrupting_step:
+                print("\nInterrupting at step count", self.total_step_count)
+                raise RuntimeError('Interruption')
+
+    class Steps(ds.callbacks.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int]] = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.seen.append((int(self.loop.epoch), batch))
+
+    log_dir_2 = str(tmp_path / "backup")
+    backup_restore_callback = ds.callbacks.BackupAndRestore(backup_dir=log_dir_2, save_freq=30)
+    model = create_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)  # compile(optimizer='adam')
+    with pytest.raises(ValueError, match=r"validation_data=\(tensor, tensor\) looks like Keras' arrays form.*"
+                                         r"Give \[\(x, y\)\] for one batch"):
+        ds.fit(model, train, optimizer=optimizer, loss="sparse_categorical_crossentropy", epochs=3,
+               steps_per_epoch=100, validation_data=(x_test, y_test))
+    with pytest.raises(RuntimeError, match="Interruption"):
+        ds.fit(model, train, optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=['accuracy'],
+               epochs=3, steps_per_epoch=100, validation_data=[(x_test, y_test)], verbose=0,
+               callbacks=[backup_restore_callback, InterruptAtStep()])
+    model = create_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
+    steps = Steps()
+    history = ds.fit(model, train, optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=['accuracy'],
+                     epochs=3, steps_per_epoch=100, validation_data=[(x_test, y_test)], verbose=0,
+                     callbacks=[ds.callbacks.BackupAndRestore(backup_dir=log_dir_2, save_freq=30), steps])
+    # the last backup before step 140 was at step 120: epoch 1 (from 0), its step 20
+    assert steps.seen[0] == (1, 20) and len(steps.seen) == 180 and history.epoch == [1, 2]

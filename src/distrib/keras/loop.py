@@ -201,6 +201,20 @@ def _no_data(what: str, data: Any) -> ValueError:
                       "(or, under parameter servers, a dataset function whose iterator gives batches)")
 
 
+def _check_batches(data: Any, what: str) -> None:
+    """Refuse Keras' arrays form ``(x, y)`` (a tuple or list of whole tensors), naming the batches to give instead.
+
+    ``fit``/``evaluate`` read an iterable of ``(x, y)`` batches; ``(x_val, y_val)`` would be read as
+    two "batches" that are single tensors, which fails later with an error about something else.
+    """
+    if isinstance(data, (tuple, list)) and data and all(
+            isinstance(b, torch.Tensor) and (b.dim() == 0 or b.shape[0] != 2) for b in data):
+        raise ValueError(f"{what}=({', '.join('tensor' for _ in data)}) looks like Keras' arrays form "
+                         f"(x=..., y=..., validation_data=(x_val, y_val)): distrib's fit and evaluate read batches. "
+                         f"Give [(x, y)] for one batch, or DataLoader(TensorDataset(x, y), batch_size=32) for Keras' "
+                         "default batches")
+
+
 def _strategy_of(model: torch.nn.Module) -> Strategy:
     """The strategy that distributes ``model`` (or a module inside it, e.g. a compiled wrapper), else the current one."""
     for module in model.modules():
@@ -273,6 +287,8 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     ``verbose="auto" if strategy.is_chief else 0`` for the chief's output alone.
     """
     mixed = Precision.parse(precision)
+    _check_batches(data, "data")
+    _check_batches(validation_data, "validation_data")
     strategy = _strategy_of(model)
     executor = strategy.step_executor()
     devices = [d for d in strategy.local_devices if d is not None]
@@ -440,6 +456,7 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optio
     that gives no batch is a ValueError. ``precision``: as :func:`fit`'s (autocast only).
     """
     mixed = Precision.parse(precision)
+    _check_batches(data, "data")
     strategy = _strategy_of(model)
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
