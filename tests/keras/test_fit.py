@@ -236,6 +236,25 @@ def test_tensorboard_writes_the_model_graph_by_default_and_writing_it_changes_no
     assert not EventAccumulator(str(tmp_path / "False" / "train")).Reload().Tags()["graph"]
 
 
+def test_tensorboard_histogram_freq_writes_every_weight_and_buffer_as_keras(tmp_path):
+    """guide/migrate/tensorboard.ipynb: TensorBoard(log_dir=log_dir, histogram_freq=1) (before: a TypeError)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tensorboard_callback = ds.callbacks.TensorBoard(log_dir=str(tmp_path), histogram_freq=2)
+    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=3, verbose=0, callbacks=[tensorboard_callback])
+    train = EventAccumulator(str(tmp_path / "train"), size_guidance={"histograms": 0}).Reload()
+    floats = [k for k, v in model.state_dict().items() if v.is_floating_point()]
+    assert sorted(train.Tags()["histograms"]) == sorted(floats)  # num_batches_tracked (int64) has none
+    last = train.Histograms("0.weight")[-1]
+    assert [h.step for h in train.Histograms("0.weight")] == [0, 2] and last.histogram_value.num == 32
+    assert last.histogram_value.min == pytest.approx(float(model[0].weight.detach().min()))
+    with pytest.raises(ValueError, match="histogram_freq=-1"):
+        ds.callbacks.TensorBoard(str(tmp_path), histogram_freq=-1)
+
+
 def test_tensorboard_warns_once_and_trains_on_when_the_model_cannot_be_traced(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -108,6 +108,14 @@ def test_save_best_only_max_and_auto_for_accuracies(tmp_path):
         assert sorted(p.name for p in out.glob("*.pt")) == expected, mode
 
 
+def test_a_directory_as_filepath_is_refused_naming_a_file_in_it(tmp_path):
+    """guide/migrate/checkpoint_saver.ipynb passes ModelCheckpoint(filepath=tempfile.mkdtemp()): Keras 2 wrote a
+    SavedModel into it; a distrib checkpoint is one file, which would land beside the directory, not in it."""
+    with pytest.raises(ValueError, match=r"that is a directory.*give a file name in it, e\.g\. '.*/ckpt-\{epoch\}'"):
+        ds.callbacks.ModelCheckpoint(filepath=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_monitor_missing_from_the_logs_warns_and_skips(tmp_path):
     model, optimizer = build()
     save = ds.callbacks.ModelCheckpoint(str(tmp_path / "c-{epoch}"), monitor="val_loss", save_best_only=True)

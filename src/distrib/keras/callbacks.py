@@ -76,6 +76,10 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint(save_freq={save_freq!r}): expected 'epoch' or a positive number "
                              "of batches")
         self.filepath = os.fspath(filepath)
+        if os.path.isdir(self.filepath):  # Keras 2 wrote a SavedModel into it; a distrib checkpoint is one file
+            raise ValueError(f"ModelCheckpoint(filepath={self.filepath!r}): that is a directory, and a checkpoint is "
+                             f"a file <filepath>.pt: give a file name in it, e.g. "
+                             f"{os.path.join(self.filepath, 'ckpt-{epoch}')!r}")
         self.monitor, self.verbose, self.save_freq = monitor, verbose, save_freq
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self._better = _better(mode, monitor)

@@ -33,11 +33,20 @@ class TensorBoard(Callback):
     dependent control flow, outputs that are not tensors) gives one warning and training
     goes on without the graph. Under ParameterServerStrategy the model runs on the workers,
     never here, so no graph is written (a warning says so).
+
+    ``histogram_freq=N`` writes a histogram of every floating-point tensor of the model's
+    ``state_dict()`` (weights and buffers, as Keras' ``layer.weights``) to ``log_dir/train``
+    every N epochs, at the epoch (TensorBoard's Histograms tab). The arguments keep Keras'
+    order: ``TensorBoard(log_dir, histogram_freq, write_graph, ..., update_freq)``.
     """
 
-    def __init__(self, log_dir: "str | os.PathLike[str]" = "logs", update_freq: Union[str, int] = "epoch",
-                 write_graph: bool = True) -> None:
+    def __init__(self, log_dir: "str | os.PathLike[str]" = "logs", histogram_freq: int = 0, write_graph: bool = True,
+                 update_freq: Union[str, int] = "epoch") -> None:
+        if isinstance(histogram_freq, bool) or not isinstance(histogram_freq, int) or histogram_freq < 0:
+            raise ValueError(f"TensorBoard(histogram_freq={histogram_freq!r}): give 0 (no histograms) or a number of "
+                             "epochs")
         self.log_dir, self.update_freq, self.write_graph = os.fspath(log_dir), update_freq, write_graph
+        self.histogram_freq = histogram_freq
         self._writers: dict[str, Any] = {}
         self._step = 0
         self._hook: Optional[torch.utils.hooks.RemovableHandle] = None
@@ -102,6 +111,10 @@ class TensorBoard(Callback):
         for k, v in (logs or {}).items():
             kind, name = ("validation", k[4:]) if k.startswith("val_") else ("train", k)
             self._writer(kind).add_scalar(f"epoch_{name}", v, epoch)
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            for name, tensor in self.loop.model.state_dict().items():
+                if tensor.is_floating_point() and tensor.numel():
+                    self._writer("train").add_histogram(name, tensor.detach().float().cpu(), epoch)
         for w in self._writers.values():
             w.flush()
 
