@@ -494,3 +494,21 @@ def test_keras_arrays_form_is_refused_and_older_batch_hooks_are_called_as_the_ro
     older = Older()
     ds.fit(model, data, optimizer=optimizer, loss="mse", verbose=0, callbacks=[older])
     assert older.calls == ["begin 0", "end 0 ['loss']", "begin 1", "end 1 ['loss']"]
+
+
+def test_the_checkpoint_guide_rows_read_a_file_with_torch_load_and_refuse_an_iterator(tmp_path):
+    assert '`torch.load(path + ".pt", weights_only=True)["objects"]`' in row("`tf.train.load_checkpoint(path)`")
+    assert "passing one is a `TypeError`" in row("`tf.train.Checkpoint(..., iterator=iter(dataset))`")
+    assert "a `Checkpoint` inside a `Checkpoint` is a `TypeError`" in row("nested `tf.train.Checkpoint(")
+    net = nn.Sequential()
+    net.l1 = nn.Linear(1, 5)
+    opt = torch.optim.Adam(net.parameters(), 0.1)
+    manager = ds.CheckpointManager(ds.Checkpoint(step=torch.tensor(1), optimizer=opt, net=net), tmp_path)
+    path = manager.save()
+    objects = torch.load(path + ".pt", weights_only=True)["objects"]
+    assert sorted(objects) == ["net", "optimizer", "step"] and sorted(objects["net"]) == ["l1.bias", "l1.weight"]
+    torch.testing.assert_close(objects["net"]["l1.bias"], net.l1.bias.detach())
+    with pytest.raises(TypeError, match="'iterator' has type list_iterator, which cannot be checkpointed"):
+        ds.Checkpoint(net=net, iterator=iter([1, 2]))
+    with pytest.raises(TypeError, match="'l1' has type Checkpoint, which cannot be checkpointed"):
+        ds.Checkpoint(net=ds.Checkpoint(l1=ds.Checkpoint(bias=torch.zeros(5))))
