@@ -163,6 +163,39 @@ class Variant:
             self.fail(e)
 
 
+def dispatch_overhead(device: torch.device, calls: int, rounds: int, batch: int) -> dict[str, Any]:
+    """distrib's own cost per step, without the step's noise: ``strategy.reduce(SUM, strategy.run(fn, (x,)))``
+    against ``fn(x)``, where ``fn`` launches one small kernel. Launches are asynchronous, so this times the
+    host side that distrib adds to every step (Python, context switches, any extra kernel launch), which is
+    what shows on a GPU once a step is shorter than its launches. Rounds alternate; medians in microseconds."""
+    x = torch.ones(batch, device=device)
+
+    def fn(b: torch.Tensor) -> torch.Tensor:
+        return b.sum()
+
+    strategies = {"default": ds.get_strategy(), "one_device": ds.OneDeviceStrategy(str(device)),
+                  "mirrored": ds.MirroredStrategy([str(device)])}
+    loops: dict[str, Callable[[], Any]] = {"bare": lambda: fn(x)}
+    for name, s in strategies.items():
+        loops[name] = lambda s=s: s.reduce(ds.ReduceOp.SUM, s.run(fn, args=(x,)), axis=None)
+    times: dict[str, list[float]] = {k: [] for k in loops}
+    for call in loops.values():
+        for _ in range(200):
+            call()
+    for _ in range(rounds):
+        for name, call in loops.items():
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            sync(device)
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    bare = statistics.median(times["bare"])
+    return {"bare_us_per_call": bare,
+            "overhead_us_per_call": {k: statistics.median(times[k]) - bare for k in strategies},
+            "all_us_per_call": times, "calls_per_round": calls}
+
+
 def multi_worker(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     """2 worker processes on the one device over gloo; the chief's examples/s (global batch 2 x --batch)."""
     result_file = os.path.join(out_dir, "mw_result.json")
@@ -230,6 +263,8 @@ def main() -> None:
     p.add_argument("--compile-precisions", default="fp32,bf16,fp16", help="comma-separated; '' for none")
     p.add_argument("--compile-backend", default="inductor", help="'eager' for a quick dry run of dynamo")
     p.add_argument("--budget-s", type=float, default=150.0, help="no new compiled variant after this many seconds")
+    p.add_argument("--dispatch-calls", type=int, default=5000,
+                   help="calls per round of the host-side overhead measurement; 0: skip it")
     p.add_argument("--mw-steps", type=int, default=100, help="steps per round of the 2-process run; 0: skip it")
     p.add_argument("--mw-timeout", type=float, default=120.0)
     p.add_argument("--mw-worker", default=None, help=argparse.SUPPRESS)
@@ -292,6 +327,7 @@ def main() -> None:
         return f"plain_eager/{prec}/{comp}/{batch}"
 
     ratios = {k: med[k] / med[plain_of(k)] for k in med if plain_of(k) in med}
+    dispatch = dispatch_overhead(device, args.dispatch_calls, args.rounds, small) if args.dispatch_calls else {}
     mw = multi_worker(args, os.path.dirname(os.path.abspath(args.json)) if args.json else ".") if args.mw_steps else {}
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -300,6 +336,7 @@ def main() -> None:
         "compile_backend": args.compile_backend, "examples_per_s_median": med,
         "vs_plain_eager_same_precision_and_compile": ratios,
         "overhead_us_per_step_vs_plain_same_step": overheads,
+        "dispatch_overhead": dispatch,
         "multi_worker_2_processes_one_device": mw,
         "failed": {k: v.error for k, v in variants.items() if v.error}, "skipped": skipped,
         "warnings": {k: v.notes for k, v in variants.items() if v.notes},
@@ -323,9 +360,15 @@ def main() -> None:
             print(f"{name:<44}{'FAILED':>12}  {(variants[name].error or 'no rate').splitlines()[0][:60]}")
     for name, why in skipped.items():
         print(f"{name:<44}{'skipped':>12}  {why}")
-    print("\ndistrib's overhead per step vs plain_same_step (us; target <= 50):")
+    print("\ndistrib's overhead per step vs plain_same_step (us; target <= 50; the difference of two "
+          "noisy step times: see the host-side figure below):")
     for k, v in overheads.items():
         print(f"  {k:<24}{'n/a' if v is None else f'{v:8.1f}'}")
+    if dispatch:
+        print(f"\ndistrib's host-side cost per strategy.run + reduce (us; one small kernel, bare call "
+              f"{dispatch['bare_us_per_call']:.1f} us):")
+        for k, v in dispatch["overhead_us_per_call"].items():
+            print(f"  {k:<24}{v:8.1f}")
     if mw:
         print(f"\n2-process MultiWorkerMirrored on one {args.device}: "
               + (f"{mw['examples_per_s_median']:.0f} examples/s ({mw.get('backend')})" if "error" not in mw

@@ -37,7 +37,7 @@ if [ $DRY -eq 1 ]; then
     export DISTRIB_CHECK_DEVICE=cpu
     DEVICE=cpu TESTS_LIMIT=150 PER_TEST=90 BENCH_LIMIT=150  # 2 shared cores: ~60 s each when idle
     BENCH_ARGS=(--device cpu --batch 8 --rounds 1 --steps 2 --warmup 1 --large-batch 32 --large-steps 1
-                --compile-precisions fp32 --compile-backend eager --mw-steps 2 --mw-timeout 60)
+                --compile-precisions fp32 --compile-backend eager --mw-steps 2 --mw-timeout 60 --dispatch-calls 200)
 else
     export DISTRIB_CHECK_DEVICE=cuda
     DEVICE=cuda TESTS_LIMIT=180 PER_TEST=120 BENCH_LIMIT=270  # + ~15 s of set-up: within 8 minutes

@@ -69,7 +69,9 @@ def run_main_job(device: torch.device, precision: str, steps: int = 6) -> tuple[
     train_step, _ = make_steps(forward, opt, 32, *metrics, precision=precision)
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)
-    losses = [float(strategy.run(train_step, args=((x, y),)).detach()) for _ in range(steps)]  # one batch, learnt
+    # the batch reaches the device as distrib train's does: through the strategy's input (run copies nothing)
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    losses = [float(strategy.run(train_step, args=(batch,)).detach()) for _ in range(steps)]  # one batch, learnt
     return [p.detach().cpu() for p in model.parameters()], dtypes, losses
 
 

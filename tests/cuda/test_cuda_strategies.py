@@ -108,11 +108,12 @@ def test_main_job_step_under_one_device_equals_the_step_without_a_strategy(devic
             metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
         train_step, _ = make_steps(model, opt, 32, *metrics)
         losses = []
-        for x, y in zip(images, labels):
-            if strategy is None:
+        if strategy is None:
+            for x, y in zip(images, labels):
                 losses.append(float(train_step((x.to(device), y.to(device))).detach()))
-            else:
-                losses.append(float(strategy.run(train_step, args=((x, y),)).detach()))
+        else:  # the batches reach the device as distrib train's do: through the strategy's input
+            for batch in strategy.experimental_distribute_dataset(list(zip(images, labels))):
+                losses.append(float(strategy.run(train_step, args=(batch,)).detach()))
         out.append(([p.detach().cpu() for p in model.parameters()], losses, float(metrics[0].result())))
     (plain, plain_losses, plain_acc), (strat, strat_losses, strat_acc) = out
     assert strat_losses == pytest.approx(plain_losses, rel=1e-4)  # cuDNN may pick kernels per call: not bitwise

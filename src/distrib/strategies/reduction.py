@@ -68,9 +68,13 @@ def reduce_local_values(strategy: "Strategy", op: ReduceOp, values: Sequence[Any
     tensors = [to_tensor(v, device).detach() for v in values]
     if axis is None:
         dims: tuple[int, ...] = ()
-        total = tensors[0].clone() if len(tensors) == 1 else torch.stack(
-            [t.to(tensors[0].device) for t in tensors]).sum(0)
-        count = torch.tensor(float(strategy.num_replicas_in_sync))
+        if len(tensors) > 1:
+            total = torch.stack([t.to(tensors[0].device) for t in tensors]).sum(0)
+        elif strategy.num_workers > 1:
+            total = tensors[0].clone()  # all_reduce works in place: never on the replica's own tensor
+        else:  # one replica of one worker: the (detached) value itself, no kernel launched per step
+            total = tensors[0]
+        count = None if op is ReduceOp.SUM else torch.tensor(float(strategy.num_replicas_in_sync))
     else:
         dims = _axes(axis, tensors[0].dim())
         total = tensors[0].sum(dim=dims) if dims else tensors[0].clone()
@@ -80,8 +84,9 @@ def reduce_local_values(strategy: "Strategy", op: ReduceOp, values: Sequence[Any
     if strategy.num_workers > 1:
         comm = strategy.communicator
         comm.verify_same(describe_tensors([total]), "the value given to strategy.reduce")
-        comm.all_reduce([total, count] if axis is not None else [total])
+        comm.all_reduce([total] if axis is None or count is None else [total, count])
     if op is ReduceOp.MEAN:
+        assert count is not None
         if not total.is_floating_point():
             total = total.to(torch.get_default_dtype())
         return total / count.to(total.device)

@@ -322,6 +322,9 @@ def run_in_replica(ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwa
     previous = context.set_current_replica(ctx)
     ctx._scaled_loss = False
     try:
+        if torch.is_grad_enabled() == grad_enabled and torch.is_inference_mode_enabled() == inference:
+            return fn(*args, **kwargs)  # the caller's own thread (one replica): its modes hold; entering
+            # the two mode guards anyway costs microseconds a step, which show on a GPU
         with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
             return fn(*args, **kwargs)
     finally:
