@@ -260,6 +260,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per loop before the rounds (compiled: +3)")
     p.add_argument("--large-batch", type=int, default=4096)
     p.add_argument("--large-steps", type=int, default=30)
+    p.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated: the eager variants at --batch")
     p.add_argument("--compile-precisions", default="fp32,bf16,fp16", help="comma-separated; '' for none")
     p.add_argument("--compile-backend", default="inductor", help="'eager' for a quick dry run of dynamo")
     p.add_argument("--budget-s", type=float, default=150.0, help="no new compiled variant after this many seconds")
@@ -286,7 +287,8 @@ def main() -> None:
 
     compile_precisions = [c for c in args.compile_precisions.split(",") if c]
     small = args.batch
-    plan: list[tuple[str, str, bool, int]] = [(k, prec, False, small) for prec in PRECISIONS for k in KINDS]
+    eager_precisions = [c for c in args.precisions.split(",") if c]
+    plan: list[tuple[str, str, bool, int]] = [(k, prec, False, small) for prec in eager_precisions for k in KINDS]
     plan += [(k, "fp32", False, args.large_batch) for k in KINDS]
     plan += [(k, prec, True, small) for prec in compile_precisions for k in KINDS]
     variants: dict[str, Variant] = {}
