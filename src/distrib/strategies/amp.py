@@ -187,8 +187,8 @@ class Precision:
         said = (f"{_NAMES[self.dtype]} autocast is slow on this CPU: a small convolution and linear step took "
                 f"{mine.ratio:.1f}x its float32 time here")
         if other is not None and not other.slow:
-            return (f"{said}; '{_MIXED[other_dtype]}' is the faster choice here ({_NAMES[other_dtype]}: "
-                    f"{other.ratio:.1f}x)")
+            return (f"{said}; '{_MIXED[other_dtype]}' is the faster choice here ({_NAMES[other_dtype]} took "
+                    f"{other.ratio:.1f}x float32's time)")
         if other is not None:
             said += f", and {_NAMES[other_dtype]} is slow here too ({other.ratio:.1f}x)"
         return f"{said}; '32' (float32) is the faster choice here"
