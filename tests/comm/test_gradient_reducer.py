@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from distrib.comm import BucketedGradientReducer, GradBucket, reduce_gradients
+from distrib.comm.gradient_reducer import bucket_layout
 from distrib.comm.communicator import completed_future
 
 
@@ -128,3 +129,38 @@ def test_reduce_gradients_sums_complete_gradients_through_the_hook(bucket_bytes)
     reduce_gradients(comm, grads, bucket_bytes)
     assert [g.tolist() for g in grads] == [[2.0] * 3, [[10.0, 10.0], [10.0, 10.0]], [0.0]]
     assert sum(comm.reduced) == 8 and (len(comm.reduced) == 3 if bucket_bytes == 4 else len(comm.reduced) == 2)
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 100, 1 << 20])
+def test_both_paths_hand_the_hook_the_same_buckets_under_the_same_index(bucket_bytes):
+    """The overlapped reducer and the complete-gradient path (several local replicas) bucket through
+    ``bucket_layout``: bucket ``i`` holds the same parameters on both, so per-index hook state agrees."""
+    model = _model()
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def recorder(seen: list) -> Any:
+        def hook(communicator: Any, bucket: GradBucket) -> Any:
+            seen.append((bucket.index, [names[id(p)] for p in bucket.parameters], bucket.buffer.numel()))
+            return completed_future(bucket.buffer)
+        return hook
+
+    overlapped: list = []
+    reducer = BucketedGradientReducer(list(model.parameters()), TwinWorkers(), bucket_bytes, hook=recorder(overlapped))
+    model(torch.randn(3, 4)).sum().backward()
+    reducer.synchronize()
+    reducer.close()
+    complete: list = []
+    params = list(model.parameters())
+    reduce_gradients(TwinWorkers(), [p.grad for p in params], bucket_bytes, recorder(complete), parameters=params)
+    assert complete == overlapped
+    expected = {64: [["2.bias", "2.weight"], ["0.bias", "0.weight"]], 100: [["2.bias", "2.weight", "0.bias"],
+                ["0.weight"]], 1 << 20: [["2.bias", "2.weight", "0.bias", "0.weight"]]}[bucket_bytes]
+    assert [members for _, members, _ in complete] == expected
+
+
+def test_bucket_layout_starts_a_bucket_at_the_size_and_at_each_dtype_change():
+    tensors = [torch.zeros(4), torch.zeros(2, dtype=torch.float64), torch.zeros(2), torch.zeros(8)]
+    assert bucket_layout(tensors, 32) == [[3], [2], [1], [0]]
+    assert bucket_layout(tensors, 1 << 20) == [[3, 2], [1], [0]]
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        bucket_layout(tensors, 0)

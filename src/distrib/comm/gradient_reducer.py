@@ -4,7 +4,8 @@
 with SUM semantics (the user scaled the loss by the global batch, so nothing divides):
 
 * parameters are grouped into buckets of about ``bucket_bytes``, in reverse
-  registration order, which is roughly the order backward produces gradients;
+  registration order, which is roughly the order backward produces gradients
+  (:func:`bucket_layout`);
   each bucket owns one flat buffer, and after the first step every ``param.grad``
   is a view into it, so nothing is flattened or copied back;
 * a post-accumulate-grad hook marks a parameter ready; when a bucket is complete
@@ -22,6 +23,11 @@ only the new contribution, captured by a tensor hook into a side buffer.
 
 :func:`reduce_gradients` does the same synchronously for gradients that are
 already complete (several local replicas summed first, then one reduction).
+
+Both paths bucket through one function, :func:`bucket_layout`, with the same size
+(``CommunicationOptions.bytes_per_pack``): given the same parameters, bucket ``i``
+holds the same tensors on both, so a hook that keeps state per ``bucket.index``
+(PowerSGD's error feedback) means the same bucket whichever path reduces it.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from torch.futures import Future
 from distrib.comm.communicator import Communicator
 from distrib.comm.hooks import CommHook, GradBucket, allreduce_hook
 
-__all__ = ["BucketedGradientReducer", "reduce_gradients"]
+__all__ = ["BucketedGradientReducer", "bucket_layout", "reduce_gradients"]
 
 
 class _Bucket:
@@ -53,16 +59,34 @@ class _Bucket:
         return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
 
-def _group(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``params`` of one dtype and device, about ``bucket_bytes`` each."""
-    groups: list[list[torch.Tensor]] = []
+def bucket_layout(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Which of ``tensors`` go in which bucket: lists of their indices, bucket 0 first.
+
+    ``tensors`` are the trainable parameters in registration order (or their
+    gradients, which have the same sizes). Buckets take them in *reverse* order,
+    roughly the order backward produces gradients (as DDP), in consecutive runs of
+    one dtype and device, a new bucket starting once one holds ``bucket_bytes`` or
+    more. Every gradient path buckets through this function, so a bucket's index
+    names the same tensors on all of them.
+
+    Example::
+
+        >>> sizes = [torch.zeros(4), torch.zeros(2), torch.zeros(8)]  # 16, 8 and 32 bytes
+        >>> bucket_layout(sizes, bucket_bytes=32), bucket_layout(sizes, bucket_bytes=1 << 20)
+        ([[2], [1, 0]], [[2, 1, 0]])
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    groups: list[list[int]] = []
     size = 0
-    for p in params:
-        if not groups or size >= bucket_bytes or p.dtype != groups[-1][0].dtype or p.device != groups[-1][0].device:
+    for i in reversed(range(len(tensors))):
+        t = tensors[i]
+        if not groups or size >= bucket_bytes or t.dtype != tensors[groups[-1][0]].dtype or \
+                t.device != tensors[groups[-1][0]].device:
             groups.append([])
             size = 0
-        groups[-1].append(p)
-        size += p.numel() * p.element_size()
+        groups[-1].append(i)
+        size += t.numel() * t.element_size()
     return groups
 
 
@@ -79,7 +103,7 @@ class BucketedGradientReducer:
         self._comm = communicator
         self._hook = hook
         trainable = [p for p in params if p.requires_grad]
-        self._buckets = [_Bucket(g) for g in _group(list(reversed(trainable)), bucket_bytes)]
+        self._buckets = [_Bucket([trainable[i] for i in group]) for group in bucket_layout(trainable, bucket_bytes)]
         self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         self._handles = [h for p in trainable for h in (p.register_post_accumulate_grad_hook(self._on_grad_ready),
                                                          p.register_hook(self._make_contribution_hook(p)))]
@@ -197,14 +221,25 @@ class BucketedGradientReducer:
 
 
 def reduce_gradients(communicator: Communicator, grads: Sequence[torch.Tensor], bucket_bytes: int,
-                     hook: CommHook = allreduce_hook) -> None:
-    """Sum complete gradients over all workers in place, bucket by bucket through ``hook``."""
+                     hook: CommHook = allreduce_hook, parameters: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Sum complete gradients over all workers in place, bucket by bucket through ``hook``.
+
+    ``grads`` are in the parameters' registration order (the optimizer's), the order
+    :class:`BucketedGradientReducer` is given its parameters in: both bucket through
+    :func:`bucket_layout`, so with the same ``bucket_bytes`` bucket ``i`` is the same
+    on both. ``parameters``: whose gradients these are, what each :class:`GradBucket`
+    names (default: the gradients themselves, which have the same shapes).
+    """
     if not grads:
         return
+    if parameters is not None and len(parameters) != len(grads):
+        raise ValueError(f"reduce_gradients got {len(grads)} gradients for {len(parameters)} parameters")
+    owners = parameters if parameters is not None else grads
     pending = []
-    for index, group in enumerate(_group(list(grads), bucket_bytes)):
+    for index, members in enumerate(bucket_layout(grads, bucket_bytes)):
+        group = [grads[i] for i in members]
         flat = torch.cat([g.reshape(-1) for g in group])
-        pending.append((group, flat, hook(communicator, GradBucket(index, flat, group))))
+        pending.append((group, flat, hook(communicator, GradBucket(index, flat, [owners[i] for i in members]))))
     with torch.no_grad():
         for group, flat, future in pending:
             result = communicator.wait(future)

@@ -27,8 +27,9 @@ class CommunicationImplementation(str, enum.Enum):
 class CommunicationOptions:
     """How workers talk (``tf.distribute.experimental.CommunicationOptions``).
 
-    ``bytes_per_pack``: gradient bucket size for the all-reduce overlapped with the
-    backward pass (0: 25 MiB, DDP's default). ``timeout_seconds``: how long any
+    ``bytes_per_pack``: gradient bucket size of the all-reduce across workers (0: 25 MiB,
+    DDP's default), overlapped with the backward pass or, with several local replicas,
+    after their gradients are summed: both bucket alike. ``timeout_seconds``: how long any
     collective may wait for a peer before it fails (None: 300 s); a dead or hung
     worker becomes an error on every survivor within this time. ``implementation``:
     ``"auto"`` (NCCL on GPU, gloo on CPU), ``"ring"``/``"gloo"``, or ``"nccl"`` (or TF's

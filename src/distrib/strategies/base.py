@@ -420,6 +420,7 @@ class Strategy:
     def _sync_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """Sum every parameter's gradient over local replicas, then over workers, into ``param.grad``."""
         to_reduce: list[torch.Tensor] = []
+        reduced: list[torch.Tensor] = []
         for p in params:
             grads = [g for g in self._mirrored.replica_grads(p) if g is not None]
             if grads:
@@ -427,11 +428,18 @@ class Strategy:
                 for g in grads:
                     total.add_(g.to(total.device, non_blocking=True))
                 p.grad = total
-            if self.num_workers > 1:
+            if self.num_workers > 1 and p.requires_grad:  # the parameters the overlapped reducer buckets
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 to_reduce.append(p.grad)
-        reduce_gradients(self._communicator, to_reduce, DEFAULT_BYTES_PER_PACK, self._comm_hook)
+                reduced.append(p)
+        # bucketed as the overlapped reducer does (comm.gradient_reducer.bucket_layout): bucket.index is the same
+        reduce_gradients(self._communicator, to_reduce, self._gradient_bucket_bytes(), self._comm_hook,
+                         parameters=reduced)
+
+    def _gradient_bucket_bytes(self) -> int:
+        """The bucket size of the reduction across workers (a strategy with ``CommunicationOptions``: theirs)."""
+        return DEFAULT_BYTES_PER_PACK
 
     def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., None],
                              set_to_none: bool) -> None:

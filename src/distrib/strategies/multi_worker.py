@@ -115,6 +115,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._reducers[optimizer] = reducer
             weakref.finalize(optimizer, reducer.close)
 
+    def _gradient_bucket_bytes(self) -> int:
+        return self._options.bucket_bytes  # bytes_per_pack, on the several-local-replicas path too
+
     def _apply_update(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         reducer = self._reducers.get(optimizer)
