@@ -66,6 +66,7 @@ class ProcessGroupCommunicator:
                  device: Optional[torch.device] = None) -> None:
         self.options = options
         self._rank, self._world_size = rank, world_size
+        self._long_groups: dict[float, Any] = {}  # barrier timeout -> its gloo group (torch without set_timeout)
         self.backend = options.backend(uses_cuda)
         if dist.is_initialized():
             if dist.get_world_size() != world_size or dist.get_rank() != rank:
@@ -202,6 +203,18 @@ class ProcessGroupCommunicator:
             return
         # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        if not hasattr(backend, "set_timeout"):
+            # older torch (2.4 has no ProcessGroupGloo.set_timeout): a gloo group of the whole world made with
+            # that timeout, once per length (new_group is collective, and every worker reaches this barrier
+            # with the same length). monitored_barrier would not do: its waiting ranks keep the group's timeout.
+            def long_barrier() -> None:  # the group's making waits for the others too: inside the guard
+                if timeout not in self._long_groups:
+                    self._long_groups[timeout] = dist.new_group(backend="gloo",
+                                                                timeout=datetime.timedelta(seconds=timeout))
+                dist.barrier(group=self._long_groups[timeout])
+
+            self._guard("barrier", long_barrier)
+            return
         backend.set_timeout(datetime.timedelta(seconds=timeout))
         try:
             self._guard("barrier", lambda: dist.barrier())
