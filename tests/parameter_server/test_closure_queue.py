@@ -1,11 +1,12 @@
 """TF's ``CoordinatedClosureQueueTest`` (tensorflow/python/distribute/coordinator/cluster_coordinator_test.py),
 ported against distrib's ``ClosureQueue``: the queue of scheduled functions behind ``ClusterCoordinator``.
 
-TF's ``_CoordinatedClosureQueue`` is internal, as distrib's ``ClosureQueue`` is, so these ports live beside the
-other dispatch tests rather than in tests/conformance/test_cluster_coordinator.py (which ports the public API).
-``get`` / ``put_back`` / ``mark_finished`` / ``mark_failed`` are ``take`` / ``requeue`` / ``finish`` / ``fail``;
-``wait`` and ``done`` are what ``ClusterCoordinator.join`` and ``done`` do. Not ported: testPutGetWithTag
-(distrib's queue has no tags).
+TF's ``_CoordinatedClosureQueue`` is internal, as distrib's ``ClosureQueue`` is (it lives in the coordinator's
+dispatch state, parameter_server/client/dispatch_state.py), so these ports live beside the other dispatch tests
+rather than in tests/conformance/test_cluster_coordinator.py (which ports the public API). ``get`` / ``put_back`` /
+``mark_finished`` / ``mark_failed`` are ``take`` / ``requeue`` / ``finish`` / ``fail``; ``wait`` and ``done`` are
+the same (what ``ClusterCoordinator.join`` and ``done`` call), and ``stop`` is ``close``. Every call goes through
+the queue's public methods, as the worker threads' do. Not ported: testPutGetWithTag (distrib's queue has no tags).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import pytest
 
-from distrib.parameter_server.client.dispatch import Closure, ClosureQueue
+from distrib.parameter_server.client.dispatch_state import Closure, ClosureQueue
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
 from distrib.parameter_server.errors import ClosureCancelledError
 from distrib.parameter_server.transport import pickling
@@ -24,20 +25,6 @@ from distrib.parameter_server.transport import pickling
 
 def _closure(fn=lambda: 1.0) -> Closure:
     return Closure(pickling.dumps(fn, lambda obj: None), (), {})
-
-
-def _wait(queue: ClosureQueue) -> None:
-    """What ``ClusterCoordinator.join`` does: wait until nothing is pending or running, raise the first error."""
-    with queue.cond:
-        while not queue.idle() and queue.fatal is None:
-            queue.cond.wait()
-        queue.raise_error(clear=True)
-
-
-def _done(queue: ClosureQueue) -> bool:
-    with queue.cond:
-        queue.raise_error(clear=True)
-        return queue.idle()
 
 
 def _take(queue: ClosureQueue) -> Closure:
@@ -51,12 +38,12 @@ def test_queue_basic():
     closure1 = _closure()
     queue.put(closure1)
     assert _take(queue) is closure1
-    assert not _done(queue)
+    assert not queue.done()
     queue.requeue(closure1)
     assert _take(queue) is closure1
     queue.finish(closure1, 1.0)
-    assert _done(queue)
-    _wait(queue)
+    assert queue.done()
+    queue.wait()
 
 
 def test_queue_process_at_least_once():
@@ -89,11 +76,9 @@ def test_queue_process_at_least_once():
     for t in threads:
         t.start()
     for _ in range(4):  # several waits are fine
-        _wait(queue)
+        queue.wait()
     assert processed == collections.Counter(labels) and not errors
-    with queue.cond:
-        queue.closed = True
-        queue.cond.notify_all()
+    queue.close()
     for t in threads:
         t.join(timeout=10)
 
@@ -105,7 +90,7 @@ def test_queue_notify_before_wait():
     t = threading.Thread(target=lambda: queue.finish(_take(queue), None))
     t.start()
     t.join()
-    _wait(queue)  # waiting once the function was processed does not block
+    queue.wait()  # waiting once the function was processed does not block
 
 
 def test_queue_wait_raise_error_after_mark_failure():
@@ -123,10 +108,10 @@ def test_queue_wait_raise_error_after_mark_failure():
     t = threading.Thread(target=mark_failed)
     t.start()
     with pytest.raises(ValueError):
-        _wait(queue)  # does not return before the running function is settled
+        queue.wait()  # does not return before the running function is settled
     assert failed.is_set()
     t.join()
-    assert _done(queue)
+    assert queue.done()
 
 
 def _two_closures_one_taken() -> tuple[ClosureQueue, Closure, Closure]:
@@ -144,7 +129,7 @@ def test_queue_put_raise_error():
     queue.fail(closure1, ValueError(), fatal=False)
     with pytest.raises(ValueError):
         queue.put(_closure())
-    assert _done(queue)
+    assert queue.done()
     with pytest.raises(ClosureCancelledError, match="not run because an earlier scheduled function failed"):
         closure2.value.fetch()
     queue.put(_closure())  # the error is cleared
@@ -155,20 +140,20 @@ def test_queue_wait_raise_error():
     queue, closure1, closure2 = _two_closures_one_taken()
     queue.fail(closure1, ValueError(), fatal=False)
     with pytest.raises(ValueError):
-        _wait(queue)
-    assert _done(queue)
+        queue.wait()
+    assert queue.done()
     with pytest.raises(ClosureCancelledError):
         closure2.value.fetch()
-    _wait(queue)  # the error is cleared
+    queue.wait()  # the error is cleared
 
 
 def test_queue_done_raise_error():
     """TF: cluster_coordinator_test.py, CoordinatedClosureQueueTest.testDoneRaiseError."""
     queue, closure1, _ = _two_closures_one_taken()
-    assert not _done(queue)
+    assert not queue.done()
     queue.fail(closure1, ValueError(), fatal=False)
     with pytest.raises(ValueError):
-        _done(queue)
+        queue.done()
 
 
 @pytest.mark.parametrize("call_wait", [True, False], ids=["Wait", "Put"])
@@ -178,9 +163,9 @@ def test_queue_raise_error_after_cancel_closure(call_wait):
     queue, closure1, closure2 = _two_closures_one_taken()
     queue.put(_closure())
     assert _take(queue) is closure2
-    assert queue.inflight == 2 and len(queue.pending) == 1
+    assert queue.inflight_count == 2 and queue.pending_count == 1
     queue.fail(closure1, ValueError("Some error."), fatal=False)
-    assert queue.inflight == 1 and not queue.pending  # the one not started is cancelled
+    assert queue.inflight_count == 1 and queue.pending_count == 0  # the one not started is cancelled
     closure3 = _closure()
 
     def fake_cancellation():
@@ -191,7 +176,7 @@ def test_queue_raise_error_after_cancel_closure(call_wait):
     t.start()
     with pytest.raises(ValueError, match="Some error."):  # the first error, not the later one
         if call_wait:
-            _wait(queue)
+            queue.wait()
         else:
             t.join()
             queue.put(closure3)
@@ -209,7 +194,7 @@ def test_queue_raise_error_after_cancel_closure(call_wait):
 def test_queue_state_is_restored_after_join_is_called():
     """TF: cluster_coordinator_test.py, CoordinatedClosureQueueTest.testStateIsRestoredAfterJoinIsCalled."""
     queue, closure1, _ = _two_closures_one_taken()
-    assert queue.inflight == 1
+    assert queue.inflight_count == 1
     queue.fail(closure1, ValueError("test error"), fatal=False)
     with pytest.raises(ValueError):
         queue.put(_closure())
@@ -236,7 +221,7 @@ def test_queue_thread_safety():
         t.start()
     for _ in range(thread_count * action_count // 2):
         queue.put(_closure())
-    _wait(queue)
-    assert _done(queue)
+    queue.wait()
+    assert queue.done()
     for t in threads:
         t.join(timeout=10)

@@ -199,3 +199,37 @@ def test_a_lost_parameter_server_fails_the_coordinator_for_good():
     with pytest.raises(ParameterServerUnavailableError):
         coordinator.schedule(_identity, args=(9,))
     coordinator.close()
+
+
+def test_one_coordinator_per_strategy_built_once_and_made_anew_after_close():
+    """TF's ``ClusterCoordinator(strategy)`` gives the strategy's coordinator; distrib's runs ``__init__`` once."""
+    connects: list[str] = []
+
+    def connect(*args: Any, **kwargs: Any) -> FakeWorker:
+        connects.append(args[0])
+        return FakeWorker(lambda w, x: ("ok", x), *args, **kwargs)
+
+    strategy = FakeStrategy(2)
+    built: list[ClusterCoordinator] = []
+    barrier = threading.Barrier(4)
+
+    def build() -> None:
+        barrier.wait()  # four threads construct at once: one coordinator
+        built.append(ClusterCoordinator(strategy, probe_interval=0.01, connect=connect))  # type: ignore[arg-type]
+
+    with pytest.warns(UserWarning, match="already has a coordinator.*ignored"):  # the three that found it
+        threads = [threading.Thread(target=build) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+    first = built[0]
+    assert all(c is first for c in built) and strategy.cluster_coordinator is first
+    assert ClusterCoordinator(strategy) is first  # type: ignore[arg-type]
+    assert sorted(connects) == ["w0:1", "w1:1"]  # __init__ ran once: one connection per worker, no more
+    assert first.fetch(first.schedule(_identity, args=(5,))) == 5
+    first.close()
+    assert strategy.cluster_coordinator is None
+    second = ClusterCoordinator(strategy, probe_interval=0.01, connect=connect)  # type: ignore[arg-type]
+    assert second is not first and strategy.cluster_coordinator is second and len(connects) == 4
+    second.close()

@@ -156,17 +156,17 @@ def test_failure_policy_retries_lost_workers_and_raises_the_rest():
 
 def test_remote_value_allows_only_documented_transitions():
     rv = RemoteValue()
-    rv._transition(RemoteValueStatus.RUNNING)
-    rv._transition(RemoteValueStatus.PENDING)  # worker lost: back to the queue
-    rv._transition(RemoteValueStatus.RUNNING)
+    rv.transition(RemoteValueStatus.RUNNING)
+    rv.transition(RemoteValueStatus.PENDING)  # worker lost: back to the queue
+    rv.transition(RemoteValueStatus.RUNNING)
     assert rv.attempts == 2
-    rv._transition(RemoteValueStatus.READY, value=torch.ones(1))
+    rv.transition(RemoteValueStatus.READY, value=torch.ones(1))
     assert rv.fetch().item() == 1.0
     with pytest.raises(RuntimeError, match="cannot go from READY to RUNNING"):
-        rv._transition(RemoteValueStatus.RUNNING)
+        rv.transition(RemoteValueStatus.RUNNING)
     pending = RemoteValue()
     with pytest.raises(RuntimeError, match="PENDING to READY"):
-        pending._transition(RemoteValueStatus.READY)
+        pending.transition(RemoteValueStatus.READY)
     with pytest.raises(TimeoutError):
         pending.fetch(timeout=0.01)
 

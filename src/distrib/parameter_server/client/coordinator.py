@@ -10,6 +10,11 @@ Two state machines run it:
   :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy` turns into a retry
   on another worker or an error raised by ``join``.
 
+The worker threads share a
+:class:`~distrib.parameter_server.client.dispatch_state.DispatchState` (the queue, the
+failure policy, batching, datasets) that the coordinator owns and hands to each; they call
+its public methods and know nothing else of the coordinator.
+
 A function is pickled once (see :mod:`~distrib.parameter_server.transport.pickling`) and sent
 to each worker once; later calls send only its digest and arguments. Short functions
 share a round trip (batches of up to 2 ms of expected work).
@@ -30,16 +35,17 @@ Example::
 from __future__ import annotations
 
 import collections
-import time
+import threading
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch.utils._pytree as pytree
 
-from distrib.parameter_server.transport import pickling, wire
-from distrib.parameter_server.client.dispatch import (Closure, ClosureQueue, PerWorkerIterator, WorkerThread,
-                                               fetch_remote_values)
-from distrib.parameter_server.errors import PeerUnavailableError, RemoteProtocolError
+from distrib.parameter_server.transport import pickling
+from distrib.parameter_server.client.dispatch import PerWorkerIterator, WorkerThread, fetch_remote_values
+from distrib.parameter_server.client.dispatch_state import Closure, DispatchState
+from distrib.parameter_server.errors import PeerUnavailableError
 from distrib.parameter_server.client.failure_policy import FailurePolicy
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
 from distrib.parameter_server.transport.rpc import Connection
@@ -69,10 +75,40 @@ class PerWorkerDataset:
         return PerWorkerIterator(self.dataset_id, self._on_release)
 
 
-class ClusterCoordinator:
+class _OnePerStrategy(type):
+    """Makes ``ClusterCoordinator(strategy)`` return the strategy's coordinator when it already has one.
+
+    TF keeps one coordinator per strategy with ``__new__`` returning the existing one; but
+    Python then runs ``__init__`` again on what ``__new__`` returned, so each ``__init__``
+    must detect that it already ran. Deciding in the class's ``__call__`` (this metaclass)
+    instead means the existing coordinator is returned untouched and ``__init__`` runs
+    exactly once per coordinator. A factory function or classmethod alone would not do:
+    the public constructor ``ClusterCoordinator(strategy)`` must keep TF's semantics. The
+    registry is the strategy's public ``cluster_coordinator`` attribute (TF's
+    ``strategy._cluster_coordinator``): it lives and dies with the strategy, and
+    ``close()`` clears it. A lock makes two threads constructing at once get one
+    coordinator (TF leaves that as a TODO).
+    """
+
+    _lock = threading.Lock()
+
+    def __call__(cls, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        with _OnePerStrategy._lock:
+            existing = getattr(strategy, "cluster_coordinator", None)
+            if not isinstance(existing, cls):
+                return super().__call__(strategy, *args, **kwargs)
+        if args or kwargs:
+            warnings.warn(f"ClusterCoordinator(strategy, ...): this strategy already has a coordinator, which is "
+                          f"returned as it is; the options {sorted(kwargs) or list(args)} are ignored. Call "
+                          "close() on it first to make one with other options", stacklevel=2)
+        return existing
+
+
+class ClusterCoordinator(metaclass=_OnePerStrategy):
     """Schedules functions on the workers (``tf.distribute.experimental.coordinator.ClusterCoordinator``).
 
-    One per strategy: creating a second one for the same strategy returns the first.
+    One per strategy: creating a second one for the same strategy returns the first (as
+    in TF; options given to that second call are ignored, with a warning).
     ``failure_policy`` decides retries (default: TF's, see
     :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy`); ``probe_interval``
     is how often (seconds) an unreachable worker is asked whether it is back.
@@ -104,18 +140,10 @@ class ClusterCoordinator:
     See the module docstring for a runnable example.
     """
 
-    def __new__(cls, strategy: Any, *args: Any, **kwargs: Any) -> "ClusterCoordinator":
-        existing = getattr(strategy, "cluster_coordinator", None)
-        if isinstance(existing, cls):
-            return existing
-        return super().__new__(cls)
-
     def __init__(self, strategy: "ParameterServerStrategy", failure_policy: Optional[FailurePolicy] = None,
                  probe_interval: float = 0.25, connect: Callable[..., Connection] = Connection, *,
                  heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT,
                  heartbeat_interval: Optional[float] = None) -> None:
-        if getattr(self, "_initialized", False):
-            return
         if not getattr(strategy, "should_use_with_coordinator", False) or not strategy.on_coordinator:
             raise ValueError(f"ClusterCoordinator(strategy) needs the coordinator's ParameterServerStrategy, got "
                              f"{strategy!r}")
@@ -123,37 +151,22 @@ class ClusterCoordinator:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"ClusterCoordinator({name}={value!r}): must be a positive number of seconds or None")
         self.strategy = strategy
-        self._failure_policy = failure_policy or FailurePolicy()
-        self._probe_interval = probe_interval
-        self._heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
-        self._heartbeat_interval = float(heartbeat_interval or min(1.0, (heartbeat_timeout or 3.0) / 3))
-        self._released: list[str] = []  # per-worker iterators the coordinator dropped, in order
-        self._queue = ClosureQueue()
         # Short functions share a round trip: a worker takes several at once while their
-        # estimated run time (a moving average of what each function took) fits this budget.
-        self._batch_seconds = 0.002
-        self._max_batch = 64
-        self._seconds: dict[str, float] = {}
+        # estimated run time (a moving average of what each function took) fits 2 ms.
+        self._dispatch = DispatchState(
+            failure_policy or FailurePolicy(), probe_interval=probe_interval,
+            heartbeat_timeout=None if heartbeat_timeout is None else float(heartbeat_timeout),
+            heartbeat_interval=float(heartbeat_interval or min(1.0, (heartbeat_timeout or 3.0) / 3)),
+            batch_seconds=0.002, max_batch=64)
         self._functions: collections.OrderedDict[Any, pickling.Payload] = collections.OrderedDict()
-        self._datasets: dict[str, pickling.Payload] = {}
         addresses = strategy.cluster_spec.job_tasks("worker")
-        self._workers = [WorkerThread(self, i, a, connect) for i, a in enumerate(addresses)]
+        self._workers = [WorkerThread(self._dispatch, strategy, i, a, connect) for i, a in enumerate(addresses)]
         strategy.cluster_coordinator = self
-        self._initialized = True
 
     def __reduce__(self) -> tuple:
         raise TypeError("a scheduled function cannot capture the ClusterCoordinator; schedule from the coordinator only")
 
     # ------------------------------------------------------------------ scheduling
-    def _estimate(self, closure: Closure) -> float:
-        """Expected run time of a closure; unknown functions count as a whole batch budget (run alone)."""
-        return self._seconds.get(closure.payload.digest, self._batch_seconds)
-
-    def _observe(self, closure: Closure, seconds: float) -> None:
-        digest = closure.payload.digest
-        old = self._seconds.get(digest)
-        self._seconds[digest] = seconds if old is None else 0.8 * old + 0.2 * seconds
-
     def _payload(self, fn: Callable[..., Any]) -> pickling.Payload:
         try:
             key: Any = fn
@@ -185,12 +198,12 @@ class ClusterCoordinator:
         """
         closure = Closure(self._payload(fn), tuple(args), dict(kwargs or {}))
         self._check_iterators((closure.args, closure.kwargs))
-        self._queue.put(closure)
+        self._dispatch.put(closure)
         return closure.value
 
     def _check_iterators(self, structure: Any) -> None:
         for x in pytree.tree_leaves(structure):
-            if isinstance(x, PerWorkerIterator) and x.dataset_id not in self._datasets:
+            if isinstance(x, PerWorkerIterator) and not self._dispatch.has_dataset(x.dataset_id):
                 raise ValueError("a per-worker iterator from another ClusterCoordinator was passed to schedule(); "
                                  "call create_per_worker_dataset on this coordinator and iterate that")
 
@@ -201,22 +214,14 @@ class ClusterCoordinator:
         ``join`` has raised the error, scheduling works again. ``timeout`` (seconds,
         a distrib extension) raises TimeoutError instead of waiting longer.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        q = self._queue
-        with q.cond:
-            while not q.idle() and q.fatal is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"join(): {len(q.pending)} function(s) pending and {q.inflight} running "
-                                       f"after {timeout}s; workers: {self.worker_states()}")
-                q.cond.wait(left)
-            q.raise_error(clear=True)
+        state = self._dispatch
+        if not state.wait(timeout):
+            raise TimeoutError(f"join(): {state.pending_count} function(s) pending and {state.inflight_count} "
+                               f"running after {timeout}s; workers: {self.worker_states()}")
 
     def done(self) -> bool:
         """Whether every scheduled function has finished; raises the first error among them."""
-        with self._queue.cond:
-            self._queue.raise_error(clear=True)
-            return self._queue.idle()
+        return self._dispatch.done()
 
     def fetch(self, val: Any) -> Any:
         """``val`` with every RemoteValue in it (nested in lists, tuples, dicts) replaced by its result."""
@@ -231,19 +236,12 @@ class ClusterCoordinator:
         """
         dataset_id = uuid.uuid4().hex[:16]
         try:
-            self._datasets[dataset_id] = pickling.dumps(dataset_fn, self.strategy.persistent_id)
+            payload = pickling.dumps(dataset_fn, self.strategy.persistent_id)
         except Exception as e:
             raise TypeError(f"cannot send the dataset function to the workers: {e}. It must be picklable by "
                             "cloudpickle (build the dataset inside the function rather than capturing it)") from e
-        return PerWorkerDataset(dataset_id, self._released.append)
-
-    def _merge_metrics(self, deltas: Any) -> None:
-        """Add what a completed call added to the workers' copies of metrics into the coordinator's."""
-        if deltas:
-            merge = getattr(self.strategy, "merge_metric_deltas", None)
-            if merge is None:
-                raise RemoteProtocolError("a worker sent metric updates but the strategy cannot take them")
-            merge(deltas)
+        self._dispatch.add_dataset(dataset_id, payload)
+        return PerWorkerDataset(dataset_id, self._dispatch.release_iterator)
 
     # ------------------------------------------------------------------ introspection
     def worker_states(self) -> dict[str, str]:
@@ -255,7 +253,7 @@ class ClusterCoordinator:
         stats = []
         for w in self._workers:
             try:
-                stats.append(wire.decode(w.conn.call("Health", wire.encode({}), timeout=5.0)))
+                stats.append(w.health(timeout=5.0))
             except PeerUnavailableError:
                 stats.append({"task": w.task, "ok": False})
         return stats
@@ -266,11 +264,8 @@ class ClusterCoordinator:
 
     def close(self) -> None:
         """Stop the coordinator's threads (functions still running finish on their workers)."""
-        with self._queue.cond:
-            self._queue.closed = True
-            self._queue.cond.notify_all()
+        self._dispatch.close()
         for w in self._workers:
-            w.thread.join(timeout=5)
-            w.conn.close()
+            w.stop(timeout=5)
         if self.strategy.cluster_coordinator is self:
             self.strategy.cluster_coordinator = None

@@ -46,8 +46,8 @@ class RemoteValue:
     Example::
 
         >>> rv = RemoteValue()
-        >>> rv._transition(RemoteValueStatus.RUNNING)
-        >>> rv._transition(RemoteValueStatus.READY, value=3)
+        >>> rv.transition(RemoteValueStatus.RUNNING)
+        >>> rv.transition(RemoteValueStatus.READY, value=3)
         >>> rv.status, rv.fetch()
         (<RemoteValueStatus.READY: 'ready'>, 3)
     """
@@ -69,7 +69,15 @@ class RemoteValue:
     def status(self) -> RemoteValueStatus:
         return self._status
 
-    def _transition(self, new: RemoteValueStatus, value: Any = None, error: Optional[BaseException] = None) -> None:
+    def transition(self, new: RemoteValueStatus, value: Any = None, error: Optional[BaseException] = None) -> None:
+        """Move to status ``new`` (with the result ``value`` or the ``error``), if the life cycle allows it.
+
+        Called by the coordinator's :class:`~distrib.parameter_server.client.dispatch_state.ClosureQueue`
+        as the function is taken, put back, finished, failed or cancelled; user code only reads
+        ``status`` and calls ``fetch``. A transition the module docstring does not list raises
+        RuntimeError (a bug in the dispatch, never a silent overwrite of a final result).
+        Going to RUNNING counts one more attempt.
+        """
         with self._lock:
             if new not in _ALLOWED.get(self._status, ()):
                 raise RuntimeError(f"RemoteValue cannot go from {self._status.name} to {new.name}")

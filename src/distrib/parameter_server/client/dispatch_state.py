@@ -1,0 +1,357 @@
+"""The coordinator's dispatch state: what its worker threads share, behind public methods.
+
+A :class:`~distrib.parameter_server.client.coordinator.ClusterCoordinator` owns one
+:class:`DispatchState` and hands it to each of its
+:class:`~distrib.parameter_server.client.dispatch.WorkerThread` s; the threads know the
+coordinator only through it. It holds:
+
+* the :class:`ClosureQueue`: functions not yet run, the number running, and the error
+  ``join`` raises (TF's ``_CoordinatedClosureQueue``). Its methods move each function's
+  :class:`~distrib.parameter_server.client.remote_value.RemoteValue` through its life
+  cycle: ``take`` (PENDING -> RUNNING), ``requeue`` (RUNNING -> PENDING, to the front),
+  ``finish`` (-> READY), ``fail`` (-> FAILED, and the functions not started are
+  cancelled, or failed too if the error is fatal);
+* how short functions are batched: a moving average of each function's run time, so
+  that a free worker takes several short ones at once within a budget of expected work;
+* the :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy` (retry a
+  lost worker's function elsewhere, or raise);
+* the datasets the coordinator created and the per-worker iterators it dropped, which
+  each worker is sent once;
+* the heartbeat and probe settings the threads time their worker with.
+
+Example::
+
+    >>> from distrib.parameter_server.transport import pickling
+    >>> state = DispatchState(FailurePolicy(), probe_interval=0.25, heartbeat_timeout=None, heartbeat_interval=1.0)
+    >>> closure = Closure(pickling.dumps(len, lambda obj: None), ([1, 2],), {})
+    >>> state.put(closure)
+    >>> [taken] = state.next_batch()          # what a worker thread does
+    >>> state.finish(taken, 2)
+    >>> state.wait(timeout=1.0), closure.value.fetch()
+    (True, 2)
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from distrib.parameter_server.client.failure_policy import Decision, FailureKind, FailurePolicy
+from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.errors import ClosureCancelledError
+from distrib.parameter_server.transport import pickling
+
+__all__ = ["Closure", "ClosureQueue", "DispatchState"]
+
+
+class Closure:
+    """One scheduled call: the pickled function, its arguments, and the RemoteValue its result goes to."""
+
+    __slots__ = ("payload", "args", "kwargs", "value")
+
+    def __init__(self, payload: pickling.Payload, args: tuple, kwargs: dict) -> None:
+        self.payload, self.args, self.kwargs = payload, args, kwargs
+        self.value = RemoteValue()
+
+
+class ClosureQueue:
+    """Functions not yet run, functions running, and the error to raise from ``join``.
+
+    Every method is safe to call from any thread. Worker threads ``take`` functions and
+    settle each one with ``requeue``, ``finish`` or ``fail``; the coordinator ``put`` s them
+    and ``wait`` s (``join``) or asks ``done``. A function error is raised once, by the next
+    ``put``, ``wait`` or ``done``, and then forgotten, as in TF; a fatal error (a lost
+    parameter server) is raised by every later call.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Closure] = collections.deque()
+        self._inflight = 0
+        self._idle_workers = 0  # worker threads waiting in take() for a function
+        self._error: Optional[BaseException] = None
+        self._fatal: Optional[BaseException] = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ what the coordinator calls
+    def put(self, closure: Closure) -> None:
+        """Queue ``closure`` (raises an earlier function error not raised yet, instead of queueing it)."""
+        with self._cond:
+            self._raise_error(clear=True)
+            self._pending.append(closure)
+            self._cond.notify()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until nothing is pending or running; raise the first error. False if ``timeout`` passed first.
+
+        A fatal error ends the wait at once (the functions still running cannot change it).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._idle() and self._fatal is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._raise_error(clear=True)
+        return True
+
+    def done(self) -> bool:
+        """Whether nothing is pending or running; raises the first error (as ``wait`` does)."""
+        with self._cond:
+            self._raise_error(clear=True)
+            return self._idle()
+
+    def close(self) -> None:
+        """Wake every worker thread waiting in ``take``: from now on it returns ``[]`` (the threads end)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ what the worker threads call
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called: a worker thread that sees it stops."""
+        return self._closed
+
+    def take(self, estimate: Callable[[Closure], float], budget: float, limit: int, block: bool = True) -> list[Closure]:
+        """The next functions for one worker: one, and more while their estimated run time fits ``budget``.
+
+        Waits for a function when ``block``; otherwise (a busy worker asking for its next batch
+        ahead of time) returns ``[]`` if none is queued, or if an idle worker waits for one:
+        queued work goes to idle workers first. Returns ``[]`` once the queue is closed.
+        The functions taken go RUNNING (one more attempt each).
+        """
+        with self._cond:
+            while block and not self._pending and not self._closed:
+                self._idle_workers += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._idle_workers -= 1
+            if self._closed or not self._pending or (not block and self._idle_workers):
+                return []
+            batch = [self._pending.popleft()]
+            total = estimate(batch[0])
+            while self._pending and len(batch) < limit:
+                total += estimate(self._pending[0])
+                if total > budget:
+                    break
+                batch.append(self._pending.popleft())
+            self._inflight += len(batch)
+            for closure in batch:
+                closure.value.transition(RemoteValueStatus.RUNNING)
+            return batch
+
+    def requeue(self, closure: Closure) -> None:
+        """A taken function did not run (its worker was lost): back to the front of the queue, PENDING.
+
+        After a fatal error it fails instead: nothing will run it.
+        """
+        with self._cond:
+            self._inflight -= 1
+            if self._fatal is not None:
+                closure.value.transition(RemoteValueStatus.FAILED, error=self._fatal)
+            else:
+                closure.value.transition(RemoteValueStatus.PENDING)
+                self._pending.appendleft(closure)
+            self._cond.notify_all()
+
+    def finish(self, closure: Closure, value: Any) -> None:
+        """A taken function returned ``value``: READY."""
+        with self._cond:
+            self._inflight -= 1
+            closure.value.transition(RemoteValueStatus.READY, value=value)
+            self._cond.notify_all()
+
+    def fail(self, closure: Closure, error: BaseException, fatal: bool) -> None:
+        """A taken function failed with ``error``: FAILED, and every function not started is cancelled.
+
+        ``fatal`` (a parameter server is gone): the functions not started fail with ``error``
+        too, and every later ``put``, ``wait`` and ``done`` raises it.
+        """
+        with self._cond:
+            self._inflight -= 1
+            closure.value.transition(RemoteValueStatus.FAILED, error=error)
+            if fatal:
+                self._fatal = self._fatal or error
+            elif self._error is None:
+                self._error = error
+            cancelled = ClosureCancelledError(f"not run because an earlier scheduled function failed: {error}")
+            while self._pending:
+                pending = self._pending.popleft()
+                pending.value.transition(RemoteValueStatus.FAILED if fatal else RemoteValueStatus.CANCELLED,
+                                         error=error if fatal else cancelled)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ introspection
+    def idle(self) -> bool:
+        """Whether nothing is pending or running (raises nothing, unlike ``done``)."""
+        with self._cond:
+            return self._idle()
+
+    @property
+    def pending_count(self) -> int:
+        """How many functions wait to be taken."""
+        return len(self._pending)
+
+    @property
+    def inflight_count(self) -> int:
+        """How many functions were taken and not settled yet."""
+        return self._inflight
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The function error the next ``put``/``wait``/``done`` raises (None once raised), or the fatal one."""
+        return self._fatal or self._error
+
+    # ------------------------------------------------------------------ internals (call with _cond held)
+    def _idle(self) -> bool:
+        return not self._pending and self._inflight == 0
+
+    def _raise_error(self, clear: bool) -> None:
+        """Raise the fatal error, or the first function error (forgotten once raised if ``clear``).
+
+        Before a function error is raised and forgotten, the functions still running are
+        waited for: their own errors, if any, stay on their RemoteValues, and the error is
+        raised once, as TF's closure queue does, never again by a later ``join`` or ``schedule``.
+        """
+        if self._fatal is not None:
+            raise self._fatal
+        if self._error is not None:
+            if clear:
+                while self._inflight > 0 and self._fatal is None:
+                    self._cond.wait()
+                if self._fatal is not None:
+                    raise self._fatal
+            error = self._error
+            if error is None:  # another thread raised it meanwhile
+                return
+            if clear:
+                self._error = None
+            raise error
+
+
+class DispatchState:
+    """What a coordinator shares with its worker threads: the queue, batching, the failure policy, the data.
+
+    ``probe_interval``: seconds between health checks of an unreachable worker.
+    ``heartbeat_timeout`` (None: no heartbeat) and ``heartbeat_interval``: how long a worker
+    that runs a function may stay silent, and how often it is asked for its health meanwhile.
+    ``batch_seconds`` and ``max_batch``: a free worker takes queued functions while their
+    expected run time fits ``batch_seconds``, at most ``max_batch`` of them; a function never
+    seen before counts as a whole budget (it runs alone).
+    """
+
+    def __init__(self, failure_policy: FailurePolicy, *, probe_interval: float, heartbeat_timeout: Optional[float],
+                 heartbeat_interval: float, batch_seconds: float = 0.002, max_batch: int = 64) -> None:
+        self.failure_policy = failure_policy
+        self.probe_interval = probe_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.batch_seconds = batch_seconds
+        self.max_batch = max_batch
+        self._queue = ClosureQueue()
+        self._seconds: dict[str, float] = {}  # function digest -> moving average of its run time
+        self._datasets: dict[str, pickling.Payload] = {}
+        # Per-worker iterators the coordinator dropped, in order. Appended to by weakref finalizers,
+        # which may run in any thread while it holds any lock: so no lock here (list.append and
+        # slicing are atomic), and each worker remembers how many of them it was told of.
+        self._released: list[str] = []
+
+    # ------------------------------------------------------------------ the queue (the coordinator's side)
+    def put(self, closure: Closure) -> None:
+        """Queue a scheduled function (raises an earlier function error not raised yet)."""
+        self._queue.put(closure)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """What ``join`` waits for: see :meth:`ClosureQueue.wait`."""
+        return self._queue.wait(timeout)
+
+    def done(self) -> bool:
+        """What ``done`` answers: see :meth:`ClosureQueue.done`."""
+        return self._queue.done()
+
+    def close(self) -> None:
+        """Stop handing out functions: every worker thread ends at its next ``next_batch``."""
+        self._queue.close()
+
+    @property
+    def pending_count(self) -> int:
+        return self._queue.pending_count
+
+    @property
+    def inflight_count(self) -> int:
+        return self._queue.inflight_count
+
+    # ------------------------------------------------------------------ the queue (the worker threads' side)
+    @property
+    def closed(self) -> bool:
+        """Whether the coordinator closed: a worker thread that sees it ends."""
+        return self._queue.closed
+
+    def next_batch(self, block: bool = True) -> list[Closure]:
+        """The next functions for a free worker (see :meth:`ClosureQueue.take`), batched by expected run time."""
+        return self._queue.take(self._estimate, self.batch_seconds, self.max_batch, block=block)
+
+    def requeue(self, closure: Closure) -> None:
+        """A taken function did not run: back to the front of the queue (see :meth:`ClosureQueue.requeue`)."""
+        self._queue.requeue(closure)
+
+    def finish(self, closure: Closure, value: Any) -> None:
+        """A taken function returned ``value``: READY."""
+        self._queue.finish(closure, value)
+
+    def fail(self, closure: Closure, error: BaseException, fatal: bool) -> None:
+        """A taken function failed for good: see :meth:`ClosureQueue.fail`."""
+        self._queue.fail(closure, error, fatal)
+
+    def decide(self, kind: FailureKind, closure: Closure) -> Decision:
+        """The failure policy's decision on a failure of ``kind`` of ``closure``'s latest attempt."""
+        return self.failure_policy.decide(kind, closure.value.attempts)
+
+    def settle(self, closure: Closure, error: BaseException, decision: Decision) -> None:
+        """Carry out ``decision`` on a failed ``closure``: requeue it (RETRY) or fail it with ``error``."""
+        if decision is Decision.RETRY:
+            self.requeue(closure)
+        else:
+            self.fail(closure, error, fatal=decision is Decision.RAISE_FATAL)
+
+    # ------------------------------------------------------------------ batching
+    def _estimate(self, closure: Closure) -> float:
+        """Expected run time of a closure; unknown functions count as a whole batch budget (run alone)."""
+        return self._seconds.get(closure.payload.digest, self.batch_seconds)
+
+    def observe(self, closure: Closure, seconds: float) -> None:
+        """``closure``'s function ran for ``seconds`` on its worker: update its expected run time."""
+        digest = closure.payload.digest
+        old = self._seconds.get(digest)
+        self._seconds[digest] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    # ------------------------------------------------------------------ datasets and iterators
+    def add_dataset(self, dataset_id: str, payload: pickling.Payload) -> None:
+        """Record a dataset function the coordinator created, to send to each worker that needs it."""
+        self._datasets[dataset_id] = payload
+
+    def has_dataset(self, dataset_id: str) -> bool:
+        """Whether ``dataset_id`` was created by this coordinator."""
+        return dataset_id in self._datasets
+
+    def dataset(self, dataset_id: str) -> pickling.Payload:
+        """The pickled dataset function of ``dataset_id``."""
+        return self._datasets[dataset_id]
+
+    def release_iterator(self, iterator_id: str) -> None:
+        """The coordinator dropped a per-worker iterator: each worker drops its own with its next call."""
+        self._released.append(iterator_id)
+
+    @property
+    def released_count(self) -> int:
+        """How many per-worker iterators were released so far (a worker's starting point when it is fresh)."""
+        return len(self._released)
+
+    def released_since(self, count: int) -> list[str]:
+        """The iterators released after the first ``count`` (what a worker told of ``count`` has yet to drop)."""
+        return self._released[count:]
