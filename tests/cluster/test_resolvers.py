@@ -243,3 +243,56 @@ def test_two_real_workers_meet_at_the_rendezvous_address_when_tf_config_has_an_r
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out
         assert f"RESULT {i} 2 3.0" in out, out
+
+
+# ------------------------------------------------------------------ the registry resolve() walks (issue 19, item 6)
+def test_resolve_asks_the_registered_resolvers_in_order():
+    from distrib.cluster import TorchrunClusterResolver, registered_resolvers
+
+    assert registered_resolvers() == (TFConfigClusterResolver, TorchrunClusterResolver, SlurmClusterResolver)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    both = {**torchrun, "TF_CONFIG": tf_config()}  # distrib launch exports both: TF_CONFIG is asked first
+    assert type(resolve(torchrun)) is TorchrunClusterResolver and type(resolve(both)) is TFConfigClusterResolver
+    assert resolve({}) is None
+
+
+def test_the_base_declares_detect_and_a_resolver_of_ones_own_is_found_once_registered(monkeypatch):
+    import distrib.cluster.resolver as resolver_module
+    from distrib.cluster import ClusterResolver, register_resolver, registered_resolvers
+
+    monkeypatch.setattr(resolver_module, "_REGISTERED", list(registered_resolvers()))  # undone after the test
+    assert not ClusterResolver.detect({"TF_CONFIG": tf_config()})  # the base reads no environment
+    assert not SimpleClusterResolver.detect({"TF_CONFIG": tf_config()})
+    assert SimpleClusterResolver(ClusterSpec(TWO), "worker", 0).spans_hosts is None  # cannot tell
+
+    class Scheduler(ClusterResolver):
+        @classmethod
+        def detect(cls, environ=None):
+            return "MY_SCHEDULER_RANK" in (environ or {})
+
+        @classmethod
+        def from_environment(cls, environ=None):
+            resolver = cls()
+            resolver.task_type, resolver.task_id = "worker", (environ or {})["MY_SCHEDULER_RANK"]
+            return resolver
+
+        def cluster_spec(self):
+            return ClusterSpec(TWO)
+
+    env = {"MY_SCHEDULER_RANK": "1", "TF_CONFIG": tf_config()}
+    assert type(resolve(env)) is TFConfigClusterResolver  # not registered: not asked
+    register_resolver(Scheduler)
+    assert type(resolve(env)) is TFConfigClusterResolver  # asked after TF_CONFIG's
+    register_resolver(Scheduler, first=True)
+    found = resolve(env)
+    assert type(found) is Scheduler and worker_rank(found) == (1, 2)
+    assert registered_resolvers()[0] is Scheduler and registered_resolvers().count(Scheduler) == 1
+
+    class NoDetect(ClusterResolver):
+        def cluster_spec(self):
+            return ClusterSpec(TWO)
+
+    with pytest.raises(TypeError, match="NoDetect does not declare detect"):
+        register_resolver(NoDetect)
+    with pytest.raises(NotImplementedError, match="NoDetect reads no environment"):
+        NoDetect.from_environment({})

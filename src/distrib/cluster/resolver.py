@@ -8,17 +8,22 @@ for the few differences). Two members are distrib's own:
   the workers of ``MultiWorkerMirroredStrategy`` meet. TF's ``master()`` is something else
   (the address of *this* task, or a session master, prefixed ``grpc://``), kept as TF has it.
 - ``worker_rank(resolver)``: ``(rank, world_size)`` of this task among the chief and workers.
+- ``spans_hosts``: whether the workers run on several hosts, where the resolver can tell.
+
+A resolver that reads an environment (``TF_CONFIG``, torchrun's or Slurm's variables)
+declares ``detect`` and ``from_environment``; :func:`resolve` asks the resolvers given
+to :func:`register_resolver`, in order, and builds the first that detects its environment.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, TypeVar, Union
 
 from distrib.cluster.spec import ClusterSpec, parse_task_index
 
 __all__ = ["ClusterResolver", "SimpleClusterResolver", "UnionClusterResolver", "UnionResolver",
-           "format_master_url", "worker_rank"]
+           "format_master_url", "register_resolver", "registered_resolvers", "resolve", "worker_rank"]
 
 
 def format_master_url(master: str, rpc_layer: Optional[str] = None) -> str:
@@ -60,6 +65,30 @@ class ClusterResolver(abc.ABC):
     @abc.abstractmethod
     def cluster_spec(self) -> ClusterSpec:
         """The cluster as a ``ClusterSpec``."""
+
+    @classmethod
+    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
+        """Whether ``environ`` (default ``os.environ``) describes a cluster this resolver reads.
+
+        :func:`resolve` asks each registered resolver in turn. The base reads no
+        environment (it is given its values), so it detects nothing.
+        """
+        return False
+
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "ClusterResolver":
+        """This resolver read from ``environ`` (default ``os.environ``): what :func:`resolve` returns once
+        :meth:`detect` is True. A resolver that reads an environment overrides both."""
+        raise NotImplementedError(f"{cls.__name__} reads no environment: build it from its values")
+
+    @property
+    def spans_hosts(self) -> Optional[bool]:
+        """Whether the chief and workers run on several hosts; None when this resolver cannot tell.
+
+        Strategies use it to choose the network interface (see ``comm/process_group.py``);
+        with None they judge from the hosts' addresses. distrib's own.
+        """
+        return None
 
     def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
                rpc_layer: Optional[str] = None) -> str:
@@ -165,6 +194,53 @@ def worker_rank(resolver: ClusterResolver) -> tuple[int, int]:
     if task not in tasks:
         raise ValueError(f"this task ({task[0]} {task[1]}) is not in the cluster {spec!r}: check TF_CONFIG's 'task.index'")
     return tasks.index(task), len(tasks)
+
+
+R = TypeVar("R", bound=type[ClusterResolver])
+
+_REGISTERED: list[type[ClusterResolver]] = []
+
+
+def register_resolver(resolver: R, *, first: bool = False) -> R:
+    """Let :func:`resolve` find ``resolver`` (a class declaring ``detect`` and ``from_environment``).
+
+    Resolvers are asked in registration order; ``first=True`` asks this one before
+    the others (an environment of your own that also sets, say, ``TF_CONFIG``).
+    distrib registers ``TF_CONFIG``'s, then torchrun's, then Slurm's. Registering a
+    class again moves it. Usable as a decorator; returns ``resolver``.
+    """
+    if not (isinstance(resolver, type) and issubclass(resolver, ClusterResolver)):
+        raise TypeError(f"register_resolver takes a ClusterResolver class, got {resolver!r}")
+    if resolver.detect.__func__ is ClusterResolver.detect.__func__:  # type: ignore[attr-defined]
+        raise TypeError(f"{resolver.__name__} does not declare detect(environ): resolve() could never pick it")
+    if resolver in _REGISTERED:
+        _REGISTERED.remove(resolver)
+    _REGISTERED.insert(0 if first else len(_REGISTERED), resolver)
+    return resolver
+
+
+def registered_resolvers() -> tuple[type[ClusterResolver], ...]:
+    """The resolvers :func:`resolve` asks, in the order it asks them."""
+    return tuple(_REGISTERED)
+
+
+def resolve(environ: Optional[Mapping[str, str]] = None) -> Optional[ClusterResolver]:
+    """The resolver for this process's environment (default ``os.environ``), or None outside any cluster.
+
+    The first registered resolver whose ``detect(environ)`` is True is built with
+    ``from_environment(environ)`` (its errors, e.g. a malformed ``TF_CONFIG``, propagate).
+
+    Example::
+
+        >>> type(resolve({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})).__name__
+        'TorchrunClusterResolver'
+        >>> resolve({}) is None
+        True
+    """
+    for resolver in _REGISTERED:
+        if resolver.detect(environ):
+            return resolver.from_environment(environ)
+    return None
 
 
 class SimpleClusterResolver(ClusterResolver):

@@ -308,8 +308,13 @@ class SlurmClusterResolver(ClusterResolver):
                 f"SLURM_PROCID={rank} runs {' and '.join(wrong)}: the tasks are not laid out block by block in "
                 "node order. Use `srun --distribution=block` (the default), or give tasks_per_node to match")
 
-    @staticmethod
-    def detect(environ: Optional[Mapping[str, str]] = None) -> bool:
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "SlurmClusterResolver":
+        """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
+        return cls(environ=environ)
+
+    @classmethod
+    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
         """True inside an ``srun`` job step, and in an allocation of several tasks or nodes started without
         srun (the constructor then says to use srun, at once)."""
         env = os.environ if environ is None else environ

@@ -241,8 +241,13 @@ class TFConfigClusterResolver(ClusterResolver):
                 raise ValueError(f"TFConfigClusterResolver(task_type={task_type!r}, task_id={task_id!r}): task "
                                  f"{self.task_type} {self.task_id} is not in the cluster {self._spec!r}")
 
-    @staticmethod
-    def detect(environ: Optional[Mapping[str, str]] = None) -> bool:
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "TFConfigClusterResolver":
+        """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
+        return cls(environ=environ)
+
+    @classmethod
+    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
         """True when ``TF_CONFIG`` is set and not blank."""
         return bool((os.environ if environ is None else environ).get("TF_CONFIG", "").strip())
 

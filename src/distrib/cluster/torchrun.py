@@ -109,8 +109,14 @@ class TorchrunClusterResolver(ClusterResolver):
             return None
         return self.cluster_spec().num_tasks("worker") > self.local_world_size
 
-    @staticmethod
-    def detect(environ: Optional[Mapping[str, str]] = None) -> bool:
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "TorchrunClusterResolver":
+        """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
+        return cls(environ)
+
+    @classmethod
+    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
+        """True when ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are all set."""
         env = os.environ if environ is None else environ
         return all(v in env for v in _VARS)
 

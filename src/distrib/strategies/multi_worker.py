@@ -56,20 +56,17 @@ class MultiWorkerMirroredStrategy(Strategy):
         names = list(devices) if devices is not None else worker_devices(group=group[:2] if group else None)
         parsed = [parse_device(n) for n in names]
         rank, world = worker_rank(resolver)
-        if group is not None and group[:2] != (rank, world):
-            raise ValueError(
-                f"torch.distributed is already initialised as rank {group[0]} of {group[1]}, but the cluster_resolver "
-                f"says rank {rank} of {world}: leave cluster_resolver out to use the initialised group as the "
-                "cluster, or destroy the group first")
+        if group is not None:
+            _check_group(group, rank, world, "the cluster_resolver" if cluster_resolver is not None
+                         else f"the environment ({type(resolver).__name__})")
         communicator: Communicator
         if world > 1:
             spec = resolver.cluster_spec()
             hosts = [spec.task_address(job, i).rpartition(":")[0].strip("[]")
                      for job in ("chief", "worker") if job in spec.jobs for i in spec.task_indices(job)]
-            spans = resolver.spans_hosts if isinstance(resolver, cluster.TorchrunClusterResolver) else None
             communicator = ProcessGroupCommunicator(resolver.rendezvous_address(), rank, world, options,
                                                     uses_cuda=parsed[0].type == "cuda", hosts=hosts,
-                                                    across_hosts=spans, device=parsed[0])
+                                                    across_hosts=resolver.spans_hosts, device=parsed[0])
         else:
             communicator = LocalCommunicator()
         super().__init__(parsed, communicator, resolver, device_names=names)
@@ -137,18 +134,23 @@ class MultiWorkerMirroredStrategy(Strategy):
 
 
 def _resolver_for(group: Optional[tuple[int, int, str]]) -> ClusterResolver:
-    """The cluster when no resolver is given: the environment's, checked against an initialised group."""
+    """The cluster when no resolver is given: the environment's, else the initialised group's, else one worker."""
     found = cluster.resolve()
+    if found is not None:
+        return found  # checked against an initialised group by _check_group, as a given resolver is
     if group is None:
-        return found or cluster.TFConfigClusterResolver(environ={})
+        return cluster.TFConfigClusterResolver(environ={})
     rank, world, backend = group
-    if found is None:
-        log.info("using the initialised %s process group as the cluster: rank %d of %d", backend, rank, world)
-        return cluster.TorchrunClusterResolver.from_process_group(rank, world)
-    if worker_rank(found) != (rank, world):
-        described = "rank %d of %d" % worker_rank(found)
-        raise ValueError(
-            f"torch.distributed is already initialised as rank {rank} of {world}, but the environment "
-            f"({type(found).__name__}) says {described}: initialise the group with the environment's rank and "
-            "world size, or leave it to distrib")
-    return found
+    log.info("using the initialised %s process group as the cluster: rank %d of %d", backend, rank, world)
+    return cluster.TorchrunClusterResolver.from_process_group(rank, world)
+
+
+def _check_group(group: tuple[int, int, str], rank: int, world: int, source: str) -> None:
+    """A ``torch.distributed`` group the script initialised must be the cluster ``source`` describes."""
+    if group[:2] == (rank, world):
+        return
+    raise ValueError(
+        f"torch.distributed is already initialised as rank {group[0]} of {group[1]}, but {source} says rank {rank} "
+        f"of {world}: the strategy's cluster must be the initialised group. Initialise the group with that rank and "
+        "world size, or take the cluster from the group (pass no cluster_resolver and unset TF_CONFIG / torchrun's "
+        "/ Slurm's variables that describe another cluster), or destroy the group first")
