@@ -14,7 +14,7 @@ returns its (single) replica context, as TF does.
 Ownership: a strategy that distributes a module or an optimizer records itself as
 the object's owner in a weak-key registry (:func:`set_owner` / :func:`owner_of`), so
 that checkpoints, ``fit`` and metrics find the strategy of an object without any
-attribute being set on it.
+attribute being set on it; :func:`strategy_of` is the one lookup they use.
 
 This module imports no strategy: the strategies package installs the default
 strategy (:func:`install_default`) when it is imported, which ``import distrib``
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from distrib.strategies.replica import ReplicaContext
 
 __all__ = ["get_strategy", "has_strategy", "get_replica_context", "get_cross_replica_context",
-           "in_cross_replica_context"]
+           "in_cross_replica_context", "strategy_of"]
 
 _thread = threading.local()
 # Scopes nest per process, not per thread: replica threads must see the scope
@@ -78,6 +78,28 @@ def owner_of(obj: Any) -> Optional["Strategy"]:
         return _owners.get(obj)
     except TypeError:  # not weak-referenceable (a plain tensor subclass, a dict): nobody owns it
         return None
+
+
+def strategy_of(*objects: Any) -> "Strategy":
+    """The strategy in charge of ``objects`` (modules, optimizers, tensors, ...): the one lookup of the package.
+
+    In order: the strategy that distributes one of them, or a module inside one (a compiled
+    or wrapping module); else the current strategy, if it is not the default (inside a scope
+    or a replica function); else the latest multi-worker strategy of this process (a
+    checkpoint saved, or ``fit`` called, outside the scope, as the tutorials do, still
+    belongs to the cluster: the chief alone writes, and an optimizer built outside the
+    scope is an error naming the fix rather than a worker training alone); else the default.
+    """
+    import torch
+
+    for obj in objects:
+        for part in obj.modules() if isinstance(obj, torch.nn.Module) else (obj,):
+            owner = owner_of(part)
+            if owner is not None:
+                return owner
+    if has_strategy():
+        return get_strategy()
+    return cluster_strategy() or get_strategy()
 
 
 def register_cluster_strategy(strategy: "Strategy") -> None:

@@ -1,4 +1,4 @@
-"""Keras-style progress (`Progbar`) and the custom loop's progress (`distrib.app.train.EpochProgress`)."""
+"""Progress (`Progbar`): Keras' bar for fit, and tqdm's (`style="tqdm"`) for `distrib train`'s custom loop."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from distrib.app.train import EpochProgress, progress_mode
+from distrib.app.train import _postfix
 from distrib.keras.progress import LINE_INTERVAL, Progbar, line_interval
 
 
@@ -72,24 +72,20 @@ def test_the_line_interval_comes_from_distrib_progress_interval(monkeypatch):
 
 
 def test_the_custom_loop_s_progress_lines_carry_the_running_loss_and_accuracy(capsys):
-    bar = EpochProgress("lines", 4, "epoch 1/3", interval=0)
+    bar = Progbar(4, verbose=1, style="tqdm", desc="epoch 1/3", line_interval=0, postfix=_postfix)
     for step in range(1, 5):
-        if step % 2 == 0:
-            bar.show({"loss": 1.0 / step, "accuracy": 0.2 * step})
-        bar.step()
-    bar.close()
+        bar.update(step, {"loss": 1.0 / step, "accuracy": 0.2 * step} if step % 2 == 0 else None)
+    bar.update(4, finalize=True)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and all(line.startswith("epoch 1/3: ") for line in lines)
     assert "| 1/4 [" in lines[0] and "loss=" not in lines[0]
     assert lines[3].startswith("epoch 1/3: 100%|") and lines[3].endswith("loss=0.2500, accuracy=80.00]")
 
 
-def test_progress_is_off_on_other_workers_and_with_no_progress(capsys):
-    assert progress_mode(None, chief=False) == progress_mode(True, chief=False) == "off"
-    assert progress_mode(False, chief=True) == "off"
-    assert progress_mode(None, chief=True) == "lines"  # pytest's stdout is not a terminal
-    bar = EpochProgress("off", 4, "epoch 1/1", interval=0)
-    bar.show({"loss": 1.0, "accuracy": 0.5})
-    bar.step()
-    bar.close()
+def test_the_tqdm_style_is_silent_at_verbose_0_and_refuses_an_unknown_style(capsys):
+    bar = Progbar(4, verbose=0, style="tqdm", desc="epoch 1/1", line_interval=0)
+    bar.update(1, {"loss": 1.0, "accuracy": 0.5})
+    bar.update(1, finalize=True)
     assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="style='rich'.*'keras' or 'tqdm'"):
+        Progbar(4, style="rich")

@@ -11,10 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +22,13 @@ import distrib as ds
 from distrib.app import models
 from distrib.app.datasets import load_fashion_mnist
 from distrib.app.plot import PICTURE, draw_run
-from distrib.keras.callbacks import Callback, CallbackList, JsonlLogger, TensorBoard
+from distrib.keras.callbacks import Callback, CallbackList, History, JsonlLogger, TensorBoard
 from distrib.keras.loop import Loop
-from distrib.keras.progress import line_interval
+from distrib.keras.progress import Progbar, data_length
 from distrib.strategies import registry
 from distrib.strategies.amp import Precision, backward_and_step
 
-__all__ = ["TrainConfig", "TensorBatches", "EpochProgress", "make_steps", "make_strategy", "metrics_path",
-           "progress_mode", "train"]
+__all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "metrics_path", "train"]
 
 log = logging.getLogger("distrib.app.train")
 
@@ -97,62 +95,9 @@ def make_strategy(name: str, replicas: Optional[int] = None, device: Optional[st
                                                          workers=replicas or 2, ps=1))
 
 
-class _NullStream:
-    def write(self, text: str) -> None: ...
-
-    def flush(self) -> None: ...
-
-
-class EpochProgress:
-    """The custom loop's progress over one epoch: ``mode`` ``"bar"``, ``"lines"`` or ``"off"``.
-
-    ``"bar"`` (a terminal): a tqdm bar redrawn in place with the running loss and accuracy.
-    ``"lines"`` (a pipe: a log file, or a worker of ``distrib launch``, whose lines reach the
-    terminal prefixed by its task): the same meter written as a new line every
-    :func:`~distrib.keras.progress.line_interval` seconds (10, or ``DISTRIB_PROGRESS_INTERVAL``),
-    so a long epoch is never silent.
-    :meth:`show` takes values the loop has already computed: it adds no collective.
-    """
-
-    def __init__(self, mode: str, total: Optional[int], desc: str, interval: Optional[float] = None) -> None:
-        self.mode = mode
-        self.line_interval = line_interval() if interval is None else interval
-        self._bar: Any = None
-        self._last_line = time.monotonic()
-        if mode != "off":
-            from tqdm import tqdm
-
-            if mode == "bar":
-                self._bar = tqdm(total=total, desc=desc, leave=False, unit="batch", dynamic_ncols=True)
-            else:
-                self._bar = tqdm(total=total, desc=desc, unit="batch", file=_NullStream(), ascii=True, ncols=100,
-                                 mininterval=self.line_interval)
-
-    def step(self) -> None:
-        """One more batch done."""
-        if self._bar is None:
-            return
-        self._bar.update(1)
-        if self.mode == "lines" and time.monotonic() - self._last_line >= self.line_interval:
-            self._last_line = time.monotonic()
-            print(str(self._bar), flush=True)
-
-    def show(self, logs: dict[str, float]) -> None:
-        """Put ``loss`` and ``accuracy`` (percent, as the epoch line) beside the bar."""
-        if self._bar is not None:
-            self._bar.set_postfix({"loss": f"{logs['loss']:.4f}", "accuracy": f"{logs['accuracy'] * 100:.2f}"},
-                                  refresh=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def progress_mode(progress: Optional[bool], chief: bool) -> str:
-    """``"bar"`` on a terminal, ``"lines"`` on a pipe, ``"off"`` with ``--no-progress`` or on a non-chief worker."""
-    if not chief or progress is False:
-        return "off"
-    return "bar" if sys.stdout.isatty() else "lines"
+def _postfix(logs: Mapping[str, float]) -> dict[str, str]:
+    """The bar's postfix: ``loss=0.5082, accuracy=81.54`` (accuracy in percent, as the epoch line)."""
+    return {"loss": f"{logs['loss']:.4f}", "accuracy": f"{logs['accuracy'] * 100:.2f}"}
 
 
 def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size: int, train_accuracy: Any,
@@ -201,7 +146,15 @@ def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size
 
 
 def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[str, Any]:
-    """Run the main job; print one line per epoch; return the per-epoch figures and the restored accuracy."""
+    """Run the main job; print one line per epoch; return the history (Keras' form) and the restored accuracy.
+
+    One path: the model, the optimizer, the checkpoint and the reporters (seed 000's
+    checkpoint schedule, metrics.jsonl, TensorBoard) are built once, then the epochs run
+    either in the seed's custom loop or through ``ds.fit`` (``--fit``, and under parameter
+    servers, whose steps are scheduled on the workers). Both fire the same callbacks and
+    return the same history: ``{"loss": [...], "accuracy": [...], "val_loss": [...], ...}``,
+    one value per epoch (accuracies as fractions, as Keras).
+    """
     mixed = Precision.parse(config.precision, "precision")
     strategy = strategy or make_strategy(config.strategy, config.replicas, config.device)
     log.info("Using %r", strategy)
@@ -216,92 +169,103 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
                 print(f"Note: {note}", flush=True)
     train_split, test_split = load_fashion_mnist(config.data_dir)
     torch.manual_seed(config.seed)
-
     global_batch_size = config.batch_size_per_replica * strategy.num_replicas_in_sync
-    train_batches = TensorBatches(*train_split, batch_size=global_batch_size, shuffle=True, seed=config.seed)
-    test_batches = TensorBatches(*test_split, batch_size=global_batch_size)
-    train_dist_dataset = strategy.experimental_distribute_dataset(train_batches)
-    test_dist_dataset = strategy.experimental_distribute_dataset(test_batches)
-    checkpoint_prefix = os.path.join(config.checkpoint_dir, "ckpt")
 
     with strategy.scope():
         model = models.fashion_mnist_cnn()
         optimizer = models.fashion_mnist_optimizer(model.parameters())  # Keras' Adam defaults, fused kernel
         checkpoint = ds.Checkpoint(optimizer=optimizer, model=model)
+    forward = models.maybe_compile(model, config.compile)
+    reporters = _reporters(config, strategy, checkpoint)
+    job = _Job(config, strategy, model, forward, optimizer, reporters, train_split, test_split, global_batch_size)
+    # a custom loop calls strategy.run itself; where steps are scheduled on workers (a coordinator), fit drives them
+    history = _fit(job) if config.fit or strategy.should_use_with_coordinator else _custom_loop(job)
+    return _finish(config, chief, global_batch_size, test_split, history)
+
+
+@dataclass
+class _Job:
+    """What both loops of :func:`train` are given: built once."""
+
+    config: TrainConfig
+    strategy: ds.Strategy
+    model: torch.nn.Module
+    forward: Any  # the model, or its compiled wrapper (--compile)
+    optimizer: torch.optim.Optimizer
+    reporters: list[Callback]
+    train_split: Any
+    test_split: Any
+    global_batch_size: int
+
+
+def _custom_loop(job: _Job) -> dict[str, list[float]]:
+    """Seed 000's loop: ``strategy.run`` on each distributed batch, metrics in the replica function, its epoch line."""
+    config, strategy = job.config, job.strategy
+    chief = strategy.is_chief
+    train_batches = TensorBatches(*job.train_split, batch_size=job.global_batch_size, shuffle=True, seed=config.seed)
+    test_batches = TensorBatches(*job.test_split, batch_size=job.global_batch_size)
+    train_dist_dataset = strategy.experimental_distribute_dataset(train_batches)
+    test_dist_dataset = strategy.experimental_distribute_dataset(test_batches)
+    with strategy.scope():
         test_loss = ds.metrics.Mean(name="test_loss")
         train_accuracy = ds.metrics.SparseCategoricalAccuracy(name="train_accuracy")
         test_accuracy = ds.metrics.SparseCategoricalAccuracy(name="test_accuracy")
-    forward = models.maybe_compile(model, config.compile)
-    reporters = _reporters(config, model, optimizer, strategy)
-    if strategy.should_use_with_coordinator:  # steps are scheduled on workers: only fit drives them
-        _train_on_parameter_servers(config, model, optimizer, checkpoint, checkpoint_prefix, reporters,
-                                    len(train_split.labels), len(test_split.labels))
-        return _finish(config, chief, global_batch_size, test_split, [])
-    if config.fit:
-        _train_with_fit(config, strategy, forward, model, optimizer, checkpoint, checkpoint_prefix,
-                        train_batches, test_batches, reporters)
-        return _finish(config, chief, global_batch_size, test_split, [])
-    train_step, test_step = make_steps(forward, optimizer, global_batch_size, train_accuracy, test_loss, test_accuracy,
-                                       config.precision)
+    train_step, test_step = make_steps(job.forward, job.optimizer, job.global_batch_size, train_accuracy, test_loss,
+                                       test_accuracy, config.precision)
+    history = History()
+    callbacks = CallbackList([*job.reporters, history])  # History last, as fit's
+    callbacks.set_loop(Loop(job.model, job.optimizer, strategy))
     global_step = 0
 
-    mode = progress_mode(config.progress, chief)
-    history: list[dict[str, float]] = []
-    reporters.on_train_begin()
+    # the chief's progress alone (its epoch lines cover every worker): a tqdm bar on a terminal, a line every
+    # DISTRIB_PROGRESS_INTERVAL seconds on a pipe (a log file, a worker of distrib launch), none with --no-progress
+    verbose = 1 if chief and config.progress is not False else 0
+    callbacks.on_train_begin()
     for epoch in range(config.epochs):
         train_batches.set_epoch(epoch)
-        reporters.on_epoch_begin(epoch)
+        callbacks.on_epoch_begin(epoch)
         total_loss, num_batches = torch.zeros(()), 0
         start = time.perf_counter()
-        bar = EpochProgress(mode, _length(train_dist_dataset), f"epoch {epoch + 1}/{config.epochs}")
+        bar = Progbar(data_length(train_dist_dataset), verbose, style="tqdm", desc=f"epoch {epoch + 1}/{config.epochs}",
+                      postfix=_postfix)
         for x in train_dist_dataset:
+            callbacks.on_train_batch_begin(num_batches)
             total_loss += strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(x,)), axis=None).cpu()
             num_batches += 1
             global_step += 1
             logged = chief and config.log_every > 0 and global_step % config.log_every == 0
-            step_logs = None
-            if logged or (mode != "off" and num_batches % POSTFIX_EVERY == 0):
-                # running means over the epoch so far: the loss the loop already summed, this worker's accuracy
+            step_logs: dict[str, float] = {}
+            if logged or (verbose and num_batches % POSTFIX_EVERY == 0):
+                # running means over the epoch so far: the loss the loop already summed, this worker's accuracy;
+                # computed on the steps the reporters write (every --log-every) and the bar shows, not on every step
                 step_logs = {"loss": float(total_loss) / num_batches, "accuracy": float(train_accuracy.local_result())}
-                bar.show(step_logs)
-            bar.step()
-            reporters.on_train_batch_end(num_batches - 1, step_logs if logged else None)
-        bar.close()
+            bar.update(num_batches, step_logs)
+            callbacks.on_train_batch_end(num_batches - 1, step_logs)
+        bar.update(num_batches, finalize=True)
         seconds = time.perf_counter() - start
         train_loss = total_loss / num_batches
         with torch.no_grad():
             for x in test_dist_dataset:
                 strategy.run(test_step, args=(x,))
-        if epoch % 2 == 0:
-            checkpoint.save(checkpoint_prefix)
         row = {
             "epoch": epoch + 1, "loss": float(train_loss), "accuracy": float(train_accuracy.result() * 100),
             "test_loss": float(test_loss.result()), "test_accuracy": float(test_accuracy.result() * 100),
-            "examples_per_sec": len(train_split.labels) / seconds,
+            "examples_per_sec": len(job.train_split.labels) / seconds,
         }
-        history.append(row)
         if config.compile and epoch == 0:  # every worker says whether its model runs compiled
-            compiled = getattr(forward, "compiled", False)
+            compiled = getattr(job.forward, "compiled", False)
             print(f"torch.compile: {'compiled' if compiled else 'fell back to eager'} on worker "
                   f"{strategy.worker_index}", flush=True)
         if chief:
             print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
-        reporters.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
+        callbacks.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
                                        "val_loss": row["test_loss"], "val_accuracy": row["test_accuracy"] / 100,
                                        "examples_per_sec": row["examples_per_sec"]})
         test_loss.reset_states()
         train_accuracy.reset_states()
         test_accuracy.reset_states()
-
-    reporters.on_train_end()
-    return _finish(config, chief, global_batch_size, test_split, history)
-
-
-def _length(data: Any) -> Optional[int]:
-    try:
-        return len(data)
-    except TypeError:
-        return None
+    callbacks.on_train_end()
+    return history.history
 
 
 def metrics_path(config: TrainConfig) -> str:
@@ -318,21 +282,19 @@ def _verbose(config: TrainConfig) -> int:
     return 2 if config.progress is False else 1
 
 
-def _reporters(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               strategy: ds.Strategy) -> Any:
-    """The metrics.jsonl writer and, if asked, TensorBoard: callbacks shared by both loops."""
+def _reporters(config: TrainConfig, strategy: ds.Strategy, checkpoint: ds.Checkpoint) -> list[Callback]:
+    """The callbacks both loops fire: seed 000's checkpoints, the metrics.jsonl writer and, if asked, TensorBoard."""
     path = metrics_path(config)
     if strategy.is_chief:  # one file per run, and no picture of an earlier run
         for stale in (path, os.path.join(os.path.dirname(os.path.abspath(path)), PICTURE)):
             if os.path.exists(stale):
                 os.remove(stale)
-    callbacks: list[Any] = [JsonlLogger(path, log_every=config.log_every)]
+    callbacks: list[Callback] = [_SeedCheckpoints(checkpoint, os.path.join(config.checkpoint_dir, "ckpt")),
+                                 JsonlLogger(path, log_every=config.log_every)]
     if config.tensorboard:
         # scalars only: tracing the graph would slow the first logged step (and, with --compile, recompile)
         callbacks.append(TensorBoard(config.tensorboard, update_freq=config.log_every or "epoch", write_graph=False))
-    reporters = CallbackList(callbacks)
-    reporters.set_loop(Loop(model, optimizer, strategy))
-    return reporters
+    return callbacks
 
 
 class _SeedCheckpoints(Callback):
@@ -346,14 +308,31 @@ class _SeedCheckpoints(Callback):
             self.checkpoint.save(self.prefix)
 
 
-def _train_with_fit(config: TrainConfig, strategy: ds.Strategy, forward: Any, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, checkpoint: ds.Checkpoint, checkpoint_prefix: str,
-                    train_batches: TensorBatches, test_batches: TensorBatches, reporters: Any) -> None:
-    """The same job through ``ds.fit``: Keras-style progress, a checkpoint every 2 epochs as the seed."""
-    ds.fit(forward, train_batches, optimizer=optimizer, loss="cross_entropy", epochs=config.epochs,
-           metrics=["accuracy"], validation_data=test_batches, verbose=_verbose(config) if strategy.is_chief else 0,
-           callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
-           precision=config.precision)
+def _fit(job: _Job) -> dict[str, list[float]]:
+    """The same job through ``ds.fit``: Keras-style progress, the same callbacks; returns fit's history.
+
+    Where steps run here, fit reads the in-memory batches; where they are scheduled on workers
+    (parameter servers), each worker reads the IDX files itself (:class:`FashionMnistBatches`)
+    and an epoch is a number of steps, as in TF.
+    """
+    config, strategy = job.config, job.strategy
+    if strategy.should_use_with_coordinator:
+        batch = config.batch_size_per_replica
+        model: torch.nn.Module = job.model  # sent to the workers as it is (a compiled wrapper is not)
+        train_data: Any = FashionMnistBatches(config.data_dir, "train", batch, config.seed)
+        test_data: Any = FashionMnistBatches(config.data_dir, "test", batch, config.seed)
+        steps: Optional[int] = -(-len(job.train_split.labels) // batch)
+        validation_steps: Optional[int] = -(-len(job.test_split.labels) // batch)
+    else:
+        model = job.forward
+        train_data = TensorBatches(*job.train_split, batch_size=job.global_batch_size, shuffle=True, seed=config.seed)
+        test_data = TensorBatches(*job.test_split, batch_size=job.global_batch_size)
+        steps = validation_steps = None
+    history = ds.fit(model, train_data, optimizer=job.optimizer, loss="cross_entropy", epochs=config.epochs,
+                     steps_per_epoch=steps, metrics=["accuracy"], validation_data=test_data,
+                     validation_steps=validation_steps, verbose=_verbose(config) if strategy.is_chief else 0,
+                     callbacks=job.reporters, precision=config.precision)
+    return history.history
 
 
 class FashionMnistBatches:
@@ -376,21 +355,8 @@ class FashionMnistBatches:
             yield from batches
 
 
-def _train_on_parameter_servers(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                                checkpoint: ds.Checkpoint, checkpoint_prefix: str, reporters: Any,
-                                n_train: int, n_test: int) -> None:
-    """The job under ParameterServerStrategy: steps scheduled on the workers through ``ds.fit``."""
-    batch = config.batch_size_per_replica
-    ds.fit(model, FashionMnistBatches(config.data_dir, "train", batch, config.seed), optimizer=optimizer,
-           loss="cross_entropy", epochs=config.epochs, steps_per_epoch=-(-n_train // batch), metrics=["accuracy"],
-           validation_data=FashionMnistBatches(config.data_dir, "test", batch, config.seed),
-           validation_steps=-(-n_test // batch), verbose=_verbose(config),
-           callbacks=[_SeedCheckpoints(checkpoint, checkpoint_prefix), *reporters.callbacks],
-           precision=config.precision)
-
-
 def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any,
-            history: list[dict[str, float]]) -> dict[str, Any]:
+            history: dict[str, list[float]]) -> dict[str, Any]:
     restored = None
     if chief:
         restored = evaluate_restored(config, global_batch_size, test_split)

@@ -41,19 +41,8 @@ _ACCEPTED = ("torch.nn.Module, torch.optim.Optimizer, torch.Tensor, or any objec
 
 # --------------------------------------------------------------- the strategy contract
 def _strategy(objects: Mapping[str, Any]) -> "Strategy":
-    """The strategy whose chief owns the files of a checkpoint of ``objects``.
-
-    The strategy that distributes a tracked module or optimizer; else the current one if it
-    is not the default; else a multi-worker strategy made in this process (``save`` is often
-    called outside the scope, as in the tutorials); else the default.
-    """
-    for obj in objects.values():
-        owner = context.owner_of(obj)
-        if owner is not None:
-            return owner
-    if context.has_strategy():
-        return context.get_strategy()
-    return context.cluster_strategy() or context.get_strategy()
+    """The strategy whose chief owns the files of a checkpoint of ``objects`` (:func:`distrib.context.strategy_of`)."""
+    return context.strategy_of(*objects.values())
 
 
 def _state(strategy: "Strategy", obj: Any) -> Any:
@@ -195,9 +184,23 @@ class Checkpoint:
         ``file_prefix`` of its own (the TF tutorials' temporary directory), this worker's own
         copy, written there as TF writes it (see the module docstring).
         """
+        path = f"{os.fspath(file_prefix)}-{self._save_counter + 1}"
+        return self.save_as(path, timeout=timeout, on_written=lambda: idx.record(path))
+
+    def save_as(self, path: "str | os.PathLike[str]", *, timeout: Optional[float] = None,
+                on_written: Optional[Callable[[], None]] = None) -> str:
+        """Write exactly ``<path>.pt`` as the next save, and return ``path``: the one write of every save.
+
+        What :meth:`save` and ``CheckpointManager.save`` do with the path they choose. The
+        file holds ``save_counter + 1``, which becomes ``save_counter`` once every worker
+        knows the write succeeded. ``on_written`` runs where the file was written (the chief,
+        and a worker given a path of its own), right after it is: what must succeed with the
+        write (recording it in an index); its error is the save's error on every worker. A
+        failed save leaves ``save_counter`` as it was. Under several workers, every worker calls it.
+        """
+        path = os.fspath(path)
         n = self._save_counter + 1
-        path = f"{os.fspath(file_prefix)}-{n}"
-        self._write(path, n, timeout, after=lambda: idx.record(path))
+        self._write(path, n, timeout, after=on_written)
         self._save_counter = n
         return path
 

@@ -235,8 +235,8 @@ class JsonlLogger(Callback):
     which epoch lines never have: ``{"step": 50, "epoch": 1, "loss": ..., "seconds": ...}``
     (``epoch``: the epoch in progress, from 1; values are this worker's running means over the
     epoch so far, as the progress bar shows them). Readers keep the epoch lines with
-    ``"step" not in row``. A batch hook given no logs counts the step and writes nothing: a
-    custom loop computes its logs only on the steps that are written.
+    ``"step" not in row``. Every N-th step gets its line, with whatever logs the loop gave
+    (a custom loop need compute its logs only on the steps that are written).
 
     >>> import json, os, tempfile, torch
     >>> import distrib as ds
@@ -266,8 +266,8 @@ class JsonlLogger(Callback):
 
     def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
         self._step += 1
-        if self.log_every and logs and self._step % self.log_every == 0 and self.loop.is_chief:
-            self._write({"step": self._step, "epoch": self._epoch + 1, **logs,
+        if self.log_every and self._step % self.log_every == 0 and self.loop.is_chief:
+            self._write({"step": self._step, "epoch": self._epoch + 1, **(logs or {}),
                          "seconds": round(time.time() - self._start, 3)})
 
     def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:

@@ -1,10 +1,13 @@
 """``ds.fit``, ``ds.evaluate``, ``ds.predict``: Keras' high-level loop, one loop under every strategy.
 
 The model and optimizer are built under the strategy's scope as usual; these
-functions find the strategy from the model, and ask it how a step executes
-(:meth:`~distrib.Strategy.step_executor`): at once over the replicas of a
-synchronous strategy, or scheduled on the workers of a parameter-server cluster.
-Everything else is the same everywhere: the loss is scaled by the true global batch
+functions find the strategy from the model (:func:`distrib.context.strategy_of`), and
+ask it how a step executes (:meth:`~distrib.Strategy.step_executor`): at once over the
+replicas of a synchronous strategy, or scheduled on the workers of a parameter-server
+cluster. The loop knows no strategy by name: one step driver (:func:`_drive`) submits
+the steps of ``fit``, ``evaluate`` and ``predict`` to the executor and takes the results
+in step order, the end of a worker's data included (a typed
+:data:`~distrib.strategies.execution.END_OF_DATA`). Everything else is the same everywhere: the loss is scaled by the true global batch
 size of every step (so a short last batch counts right), loss and metrics cover
 every replica and worker (a step returns its metric *deltas*, merged here as each
 step completes, in step order), every callback hook fires, and every worker shows
@@ -29,20 +32,19 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
 from distrib import context, metrics as metrics_lib
 from distrib.keras.callback_base import Callback, CallbackList, History
-from distrib.keras.progress import Progbar
+from distrib.keras.progress import Progbar, data_length
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
 from distrib.strategies.amp import Precision, backward_and_step
 from distrib.strategies.base import Strategy
-from distrib.strategies.execution import StepExecutor, numbered_batches
+from distrib.strategies.execution import EndOfData, StepExecutor, StepFn
 
 __all__ = ["fit", "evaluate", "predict", "Loop"]
 
@@ -108,14 +110,11 @@ class _Tracked:
         """What one replica's step adds to every tracked value (computed on the replica, or on a worker)."""
         return [self.loss.deltas(per_example)] + [m.deltas(y, pred) for m in self.metrics]
 
-    def merge(self, result: Any) -> bool:
-        """Add a step's deltas (its ``strategy.run`` result) from every local replica; False for an end-of-data step."""
-        if _is_end(result):
-            return False
+    def merge(self, result: Any) -> None:
+        """Add a step's deltas (its ``strategy.run`` result) from every local replica."""
         for replica_deltas in self.strategy.experimental_local_results(result):
             for metric, d in zip(self.all, replica_deltas):
                 metric.merge_deltas(d)
-        return True
 
     def reset(self) -> None:
         for m in self.all:
@@ -133,51 +132,44 @@ def _takes_logits(loss: Any) -> bool:
     return isinstance(loss, torch.nn.BCEWithLogitsLoss)
 
 
-#: the label of the empty batches a parameter-server worker reads once its data has ended, and what such a
-#: step returns (a string: step results travel back to the coordinator)
-_END = "<distrib: end of data>"
+@dataclass
+class _Driven:
+    """What :func:`_drive` did: steps submitted, steps that ran, and whether a worker's data ended."""
+
+    submitted: int = 0
+    ran: int = 0
+    ended: bool = False
 
 
-def _is_end(value: Any) -> bool:
-    return isinstance(value, str) and value == _END
+def _drive(executor: StepExecutor, inputs: Iterable[Any], step: StepFn, *, begin: Callable[[int], None],
+           done: Callable[[Any], None], first: int = 0, stop: Callable[[], bool] = lambda: False) -> _Driven:
+    """The one step driver of ``fit``, ``evaluate`` and ``predict``: submit a step per input, settle results in order.
 
-
-class _UntilEnd:
-    """A per-worker dataset function (parameter servers): ``data``'s batches, then end markers for ever.
-
-    ``data`` is a dataset (read again from the start when it ends, as ``dataset.repeat()``)
-    or a function of the input context returning an iterator (used as it is). Once the
-    data has ended, a scheduled step reads an empty batch labelled :data:`_END` and
-    returns :data:`_END` instead of raising ``StopIteration`` on the worker; the loop counts
-    such steps as "the data ran out".
+    ``begin(index)`` runs before step ``index`` (from ``first``) is submitted; ``done(result)``
+    for each step that ran, in step order, as soon as the executor knows its result. Driving
+    stops when the inputs end, when a step reports the end of its data
+    (:class:`~distrib.strategies.execution.EndOfData`), or when ``stop()`` says so after a
+    step; the steps already submitted are settled before it returns.
     """
+    driven = _Driven()
 
-    def __init__(self, data: Any) -> None:
-        self.data = data
+    def settle(wait: bool) -> None:
+        for result in executor.completed(wait):
+            if isinstance(result, EndOfData):
+                driven.ended = True
+                continue
+            driven.ran += 1
+            done(result)
 
-    def __call__(self, input_context: Any) -> Iterator[tuple[Any, Any]]:
-        data = self.data
-        if callable(data) and not hasattr(data, "__iter__"):
-            yield from (data(input_context) if _takes_argument(data) else data())
-        else:
-            for x, y, _ in numbered_batches(data, cycle=True):
-                yield x, y
-        while True:
-            yield torch.zeros(0), _END
-
-
-def _takes_argument(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` needs a positional argument (``dataset_fn(input_context)`` rather than ``dataset_fn()``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # not inspectable: call it as TF documents, with the context
-        return True
-    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-
-
-def _data_to_feed(strategy: Strategy, data: Any) -> Any:
-    """What the executor reads: ``data`` itself, or under parameter servers a per-worker function that marks its end."""
-    return _UntilEnd(data) if strategy.should_use_with_coordinator else data
+    for index, step_input in enumerate(inputs, start=first):
+        begin(index)
+        executor.submit(step, step_input)
+        driven.submitted += 1
+        settle(wait=False)
+        if driven.ended or stop():
+            break
+    settle(wait=True)
+    return driven
 
 
 def _ran_out(done: str, consequence: str, steps_name: Optional[str], stacklevel: int) -> None:
@@ -190,12 +182,12 @@ def _ran_out(done: str, consequence: str, steps_name: Optional[str], stacklevel:
 
 
 def _has(data: Any, gave: int) -> str:
-    length = _len(data)
+    length = data_length(data)
     return f"the data has {length} batches" if length is not None else f"the data gave {gave} batches"
 
 
 def _no_data(what: str, data: Any) -> ValueError:
-    length = _len(data)
+    length = data_length(data)
     given = type(data).__name__ + (f" of length {length}" if length is not None else "")
     return ValueError(f"{what}: the data gave no batch ({given}): expected a non-empty iterable of (x, y) batches "
                       "(or, under parameter servers, a dataset function whose iterator gives batches)")
@@ -215,23 +207,15 @@ def _check_batches(data: Any, what: str) -> None:
                          "default batches")
 
 
-def _strategy_of(model: torch.nn.Module) -> Strategy:
-    """The strategy that distributes ``model`` (or a module inside it, e.g. a compiled wrapper), else the current one."""
-    for module in model.modules():
-        owner = context.owner_of(module)
-        if owner is not None:
-            return owner
-    return context.get_strategy()
+def _verbosity(executor: StepExecutor, verbose: Union[str, int]) -> int:
+    """Keras' ``verbose``: ``"auto"`` is 1 (a progress bar), 2 (a line per epoch) where steps are scheduled.
 
-
-def _verbosity(strategy: Strategy, verbose: Union[str, int]) -> int:
-    """Keras' ``verbose``: ``"auto"`` is 1 (a progress bar), 2 (a line per epoch) under parameter servers.
-
-    As tf.keras (``Model._get_verbosity``), every worker shows what it is asked to, not the
-    chief alone: a multi-worker job's logs each show training, as the TF tutorials' do.
+    As tf.keras (``Model._get_verbosity``: 2 under parameter servers), every worker shows what it
+    is asked to, not the chief alone: a multi-worker job's logs each show training, as the TF
+    tutorials' do.
     """
     if verbose == "auto":
-        return 2 if strategy.should_use_with_coordinator else 1
+        return 2 if executor.scheduled else 1
     if not isinstance(verbose, int) or verbose not in (0, 1, 2):  # bools are ints: True is 1, as in Keras
         raise ValueError(f"verbose={verbose!r}: expected 'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
                          "epoch), as Keras")
@@ -252,13 +236,6 @@ def _float(value: Any) -> Any:
             and value.dtype != torch.float64:
         return value.float()
     return value
-
-
-def _len(data: Any) -> Optional[int]:
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer, loss: LossLike,
@@ -289,7 +266,7 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
     _check_batches(validation_data, "validation_data")
-    strategy = _strategy_of(model)
+    strategy = context.strategy_of(model, optimizer)
     executor = strategy.step_executor()
     devices = [d for d in strategy.local_devices if d is not None]
     scaler = mixed.grad_scaler(devices[0].type if devices else "cpu")
@@ -303,13 +280,9 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     loop.stop_training = False  # as Keras' fit: a model.stop_training left by an earlier fit does not stop this one
     cbs = CallbackList([*callbacks, history])  # History last, as Keras: it sees what callbacks add to the logs
     cbs.set_loop(loop)
-    verbosity = _verbosity(strategy, verbose)
-    feed_data = _data_to_feed(strategy, data)
-    validation_feed = _data_to_feed(strategy, validation_data) if validation_data is not None else None
+    verbosity = _verbosity(executor, verbose)
 
     def train_step(x: torch.Tensor, y: Any, n: int) -> Any:
-        if _is_end(y):
-            return _END
         model.train()
         with mixed.autocast(_device_type(x, model)):
             pred = model(x)
@@ -329,39 +302,27 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
         tracked.reset()
         if verbosity:
             print(f"Epoch {epoch + 1}/{epochs}", flush=True)
-        bar = Progbar(steps_per_epoch or _len(data), verbosity)
+        bar = Progbar(steps_per_epoch or data_length(data), verbosity)
         first = int(loop.step_in_epoch)
         if steps_per_epoch:
-            inputs = executor.feed(feed_data, start=epoch * steps_per_epoch + first, steps=steps_per_epoch - first,
+            inputs = executor.feed(data, start=epoch * steps_per_epoch + first, steps=steps_per_epoch - first,
                                    cycle=True, per_worker=True)
         else:
             if hasattr(data, "set_epoch"):
                 data.set_epoch(epoch)
-            inputs = executor.feed(feed_data, start=first, per_worker=True)
-        ran = 0  # steps of this epoch on real data
-        ended = False  # a parameter-server worker reported the end of its data
+            inputs = executor.feed(data, start=first, per_worker=True)
 
-        def settle(wait: bool) -> None:
-            nonlocal ran, ended
-            for result in executor.completed(wait):
-                if not tracked.merge(result):
-                    ended = True
-                    continue
-                ran += 1
-                loop.step_in_epoch += 1
-                step_logs = tracked.logs(synced=False)
-                cbs.on_train_batch_end(int(loop.step_in_epoch) - 1, step_logs)
-                bar.update(int(loop.step_in_epoch), step_logs)
+        def trained_one(result: Any) -> None:
+            tracked.merge(result)
+            loop.step_in_epoch += 1
+            step_logs = tracked.logs(synced=False)
+            cbs.on_train_batch_end(int(loop.step_in_epoch) - 1, step_logs)
+            bar.update(int(loop.step_in_epoch), step_logs)
 
-        submitted = 0
-        for step_index, step_input in enumerate(inputs, start=first):
-            cbs.on_train_batch_begin(step_index)
-            executor.submit(train_step, step_input)
-            submitted += 1
-            settle(wait=False)
-            if ended or loop.stop_training:  # out of data, or a batch hook stopped training (TerminateOnNaN)
-                break
-        settle(wait=True)
+        # a batch hook may stop training (TerminateOnNaN): no further step is submitted
+        driven = _drive(executor, inputs, train_step, first=first, begin=cbs.on_train_batch_begin, done=trained_one,
+                        stop=lambda: loop.stop_training)
+        ran, submitted, ended = driven.ran, driven.submitted, driven.ended
         trained += ran
         short = steps_per_epoch is not None and first + submitted < steps_per_epoch and not loop.stop_training
         if ran == 0 and not loop.stop_training:
@@ -377,9 +338,9 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
                      f"({_has(data, first + ran)})", "The epoch ends here", "steps_per_epoch", stacklevel=2)
         logs = tracked.logs()
         if validation_data is not None:
-            logs.update(_evaluate(model, validation_feed, loss_fn, tracked, validation_steps, cbs, verbosity=0,
+            logs.update(_evaluate(model, validation_data, loss_fn, tracked, validation_steps, cbs, verbosity=0,
                                   prefix="val_", what="the validation of fit", steps_name="validation_steps",
-                                  original=validation_data, stacklevel=3, precision=mixed))
+                                  stacklevel=3, precision=mixed))
         bar.update(int(loop.step_in_epoch), logs, finalize=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
@@ -390,17 +351,12 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
 
 def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked, steps: Optional[int],
               cbs: CallbackList, verbosity: int, prefix: str = "", what: str = "evaluate",
-              steps_name: str = "steps", original: Any = None, stacklevel: int = 3,
+              steps_name: str = "steps", stacklevel: int = 3,
               precision: Precision = Precision.parse("32")) -> Logs:
-    """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras.
-
-    ``data`` is what the executor reads (see :func:`_data_to_feed`); ``original`` the user's data.
-    """
+    """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras."""
     executor: StepExecutor = tracked.strategy.step_executor()
 
     def test_step(x: torch.Tensor, y: Any, n: int) -> Any:
-        if _is_end(y):
-            return _END
         with torch.no_grad(), precision.autocast(_device_type(x, model)):
             model.eval()
             pred = model(x)
@@ -408,33 +364,23 @@ def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked
 
     tracked.reset()
     cbs.on_test_begin()
-    bar = Progbar(steps or _len(original), verbosity)
+    bar = Progbar(steps or data_length(data), verbosity)
     done = 0
-    ended = False
 
-    def settle(wait: bool) -> None:
-        nonlocal done, ended
-        for result in executor.completed(wait):
-            if not tracked.merge(result):
-                ended = True
-                continue
-            done += 1
-            cbs.on_test_batch_end(done - 1, tracked.logs(synced=False))
-            bar.update(done, tracked.logs(synced=False))
+    def tested_one(result: Any) -> None:
+        nonlocal done
+        tracked.merge(result)
+        done += 1
+        cbs.on_test_batch_end(done - 1, tracked.logs(synced=False))
+        bar.update(done, tracked.logs(synced=False))
 
-    submitted = 0
-    for submitted, step_input in enumerate(executor.feed(data, steps=steps, cycle=steps is not None, per_worker=True),
-                                           start=1):
-        if ended:
-            break
-        cbs.on_test_batch_begin(submitted - 1)
-        executor.submit(test_step, step_input)
-        settle(wait=False)
-    settle(wait=True)
+    driven = _drive(executor, executor.feed(data, steps=steps, cycle=steps is not None, per_worker=True), test_step,
+                    begin=cbs.on_test_batch_begin, done=tested_one)
+    submitted, ended = driven.submitted, driven.ended
     if done == 0:
-        raise _no_data(what, original)
+        raise _no_data(what, data)
     if ended or (steps is not None and submitted < steps):
-        _ran_out(f"{what} ran {done} of {steps_name}={steps} steps ({_has(original, done)})", "Evaluation stops here",
+        _ran_out(f"{what} ran {done} of {steps_name}={steps} steps ({_has(data, done)})", "Evaluation stops here",
                  steps_name, stacklevel)
     logs = tracked.logs()
     bar.update(done, logs, finalize=True)
@@ -457,11 +403,11 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optio
     """
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
-    strategy = _strategy_of(model)
+    strategy = context.strategy_of(model)
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
-    logs = _evaluate(model, _data_to_feed(strategy, data), per_example_loss(loss), _Tracked(strategy, metrics, loss),
-                     steps, cbs, _verbosity(strategy, verbose), original=data, stacklevel=3, precision=mixed)
+    logs = _evaluate(model, data, per_example_loss(loss), _Tracked(strategy, metrics, loss), steps, cbs,
+                     _verbosity(strategy.step_executor(), verbose), stacklevel=3, precision=mixed)
     if return_dict:
         return logs
     values = list(logs.values())
@@ -476,7 +422,7 @@ def predict(model: torch.nn.Module, data: Iterable[Any], steps: Optional[int] = 
     :func:`fit`'s (autocast only; the outputs are in the autocast dtype, as Lightning's).
     """
     mixed = Precision.parse(precision)
-    strategy = _strategy_of(model)
+    strategy = context.strategy_of(model)
     executor = strategy.step_executor()
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
@@ -488,17 +434,13 @@ def predict(model: torch.nn.Module, data: Iterable[Any], steps: Optional[int] = 
 
     outputs: list[torch.Tensor] = []
 
-    def settle(wait: bool) -> None:
-        for result in executor.completed(wait):
-            outputs.append(strategy.gather(result, axis=0))
-            cbs.on_predict_batch_end(len(outputs) - 1, {"outputs": outputs[-1]})
+    def predicted_one(result: Any) -> None:
+        outputs.append(strategy.gather(result, axis=0))
+        cbs.on_predict_batch_end(len(outputs) - 1, {"outputs": outputs[-1]})
 
     cbs.on_predict_begin()
-    for submitted, step_input in enumerate(executor.feed(data, steps=steps)):
-        cbs.on_predict_batch_begin(submitted)
-        executor.submit(predict_step, step_input)
-        settle(wait=False)
-    settle(wait=True)
+    _drive(executor, executor.feed(data, steps=steps), predict_step, begin=cbs.on_predict_batch_begin,
+           done=predicted_one)
     if not outputs:
         raise _no_data("predict", data)
     if steps is not None and len(outputs) < steps:

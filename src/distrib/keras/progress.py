@@ -1,4 +1,4 @@
-"""Progress display as Keras users know it.
+"""Progress display: one component, :class:`Progbar`, for ``fit`` and for ``distrib train``'s custom loop.
 
 On a terminal, a bar redrawn in place::
 
@@ -11,6 +11,11 @@ never silent, and one line when the epoch ends, as in seed 003::
     10/10 - 3s - loss: 7.4912 - 3s/epoch - 259ms/step
 
 Keras writes a new line every 0.05 s on a pipe; one line every 10 s keeps logs readable.
+
+``style="tqdm"`` draws the same progress as seed 000's custom loop shows it, a tqdm bar
+(``epoch 1/10:  40%|####      | 375/938 [00:12<00:18, ..., loss=0.5082, accuracy=81.54]``),
+on the same terms: redrawn in place on a terminal, a line every ``line_interval`` seconds
+on a pipe, nothing when ``verbose`` is 0.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ import os
 import shutil
 import sys
 import time
-from typing import IO, Mapping, Optional
+from typing import IO, Any, Callable, Mapping, Optional
 
-__all__ = ["Progbar", "format_logs", "LINE_INTERVAL", "line_interval"]
+__all__ = ["Progbar", "format_logs", "LINE_INTERVAL", "line_interval", "data_length"]
 
 #: seconds between two progress lines when the output is not a terminal (``DISTRIB_PROGRESS_INTERVAL`` overrides it)
 LINE_INTERVAL = 10.0
@@ -40,6 +45,14 @@ def line_interval() -> float:
         raise ValueError(f"DISTRIB_PROGRESS_INTERVAL={text!r}: give the seconds between two progress lines "
                          f"(a number, 0 or more; unset: {LINE_INTERVAL:g})")
     return value
+
+
+def data_length(data: Any) -> Optional[int]:
+    """``len(data)``, the steps of a progress bar, or None when ``data`` has no length (an iterator, a function)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
 
 
 _env_interval = line_interval  # Progbar's argument of the same name hides the function
@@ -66,11 +79,22 @@ def _per_step(seconds: float) -> str:
     return f"{seconds * 1e6:.0f}us/step"
 
 
+class _NullStream:
+    """Where tqdm draws on a pipe: nowhere (:class:`Progbar` writes its lines itself, every ``line_interval``)."""
+
+    def write(self, text: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class Progbar:
     """A progress bar over ``target`` steps (None: unknown). ``verbose``: 0 silent, 1 bar, 2 one line per epoch.
 
     ``verbose=1`` redraws the bar in place on a terminal; on anything else it writes the bar
     as a new line every ``line_interval`` seconds, then the one-line summary of ``verbose=2``.
+    ``style="tqdm"`` (``verbose`` 0 or 1) draws tqdm's bar instead, titled ``desc``, with the
+    logs beside it as ``postfix(logs)`` gives them (four decimals by default); on a terminal it
+    is cleared when the epoch ends (``finalize``), where the loop prints its own epoch line.
 
     >>> import io
     >>> out = io.StringIO()
@@ -83,7 +107,10 @@ class Progbar:
 
     def __init__(self, target: Optional[int], verbose: int = 1, width: int = 30,
                  stream: Optional[IO[str]] = None, interval: float = 0.05,
-                 line_interval: Optional[float] = None) -> None:
+                 line_interval: Optional[float] = None, style: str = "keras", desc: str = "",
+                 postfix: Optional[Callable[[Mapping[str, float]], Mapping[str, str]]] = None) -> None:
+        if style not in ("keras", "tqdm"):
+            raise ValueError(f"Progbar(style={style!r}): expected 'keras' or 'tqdm'")
         self.target, self.width, self.interval = target, width, interval
         self.line_interval = _env_interval() if line_interval is None else line_interval
         self.stream = stream or sys.stdout
@@ -93,12 +120,25 @@ class Progbar:
         self._last_draw = 0.0
         self._last_line = self._start
         self._last_len = 0
+        self._postfix = postfix or (lambda logs: {k: f"{v:.4f}" for k, v in logs.items()})
+        self._tqdm: Any = None
+        if style == "tqdm" and verbose:
+            from tqdm import tqdm
+
+            if self.dynamic:  # on stderr, as tqdm's own bars; cleared at the end (leave=False)
+                self._tqdm = tqdm(total=target, desc=desc, leave=False, unit="batch", dynamic_ncols=True)
+            else:
+                self._tqdm = tqdm(total=target, desc=desc, unit="batch", file=_NullStream(), ascii=True, ncols=100,
+                                  mininterval=self.line_interval)
 
     def update(self, current: int, logs: Optional[Mapping[str, float]] = None, finalize: bool = False) -> None:
         """Show ``current`` steps done; ``finalize`` ends the line."""
         logs = logs or {}
         now = time.monotonic()
         elapsed = now - self._start
+        if self._tqdm is not None:
+            self._update_tqdm(current, logs, finalize, now)
+            return
         if self.verbose == 1 and self.dynamic:
             if not finalize and now - self._last_draw < self.interval:
                 return
@@ -137,6 +177,18 @@ class Progbar:
             parts += [f"{_duration(elapsed)}/epoch", _per_step(elapsed / max(current, 1))]
             self.stream.write(" - ".join(parts) + "\n")
             self.stream.flush()
+
+    def _update_tqdm(self, current: int, logs: Mapping[str, float], finalize: bool, now: float) -> None:
+        if logs:
+            self._tqdm.set_postfix(self._postfix(logs), refresh=False)
+        if current > self._tqdm.n:
+            self._tqdm.update(current - self._tqdm.n)
+        if not self.dynamic and not finalize and now - self._last_line >= self.line_interval:
+            self._last_line = now
+            self.stream.write(str(self._tqdm) + "\n")
+            self.stream.flush()
+        if finalize:
+            self._tqdm.close()
 
     def _bar(self, current: int, width: Optional[int] = None) -> str:
         width = width or self.width

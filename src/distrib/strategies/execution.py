@@ -11,7 +11,10 @@ strategies is only *where* a step runs, behind :class:`StepExecutor`:
 
 A step function is called as ``fn(x, y, global_batch_size)`` on each replica and
 returns a value; :meth:`StepExecutor.completed` yields each step's ``strategy.run``
-result, in step order, as soon as it is known.
+result, in step order, as soon as it is known, or :data:`END_OF_DATA` for a step
+that found its data ended (where workers read their own data, the loop learns of
+the end from a step's result, not from its own iterator). The loop asks the
+executor, never the strategy's class, how it runs.
 """
 
 from __future__ import annotations
@@ -23,13 +26,34 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, P
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["StepExecutor", "SynchronousExecutor", "StepFn", "numbered_batches", "split_xy"]
+__all__ = ["StepExecutor", "SynchronousExecutor", "StepFn", "EndOfData", "END_OF_DATA", "numbered_batches",
+           "split_xy"]
 
 StepFn = Callable[[Any, Any, int], Any]
 
 
+class EndOfData:
+    """What :meth:`StepExecutor.completed` yields for a step that ran no function: its data had ended.
+
+    A type of its own, so that no value a step function returns can be mistaken for it.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END_OF_DATA"
+
+
+#: the one :class:`EndOfData`
+END_OF_DATA = EndOfData()
+
+
 class StepExecutor(Protocol):
     """Runs the steps of a loop: feed it data, submit a step per input, collect results in order."""
+
+    #: True where steps are scheduled on other processes and complete later (Keras' ``verbose="auto"`` then
+    #: shows one line per epoch rather than a bar, as tf.keras does under parameter servers)
+    scheduled: bool
 
     def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
              per_worker: bool = False) -> Iterable[Any]:
@@ -46,7 +70,10 @@ class StepExecutor(Protocol):
         ...
 
     def completed(self, wait: bool) -> Iterator[Any]:
-        """Results of submitted steps, in submission order: all of them if ``wait``, else those known now."""
+        """Results of submitted steps, in submission order: all of them if ``wait``, else those known now.
+
+        A step that found its data ended gives :data:`END_OF_DATA` instead of a result.
+        """
         ...
 
 
@@ -88,7 +115,13 @@ def numbered_batches(data: Iterable[Any], start: int = 0, cycle: bool = False) -
 
 
 class SynchronousExecutor:
-    """Steps of a synchronous strategy: each global batch split over the replicas, run at once."""
+    """Steps of a synchronous strategy: each global batch split over the replicas, run at once.
+
+    The data is read here, so its end is the end of :meth:`feed`'s inputs: no step gives
+    :data:`END_OF_DATA`.
+    """
+
+    scheduled = False
 
     def __init__(self, strategy: "Strategy") -> None:
         self._strategy = strategy

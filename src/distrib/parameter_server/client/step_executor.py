@@ -7,18 +7,27 @@ iterator. ``predict``'s batches are read here and sent with each step, so that t
 outputs come back in order. Results arrive asynchronously; :meth:`completed`
 yields them in step order, as the coordinator learns of them, so the loop fires
 batch hooks in order too.
+
+A worker's data may end (a dataset function whose iterator is finite): its later
+steps read an end marker instead of raising ``StopIteration`` on the worker, run no
+function, and :meth:`completed` gives :data:`~distrib.strategies.execution.END_OF_DATA`
+for them. The marker is a string on the wire (step results travel as plain values)
+and never reaches the loop.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
+import torch
+
 from distrib.parameter_server.client.dispatch import PerWorkerIterator
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
 from distrib.parameter_server.datasets import WorkerBatches
-from distrib.strategies.execution import StepFn, numbered_batches
+from distrib.strategies.execution import END_OF_DATA, StepFn, numbered_batches
 
 if TYPE_CHECKING:
     from distrib.parameter_server.client.coordinator import ClusterCoordinator
@@ -28,14 +37,50 @@ __all__ = ["ScheduledExecutor"]
 
 _FINAL = (RemoteValueStatus.READY, RemoteValueStatus.FAILED, RemoteValueStatus.CANCELLED)
 
+#: the label of the empty batches a worker reads once its data has ended, and what such a step returns
+_END = "<distrib: end of data>"
+
+
+class _UntilEnd:
+    """A per-worker dataset function: ``data``'s batches, then end markers for ever.
+
+    ``data`` is a dataset (read again from the start when it ends, as ``dataset.repeat()``)
+    or a function of the input context returning an iterator (used as it is). Once the
+    data has ended, a scheduled step reads an empty batch labelled :data:`_END`.
+    """
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __call__(self, input_context: Any) -> Iterator[tuple[Any, Any]]:
+        data = self.data
+        if callable(data) and not hasattr(data, "__iter__"):
+            yield from (data(input_context) if _takes_argument(data) else data())
+        else:
+            for x, y, _ in numbered_batches(data, cycle=True):
+                yield x, y
+        while True:
+            yield torch.zeros(0), _END
+
+
+def _takes_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` needs a positional argument (``dataset_fn(input_context)`` rather than ``dataset_fn()``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # not inspectable: call it as TF documents, with the context
+        return True
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
 
 class ScheduledExecutor:
     """Steps scheduled through a :class:`ClusterCoordinator`; results collected in step order."""
 
+    scheduled = True
+
     def __init__(self, strategy: "ParameterServerStrategy", coordinator: "ClusterCoordinator") -> None:
         self._strategy = strategy
         self._coordinator = coordinator
-        self._pending: deque[RemoteValue] = deque()
+        self._pending: deque[tuple[RemoteValue, bool]] = deque()  # (value, from a per-worker iterator)
         self._iterators: dict[int, "PerWorkerIterator"] = {}
         self._wrapped: dict[tuple[int, bool], Callable[..., Any]] = {}
 
@@ -48,7 +93,7 @@ class ScheduledExecutor:
                              "is a number of steps: give fit steps_per_epoch (and evaluate steps), as in TF")
         iterator = self._iterators.get(id(data))
         if iterator is None:  # one per-worker iterator per data for this loop: epochs continue where they were
-            dataset = self._coordinator.create_per_worker_dataset(WorkerBatches(data))
+            dataset = self._coordinator.create_per_worker_dataset(WorkerBatches(_UntilEnd(data)))
             iterator = self._iterators[id(data)] = iter(dataset)
         return itertools.repeat(iterator, steps)
 
@@ -60,7 +105,10 @@ class ScheduledExecutor:
             strategy = self._strategy
             if from_iterator:
                 def wrapped(iterator: Iterator[tuple[Any, Any, int]]) -> Any:
-                    return strategy.run(fn, args=next(iterator))
+                    x, y, n = next(iterator)
+                    if isinstance(y, str) and y == _END:
+                        return _END
+                    return strategy.run(fn, args=(x, y, n))
             else:
                 def wrapped(x: Any, y: Any, n: int) -> Any:
                     return strategy.run(fn, args=(x, y, n))
@@ -68,12 +116,12 @@ class ScheduledExecutor:
         return wrapped
 
     def submit(self, fn: StepFn, step_input: Any) -> None:
-        if isinstance(step_input, PerWorkerIterator):
-            value = self._coordinator.schedule(self._step(fn, True), args=(step_input,))
-        else:
-            value = self._coordinator.schedule(self._step(fn, False), args=step_input)
-        self._pending.append(value)
+        from_iterator = isinstance(step_input, PerWorkerIterator)
+        args = (step_input,) if from_iterator else step_input
+        self._pending.append((self._coordinator.schedule(self._step(fn, from_iterator), args=args), from_iterator))
 
     def completed(self, wait: bool) -> Iterator[Any]:
-        while self._pending and (wait or self._pending[0].status in _FINAL):
-            yield self._pending.popleft().fetch()  # raises the step's error, as join() would
+        while self._pending and (wait or self._pending[0][0].status in _FINAL):
+            value, from_iterator = self._pending.popleft()
+            result = value.fetch()  # raises the step's error, as join() would
+            yield END_OF_DATA if from_iterator and isinstance(result, str) and result == _END else result
