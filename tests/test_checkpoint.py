@@ -111,6 +111,38 @@ def test_save_numbering_and_counter_continues_after_restore(tmp_path):
     assert fresh.save(prefix) == f"{prefix}-3"
 
 
+def test_save_as_is_the_one_write_of_a_save_and_the_manager_uses_it(tmp_path, monkeypatch):
+    """Issue 19, item 6: ``save``, ``CheckpointManager.save`` and ``save_as`` write through one method.
+
+    ``save_as`` writes exactly ``<path>.pt`` holding the next counter, runs ``on_written`` after the
+    file is written, and advances ``save_counter``; an error in ``on_written`` fails the save and
+    leaves the counter. The manager's save goes through it (seen by wrapping it)."""
+    w = torch.tensor([1.0, 2.0])
+    ckpt = Checkpoint(w=w)
+    seen: list[bool] = []
+    assert ckpt.save_as(tmp_path / "exact", on_written=lambda: seen.append((tmp_path / "exact.pt").is_file())) \
+        == str(tmp_path / "exact")
+    assert seen == [True] and ckpt.save_counter == 1 and latest_checkpoint(tmp_path) is None  # no index unless asked
+    fresh = Checkpoint(w=torch.zeros(2))
+    fresh.restore(tmp_path / "exact")
+    assert fresh.save_counter == 1 and fresh.w.tolist() == [1.0, 2.0]
+
+    def fail() -> None:
+        raise OSError("index not writable")
+
+    with pytest.raises(OSError, match="index not writable"):
+        ckpt.save_as(tmp_path / "failed", on_written=fail)
+    assert ckpt.save_counter == 1
+
+    calls: list[str] = []
+    real = Checkpoint.save_as
+    monkeypatch.setattr(Checkpoint, "save_as", lambda self, path, **kw: calls.append(path) or real(self, path, **kw))
+    manager = CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1)
+    assert manager.save() == calls[0] == str(tmp_path / "run" / "ckpt-2") and ckpt.save_counter == 2
+    assert manager.save(checkpoint_number=7) == calls[1] == str(tmp_path / "run" / "ckpt-7")
+    assert ckpt.save_counter == 3 and sorted(p.name for p in (tmp_path / "run").glob("*.pt")) == ["ckpt-7.pt"]
+
+
 def test_write_and_read_leave_the_counter_and_index_alone(tmp_path):
     w = torch.tensor([1.0, 2.0])
     ckpt = Checkpoint(w=w)

@@ -184,9 +184,23 @@ class Checkpoint:
         ``file_prefix`` of its own (the TF tutorials' temporary directory), this worker's own
         copy, written there as TF writes it (see the module docstring).
         """
+        path = f"{os.fspath(file_prefix)}-{self._save_counter + 1}"
+        return self.save_as(path, timeout=timeout, on_written=lambda: idx.record(path))
+
+    def save_as(self, path: "str | os.PathLike[str]", *, timeout: Optional[float] = None,
+                on_written: Optional[Callable[[], None]] = None) -> str:
+        """Write exactly ``<path>.pt`` as the next save, and return ``path``: the one write of every save.
+
+        What :meth:`save` and ``CheckpointManager.save`` do with the path they choose. The
+        file holds ``save_counter + 1``, which becomes ``save_counter`` once every worker
+        knows the write succeeded. ``on_written`` runs where the file was written (the chief,
+        and a worker given a path of its own), right after it is: what must succeed with the
+        write (recording it in an index); its error is the save's error on every worker. A
+        failed save leaves ``save_counter`` as it was. Under several workers, every worker calls it.
+        """
+        path = os.fspath(path)
         n = self._save_counter + 1
-        path = f"{os.fspath(file_prefix)}-{n}"
-        self._write(path, n, timeout, after=lambda: idx.record(path))
+        self._write(path, n, timeout, after=on_written)
         self._save_counter = n
         return path
 

@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable, Optional
 
 from distrib.checkpoint import index as idx
-from distrib.checkpoint.core import Checkpoint, _strategy, meet, write_data_file, writes_here
+from distrib.checkpoint.core import Checkpoint, _strategy
 from distrib.checkpoint.errors import checkpoint_timeout
 
 __all__ = ["CheckpointManager"]
@@ -146,39 +146,32 @@ class CheckpointManager:
                     return None
                 if check_interval and step < self._last_checkpoint_step + self._checkpoint_interval:
                     return None
-        ckpt = self.checkpoint
-        counter = ckpt.save_counter + 1
-        number = counter if checkpoint_number is None else int(checkpoint_number)
+        number = self.checkpoint.save_counter + 1 if checkpoint_number is None else int(checkpoint_number)
         base = f"{self.checkpoint_name}-{number}"
         path = os.path.join(self.directory, base)
-        strategy = _strategy(ckpt.objects)
-        checkpoint_timeout(self.timeout)
-        writes = writes_here(strategy, path)
-        payload = ckpt._payload(strategy, writes)
+        checkpoint_timeout(self.timeout)  # a bad timeout is an error before the list changes
         managed, last_preserved = dict(self._managed), self._last_preserved
         self._managed.pop(base, None)
         self._managed[base] = time.time()
         deleted, preserved = self._sweep()
-        error: Optional[BaseException] = None
-        if writes:  # the chief; or a worker given a directory of its own (TF's temporary one), which it manages
-            try:
-                write_data_file(path, counter, payload)
-                self._commit(base, deleted + preserved)
-                for name in deleted:  # the save is committed: a file that cannot be deleted is only noted
-                    try:
-                        os.remove(os.path.join(self.directory, name + ".pt"))
-                    except FileNotFoundError:
-                        pass
-                    except OSError as e:
-                        _log.warning("Could not delete old checkpoint %s.pt: %s", name, e)
-            except Exception as e:
-                error = e
+
+        def written() -> None:
+            # where the file was written (the chief; or a worker given a directory of its own, TF's temporary
+            # one, which it manages): commit the index, then delete what left the list
+            self._commit(base, deleted + preserved)
+            for name in deleted:  # the save is committed: a file that cannot be deleted is only noted
+                try:
+                    os.remove(os.path.join(self.directory, name + ".pt"))
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    _log.warning("Could not delete old checkpoint %s.pt: %s", name, e)
+
         try:
-            meet(strategy, self.timeout, error)
+            self.checkpoint.save_as(path, timeout=self.timeout, on_written=written)
         except BaseException:
             self._managed, self._last_preserved = managed, last_preserved
             raise
-        ckpt._save_counter = counter
         self._latest = path
         if self._checkpoint_interval is not None:
             self._last_checkpoint_step = int(self._step_counter)
