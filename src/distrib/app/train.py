@@ -358,6 +358,7 @@ class FashionMnistBatches:
 def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any,
             history: dict[str, list[float]]) -> dict[str, Any]:
     restored = None
+    log.info("History: %s", {name: [round(v, 4) for v in values] for name, values in history.items()})  # distrib -v
     if chief:
         restored = evaluate_restored(config, global_batch_size, test_split)
         print(f"Accuracy after restoring the saved model without strategy: {restored:.2f}", flush=True)
