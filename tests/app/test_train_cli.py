@@ -233,3 +233,22 @@ def test_on_a_terminal_the_bar_shows_the_running_loss_and_accuracy(idx_dir, tmp_
         assert [int(n) for n, _, _ in bars][-1] == 32 and len(bars) >= 20, out
         assert all(loss for n, loss, _ in bars if int(n) > 10) and not any(loss for n, loss, _ in bars if int(n) < 10)
         assert re.search(r"\rEpoch 1, Loss: \d\.\d{4}, .*\r\n", out)  # after the bar, which is cleared
+
+
+def test_the_custom_loop_and_fit_are_one_job_and_both_return_the_history(idx_dir, tmp_path, capsys):
+    """One path through `distrib train` (issue 19): the same model, optimizer, checkpoints and callbacks, then
+    the seed's loop or fit; both return Keras' history, with the same losses (same seed, same batches)."""
+    from distrib.app.train import TrainConfig, train
+
+    runs = {}
+    for fit in (False, True):
+        config = TrainConfig(strategy="mirrored", replicas=2, epochs=2, batch_size_per_replica=32, progress=False,
+                             data_dir=str(idx_dir), checkpoint_dir=str(tmp_path / f"fit{fit}"), fit=fit, log_every=0)
+        runs[fit] = train(config)
+        assert sorted(p.name for p in (tmp_path / f"fit{fit}").glob("ckpt-*.pt")) == ["ckpt-1.pt"]  # after epoch 1
+    custom, fitted = runs[False]["history"], runs[True]["history"]
+    assert set(fitted) == {"loss", "accuracy", "val_loss", "val_accuracy"} and set(custom) == {*fitted, "examples_per_sec"}
+    assert len(custom["loss"]) == 2 and custom["loss"][1] < custom["loss"][0]
+    for name in fitted:
+        assert fitted[name] == pytest.approx(custom[name], rel=1e-5), name
+    assert runs[False]["restored_accuracy"] == runs[True]["restored_accuracy"]

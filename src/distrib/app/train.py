@@ -177,9 +177,12 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         checkpoint = ds.Checkpoint(optimizer=optimizer, model=model)
     forward = models.maybe_compile(model, config.compile)
     reporters = _reporters(config, strategy, checkpoint)
-    job = _Job(config, strategy, model, forward, optimizer, reporters, train_split, test_split, global_batch_size)
-    # a custom loop calls strategy.run itself; where steps are scheduled on workers (a coordinator), fit drives them
-    history = _fit(job) if config.fit or strategy.should_use_with_coordinator else _custom_loop(job)
+    # the seed's loop calls strategy.run itself; where steps are scheduled on workers (TF's
+    # should_use_with_coordinator: parameter servers), fit drives them, as it does with --fit
+    scheduled = strategy.should_use_with_coordinator
+    job = _Job(config, strategy, model, forward, optimizer, reporters, train_split, test_split, global_batch_size,
+               scheduled)
+    history = _fit(job) if config.fit or scheduled else _custom_loop(job)
     return _finish(config, chief, global_batch_size, test_split, history)
 
 
@@ -196,6 +199,7 @@ class _Job:
     train_split: Any
     test_split: Any
     global_batch_size: int
+    scheduled: bool  # steps run on workers that read their own data (parameter servers)
 
 
 def _custom_loop(job: _Job) -> dict[str, list[float]]:
@@ -316,7 +320,7 @@ def _fit(job: _Job) -> dict[str, list[float]]:
     and an epoch is a number of steps, as in TF.
     """
     config, strategy = job.config, job.strategy
-    if strategy.should_use_with_coordinator:
+    if job.scheduled:
         batch = config.batch_size_per_replica
         model: torch.nn.Module = job.model  # sent to the workers as it is (a compiled wrapper is not)
         train_data: Any = FashionMnistBatches(config.data_dir, "train", batch, config.seed)

@@ -55,7 +55,11 @@ Data = Union[Iterable[Any], Callable[..., Iterable[Any]]]
 
 @dataclass
 class Loop:
-    """What callbacks see of a running ``fit``: ``epoch`` and ``step_in_epoch`` are where it resumes from."""
+    """What callbacks see of a running ``fit``: ``epoch`` and ``step_in_epoch`` are where it resumes from.
+
+    ``scheduled``: the steps run on other processes, scheduled by the strategy's executor
+    (:attr:`~distrib.strategies.execution.StepExecutor.scheduled`), so the model never runs here.
+    """
 
     model: torch.nn.Module
     optimizer: Optional[torch.optim.Optimizer]
@@ -63,6 +67,7 @@ class Loop:
     steps_per_epoch: Optional[int] = None
     epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
     step_in_epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
+    scheduled: bool = False
     _stop: bool = field(default=False, repr=False)
 
     @property
@@ -276,7 +281,7 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     loss_fn = per_example_loss(loss)
     tracked = _Tracked(strategy, metrics, loss)
     history = History()
-    loop = Loop(model, optimizer, strategy, steps_per_epoch)
+    loop = Loop(model, optimizer, strategy, steps_per_epoch, scheduled=executor.scheduled)
     loop.stop_training = False  # as Keras' fit: a model.stop_training left by an earlier fit does not stop this one
     cbs = CallbackList([*callbacks, history])  # History last, as Keras: it sees what callbacks add to the logs
     cbs.set_loop(loop)

@@ -121,7 +121,7 @@ class TensorBoard(Callback):
     def on_train_end(self, logs: Optional[Logs] = None) -> None:
         if self._hook is not None:  # the model never ran in this process
             self._release_hook()
-            if self.loop.strategy.should_use_with_coordinator:
+            if self.loop.scheduled:  # the executor's word: steps ran on other processes
                 reason = "under ParameterServerStrategy the model runs on the workers, not in this process"
             else:
                 reason = "the model was not called during training"
