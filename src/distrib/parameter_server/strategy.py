@@ -80,7 +80,8 @@ from torch.amp.grad_scaler import GradScaler
 from distrib import context
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
 from distrib.input import InputContext
-from distrib.strategies.replication import optimizer_params, wrap_optimizer
+from distrib.strategies.replication import optimizer_params
+from distrib.strategies.torch_patches import mark_metric_updated, wrap_optimizer
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource
@@ -384,8 +385,7 @@ class ParameterServerStrategy(Strategy):
                     metric.merge_deltas(state)
                 else:  # a torchmetrics.Metric
                     metric.merge_state(state)
-                    if hasattr(metric, "_update_count"):
-                        metric._update_count += 1  # it has seen an update: compute() must not warn
+                    mark_metric_updated(metric)  # it has seen an update: compute() must not warn
 
     # ------------------------------------------------------------------ GradScalers
     def scaler_snapshot(self, acks: Acknowledgements) -> Optional[dict[str, Any]]:

@@ -43,9 +43,11 @@ The strategy is reached through ``strategy.extended``'s public gradient seam
 (``merges_optimizer_steps``, ``reduce_gradients_then``, ``end_gradient_reduction``,
 ``warn_if_loss_unscaled``).
 
-``GradScaler``'s ``unscale_``, ``step`` and ``update`` are replaced on the class once, when
-distrib is imported (``install``); they are torch's own unless the optimizer (for
-``update``: the calling replica's strategy) is one whose steps a strategy merges.
+``GradScaler``'s ``unscale_``, ``step`` and ``update`` are replaced on the class by
+:mod:`distrib.strategies.torch_patches` (never at import): while a strategy with several replicas
+in sync, or one that merges an optimizer's steps, exists (``SCALER_METHODS`` below are what is
+put there). They are torch's own unless the optimizer (for ``update``: the calling replica's
+strategy) is one whose steps a strategy merges.
 Optimizers that unscale inside their own step (``fused=True``; ``_step_supports_amp_scaling``)
 are checked by torch on the summed gradients, without the extra all-reduce: the sums
 are the same on every worker.
@@ -84,13 +86,13 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from distrib import context
-from distrib.strategies import amp_speed
+from distrib.strategies import amp_speed, torch_patches
 from distrib.strategies.amp_speed import Slowdown
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["backward_and_step", "install", "Precision"]
+__all__ = ["backward_and_step", "SCALER_METHODS", "Precision"]
 
 #: Lightning's precision names (``Trainer(precision=...)``) and the autocast dtype of each (None: no autocast)
 _PRECISIONS: dict[str, Optional[torch.dtype]] = {
@@ -214,14 +216,9 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scal
     scaler.update()
 
 
-_original_unscale = GradScaler.unscale_
-_original_step = GradScaler.step
-_original_update = GradScaler.update
-
-
 def _merging_strategy(scaler: GradScaler, optimizer: Any) -> Optional["Strategy"]:
     """The strategy that merges ``optimizer``'s steps, when ``scaler`` is enabled; else None (torch's behaviour)."""
-    if not getattr(scaler, "_enabled", False):
+    if not scaler.is_enabled():
         return None
     owner = context.owner_of(optimizer)
     return owner if owner is not None and owner.extended.merges_optimizer_steps(optimizer) else None
@@ -257,19 +254,18 @@ def _agree(strategy: "Strategy", scaler: GradScaler, optimizer: Any) -> None:
     """Sum the inf flags of ``optimizer``'s unscaled gradients over the workers: one decision everywhere."""
     if strategy.num_workers == 1:
         return
-    state = scaler._per_optimizer_states[id(optimizer)]
-    scale = scaler._scale
+    scale = torch_patches.scale_tensor(scaler)
     assert scale is not None, "unscale_ ran, so the scale exists"
     total = torch.zeros((), dtype=torch.float32, device=scale.device)
-    for found in state["found_inf_per_device"].values():
+    for found in torch_patches.found_inf_per_device(scaler, optimizer).values():
         total += found.to(scale.device)
     strategy.communicator.all_reduce([total])
-    state["found_inf_per_device"] = {total.device: total.clamp_(max=1.0)}
+    torch_patches.set_found_inf_per_device(scaler, optimizer, {total.device: total.clamp_(max=1.0)})
 
 
 def _unscale_summed(strategy: "Strategy", scaler: GradScaler, optimizer: Any) -> None:
     def unscale() -> None:
-        _original_unscale(scaler, optimizer)
+        torch_patches.torch_unscale_(scaler, optimizer)
         _agree(strategy, scaler, optimizer)
 
     strategy.extended.reduce_gradients_then(optimizer, unscale)
@@ -279,7 +275,7 @@ def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
     """``GradScaler.unscale_``: under a strategy, unscale and check the gradients summed over every replica."""
     strategy = _merging_strategy(self, optimizer)
     if strategy is None:
-        return _original_unscale(self, optimizer)
+        return torch_patches.torch_unscale_(self, optimizer)
     _as_merge_point(strategy, "unscale_", self, optimizer, lambda: _unscale_summed(strategy, self, optimizer))
 
 
@@ -287,14 +283,14 @@ def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwarg
     """``GradScaler.step``: under a strategy, one decision over the summed gradients, one step (or none) everywhere."""
     strategy = _merging_strategy(self, optimizer)
     if strategy is None or "closure" in kwargs:  # torch refuses a closure itself
-        return _original_step(self, optimizer, *args, **kwargs)
+        return torch_patches.torch_scaler_step(self, optimizer, *args, **kwargs)
 
     def merged_step() -> Optional[float]:
         try:
             # torch's step: unscale_ (the replacement above, on summed gradients) unless the user called it,
             # then optimizer.step() only if no worker found an inf
             return strategy.extended.reduce_gradients_then(
-                optimizer, lambda: _original_step(self, optimizer, *args, **kwargs))
+                optimizer, lambda: torch_patches.torch_scaler_step(self, optimizer, *args, **kwargs))
         finally:
             strategy.extended.end_gradient_reduction(optimizer)
 
@@ -305,8 +301,8 @@ def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwarg
 def update(self: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None) -> None:
     """``GradScaler.update``: with several local replicas, once per step (the first replica to arrive waits)."""
     ctx = context.current_replica()
-    if ctx is None or ctx.strategy.num_local_replicas == 1 or not getattr(self, "_enabled", False):
-        return _original_update(self, new_scale)
+    if ctx is None or ctx.strategy.num_local_replicas == 1 or not self.is_enabled():
+        return torch_patches.torch_scaler_update(self, new_scale)
 
     def merge(values: list[Any]) -> Sequence[Any]:
         previous = context.set_current_replica(None)
@@ -315,7 +311,7 @@ def update(self: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None)
             for scaler, scale in values:  # normally one scaler shared by every replica: updated once
                 if not any(scaler is d for d in done):
                     done.append(scaler)
-                    _original_update(scaler, scale)
+                    torch_patches.torch_scaler_update(scaler, scale)
         finally:
             context.set_current_replica(previous)
         return [None] * len(values)
@@ -323,8 +319,5 @@ def update(self: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None)
     ctx.merge((self, new_scale), merge)
 
 
-def install() -> None:
-    """Replace ``GradScaler.unscale_``, ``step`` and ``update`` by the strategy-aware ones (idempotent)."""
-    GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
-    GradScaler.step = step  # type: ignore[method-assign]
-    GradScaler.update = update  # type: ignore[method-assign]
+#: what :class:`~distrib.strategies.torch_patches.StrategyPatches` puts on ``GradScaler`` while a strategy needs it
+SCALER_METHODS: dict[str, Callable[..., Any]] = {"unscale_": unscale_, "step": step, "update": update}

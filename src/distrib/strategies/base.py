@@ -34,18 +34,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distrib import context
 from distrib.comm import Communicator, LocalCommunicator
 from distrib.comm.hooks import CommHook, allreduce_hook
 from distrib.comm.gradient_reducer import reduce_gradients
 from distrib.comm.options import DEFAULT_BYTES_PER_PACK
-from distrib.strategies import amp
+from distrib.strategies import amp, torch_patches
 from distrib.strategies.extended import StrategyExtended
 from distrib.strategies.replica import ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import (MirroredModules, ModuleCapture, install_capture_hooks,
-                                            optimizer_params, remove_capture_hooks, wrap_optimizer)
+                                            optimizer_params, remove_capture_hooks)
+from distrib.strategies.torch_patches import wrap_optimizer
 from distrib.strategies.reduction import Axis, gather_structure, reduce_structure
 from distrib.values import PerReplica, ReduceOp, map_leaves, parse_reduce_op, regroup, select_replica
 
@@ -104,8 +104,10 @@ def _check_optimizer_owner(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         "Build the model and the optimizer inside `with strategy.scope():`")
 
 
-register_optimizer_step_pre_hook(_check_optimizer_owner)
-amp.install()  # GradScaler's unscale_/step/update merge under a strategy (strategies/amp.py)
+#: GradScaler's unscale_/step/update merge under a strategy (strategies/amp.py), and the global optimizer pre-hook
+#: above: applied by torch_patches while a strategy with several replicas, or one merging an optimizer, lives
+#: (a lease per strategy, given back when it is garbage-collected); never at import
+_STRATEGY_PATCHES = torch_patches.StrategyPatches(amp.SCALER_METHODS, _check_optimizer_owner)
 
 
 class Strategy:
@@ -143,8 +145,16 @@ class Strategy:
         # summed this step (True while inside _apply_update, which refreshes the copies itself): see amp.py
         self._merged_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._summed: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._patch_lease: Optional[weakref.finalize] = None
+        if self.num_replicas_in_sync > 1:
+            self._lease_torch_patches()
         if self._communicator.world_size > 1:
             context.register_cluster_strategy(self)
+
+    def _lease_torch_patches(self) -> None:
+        """Hold torch_patches' GradScaler/optimizer-hook patches while this strategy lives (once per strategy)."""
+        if self._patch_lease is None:
+            self._patch_lease = weakref.finalize(self, _STRATEGY_PATCHES.acquire())
 
     # ------------------------------------------------------------------ topology
     @property
@@ -252,6 +262,7 @@ class Strategy:
                 f"{len(foreign)} parameter(s) of a module built outside the scope; build the model "
                 "inside the same strategy.scope() as the optimizer"
             )
+        self._lease_torch_patches()  # e.g. central storage with one replica: its steps merge too
         wrap_optimizer(optimizer, self._optimizer_step, self._optimizer_zero_grad)
         self._merged_optimizers.add(optimizer)
 
@@ -279,6 +290,7 @@ class Strategy:
                                            select_replica(k, kwargs), grad, inference) for k in range(n)])
         if self._threads is None:
             self._threads = ReplicaThreads(n, type(self).__name__)
+            weakref.finalize(self, self._threads.close)  # the threads end when the strategy is freed
         tasks: list[Callable[[], Any]] = [
             functools.partial(run_in_replica, self._replica_contexts[k], fn, select_replica(k, tuple(args)),
                               select_replica(k, kwargs), grad, inference)

@@ -204,7 +204,11 @@ class _Aborted(Exception):
 
 
 class ReplicaThreads:
-    """Long-lived threads, one per local replica, that run replica functions in turn."""
+    """Long-lived threads, one per local replica, that run replica functions in turn.
+
+    Between calls they hold nothing of the caller's (tasks, results and merge values are dropped once
+    ``run`` returns), so a strategy is freed once the user drops it; :meth:`close` ends the threads.
+    """
 
     def __init__(self, num_replicas: int, name: str) -> None:
         self._n = num_replicas
@@ -219,6 +223,7 @@ class ReplicaThreads:
         self._merge_results: Sequence[Any] = ()
         self._merge_generation = 0
         self._arrived = 0
+        self._closed = False
         for k in range(num_replicas):
             t = threading.Thread(target=self._main, args=(k,), name=f"{name}-replica-{k}", daemon=True)
             t.start()
@@ -237,9 +242,18 @@ class ReplicaThreads:
             while not all(self._done):
                 self._cond.wait()
             error, self._error = self._error, None
+            results = list(self._results)
+            # hold nothing of this call between calls (its closures reach the strategy and the user's objects)
+            self._tasks, self._results, self._merge_results = [], [None] * self._n, ()
         if error is not None:
             raise error
-        return list(self._results)
+        return results
+
+    def close(self) -> None:
+        """End the threads (they are waiting between calls); the object cannot run anything after."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def merge(self, k: int, value: Any, merge_fn: MergeFn) -> Any:
         with self._cond:
@@ -291,8 +305,10 @@ class ReplicaThreads:
         seen = 0
         while True:
             with self._cond:
-                while not (self._generation > seen and (self._turn == k or self._error is not None)):
+                while not (self._closed or (self._generation > seen and (self._turn == k or self._error is not None))):
                     self._cond.wait()
+                if self._closed:
+                    return
                 seen = self._generation
                 task = self._tasks[k] if self._error is None else None
             result, error = None, None
@@ -307,6 +323,7 @@ class ReplicaThreads:
                 if error is not None:
                     self._fail(error)
                 self._results[k] = result
+                task = result = None  # this thread keeps nothing of the call while it waits for the next
                 self._done[k] = True
                 if self._error is None:
                     if k + 1 < self._n:

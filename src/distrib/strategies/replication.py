@@ -4,7 +4,8 @@
 modules receive parameters, buffers or submodules; when the scope closes (or an
 optimizer is created inside it) the outermost of those modules, the *roots*, are
 handed to the strategy. No constructor is patched for modules. Optimizers have no
-such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is open.
+such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is open
+(by :mod:`distrib.strategies.torch_patches`, which holds every patch of a torch object).
 
 *Copies.* A root module is the primary copy, on the first local device. Every
 other local replica gets a copy: on the same physical device the copy's parameters
@@ -13,9 +14,11 @@ so an update to the primary is seen by every copy for free; on another device th
 copy is a real one, refreshed after each update. Calling the module (or any of its
 submodules) inside ``run`` dispatches to the calling replica's copy.
 
-Nothing is stored on the user's objects: owners live in :mod:`distrib.context`'s
-weak-key registry and copies in :class:`MirroredModules`; the only change to a
-module is its ``forward`` (an instance attribute that dispatches by replica).
+Owners live in :mod:`distrib.context`'s weak-key registry and copies in
+:class:`MirroredModules`; the only change to a module is its ``forward`` (an instance
+attribute that dispatches by replica, set on modules a strategy with several local replicas
+distributes), and to an optimizer whose steps merge, its ``step`` and ``zero_grad``
+(:func:`distrib.strategies.torch_patches.wrap_optimizer`).
 """
 
 from __future__ import annotations
@@ -25,19 +28,19 @@ import threading
 import types
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from distrib import context
+from distrib.strategies import torch_patches
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["ModuleCapture", "MirroredModules", "wrap_optimizer", "optimizer_params", "install_capture_hooks",
-           "remove_capture_hooks"]
+__all__ = ["ModuleCapture", "MirroredModules", "optimizer_params", "install_capture_hooks", "remove_capture_hooks"]
 
 
 # --------------------------------------------------------------------------- capture
@@ -49,7 +52,6 @@ class _CaptureState:
         self.lock = threading.Lock()
         self.depth = 0
         self.handles: list[Any] = []
-        self.original_optimizer_init: Optional[Callable[..., None]] = None
 
 
 _capture = _CaptureState()
@@ -73,9 +75,7 @@ def _on_module_registered(parent: nn.Module, name: str, child: Optional[nn.Modul
         strategy._capture.saw(parent, child)
 
 
-def _optimizer_init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-    assert _capture.original_optimizer_init is not None
-    _capture.original_optimizer_init(self, *args, **kwargs)
+def _on_optimizer_built(self: torch.optim.Optimizer) -> None:
     strategy = _capturing_strategy()
     if strategy is not None and context.owner_of(self) is None:
         strategy._on_optimizer_created(self)
@@ -92,8 +92,7 @@ def install_capture_hooks() -> None:
             module_hooks.register_module_buffer_registration_hook(_on_leaf_registered),
             module_hooks.register_module_module_registration_hook(_on_module_registered),
         ]
-        _capture.original_optimizer_init = torch.optim.Optimizer.__init__
-        torch.optim.Optimizer.__init__ = _optimizer_init  # type: ignore[method-assign]
+        torch_patches.patch_optimizer_init(_on_optimizer_built)
 
 
 def remove_capture_hooks() -> None:
@@ -105,9 +104,7 @@ def remove_capture_hooks() -> None:
         for h in _capture.handles:
             h.remove()
         _capture.handles = []
-        if _capture.original_optimizer_init is not None:
-            torch.optim.Optimizer.__init__ = _capture.original_optimizer_init  # type: ignore[method-assign]
-            _capture.original_optimizer_init = None
+        torch_patches.restore_optimizer_init()
 
 
 class ModuleCapture:
@@ -145,10 +142,15 @@ class ModuleCapture:
 
 @dataclass(frozen=True)
 class _Mirror:
-    """The module each local replica calls in place of one submodule (index: local replica id)."""
+    """The copies the local replicas call in place of one submodule.
+
+    ``copies[k]`` serves local replica ``k + 1`` when the primary computes (replica 0 calls the module
+    itself), else local replica ``k``. The module itself is not held: this is ``_mirrors``' value for it,
+    and a strong reference there would keep module and strategy alive forever.
+    """
 
     owner: "Strategy"
-    replicas: tuple[nn.Module, ...]
+    copies: tuple[nn.Module, ...]
     primary_computes: bool  # replica 0 computes on the module itself (Mirrored) or on a copy (central storage)
 
 
@@ -160,7 +162,7 @@ def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     ctx = context.current_replica()
     if (mirror is not None and ctx is not None and ctx.strategy is mirror.owner
             and (ctx.local_replica_id or not mirror.primary_computes)):
-        replica = mirror.replicas[ctx.local_replica_id]
+        replica = mirror.copies[ctx.local_replica_id - mirror.primary_computes]
         for mine, theirs in zip(self.modules(), replica.modules()):
             theirs.training = mine.training  # model.train()/eval() was called on the primary only
         return replica.forward(*args, **kwargs)
@@ -180,7 +182,9 @@ class MirroredModules:
         self._strategy = strategy
         self._parameter_device = parameter_device
         self._first = 0 if parameter_device is not None else 1  # local replica id of the first copy
-        self._roots: list[tuple[nn.Module, list[nn.Module]]] = []
+        # (root, its copies): the root weakly, so that a strategy and the modules it distributed are freed once the
+        # user drops them (context's owner registry and _mirrors hold the strategy from the module's side)
+        self._roots: list[tuple[weakref.ref[nn.Module], list[nn.Module]]] = []
         # id(primary parameter) -> its copies, one per replica that does not compute on the primary
         self._param_copies: dict[int, list[nn.Parameter]] = {}
 
@@ -221,14 +225,13 @@ class MirroredModules:
                 self._param_copies[id(p)].append(pc)
         if copies:
             for name, sub in root.named_modules():
-                mine = (sub,) if self._first else ()
-                _mirrors[sub] = _Mirror(self._strategy, (*mine, *(c.get_submodule(name) for c in copies)),
+                _mirrors[sub] = _Mirror(self._strategy, tuple(c.get_submodule(name) for c in copies),
                                         primary_computes=bool(self._first))
                 sub.forward = types.MethodType(_dispatching_forward, sub)
         for sub in root.modules():
             context.set_owner(sub, self._strategy)
         root.register_load_state_dict_post_hook(lambda module, keys: self.refresh(module))
-        self._roots.append((root, copies))
+        self._roots.append((weakref.ref(root), copies))
 
     @staticmethod
     def _replicate(root: nn.Module, device: Optional[torch.device]) -> nn.Module:
@@ -269,8 +272,9 @@ class MirroredModules:
         running statistics) are averaged over the computing replicas first when ``average_buffers``.
         """
         with torch.no_grad():
-            for r, copies in self._roots:
-                if not copies or (root is not None and r is not root):
+            for ref, copies in self._roots:
+                r = ref()
+                if r is None or not copies or (root is not None and r is not root):
                     continue
                 for p, *pcs in zip(r.parameters(), *(c.parameters() for c in copies)):
                     for pc in pcs:
@@ -289,29 +293,6 @@ class MirroredModules:
 
 
 # --------------------------------------------------------------------------- optimizers
-
-StepFn = Callable[[torch.optim.Optimizer, Callable[..., Any], tuple, dict], Any]
-ZeroGradFn = Callable[[torch.optim.Optimizer, Callable[..., None], bool], None]
-
-
-def wrap_optimizer(optimizer: torch.optim.Optimizer, step: StepFn, zero_grad: ZeroGradFn) -> None:
-    """Route ``optimizer.step`` and ``optimizer.zero_grad`` through the strategy.
-
-    The replacements are bound methods so that ``torch.optim.lr_scheduler``, which
-    re-wraps ``optimizer.step.__func__``, keeps working.
-    """
-    original_step = optimizer.step
-    original_zero_grad = optimizer.zero_grad
-
-    def distributed_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        return step(self, original_step, args, kwargs)
-
-    def distributed_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        zero_grad(self, original_zero_grad, set_to_none)
-
-    optimizer.step = types.MethodType(distributed_step, optimizer)  # type: ignore[method-assign]
-    optimizer.zero_grad = types.MethodType(distributed_zero_grad, optimizer)  # type: ignore[method-assign]
-
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every parameter an optimizer updates, in group order."""

@@ -1,0 +1,248 @@
+"""Every change distrib makes to a torch object, and every torch private it reads: here and nowhere else.
+
+distrib prefers torch's public extension points: modules are captured in a scope by
+``torch.nn.modules.module.register_module_*_registration_hook`` (``replication.py``), a
+restored module refreshes its copies through ``register_load_state_dict_post_hook``, and the
+check that an optimizer stepped inside ``run`` belongs to the strategy is torch's global
+``register_optimizer_step_pre_hook``. Where no public hook suffices, the patch is in this module,
+with the reason beside it, and is applied only while something needs it:
+
+========================================  =====================================  =========================================
+patch                                     applied                                removed
+========================================  =====================================  =========================================
+``GradScaler.unscale_/step/update``       a strategy with several replicas in    its strategy is garbage-collected
+(class attributes) and the global         sync, or one that merges an            (reference count: the last lease
+optimizer step pre-hook (public, but      optimizer's steps, is created /        ends it)
+process-wide)                             merges its first optimizer
+``torch.optim.Optimizer.__init__``        the outermost ``strategy.scope()``     that scope closes (reference count
+(class attribute)                         is entered                             over nested / threaded scopes)
+``optimizer.step`` / ``zero_grad``        an optimizer is built in the scope     never: they live and die with
+(instance attributes, not the class)      of a strategy that merges its steps    that one optimizer instance
+========================================  =====================================  =========================================
+
+``import distrib`` applies none of them (``tests/test_torch_untouched.py``), and
+``tests/strategies/test_torch_assumptions.py`` pins what each patch assumes of torch, so a torch
+upgrade that breaks one fails a named test.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any, Callable, Optional
+
+import torch
+from torch.amp.grad_scaler import GradScaler
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", "wrap_optimizer",
+           "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
+           "set_found_inf_per_device", "mark_metric_updated"]
+
+#: torch's own methods, taken when this module is imported (which patches nothing)
+_TORCH_UNSCALE = GradScaler.unscale_
+_TORCH_STEP = GradScaler.step
+_TORCH_UPDATE = GradScaler.update
+
+ScalerMethod = Callable[..., Any]
+OptimizerHook = Callable[[torch.optim.Optimizer, Any, Any], Any]
+
+
+# --------------------------------------------------------------------------- GradScaler + the global step hook
+
+class StrategyPatches:
+    """``GradScaler``'s strategy-aware methods and the global optimizer pre-hook, leased by strategies.
+
+    Why a patch: ``torch.amp.GradScaler`` has no hook at all. Under a strategy that merges
+    ``optimizer.step()``, every replica thread calls ``scaler.unscale_/step/update`` on one
+    scaler that keeps one state per optimizer per step; the calls must become merge points
+    (the replica threads meet, the gradients are summed *before* torch's ``unscale_`` checks
+    them, the inf flag is agreed over the workers, ``update`` runs once). A step pre-hook
+    on the optimizer runs inside ``scaler.step``, after the scaler has already unscaled
+    one replica's gradients and decided alone, so it comes too late. The scaler is the user's
+    object, built outside any scope, so only its class can be reached.
+
+    The optimizer pre-hook is torch's public ``register_optimizer_step_pre_hook``; being
+    process-wide, it too is registered only while leased, and its handle removed after.
+
+    :meth:`acquire` returns a release function; the first lease applies both, the last
+    release restores torch's methods and removes the hook. Leases are counted under a lock.
+    """
+
+    def __init__(self, scaler_methods: dict[str, ScalerMethod], step_pre_hook: OptimizerHook) -> None:
+        unknown = set(scaler_methods) - {"unscale_", "step", "update"}
+        if unknown:
+            raise ValueError(f"GradScaler methods distrib does not patch: {sorted(unknown)}")
+        self._methods = dict(scaler_methods)
+        self._hook = step_pre_hook
+        self._lock = threading.Lock()
+        self._leases = 0
+        self._handle: Optional[Any] = None
+        self._saved: dict[str, Any] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether the patches are applied now (some lease is held)."""
+        return self._leases > 0
+
+    def acquire(self) -> Callable[[], None]:
+        """Take a lease (applying the patches if it is the first); call the result once to give it back."""
+        with self._lock:
+            self._leases += 1
+            if self._leases == 1:
+                self._saved = {name: GradScaler.__dict__[name] for name in self._methods}
+                for name, fn in self._methods.items():
+                    setattr(GradScaler, name, fn)
+                self._handle = register_optimizer_step_pre_hook(self._hook)
+        released = threading.Event()
+
+        def release() -> None:
+            if released.is_set():
+                return
+            released.set()
+            self._release()
+
+        return release
+
+    def _release(self) -> None:
+        with self._lock:
+            self._leases -= 1
+            if self._leases:
+                return
+            for name, fn in self._saved.items():
+                setattr(GradScaler, name, fn)
+            self._saved = {}
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
+
+def torch_unscale_(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """torch's own ``GradScaler.unscale_``, whether or not the class is patched now."""
+    _TORCH_UNSCALE(scaler, optimizer)
+
+
+def torch_scaler_step(scaler: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """torch's own ``GradScaler.step`` (it calls ``scaler.unscale_``, patched or not, unless already unscaled)."""
+    return _TORCH_STEP(scaler, optimizer, *args, **kwargs)
+
+
+def torch_scaler_update(scaler: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None) -> None:
+    """torch's own ``GradScaler.update``."""
+    _TORCH_UPDATE(scaler, new_scale)
+
+
+# GradScaler privates. torch exposes no public view of a step's inf checks; the merged unscale_ must
+# sum them over the workers and write back the agreed flag before torch's step reads it.
+
+def scale_tensor(scaler: GradScaler) -> Optional[torch.Tensor]:
+    """The scaler's scale as torch holds it (``_scale``: a tensor on the scaler's device, None before first use)."""
+    return scaler._scale
+
+
+def found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """The inf flags ``unscale_`` recorded for ``optimizer`` this step (``_per_optimizer_states``), one per device."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def set_found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer,
+                             flags: dict[torch.device, torch.Tensor]) -> None:
+    """Replace the inf flags torch's ``step``/``update`` will read for ``optimizer`` this step."""
+    scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
+
+
+# --------------------------------------------------------------------------- Optimizer.__init__
+
+class _OptimizerInit:
+    """``torch.optim.Optimizer.__init__`` wrapped while some scope is open (counted; nested scopes share it).
+
+    Why a patch: torch has global hooks for module registrations but none for an optimizer's
+    creation, and a strategy must own (and, when it merges, wrap) every optimizer built in its
+    scope before the user's first ``step``. ``register_optimizer_step_pre_hook`` fires only at the
+    first step, too late to refuse an optimizer over foreign parameters at its construction,
+    and it cannot replace the step (see :func:`wrap_optimizer`).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.original: Optional[Callable[..., None]] = None
+
+
+_optimizer_init = _OptimizerInit()
+
+
+def patch_optimizer_init(after_init: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Call ``after_init(optimizer)`` after each optimizer's construction, until :func:`restore_optimizer_init`.
+
+    Counted: the first call patches, and each call needs its own restore. ``after_init`` is the
+    one given by the first call (it must find the current scope itself).
+    """
+    with _optimizer_init.lock:
+        _optimizer_init.depth += 1
+        if _optimizer_init.depth > 1:
+            return
+        original = torch.optim.Optimizer.__dict__["__init__"]
+        _optimizer_init.original = original
+
+        def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            after_init(self)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign]
+
+
+def restore_optimizer_init() -> None:
+    """Undo one :func:`patch_optimizer_init`; the last one puts torch's ``__init__`` back."""
+    with _optimizer_init.lock:
+        _optimizer_init.depth -= 1
+        if _optimizer_init.depth > 0:
+            return
+        if _optimizer_init.original is not None:
+            torch.optim.Optimizer.__init__ = _optimizer_init.original  # type: ignore[method-assign]
+            _optimizer_init.original = None
+
+
+# --------------------------------------------------------------------------- one optimizer's step / zero_grad
+
+StepFn = Callable[[torch.optim.Optimizer, Callable[..., Any], tuple, dict], Any]
+ZeroGradFn = Callable[[torch.optim.Optimizer, Callable[..., None], bool], None]
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, step: StepFn, zero_grad: ZeroGradFn) -> None:
+    """Route one optimizer's ``step`` and ``zero_grad`` through its strategy (instance attributes only).
+
+    Why a patch: the replica threads must meet inside ``optimizer.step()``, and the step must
+    run once on the summed gradients (or, under parameter servers, be sent to the servers instead
+    of running here). ``register_step_pre_hook`` / ``register_step_post_hook`` run around the
+    original step on each calling thread; they can neither make it run once nor skip it.
+    ``zero_grad`` must also clear the replicas' copies' gradients, which the optimizer does not
+    hold. The class is untouched; the change lives and dies with this one instance.
+
+    The replacements are bound methods so that ``torch.optim.lr_scheduler``, which re-wraps
+    ``optimizer.step.__func__``, keeps working.
+    """
+    original_step = optimizer.step
+    original_zero_grad = optimizer.zero_grad
+
+    def distributed_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return step(self, original_step, args, kwargs)
+
+    def distributed_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        zero_grad(self, original_zero_grad, set_to_none)
+
+    optimizer.step = types.MethodType(distributed_step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(distributed_zero_grad, optimizer)  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- torchmetrics privates
+
+def mark_metric_updated(metric: Any) -> None:
+    """Count one update on a torchmetrics ``Metric`` whose state was set from elsewhere.
+
+    torchmetrics warns in ``compute()`` when ``_update_count`` is 0 ("called before update");
+    a metric whose state arrived from the workers has seen updates there. No public setter exists.
+    """
+    if hasattr(metric, "_update_count"):
+        metric._update_count += 1

@@ -1,0 +1,182 @@
+"""What :mod:`distrib.strategies.torch_patches` assumes of torch (and torchmetrics), pinned.
+
+Each patch, and each private read, relies on how torch is written today. A torch upgrade that
+changes one of these fails the test named after it, rather than training going silently wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.optim.optimizer as optimizer_module
+from torch.amp.grad_scaler import GradScaler
+
+from distrib.strategies import torch_patches
+
+
+def _model_and_sgd() -> tuple[torch.nn.Linear, torch.optim.SGD]:
+    model = torch.nn.Linear(2, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+# --------------------------------------------------------------------------- GradScaler (StrategyPatches)
+
+def test_grad_scaler_methods_are_plain_functions_with_the_wrapped_signatures() -> None:
+    """StrategyPatches swaps these three class attributes and calls torch's own with these arguments."""
+    expected = {"unscale_": ["self", "optimizer"], "step": ["self", "optimizer", "args", "kwargs"],
+                "update": ["self", "new_scale"]}
+    for name, params in expected.items():
+        fn = GradScaler.__dict__[name]
+        assert inspect.isfunction(fn), (name, fn)
+        assert list(inspect.signature(fn).parameters) == params, (name, inspect.signature(fn))
+    assert inspect.signature(GradScaler.update).parameters["new_scale"].default is None
+
+
+def test_grad_scaler_step_calls_unscale_through_the_instance() -> None:
+    """The merged step runs torch's ``step``, which must reach the (patched) ``unscale_`` by attribute lookup."""
+    calls: list[str] = []
+
+    class Recording(GradScaler):
+        def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+            calls.append("unscale_")
+            super().unscale_(optimizer)
+
+    model, sgd = _model_and_sgd()
+    scaler = Recording("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(sgd)
+    assert calls == ["unscale_"]
+    scaler.update()
+
+
+def test_grad_scaler_keeps_its_scale_and_inf_flags_where_torch_patches_reads_them() -> None:
+    """``_scale`` and ``_per_optimizer_states[id(opt)]['found_inf_per_device']``; step and update obey the flags."""
+    model, sgd = _model_and_sgd()
+    scaler = GradScaler("cpu", init_scale=8.0)
+    assert scaler.is_enabled()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scale = torch_patches.scale_tensor(scaler)
+    assert isinstance(scale, torch.Tensor) and scale.item() == 8.0
+    scaler.unscale_(sgd)
+    flags = torch_patches.found_inf_per_device(scaler, sgd)
+    assert flags and all(isinstance(k, torch.device) and v.item() == 0.0 for k, v in flags.items())
+    # the merged unscale_ writes back the workers' agreed flag: torch's step must skip, and update back off
+    torch_patches.set_found_inf_per_device(scaler, sgd, {scale.device: torch.ones((), device=scale.device)})
+    before = model.weight.detach().clone()
+    scaler.step(sgd)
+    assert torch.equal(model.weight.detach(), before)
+    scaler.update()
+    assert scaler.get_scale() == 4.0  # backoff_factor 0.5
+
+
+def test_strategy_patches_are_counted_leases_that_restore_torch() -> None:
+    """The first lease puts the methods and the global hook in place; the last release puts torch's back."""
+    original = GradScaler.__dict__["update"]
+    hooks = dict(optimizer_module._global_optimizer_pre_hooks)
+
+    def update(self: GradScaler, new_scale: object = None) -> None:
+        torch_patches.torch_scaler_update(self, new_scale)  # torch's own, though the class is patched
+
+    patches = torch_patches.StrategyPatches({"update": update}, lambda opt, args, kwargs: None)
+    first, second = patches.acquire(), patches.acquire()
+    assert GradScaler.__dict__["update"] is update and len(optimizer_module._global_optimizer_pre_hooks) == len(hooks) + 1
+    scaler = GradScaler("cpu", init_scale=2.0)
+    model, sgd = _model_and_sgd()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(sgd)
+    scaler.update()  # through the patch, into torch's update: no recursion
+    first()
+    first()  # a second call of the same release is a no-op
+    assert patches.active and GradScaler.__dict__["update"] is update
+    second()
+    assert not patches.active
+    assert GradScaler.__dict__["update"] is original
+    assert dict(optimizer_module._global_optimizer_pre_hooks) == hooks
+
+
+# --------------------------------------------------------------------------- the global optimizer hook
+
+def test_global_optimizer_pre_hook_runs_for_the_class_step_and_its_handle_removes_it() -> None:
+    """The owner check is torch's register_optimizer_step_pre_hook: its first argument is the optimizer."""
+    seen: list[tuple] = []
+    count = len(optimizer_module._global_optimizer_pre_hooks)
+    handle = optimizer_module.register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append((opt, kwargs)))
+    model, sgd = _model_and_sgd()
+    model(torch.ones(1, 2)).sum().backward()
+    sgd.step()
+    handle.remove()
+    sgd.step()
+    assert seen == [(sgd, {})]
+    assert len(optimizer_module._global_optimizer_pre_hooks) == count
+
+
+def test_an_error_in_the_global_pre_hook_stops_the_step() -> None:
+    def refuse(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        raise RuntimeError("refused")
+
+    handle = optimizer_module.register_optimizer_step_pre_hook(refuse)
+    try:
+        model, sgd = _model_and_sgd()
+        model(torch.ones(1, 2)).sum().backward()
+        before = model.weight.detach().clone()
+        with pytest.raises(RuntimeError, match="refused"):
+            sgd.step()
+        assert torch.equal(model.weight.detach(), before)
+    finally:
+        handle.remove()
+
+
+# --------------------------------------------------------------------------- Optimizer.__init__
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])
+def test_optimizers_construct_through_the_base_class_init(cls: type) -> None:
+    """patch_optimizer_init swaps ``Optimizer.__init__``: every optimizer must run it, param_groups already set."""
+    assert inspect.isfunction(torch.optim.Optimizer.__dict__["__init__"])
+    seen: list[int] = []
+    torch_patches.patch_optimizer_init(lambda opt: seen.append(len(opt.param_groups)))
+    try:
+        cls(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    finally:
+        torch_patches.restore_optimizer_init()
+    assert seen == [1]
+    assert torch.optim.Optimizer.__init__.__name__ == "__init__"
+    assert not hasattr(torch.optim.Optimizer.__init__, "__wrapped__")  # restored
+
+
+# --------------------------------------------------------------------------- one optimizer's step / zero_grad
+
+def test_an_instance_step_attribute_is_what_step_calls_and_lr_schedulers_accept_it() -> None:
+    """wrap_optimizer sets bound methods on the instance; LRScheduler re-wraps ``optimizer.step.__func__``."""
+    calls: list[str] = []
+    model, sgd = _model_and_sgd()
+    torch_patches.wrap_optimizer(sgd, lambda opt, step, args, kwargs: (calls.append("step"), step(*args, **kwargs)),
+                                 lambda opt, zero_grad, set_to_none: (calls.append("zero"), zero_grad(set_to_none)))
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    model(torch.ones(1, 2)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+        sgd.step()
+        scheduler.step()
+    sgd.zero_grad()
+    assert calls == ["step", "zero"]
+    assert sgd.param_groups[0]["lr"] == 0.25
+    assert "step" not in type(sgd).__dict__ or type(sgd).__dict__["step"] is not sgd.step
+
+
+# --------------------------------------------------------------------------- torchmetrics
+
+def test_torchmetrics_counts_updates_in_update_count() -> None:
+    """mark_metric_updated bumps ``_update_count``, which torchmetrics' compute() checks before warning."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    metric = torchmetrics.MeanMetric()
+    assert metric._update_count == 0
+    with pytest.warns(UserWarning, match="before the ``update`` method"):
+        metric.compute()
+    metric.reset()
+    torch_patches.mark_metric_updated(metric)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metric.compute()
