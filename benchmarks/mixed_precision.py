@@ -6,15 +6,18 @@ Speed: the main job's loop exactly as `distrib train` runs it (``strategy.run`` 
 under ``MirroredStrategy()``, one CPU replica, batch 64, Adam), built by ``make_steps`` with each
 precision; training examples/s measured in interleaved rounds (every precision once per round, on
 the same batches), medians reported, as ``benchmarks/single_process.py`` does. ``--fp16`` adds
-``16-mixed`` (float16 autocast with a GradScaler), which CPUs without float16 matrix units run slowly.
+``16-mixed`` (float16 autocast with a GradScaler), which every CPU measured so far runs slowly
+(0.01-0.09 of fp32, even with ``avx512_fp16``: docs/performance.md).
 
 Accuracy (``--accuracy-epochs N``): ``distrib train --epochs N`` with and without
 ``--precision bf16-mixed`` on the real Fashion-MNIST, each in its own process, one after the other;
 the test accuracy of the last epoch line (the test pass runs under the same autocast) and the
 accuracy of the restored checkpoint evaluated in float32 without a strategy.
 
-bfloat16 speeds up matrix products where the CPU has bfloat16 dot-product units (``avx512_bf16``,
-AMX); the script prints whether ``lscpu`` lists them.
+bfloat16 speeds up matrix products where oneDNN has bfloat16 kernels for the CPU (``avx512_bf16``,
+AMX) and slows the step 7-12x where it has none (AVX2 only); the script prints whether ``lscpu``
+lists those flags, and ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` emulate a CPU with fewer
+(docs/performance.md, "bf16 and fp16 on three kinds of CPU").
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ set to 1 for the measurement and restored after: on a machine shared with other 
 wall clock measures the scheduler, and a thread's CPU time does not. A ratio of at least
 :data:`SLOW_RATIO` is slow. Measured on a Xeon with AMX, natively and limited to AVX512-BF16 or
 to AVX2 (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``; docs/performance.md), 6 fresh processes
-each: fast dtypes gave 0.9-1.6x, slow ones 4.6-11.5x (the main job itself: 8-75x slower).
+each: fast dtypes gave 0.9-1.6x, slow ones 4.6-11.5x (the main job itself: 7-90x slower).
 
 Example::
 
