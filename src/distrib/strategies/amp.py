@@ -159,8 +159,8 @@ class Precision:
         """A note naming the faster choice when this precision is correct but slow on ``device_type``, else None.
 
         Whether a CPU runs bfloat16 or float16 autocast fast depends on the kernels oneDNN and ATen
-        pick on it, so it is measured (:func:`distrib.strategies.amp_speed.measured_slowdown`: a few
-        milliseconds, once per process, only for a mixed precision). The note never recommends a
+        pick on it, so it is measured (:func:`distrib.strategies.amp_speed.measured_slowdown`: 25-80 ms
+        of CPU, once per process, only for a mixed precision). The note never recommends a
         precision that is slow here: the other mixed precision if it is not slow, else ``'32'``.
         On CUDA nothing is measured: float16 is fast on every GPU, bfloat16 where
         ``torch.cuda.is_bf16_supported(including_emulation=False)``. Other devices: None.
