@@ -180,3 +180,43 @@ def test_torchmetrics_counts_updates_in_update_count() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         metric.compute()
+
+
+# --------------------------------------------------------------------------- GradScaler state (parameter servers)
+
+def _stepped_scaler(poison: bool = False, **kwargs: float) -> tuple[GradScaler, torch.optim.SGD]:
+    model, sgd = _model_and_sgd()
+    scaler = GradScaler("cpu", **kwargs)
+    loss = model(torch.ones(1, 2)).sum() * (float("inf") if poison else 1.0)
+    scaler.scale(loss).backward()
+    scaler.step(sgd)
+    return scaler, sgd
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_a_replayed_update_is_torchs_update(poison: bool) -> None:
+    """replay_scale_update drives ``torch._amp_update_scale_`` with the scaler's factors and growth tracker."""
+    options = dict(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=1)
+    scaler, _ = _stepped_scaler(poison, **options)
+    assert [f.item() for f in torch_patches.all_found_inf(scaler)] == [1.0 if poison else 0.0]
+    scaler.update()
+    copy = GradScaler("cpu", **options)  # has scaled nothing yet: its scale tensor is created lazily
+    torch_patches.replay_scale_update(copy, 1.0 if poison else 0.0)
+    assert copy.state_dict() == scaler.state_dict()
+    assert copy.get_scale() == (2.0 if poison else 32.0)
+    torch_patches.set_scale(copy, 3.0)
+    assert copy.get_scale() == 3.0
+
+
+def test_a_scalers_enabled_flag_and_step_state_can_be_set_and_dropped() -> None:
+    scaler, _ = _stepped_scaler(init_scale=8.0)
+    torch_patches.forget_step(scaler)
+    assert torch_patches.all_found_inf(scaler) == []
+    with pytest.raises(AssertionError, match="No inf checks"):  # what update() says when nothing was unscaled
+        scaler.update()
+    assert torch_patches.scaler_device(scaler) == "cpu"
+    assert torch_patches.scaler_device(GradScaler("cuda", enabled=False)) == "cuda"
+    torch_patches.set_enabled(scaler, False)
+    assert not scaler.is_enabled()
+    torch_patches.set_enabled(scaler, True)
+    assert scaler.is_enabled()

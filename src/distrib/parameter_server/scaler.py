@@ -56,6 +56,7 @@ from torch.amp.grad_scaler import GradScaler
 
 from distrib.parameter_server.errors import RemoteProtocolError
 from distrib.parameter_server.weak_names import WeakNames
+from distrib.strategies import torch_patches
 
 __all__ = ["Acknowledgements", "ScalerAuthority", "WorkerScalers", "scaler_state", "replay"]
 
@@ -80,16 +81,10 @@ def replay(scaler: GradScaler, kind: str, value: float) -> None:
     """
     if not scaler.is_enabled():
         return
-    if scaler._scale is None:
-        scaler._lazy_init_scale_growth_tracker(torch.device(scaler._device))
-    scale, tracker = scaler._scale, scaler._growth_tracker
-    assert scale is not None and tracker is not None, "initialized just above"
     if kind == "set":
-        scale.fill_(value)
-        return
-    found_inf = torch.full((), value, dtype=torch.float32, device=scale.device)
-    torch._amp_update_scale_(scale, tracker, found_inf, scaler._growth_factor, scaler._backoff_factor,
-                             scaler._growth_interval)
+        torch_patches.set_scale(scaler, value)
+    else:
+        torch_patches.replay_scale_update(scaler, value)
 
 
 class Acknowledgements:
@@ -176,12 +171,11 @@ class _WorkerScaler(GradScaler):
         self._key = key
 
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
-        if self._enabled:
+        if self.is_enabled():
             if new_scale is not None:
                 self._owner.record(self._key, "set", float(new_scale))
             else:
-                found = [f for state in self._per_optimizer_states.values()
-                         for f in state["found_inf_per_device"].values()]
+                found = torch_patches.all_found_inf(self)
                 if found:  # none: torch's update raises its own AssertionError below
                     self._owner.record(self._key, "inf", float(sum(float(f.item()) for f in found)))
         super().update(new_scale)
@@ -263,13 +257,13 @@ class WorkerScalers:
             if state is None:
                 raise RuntimeError(f"the coordinator sent no state for its GradScaler {key!r} (the scheduled "
                                    "function captured a scaler the coordinator no longer holds)")
-            scaler._enabled = bool(state["enabled"])
-            if scaler._enabled:
+            torch_patches.set_enabled(scaler, bool(state["enabled"]))
+            if scaler.is_enabled():
                 scaler.load_state_dict({k: v for k, v in state.items() if k != "enabled"})
                 for _, pending_key, kind, value in self._pending:
                     if pending_key == key:
                         replay(scaler, kind, value)
-            scaler._per_optimizer_states.clear()  # a step a failed call left half done
+            torch_patches.forget_step(scaler)  # a step a failed call left half done
         return self._seq
 
     def record(self, key: str, kind: str, value: float) -> None:

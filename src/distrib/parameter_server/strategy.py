@@ -81,7 +81,7 @@ from distrib import context
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
 from distrib.input import InputContext
 from distrib.strategies.replication import optimizer_params
-from distrib.strategies.torch_patches import mark_metric_updated, wrap_optimizer
+from distrib.strategies.torch_patches import mark_metric_updated, scaler_device, wrap_optimizer
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource
@@ -403,7 +403,7 @@ class ParameterServerStrategy(Strategy):
         if obj is self:
             return ("strategy",)
         if isinstance(obj, GradScaler) and obj.is_enabled():
-            return ("scaler", self._scalers.key(obj), obj._device)
+            return ("scaler", self._scalers.key(obj), scaler_device(obj))
         if _is_metric(obj):
             return ("metric", self._metric_key(obj), _MetricCopy(obj))
         if isinstance(obj, torch.Tensor):

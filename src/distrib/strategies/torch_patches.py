@@ -37,7 +37,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", "wrap_optimizer",
            "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
-           "set_found_inf_per_device", "mark_metric_updated"]
+           "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
+           "scaler_device", "set_enabled", "forget_step"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -246,3 +247,54 @@ def mark_metric_updated(metric: Any) -> None:
     """
     if hasattr(metric, "_update_count"):
         metric._update_count += 1
+
+
+# --------------------------------------------------------------------------- GradScaler state for parameter servers
+# A coordinator's scaler replays its workers' update() outcomes with torch's own arithmetic, and a worker's copy
+# starts each call from the coordinator's state; GradScaler offers no public setter for either.
+
+def replay_scale_update(scaler: GradScaler, found_inf: float) -> None:
+    """One ``update()`` with an inf count of ``found_inf`` (0: clean), as torch computes it.
+
+    ``torch._amp_update_scale_`` backs the scale off, or counts a clean step and grows it every
+    ``growth_interval`` clean steps, on the scaler's ``_scale`` and ``_growth_tracker`` (created first
+    if the scaler has not scaled anything yet).
+    """
+    scale, tracker = _scale_and_tracker(scaler)
+    flag = torch.full((), found_inf, dtype=torch.float32, device=scale.device)
+    torch._amp_update_scale_(scale, tracker, flag, scaler._growth_factor, scaler._backoff_factor,
+                             scaler._growth_interval)
+
+
+def set_scale(scaler: GradScaler, value: float) -> None:
+    """``update(new_scale=value)`` replayed: the scale tensor set in place."""
+    scale, _ = _scale_and_tracker(scaler)
+    scale.fill_(value)
+
+
+def _scale_and_tracker(scaler: GradScaler) -> tuple[torch.Tensor, torch.Tensor]:
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(torch.device(scaler._device))
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    assert scale is not None and tracker is not None, "initialized just above"
+    return scale, tracker
+
+
+def all_found_inf(scaler: GradScaler) -> list[torch.Tensor]:
+    """Every inf flag ``unscale_`` recorded this step, over all optimizers and devices (none: not unscaled)."""
+    return [f for state in scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+
+
+def scaler_device(scaler: GradScaler) -> str:
+    """The device type the scaler was built for (``"cpu"``, ``"cuda"``): its copies on the workers are built alike."""
+    return scaler._device
+
+
+def set_enabled(scaler: GradScaler, enabled: bool) -> None:
+    """Enable or disable a worker's copy as the coordinator's scaler is (no public setter exists)."""
+    scaler._enabled = enabled
+
+
+def forget_step(scaler: GradScaler) -> None:
+    """Drop the per-optimizer state of a step a failed call left half done (``update()`` clears it normally)."""
+    scaler._per_optimizer_states.clear()
