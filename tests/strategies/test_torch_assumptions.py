@@ -220,3 +220,28 @@ def test_a_scalers_enabled_flag_and_step_state_can_be_set_and_dropped() -> None:
     assert not scaler.is_enabled()
     torch_patches.set_enabled(scaler, True)
     assert scaler.is_enabled()
+
+
+# --------------------------------------------------------------------------- optimizer state under parameter servers
+
+def test_a_state_dict_post_hook_gets_torchs_dict_and_its_result_is_returned() -> None:
+    """ParameterServerStrategy fills in the servers' state through register_state_dict_post_hook."""
+    model, sgd = _model_and_sgd()
+    sgd.register_state_dict_post_hook(lambda opt, sd: {**sd, "state": {0: {"from": opt is sgd}}})
+    sd = sgd.state_dict()
+    assert sd["state"] == {0: {"from": True}} and sd["param_groups"][0]["lr"] == 0.5
+
+
+def test_torchs_load_state_dict_replaces_the_group_dicts() -> None:
+    """Why load_state_dict stays an instance patch under parameter servers: torch's load swaps the group dicts
+    for copies of the saved ones (a pre-hook could not keep the groups updated in place)."""
+    model, sgd = _model_and_sgd()
+    group = sgd.param_groups[0]
+    saved = sgd.state_dict()
+    saved["param_groups"][0]["lr"] = 0.125
+    sgd.load_state_dict(saved)
+    assert sgd.param_groups[0] is not group and group["lr"] == 0.5 and sgd.param_groups[0]["lr"] == 0.125
+    calls: list[dict] = []
+    torch_patches.replace_load_state_dict(sgd, lambda opt, sd: calls.append(sd))
+    sgd.load_state_dict(saved)
+    assert calls == [saved]

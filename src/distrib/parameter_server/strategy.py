@@ -68,7 +68,6 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import types
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -81,7 +80,7 @@ from distrib import context
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
 from distrib.input import InputContext
 from distrib.strategies.replication import optimizer_params
-from distrib.strategies.torch_patches import mark_metric_updated, scaler_device, wrap_optimizer
+from distrib.strategies.torch_patches import mark_metric_updated, replace_load_state_dict, scaler_device, wrap_optimizer
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource
@@ -307,11 +306,10 @@ class ParameterServerStrategy(Strategy):
         self._ps.create_optimizer(opt_id, cloudpickle.dumps(type(optimizer)), entries)
         self._optimizers[id(optimizer)] = (optimizer, opt_id)
         wrap_optimizer(optimizer, self._coordinator_step, lambda opt, zero_grad, set_to_none: zero_grad(set_to_none))
-        original_state_dict = optimizer.state_dict
-        optimizer.state_dict = types.MethodType(  # type: ignore[method-assign]
-            lambda opt: self._optimizer_state_dict(opt, opt_id, original_state_dict), optimizer)
-        optimizer.load_state_dict = types.MethodType(  # type: ignore[method-assign]
-            lambda opt, state_dict: self._optimizer_load_state_dict(opt, opt_id, state_dict), optimizer)
+        # torch's public hook: the servers' state replaces the (empty) local one in every state_dict()
+        optimizer.register_state_dict_post_hook(lambda opt, sd: self._optimizer_state_dict(opt, opt_id, sd))
+        replace_load_state_dict(optimizer, lambda opt, state_dict: self._optimizer_load_state_dict(opt, opt_id,
+                                                                                                   state_dict))
 
     def _coordinator_step(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple,
                           kwargs: dict) -> Any:
@@ -331,11 +329,10 @@ class ParameterServerStrategy(Strategy):
         """Every optimizer's current options per group, sent to the workers with each batch of calls."""
         return {opt_id: [_options(g) for g in optimizer.param_groups] for optimizer, opt_id in self._optimizers.values()}
 
-    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str,
-                              original: Callable[[], dict]) -> dict:
+    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str, sd: dict) -> dict:
+        """``optimizer.state_dict()``'s post-hook: torch's dict, its ``state`` read from the ps tasks."""
         from distrib.parameter_server.optimizer_state import merge_shard_states
 
-        sd = original()
         state = {}
         index = 0
         for group in optimizer.param_groups:

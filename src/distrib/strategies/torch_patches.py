@@ -17,7 +17,9 @@ process-wide)                             merges its first optimizer
 ``torch.optim.Optimizer.__init__``        the outermost ``strategy.scope()``     that scope closes (reference count
 (class attribute)                         is entered                             over nested / threaded scopes)
 ``optimizer.step`` / ``zero_grad``        an optimizer is built in the scope     never: they live and die with
-(instance attributes, not the class)      of a strategy that merges its steps    that one optimizer instance
+(instance attributes, not the class;      of a strategy that merges its steps    that one optimizer instance
+and ``load_state_dict`` under parameter   (or of a parameter-server strategy)
+servers)
 ========================================  =====================================  =========================================
 
 ``import distrib`` applies none of them (``tests/test_torch_untouched.py``), and
@@ -38,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", "wrap_optimizer",
            "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
            "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
-           "scaler_device", "set_enabled", "forget_step"]
+           "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -235,6 +237,20 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, step: StepFn, zero_grad: Ze
 
     optimizer.step = types.MethodType(distributed_step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(distributed_zero_grad, optimizer)  # type: ignore[method-assign]
+
+
+def replace_load_state_dict(optimizer: torch.optim.Optimizer,
+                            load: Callable[[torch.optim.Optimizer, dict], None]) -> None:
+    """Make ``optimizer.load_state_dict(sd)`` call ``load(optimizer, sd)`` instead (this instance only).
+
+    Why a patch: under parameter servers the optimizer's state lives on the servers; a load must
+    send it there and update the groups' options in place, leaving ``optimizer.state`` empty.
+    ``register_load_state_dict_pre_hook`` could send it and hand torch an empty state, but torch
+    would then still replace every param group by a deep copy of the saved one (a different group
+    dict, and saved tensors copied), which is not what distrib's load does. (``state_dict`` needs no
+    patch: ``register_state_dict_post_hook`` fills in the servers' state.)
+    """
+    optimizer.load_state_dict = types.MethodType(load, optimizer)  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------- torchmetrics privates
