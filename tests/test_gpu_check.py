@@ -40,6 +40,8 @@ def test_gpu_check_dry_run_passes_runs_the_cuda_tests_on_the_cpu_and_benchmarks_
     for kind in ("plain_eager", "plain_same_step", "default", "one_device", "mirrored"):
         assert rates[f"{kind}/fp32/compiled/b8"] > 0 and rates[f"{kind}/fp32/eager/b32"] > 0
     assert all(v is not None for v in result["overhead_us_per_step_vs_plain_same_step"].values())
+    assert set(result["dispatch_overhead"]["overhead_us_per_call"]) == {"default", "one_device", "mirrored"}
+    assert result["dispatch_overhead"]["bare_us_per_call"] > 0
     assert result["multi_worker_2_processes_one_device"]["examples_per_s_median"] > 0
     assert result["multi_worker_2_processes_one_device"]["backend"] == "gloo"
     for name in ("gpu_check.log", "env.txt", "cuda-tests.log", "benchmark.txt"):
