@@ -245,3 +245,22 @@ def test_torchs_load_state_dict_replaces_the_group_dicts() -> None:
     torch_patches.replace_load_state_dict(sgd, lambda opt, sd: calls.append(sd))
     sgd.load_state_dict(saved)
     assert calls == [saved]
+
+
+# --------------------------------------------------------------------------- one module's forward
+
+def test_calling_a_module_runs_its_instance_forward_and_the_class_forward_stays_reachable() -> None:
+    """route_forward sets ``module.forward`` on the instance: ``module(x)`` must call it (hooks still run)."""
+    module = torch.nn.Linear(2, 1)
+    seen: list[str] = []
+    module.register_forward_hook(lambda mod, args, out: seen.append("hook"))
+
+    def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        seen.append("routed")
+        return type(self).forward(self, x) * 2
+
+    expected = torch.nn.Linear.forward(module, torch.ones(1, 2)) * 2
+    torch_patches.route_forward(module, forward)
+    assert torch.equal(module(torch.ones(1, 2)), expected)
+    assert seen == ["routed", "hook"]
+    assert "forward" not in vars(torch.nn.Linear) or torch.nn.Linear.forward is not module.forward

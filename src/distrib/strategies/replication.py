@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import types
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -227,7 +226,7 @@ class MirroredModules:
             for name, sub in root.named_modules():
                 _mirrors[sub] = _Mirror(self._strategy, tuple(c.get_submodule(name) for c in copies),
                                         primary_computes=bool(self._first))
-                sub.forward = types.MethodType(_dispatching_forward, sub)
+                torch_patches.route_forward(sub, _dispatching_forward)
         for sub in root.modules():
             context.set_owner(sub, self._strategy)
         root.register_load_state_dict_post_hook(lambda module, keys: self.refresh(module))

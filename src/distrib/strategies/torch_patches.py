@@ -20,6 +20,8 @@ process-wide)                             merges its first optimizer
 (instance attributes, not the class;      of a strategy that merges its steps    that one optimizer instance
 and ``load_state_dict`` under parameter   (or of a parameter-server strategy)
 servers)
+``module.forward`` (instance attribute)   a module is distributed by a strategy  never: it lives and dies with
+                                          with copies for other local replicas   that one module instance
 ========================================  =====================================  =========================================
 
 ``import distrib`` applies none of them (``tests/test_torch_untouched.py``), and
@@ -40,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", "wrap_optimizer",
            "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
            "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
-           "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict"]
+           "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -251,6 +253,20 @@ def replace_load_state_dict(optimizer: torch.optim.Optimizer,
     patch: ``register_state_dict_post_hook`` fills in the servers' state.)
     """
     optimizer.load_state_dict = types.MethodType(load, optimizer)  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- one module's forward
+
+def route_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
+    """Make calls of ``module`` (and ``module.forward``) run ``forward(module, ...)`` (this instance only).
+
+    Why a patch: inside ``run`` each replica thread must compute on its own copy of the module.
+    ``register_forward_pre_hook`` can change the inputs and ``register_forward_hook`` the output,
+    but torch would still run the primary's own forward on every replica thread (each replica's
+    gradient would land on the primary, and the work would be done twice). ``forward`` falls back
+    to the class's forward outside ``run`` (and on replica 0 when it computes on the primary).
+    """
+    module.forward = types.MethodType(forward, module)
 
 
 # --------------------------------------------------------------------------- torchmetrics privates
