@@ -264,3 +264,11 @@ def test_calling_a_module_runs_its_instance_forward_and_the_class_forward_stays_
     assert torch.equal(module(torch.ones(1, 2)), expected)
     assert seen == ["routed", "hook"]
     assert "forward" not in vars(torch.nn.Linear) or torch.nn.Linear.forward is not module.forward
+
+
+def test_a_modules_load_state_dict_pre_hooks_are_seen() -> None:
+    """has_load_state_dict_pre_hooks reads ``_load_state_dict_pre_hooks``, filled by the public registration."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1))
+    assert not torch_patches.has_load_state_dict_pre_hooks(model)
+    model[0].register_load_state_dict_pre_hook(lambda *args: None)
+    assert torch_patches.has_load_state_dict_pre_hooks(model)

@@ -42,7 +42,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", "wrap_optimizer",
            "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
            "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
-           "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward"]
+           "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward",
+           "has_load_state_dict_pre_hooks"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -267,6 +268,15 @@ def route_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
     to the class's forward outside ``run`` (and on replica 0 when it computes on the primary).
     """
     module.forward = types.MethodType(forward, module)
+
+
+def has_load_state_dict_pre_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule has a ``load_state_dict`` pre-hook (``_load_state_dict_pre_hooks``).
+
+    Such a hook may rename or convert keys, so a checkpoint cannot check the keys beforehand; torch has
+    no public view of a module's hooks.
+    """
+    return any(m._load_state_dict_pre_hooks for m in module.modules())
 
 
 # --------------------------------------------------------------------------- torchmetrics privates
