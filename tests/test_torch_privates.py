@@ -16,8 +16,7 @@ import torch
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distrib"
 PATCH_MODULE = SRC / "strategies" / "torch_patches.py"
 #: reads not yet routed, each with the reason it is still there (empty it, do not grow it)
-PENDING = {("checkpoint/restore.py", "_load_state_dict_pre_hooks"):
-           "checkpoint/ is another helper's: use torch_patches.has_load_state_dict_pre_hooks(module)"}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def _private_names() -> set[str]:

@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch.nn.parameter import is_lazy
 
 from distrib.checkpoint.errors import CheckpointError
+from distrib.strategies.torch_patches import has_load_state_dict_pre_hooks
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -50,7 +51,7 @@ def _validate_tensor(where: str, obj: torch.Tensor, state: Any) -> None:
 def _validate_module(where: str, module: torch.nn.Module, state: Any) -> None:
     if not isinstance(state, Mapping):
         raise CheckpointError(f"{where} is a module here but the file holds a {type(state).__name__}")
-    if any(m._load_state_dict_pre_hooks for m in module.modules()):
+    if has_load_state_dict_pre_hooks(module):
         return  # a pre-hook may rename or convert keys: load_state_dict itself decides (rollback covers it)
     current = module.state_dict(keep_vars=True)
     missing = [k for k in current if k not in state]
