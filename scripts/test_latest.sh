@@ -7,7 +7,8 @@
 #
 # It builds a fresh venv (no system site packages; $LATEST_VENV, default /tmp/distrib-latest), installs
 # torch==2.13.0 (the CPU wheel on these machines: the newest torch is a multi-GB CUDA build; set
-# LATEST_TORCH=newest to take it anyway) and then this package with its test extra, unpinned and upgraded;
+# LATEST_TORCH=newest to take it anyway; pip's configured cap on these machines stops it at 2.14.1, and
+# PIP_CONFIG_FILE=/dev/null lifts the cap) and then this package with its test extra, unpinned and upgraded;
 # prints which versions differ from requirements/test.lock; runs mypy and the suite. The README's test
 # command (scripts/test.sh) stays on the lock.
 set -euo pipefail
@@ -18,8 +19,10 @@ VENV=${LATEST_VENV:-/tmp/distrib-latest}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m venv --clear "$VENV"
 pipq() { "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-if [ "${LATEST_TORCH:-}" = newest ]; then pipq --upgrade torch; else pipq "torch==2.13.0"; fi
-pipq --upgrade --upgrade-strategy eager -e ".[test]"
+# --upgrade-strategy eager upgrades torch too (a dependency): hold it at 2.13.0 in that step as well
+if [ "${LATEST_TORCH:-}" = newest ]; then TORCH=(torch); else TORCH=("torch==2.13.0"); fi
+pipq --upgrade "${TORCH[@]}"
+pipq --upgrade --upgrade-strategy eager -e ".[test]" "${TORCH[@]}"
 
 echo "== versions that differ from requirements/test.lock"
 "$VENV/bin/python" - <<'PY'
