@@ -34,3 +34,29 @@ def test_entries_say_what_the_launcher_may_start():
 def test_an_unknown_name_lists_the_choices():
     with pytest.raises(ValueError, match="unknown strategy 'mirored'; choose one of: default, one-device, mirrored"):
         registry.get("mirored")
+
+
+def test_the_default_strategy_of_each_job_shape_comes_from_the_registry():
+    from distrib.strategies import registry
+
+    shapes = {"one process": registry.default_name(), "--workers 3": registry.default_name(workers=3),
+              "--ps 2": registry.default_name(workers=1, ps=2)}
+    assert shapes == {"one process": "mirrored", "--workers 3": "multi-worker", "--ps 2": "parameter-server"}
+    assert registry.get(shapes["--workers 3"]).multi_worker and registry.get(shapes["--ps 2"]).parameter_servers
+
+
+def test_the_cli_names_no_strategy_itself():
+    """Every strategy name the command line uses comes from the registry: no registered name is a string
+    literal in app/cli.py or app/train.py (a new default, or a renamed strategy, changes one place)."""
+    import ast
+    from pathlib import Path
+
+    import distrib.app
+    from distrib.strategies import registry
+
+    app = Path(distrib.app.__file__).parent
+    names = set(registry.names()) - {"default"}  # also argparse's word for a default value, used as such there
+    found = [(path.name, node.lineno, node.value) for path in (app / "cli.py", app / "train.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+    assert not found, f"strategy names written out instead of taken from the registry: {found}"

@@ -82,8 +82,9 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
     """``distrib train``'s options: (flag, ``add_argument`` keywords). One table adds and forwards them."""
     return [
         ("--strategy", dict(choices=registry.names(), default=None,
-                            help="distribution strategy (default: mirrored; multi-worker with --workers N; "
-                                 f"parameter-server with --ps M). {_strategy_help()}")),
+                            help=f"distribution strategy (default: {registry.default_name()}; "
+                                 f"{registry.default_name(workers=2)} with --workers N; "
+                                 f"{registry.default_name(ps=1)} with --ps M). {_strategy_help()}")),
         ("--workers", dict(type=_positive, default=1, help="run the job on N worker processes through distrib launch")),
         ("--ps", dict(type=_non_negative, default=0, help="parameter-server tasks for --strategy parameter-server")),
         ("--max-restarts", dict(type=_non_negative, default=0, help="with --workers: restarts of the whole group")),
@@ -155,12 +156,7 @@ def _train(args: argparse.Namespace) -> int:
     from distrib.app.datasets import DatasetNotFoundError
     from distrib.app.train import TrainConfig, train
 
-    if args.strategy:
-        name = args.strategy
-    elif args.ps:
-        name = next(n for n in registry.names() if registry.get(n).parameter_servers)
-    else:
-        name = "multi-worker" if args.workers > 1 else "mirrored"
+    name = args.strategy or registry.default_name(workers=args.workers, ps=args.ps)
     entry = registry.get(name)
     if args.ps and not entry.parameter_servers:
         print(f"distrib train: --ps needs a parameter-server strategy, not {name}", file=sys.stderr)

@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -41,7 +41,7 @@ POSTFIX_EVERY = 10  # steps between two updates of the bar's loss and accuracy (
 class TrainConfig:
     """Everything ``distrib train`` can be told; the defaults are seed 000's."""
 
-    strategy: str = "mirrored"
+    strategy: str = field(default_factory=registry.default_name)  # the registry's one-process default
     epochs: int = 10
     batch_size_per_replica: int = 64
     replicas: Optional[int] = None

@@ -25,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["StrategyRequest", "StrategyEntry", "register", "get", "names", "build"]
+__all__ = ["StrategyRequest", "StrategyEntry", "register", "get", "names", "build", "default_name"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class StrategyEntry:
 
     ``multi_worker``: it runs on several worker processes (``--workers N``).
     ``parameter_servers``: it needs ps tasks (``--ps M``).
+    ``default_for``: the job shape it is the default strategy of, if any: ``"one-process"``,
+    ``"workers"`` (``--workers N``) or ``"ps"`` (``--ps M``); see :func:`default_name`.
     """
 
     name: str
@@ -51,6 +53,7 @@ class StrategyEntry:
     build: Callable[[StrategyRequest], "Strategy"]
     multi_worker: bool = False
     parameter_servers: bool = False
+    default_for: str = ""
 
 
 _ENTRIES: dict[str, StrategyEntry] = {}
@@ -72,6 +75,21 @@ def get(name: str) -> StrategyEntry:
         return _ENTRIES[name]
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(_ENTRIES)}") from None
+
+
+def default_name(workers: int = 1, ps: int = 0) -> str:
+    """The registered strategy a job of this shape runs when none is named: ps tasks first, then workers.
+
+    Example::
+
+        >>> default_name(), default_name(workers=2), default_name(workers=2, ps=1)
+        ('mirrored', 'multi-worker', 'parameter-server')
+    """
+    shape = "ps" if ps else "workers" if workers > 1 else "one-process"
+    for entry in _ENTRIES.values():
+        if entry.default_for == shape:
+            return entry.name
+    raise ValueError(f"no registered strategy is the default for a job of shape {shape!r}")
 
 
 def build(name: str, request: Optional[StrategyRequest] = None) -> "Strategy":
@@ -129,10 +147,11 @@ def _parameter_server(request: StrategyRequest) -> "Strategy":
 
 register(StrategyEntry("default", "no distribution: the step runs once, in place", _default))
 register(StrategyEntry("one-device", "one replica on one device (--device, default cuda:0 or cpu)", _one_device))
-register(StrategyEntry("mirrored", "synchronous, one replica per local device (every GPU, or the CPU)", _mirrored))
+register(StrategyEntry("mirrored", "synchronous, one replica per local device (every GPU, or the CPU)", _mirrored,
+                       default_for="one-process"))
 register(StrategyEntry("central-storage", "synchronous, parameters on one device, compute on every local device",
                        _central_storage))
 register(StrategyEntry("multi-worker", "synchronous over worker processes (TF_CONFIG, torchrun or Slurm)",
-                       _multi_worker, multi_worker=True))
+                       _multi_worker, multi_worker=True, default_for="workers"))
 register(StrategyEntry("parameter-server", "asynchronous: parameters on ps tasks, steps scheduled on workers",
-                       _parameter_server, multi_worker=True, parameter_servers=True))
+                       _parameter_server, multi_worker=True, parameter_servers=True, default_for="ps"))
