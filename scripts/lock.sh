@@ -7,8 +7,8 @@
 #
 # pip-compile (pip-tools) resolves pyproject.toml's `test` extra together with requirements/torch.in
 # (torch==2.13.0) for this machine's Python, in a throwaway venv. pip resolves torch==2.13.0 to the CPU wheel
-# that lies on these machines (2.13.0+cpu, found through pip's configured find-links); the lock names it
-# `torch==2.13.0`, which that wheel and a CUDA build of the same release both satisfy.
+# that lies on these machines (2.13.0+cpu, found through pip's configured find-links), and the lock names that
+# build exactly: what CI installs is what was tested.
 # The package's own ranges (pyproject.toml) stay ranges: the lock is for the tests, not for users.
 # `bash scripts/test_latest.sh` runs the suite against the newest releases instead.
 set -euo pipefail
@@ -23,8 +23,6 @@ trap 'rm -rf "$TOOL"' EXIT
 "$TOOL/venv/bin/pip-compile" --quiet --strip-extras --extra test --allow-unsafe --no-emit-index-url \
   --no-emit-find-links --no-emit-trusted-host --newline lf --output-file requirements/test.lock \
   pyproject.toml requirements/torch.in 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-# a local version label (+cpu) pins one build; the release alone admits the CPU and the CUDA wheel
-sed -i -E 's/^torch==([0-9.]+)\+[a-z0-9]+$/torch==\1/' requirements/test.lock
 # the header names this script, not pip-compile's own command line (which names a temporary path)
 sed -i -E 's|^#    pip-compile .*|#    bash scripts/lock.sh|' requirements/test.lock
 echo "requirements/test.lock: $(grep -cE '^[A-Za-z0-9_.-]+==' requirements/test.lock) packages pinned"

@@ -32,7 +32,7 @@ locked = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", open("requirements/test.
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 locked = {norm(k): v for k, v in locked.items()}
 have = {norm(d.metadata["Name"]): d.version for d in distributions()}
-rows = [(n, locked[n], have.get(n, "-")) for n in sorted(locked) if have.get(n, "-").split("+")[0] != locked[n]]
+rows = [(n, locked[n], have.get(n, "-")) for n in sorted(locked) if have.get(n, "-") != locked[n]]
 rows += [(n, "-", v) for n, v in sorted(have.items()) if n not in locked and n not in ("pip", "distrib")]
 for name, lock, now in rows:
     print(f"  {name:28} lock {lock:14} now {now}")
