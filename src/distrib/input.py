@@ -121,7 +121,7 @@ class DistributedDataset:
     whose batch differs, is a :class:`~distrib.CollectiveError` on every worker.
     """
 
-    def __init__(self, dataset: Iterable[Any], strategy: "Strategy") -> None:
+    def __init__(self, dataset: Iterable[Any], strategy: "Strategy", options: Any = None) -> None:
         _refuse_per_worker_sampler(dataset, strategy)
         self._dataset = dataset
         self._strategy = strategy
@@ -163,7 +163,8 @@ class DistributedDatasetsFromFunction:
     get empty batches so that the step still runs and nothing is dropped.
     """
 
-    def __init__(self, dataset_fn: Callable[[InputContext], Iterable[Any]], strategy: "Strategy") -> None:
+    def __init__(self, dataset_fn: Callable[[InputContext], Iterable[Any]], strategy: "Strategy",
+                 options: Any = None) -> None:
         self._strategy = strategy
         self.input_context = InputContext(
             num_input_pipelines=strategy.num_workers,

@@ -528,7 +528,7 @@ class Strategy:
         """
         from distrib.input import DistributedDataset
 
-        return DistributedDataset(dataset, self)
+        return DistributedDataset(dataset, self, options=options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None) -> Any:
         """Call ``dataset_fn(input_context)`` once on this worker; its batches are per-replica batches.
@@ -537,7 +537,7 @@ class Strategy:
         """
         from distrib.input import DistributedDatasetsFromFunction
 
-        return DistributedDatasetsFromFunction(dataset_fn, self)
+        return DistributedDatasetsFromFunction(dataset_fn, self, options=options)
 
     def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
                                                        options: Any = None) -> Any:
