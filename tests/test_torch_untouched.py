@@ -5,7 +5,7 @@ strategies). What is compared: the identity of every attribute in the ``__dict__
 ``torch.optim.Optimizer``, ``torch.amp.GradScaler``, ``torch.cuda.amp.GradScaler`` and
 ``torch.nn.Module`` (so ``__init__``, ``step``, ``zero_grad``, ``unscale_``, ``update``, ``__call__``...),
 and the contents of torch's global hook dicts (optimizer step pre/post hooks, module forward /
-backward / registration hooks). The patches (:mod:`distrib.strategies.torch_patches`) are
+backward / registration hooks). The patches (:mod:`distrib.torch_patches`) are
 applied while a strategy needs them and removed when its scope closes (``Optimizer.__init__``)
 or when the strategy, its modules and optimizers are garbage-collected (the GradScaler methods
 and the global optimizer hook).

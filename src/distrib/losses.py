@@ -199,13 +199,14 @@ def per_example_loss(loss: LossLike) -> Callable[[torch.Tensor, torch.Tensor], t
             raise ValueError(f"unknown loss {loss!r}: use one of {sorted(PER_EXAMPLE_LOSSES)}, a torch loss module "
                              "or a function")
         fn = lambda p, y: by_name(y, p)  # noqa: E731 - Keras order (y_true, y_pred) inside
-    elif isinstance(loss, torch.nn.modules.loss._Loss):
-        module = loss
+    elif isinstance(loss, torch.nn.Module) and isinstance(getattr(loss, "reduction", None), str):  # torch's losses
+        module: Any = loss  # torch's _Loss base is private: a module with a `reduction` string is a loss
 
         def fn(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             saved, module.reduction = module.reduction, "none"
             try:
-                return module(p, y)
+                result: torch.Tensor = module(p, y)
+                return result
             finally:
                 module.reduction = saved
     elif callable(loss):

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.nn.parameter import is_lazy
 
 from distrib.checkpoint.errors import CheckpointError
-from distrib.strategies.torch_patches import has_load_state_dict_pre_hooks
+from distrib.torch_patches import has_load_state_dict_pre_hooks
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy

@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.futures import Future
 
+from distrib import torch_patches
 from distrib.comm.communicator import Communicator
 from distrib.comm.hooks import CommHook, GradBucket, allreduce_hook
 
@@ -134,7 +135,7 @@ class BucketedGradientReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            torch_patches.queue_backward_callback(self.finish)
         if id(param) in self._seen:
             return
         self._seen.add(id(param))

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from distrib import torch_patches
 from distrib.comm.communicator import CollectiveError
 from distrib.comm.interfaces import InterfaceChoice, choose_interface, configure_interface
 from distrib.comm.options import CommunicationOptions
@@ -202,7 +203,7 @@ class ProcessGroupCommunicator:
             self._guard("barrier", lambda: dist.barrier())
             return
         # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
-        backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu"))
         if not hasattr(backend, "set_timeout"):
             # older torch (2.4 has no ProcessGroupGloo.set_timeout): a gloo group of the whole world made with
             # that timeout, once per length (new_group is collective, and every worker reaches this barrier

@@ -56,7 +56,7 @@ from torch.amp.grad_scaler import GradScaler
 
 from distrib.parameter_server.errors import RemoteProtocolError
 from distrib.parameter_server.weak_names import WeakNames
-from distrib.strategies import torch_patches
+from distrib import torch_patches
 
 __all__ = ["Acknowledgements", "ScalerAuthority", "WorkerScalers", "scaler_state", "replay"]
 

@@ -80,7 +80,7 @@ from distrib import context
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
 from distrib.input import InputContext
 from distrib.strategies.replication import optimizer_params
-from distrib.strategies.torch_patches import mark_metric_updated, replace_load_state_dict, scaler_device, wrap_optimizer
+from distrib.torch_patches import mark_metric_updated, replace_load_state_dict, scaler_device, wrap_optimizer
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource

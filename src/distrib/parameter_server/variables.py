@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from distrib import torch_patches
 from distrib.parameter_server.transport import wire
 from distrib.parameter_server.errors import ParameterServerUnavailableError
 from distrib.parameter_server.partitioners import shard_offsets
@@ -178,7 +179,7 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
     if t is None:
         return 0
     if t.is_sparse:
-        return _nbytes(t._indices()) + _nbytes(t._values())
+        return sum(_nbytes(part) for part in torch_patches.sparse_parts(t))
     return t.numel() * t.element_size()
 
 

@@ -44,7 +44,7 @@ The strategy is reached through ``strategy.extended``'s public gradient seam
 ``warn_if_loss_unscaled``).
 
 ``GradScaler``'s ``unscale_``, ``step`` and ``update`` are replaced on the class by
-:mod:`distrib.strategies.torch_patches` (never at import): while a strategy with several replicas
+:mod:`distrib.torch_patches` (never at import): while a strategy with several replicas
 in sync, or one that merges an optimizer's steps, exists (``SCALER_METHODS`` below are what is
 put there). They are torch's own unless the optimizer (for ``update``: the calling replica's
 strategy) is one whose steps a strategy merges.
@@ -86,7 +86,8 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from distrib import context
-from distrib.strategies import amp_speed, torch_patches
+from distrib import torch_patches
+from distrib.strategies import amp_speed
 from distrib.strategies.amp_speed import Slowdown
 
 if TYPE_CHECKING:
@@ -319,5 +320,5 @@ def update(self: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None)
     ctx.merge((self, new_scale), merge)
 
 
-#: what :class:`~distrib.strategies.torch_patches.StrategyPatches` puts on ``GradScaler`` while a strategy needs it
+#: what :class:`~distrib.torch_patches.StrategyPatches` puts on ``GradScaler`` while a strategy needs it
 SCALER_METHODS: dict[str, Callable[..., Any]] = {"unscale_": unscale_, "step": step, "update": update}

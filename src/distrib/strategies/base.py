@@ -40,12 +40,13 @@ from distrib.comm import Communicator, LocalCommunicator
 from distrib.comm.hooks import CommHook, allreduce_hook
 from distrib.comm.gradient_reducer import reduce_gradients
 from distrib.comm.options import DEFAULT_BYTES_PER_PACK
-from distrib.strategies import amp, torch_patches
+from distrib import torch_patches
+from distrib.strategies import amp
 from distrib.strategies.extended import StrategyExtended
 from distrib.strategies.replica import ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import (MirroredModules, ModuleCapture, install_capture_hooks,
                                             optimizer_params, remove_capture_hooks)
-from distrib.strategies.torch_patches import wrap_optimizer
+from distrib.torch_patches import wrap_optimizer
 from distrib.strategies.reduction import Axis, gather_structure, reduce_structure
 from distrib.values import PerReplica, ReduceOp, map_leaves, parse_reduce_op, regroup, select_replica
 

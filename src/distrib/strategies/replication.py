@@ -5,7 +5,7 @@ modules receive parameters, buffers or submodules; when the scope closes (or an
 optimizer is created inside it) the outermost of those modules, the *roots*, are
 handed to the strategy. No constructor is patched for modules. Optimizers have no
 such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is open
-(by :mod:`distrib.strategies.torch_patches`, which holds every patch of a torch object).
+(by :mod:`distrib.torch_patches`, which holds every patch of a torch object).
 
 *Copies.* A root module is the primary copy, on the first local device. Every
 other local replica gets a copy: on the same physical device the copy's parameters
@@ -18,7 +18,7 @@ Owners live in :mod:`distrib.context`'s weak-key registry and copies in
 :class:`MirroredModules`; the only change to a module is its ``forward`` (an instance
 attribute that dispatches by replica, set on modules a strategy with several local replicas
 distributes), and to an optimizer whose steps merge, its ``step`` and ``zero_grad``
-(:func:`distrib.strategies.torch_patches.wrap_optimizer`).
+(:func:`distrib.torch_patches.wrap_optimizer`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from distrib import context
-from distrib.strategies import torch_patches
+from distrib import torch_patches
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy

@@ -1,4 +1,4 @@
-"""What :mod:`distrib.strategies.torch_patches` assumes of torch (and torchmetrics), pinned.
+"""What :mod:`distrib.torch_patches` assumes of torch (and torchmetrics), pinned.
 
 Each patch, and each private read, relies on how torch is written today. A torch upgrade that
 changes one of these fails the test named after it, rather than training going silently wrong.
@@ -7,6 +7,7 @@ changes one of these fails the test named after it, rather than training going s
 from __future__ import annotations
 
 import inspect
+import pathlib
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch.amp.grad_scaler import GradScaler
 
-from distrib.strategies import torch_patches
+from distrib import torch_patches
 
 
 def _model_and_sgd() -> tuple[torch.nn.Linear, torch.optim.SGD]:
@@ -272,3 +273,49 @@ def test_a_modules_load_state_dict_pre_hooks_are_seen() -> None:
     assert not torch_patches.has_load_state_dict_pre_hooks(model)
     model[0].register_load_state_dict_pre_hook(lambda *args: None)
     assert torch_patches.has_load_state_dict_pre_hooks(model)
+
+
+# --------------------------------------------------------------------------- autograd, process groups, sparse tensors
+
+def test_a_queued_backward_callback_runs_once_after_every_gradient_hook() -> None:
+    """The overlapped reducer waits for its buckets in a callback queued from a gradient hook."""
+    weight = torch.ones(3, requires_grad=True)
+    bias = torch.ones(1, requires_grad=True)
+    events: list[str] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        events.append("grad")
+        if events.count("grad") == 1:
+            torch_patches.queue_backward_callback(lambda: events.append("end"))
+
+    weight.register_hook(hook)
+    bias.register_hook(hook)
+    ((weight * 2).sum() + bias.sum()).backward()
+    assert events == ["grad", "grad", "end"]
+
+
+def test_a_groups_backend_object_is_reachable_and_gloo_has_set_timeout(tmp_path: pathlib.Path) -> None:
+    """process_group's long barrier sets the timeout of the WORLD group's gloo backend (torch >= 2.5)."""
+    import datetime
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu"))
+        assert type(backend).__name__ == "ProcessGroupGloo"
+        if hasattr(backend, "set_timeout"):
+            backend.set_timeout(datetime.timedelta(seconds=5))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sparse_parts_of_an_uncoalesced_tensor_are_its_stored_entries() -> None:
+    """variables.py counts the bytes of sparse gradients without coalescing them."""
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (4,))
+    assert not t.is_coalesced()
+    with pytest.raises(RuntimeError):
+        t.indices()  # the public accessor refuses: why sparse_parts exists
+    indices, values = torch_patches.sparse_parts(t)
+    assert indices.tolist() == [[0, 0, 2]] and values.tolist() == [1.0, 2.0, 3.0]

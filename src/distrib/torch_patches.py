@@ -25,7 +25,7 @@ servers)
 ========================================  =====================================  =========================================
 
 ``import distrib`` applies none of them (``tests/test_torch_untouched.py``), and
-``tests/strategies/test_torch_assumptions.py`` pins what each patch assumes of torch, so a torch
+``tests/test_torch_assumptions.py`` pins what each patch assumes of torch, so a torch
 upgrade that breaks one fails a named test.
 """
 
@@ -43,7 +43,7 @@ __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", 
            "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
            "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
            "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward",
-           "has_load_state_dict_pre_hooks"]
+           "has_load_state_dict_pre_hooks", "queue_backward_callback", "group_backend", "sparse_parts"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -340,3 +340,32 @@ def set_enabled(scaler: GradScaler, enabled: bool) -> None:
 def forget_step(scaler: GradScaler) -> None:
     """Drop the per-optimizer state of a step a failed call left half done (``update()`` clears it normally)."""
     scaler._per_optimizer_states.clear()
+
+
+# --------------------------------------------------------------------------- autograd, process groups, sparse tensors
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished (on the thread that ran it).
+
+    torch has no public API for "at the end of this backward": DDP's reducer and FSDP use the same
+    engine call (``Variable._execution_engine.queue_callback``). Only valid while a backward runs.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def group_backend(group: Any, device: torch.device) -> Any:
+    """The backend object (``ProcessGroupGloo``, ...) of ``group`` for ``device``.
+
+    Setting one barrier's timeout needs the backend itself (``set_timeout``); ``torch.distributed``
+    exposes only its name (``get_backend``).
+    """
+    return group._get_backend(device)
+
+
+def sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices and values of a sparse COO ``tensor`` as stored, coalesced or not.
+
+    The public ``indices()``/``values()`` refuse an uncoalesced tensor, and coalescing just to count
+    its bytes would copy it.
+    """
+    return tensor._indices(), tensor._values()
