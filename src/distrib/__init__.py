@@ -70,7 +70,8 @@ from distrib.cluster import ClusterSpec
 from distrib.comm import CollectiveError, CommunicationImplementation, CommunicationOptions, PowerSGD
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
-from distrib.input import InputContext, OptionalValue, OutOfRangeError, TensorSpec
+from distrib.input import (AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, OptionalValue,
+                           OutOfRangeError, TensorSpec)
 from distrib.keras import callbacks
 from distrib.keras.loop import evaluate, fit, predict
 from distrib.losses import compute_average_loss, scale_regularization_loss
@@ -94,6 +95,7 @@ __version__ = "0.1.0"
 _FROM_PARAMETER_SERVER = ("ParameterServerStrategy", "Server", "coordinator")
 
 __all__ = [
+    "AutoShardPolicy",
     "CentralStorageStrategy",
     "Checkpoint",
     "CheckpointError",
@@ -105,6 +107,8 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",

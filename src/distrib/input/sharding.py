@@ -1,0 +1,155 @@
+"""Auto-sharding a ``DataLoader`` over a map-style dataset: each worker loads only its own replicas' examples.
+
+The global batches are the original loader's batch sampler's: every worker iterates that sampler in full (it
+yields indices, which cost nothing to make), so every worker knows each global batch, in the same order as one
+process would, from the same seeds. Of each global batch of indices a worker hands its rebuilt ``DataLoader``
+only the slice its replicas' parts cover (:func:`~distrib.input.batches.part_bounds`, the same split as
+``split_batch`` makes of a whole batch), so ``__getitem__``, the transforms and the collate run on its own examples
+only; the loader keeps every setting of the original (``num_workers``, ``collate_fn``, ``pin_memory``,
+``worker_init_fn``, ``generator``, ``persistent_workers``, ...), as Accelerate's ``BatchSamplerShard`` does.
+
+Skipping to a position (an exact resume) happens here too, in the batch sampler: the skipped global batches'
+indices are drawn (so the random state moves as it did) but never loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from distrib.input.batches import part_bounds
+
+__all__ = ["GlobalBatch", "ShardedBatchSampler", "ShardedLoader", "why_not_shardable"]
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """What a worker knows of one global batch: its size, a checksum of its indices (equal on every worker that
+    reads the same data in the same order), and how many of its examples are this worker's."""
+
+    size: int
+    indices_crc: int
+    local_size: int
+
+
+def _indices_crc(indices: list[Any]) -> int:
+    try:
+        return zlib.crc32(array("q", indices).tobytes())
+    except (TypeError, OverflowError):  # keys that are not machine integers
+        return zlib.crc32(repr(indices).encode())
+
+
+@dataclass
+class _Run:
+    """One pass of the sampler, as the consumer asked for it: batches to skip, and what was drawn."""
+
+    skip: int = 0
+    drawn: int = 0
+    batches: deque[GlobalBatch] = field(default_factory=deque)
+
+
+class ShardedBatchSampler:
+    """The batch sampler of one worker's rebuilt loader: its replicas' slice of each of ``global_batches``'s
+    batches of indices (replicas ``first .. first+count-1`` of ``num_parts``). A slice that is empty (a short
+    last batch) is not handed to the loader; the consumer learns of it from the run's record."""
+
+    def __init__(self, global_batches: Iterable[Any], num_parts: int, first: int, count: int) -> None:
+        self.global_batches = global_batches
+        self.num_parts, self.first, self.count = num_parts, first, count
+        self.run = _Run()
+
+    def __len__(self) -> int:
+        return len(self.global_batches)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        # torch calls iter() on the batch sampler more than once per pass (e.g. the multiprocessing iterator's
+        # first reset): every call serves the consumer's current run, and only the one advanced draws
+        return self._slices(self.run)
+
+    def _slices(self, run: _Run) -> Iterator[list[Any]]:
+        for batch in self.global_batches:
+            indices = batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
+            run.drawn += 1
+            if run.skip > 0:
+                run.skip -= 1
+                continue
+            lo, hi = part_bounds(len(indices), self.num_parts, self.first, self.count)
+            run.batches.append(GlobalBatch(len(indices), _indices_crc(indices), hi - lo))
+            if hi > lo:
+                yield indices[lo:hi]
+
+
+def why_not_shardable(dataset: Any) -> Optional[str]:
+    """None when ``dataset`` is a ``DataLoader`` this module can shard; else why not (for the warning)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not isinstance(dataset, DataLoader):
+        return f"a {type(dataset).__name__} is not a DataLoader"
+    if type(dataset) is not DataLoader:
+        return (f"{type(dataset).__name__} is a subclass of DataLoader, which distrib cannot rebuild with a sharded "
+                "batch sampler without losing what the subclass adds")
+    if isinstance(dataset.dataset, IterableDataset):
+        return ("its dataset is an IterableDataset: its examples have no indices to share out (shard it yourself "
+                "with distribute_datasets_from_function, e.g. by InputContext.input_pipeline_id)")
+    if dataset.batch_sampler is None:
+        return "it does not batch (batch_size=None): its elements are not global batches of indexed examples"
+    if not getattr(dataset, "in_order", True):
+        return "in_order=False lets its batches come in any order, which differs between workers"
+    return None
+
+
+class ShardedLoader:
+    """One worker's share of a ``DataLoader``: the same loader rebuilt over a :class:`ShardedBatchSampler`."""
+
+    def __init__(self, loader: Any, num_parts: int, first: int, count: int) -> None:
+        from torch.utils.data import DataLoader
+
+        self.original = loader
+        self.sampler = ShardedBatchSampler(loader.batch_sampler, num_parts, first, count)
+        workers = loader.num_workers
+        self.loader = DataLoader(
+            loader.dataset, batch_sampler=self.sampler, num_workers=workers, collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context if workers else None,
+            generator=loader.generator, prefetch_factor=loader.prefetch_factor if workers else None,
+            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+            in_order=getattr(loader, "in_order", True))
+
+    def __len__(self) -> int:
+        return len(self.original)
+
+    def steps(self, start: int = 0, cycle: bool = False) -> Iterator[tuple[GlobalBatch, Optional[Any]]]:
+        """``(global batch, this worker's loaded share of it or None when its share is empty)`` for every global
+        batch from position ``start`` (with ``cycle``, passes over the data follow each other for ever, calling the
+        original loader's ``set_epoch(pass)`` when it has one, as ``numbered_batches`` does)."""
+        skip = start
+        passes: Iterable[Optional[int]] = itertools.count() if cycle else [None]
+        for n_pass in passes:
+            if n_pass is not None and hasattr(self.original, "set_epoch"):
+                self.original.set_epoch(n_pass)
+            run = self.sampler.run = _Run(skip=skip)
+            loaded = iter(self.loader)
+            held: deque[Any] = deque()  # shares loaded ahead of their global batch's turn
+            exhausted = False
+            while True:
+                while not run.batches and not exhausted:
+                    try:
+                        held.append(next(loaded))  # the loader draws from the sampler: the run learns of batches
+                    except StopIteration:
+                        exhausted = True
+                if not run.batches:
+                    break
+                batch = run.batches.popleft()
+                if batch.local_size == 0:
+                    yield batch, None
+                else:
+                    yield batch, (held.popleft() if held else next(loaded))
+            skip = run.skip
+            if run.drawn == 0:
+                return
