@@ -23,3 +23,21 @@ def test_the_main_job_step_has_the_flops_its_layers_imply():
     assert flops["addmm"] == dense1 + dense2
     assert flops["mm"] == 2 * (dense1 + dense2)
     assert sum(flops.values()) == pytest.approx(945.8e6, rel=1e-4)
+
+
+def test_the_input_benchmark_runs_and_each_sharded_worker_loads_half(tmp_path):
+    """benchmarks/input_sharding.py, tiny (2 workers, 2 steps, 1 round): it runs every variant, and the loads it
+    reports are the policies' (auto and the hand-sharded pipelines load half a global batch per worker, off all)."""
+    import json
+
+    from helpers import run_bounded  # kills the benchmark's worker processes too, whatever happens
+
+    out = tmp_path / "input.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "input_sharding.py"
+    code, log, _ = run_bounded([sys.executable, str(bench), "--workers", "2", "--batch", "8", "--cost-ms", "0.05",
+                                "--steps", "2", "--rounds", "1", "--json", str(out)], timeout=120)
+    assert code == 0, log
+    run = json.loads(out.read_text())["runs"]["2"]
+    loaded = {name: v["loaded_per_step_per_worker"] for name, v in run["variants"].items()}
+    assert loaded == {"auto": [4.0, 4.0], "off": [8.0, 8.0], "hand": [4.0, 4.0], "ddp": [4.0, 4.0]}
+    assert set(run["ratios"]) == {"auto_vs_off", "auto_vs_hand", "auto_vs_ddp"}
