@@ -63,7 +63,7 @@ if "torch" not in _sys.modules and _numpy_missing():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from distrib import cluster as cluster_resolver
-from distrib import metrics, testing
+from distrib import experimental, metrics, testing
 from distrib.checkpoint import (Checkpoint, CheckpointError, CheckpointManager, checkpoints_iterator,
                                 latest_checkpoint)
 from distrib.cluster import ClusterSpec
@@ -133,6 +133,7 @@ __all__ = [
     "compute_average_loss",
     "coordinator",
     "evaluate",
+    "experimental",
     "fit",
     "get_cross_replica_context",
     "get_replica_context",

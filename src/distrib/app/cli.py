@@ -74,6 +74,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def _strategy_help() -> str:
     return "; ".join(f"{name}: {registry.get(name).description}" for name in registry.names())
 
@@ -204,7 +214,14 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ps", type=_non_negative, default=0, help="parameter-server tasks (the chief then runs the script)")
     p.add_argument("--chief", action="store_true", default=False, help="add a 'chief' task besides the workers")
     p.add_argument("--max-restarts", type=_non_negative, default=0,
-                   help="on a failure, stop the whole group and start it again, at most K times")
+                   help="on a failure, stop the whole group and start it again, at most K times. A task exiting "
+                        "with 42 (it saved a preemption checkpoint: ds.experimental.PreemptionCheckpointHandler) "
+                        "restarts the group without counting against K")
+    p.add_argument("--grace-seconds", type=_non_negative_float, default=5.0, metavar="S",
+                   help="after forwarding SIGTERM/SIGHUP/SIGINT to the tasks, wait S seconds for them to exit "
+                        "(e.g. to save a preemption checkpoint) before killing them; the tasks see it as "
+                        "DISTRIB_GRACE_SECONDS. Set it under the platform's own grace period (Kubernetes' "
+                        "terminationGracePeriodSeconds, Slurm's KillWait)")
     p.add_argument("--tls", action="store_true",
                    help="make a throwaway CA and a certificate per task: parameter-server RPCs use mutual TLS "
                         "(see docs/security.md)")
@@ -221,7 +238,8 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     low, high = args.workers
     return launch(LaunchConfig(command=command, workers=high, min_workers=low if low != high else None, ps=args.ps,
-                               chief=args.chief, max_restarts=args.max_restarts, tls=args.tls))
+                               chief=args.chief, max_restarts=args.max_restarts, tls=args.tls,
+                               grace_seconds=args.grace_seconds))
 
 
 register("launch", "run a local cluster: one process per task, each with its TF_CONFIG", _launch_arguments, _launch)

@@ -59,9 +59,18 @@ ends with the same parameters whatever the sizes it ran at, up to float rounding
 Signals: SIGTERM and SIGHUP (how Slurm, Kubernetes, systemd and ``timeout`` stop a job)
 and SIGINT (Ctrl-C) sent to the launcher are forwarded to every task (each task runs
 in its own process group, which receives the signal), the launcher waits up to
-``grace_seconds`` (5 s) for them to exit, kills (SIGKILL) the process group of every
-task still there, and exits with ``128 + signal``: 143 for SIGTERM, 129 for SIGHUP,
-130 for SIGINT. No task outlives the launcher.
+``grace_seconds`` (5 s, ``--grace-seconds``; the tasks see it as ``DISTRIB_GRACE_SECONDS``)
+for them to exit, kills (SIGKILL) the process group of every task still there, and exits
+with ``128 + signal``: 143 for SIGTERM, 129 for SIGHUP, 130 for SIGINT; or with 42 when
+every script task exited with 42 (each saved a preemption checkpoint), so that the
+scheduler above (a Kubernetes Job's ``podFailurePolicy``, a Slurm batch script that
+requeues on 42) can tell a preemption from a failure. No task outlives the launcher.
+
+Preemption: a script task that exits with 42 (:data:`PREEMPTION_EXIT_CODE`, what
+``ds.experimental.PreemptionCheckpointHandler`` exits with after its checkpoint, TF's code)
+was told to stop (a signal to that task) and saved where every worker agreed: the launcher
+gives the other tasks ``grace_seconds`` to finish their own save and exit, then restarts
+the whole group at the same size. Such a restart is not counted against ``--max-restarts``.
 """
 
 from __future__ import annotations
@@ -82,9 +91,14 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any, Optional, Sequence
 
-__all__ = ["LaunchConfig", "launch", "free_ports", "make_cluster", "parse_workers", "torchrun_variables"]
+__all__ = ["PREEMPTION_EXIT_CODE", "LaunchConfig", "launch", "free_ports", "make_cluster", "parse_workers", "torchrun_variables"]
 
 log = logging.getLogger("distrib.cluster.launch")
+
+#: the exit code of a task that saved a preemption checkpoint (``ds.experimental.TerminationConfig``'s default)
+PREEMPTION_EXIT_CODE = 42
+#: the grace period, in seconds, that every task is told (``distrib.preemption.config.GRACE_ENV``)
+GRACE_ENV = "DISTRIB_GRACE_SECONDS"
 _print_lock = threading.Lock()
 
 
@@ -258,7 +272,7 @@ class _Group:
             for index in range(len(addresses)):
                 env = {"GRPC_VERBOSITY": "ERROR", **os.environ, **config.env, "PYTHONUNBUFFERED": "1",
                        "DISTRIB_CLUSTER_TOKEN": token,
-                       "DISTRIB_RESTART": str(restart),
+                       "DISTRIB_RESTART": str(restart), GRACE_ENV: f"{config.grace_seconds:g}",
                        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
                 if threads is not None:
                     env["OMP_NUM_THREADS"] = threads
@@ -278,6 +292,17 @@ class _Group:
         # servers first, so the chief finds them listening
         for t in sorted(self.tasks, key=lambda t: t.task_type == "chief"):
             t.start()
+
+    def settle(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for every task to exit by itself (the others finishing a preemption checkpoint)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(t.poll() is None for t in self.script_tasks):
+            time.sleep(0.05)
+
+    def all_preempted(self) -> bool:
+        """Whether every script task exited with the preemption code (each saved its checkpoint)."""
+        return all(t.poll() is not None and _exit_code(t.poll() or 0) == PREEMPTION_EXIT_CODE
+                   for t in self.script_tasks)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Send ``sig`` to every task, wait the grace period, then SIGKILL every task's process group."""
@@ -414,12 +439,20 @@ def launch(config: LaunchConfig) -> int:
                 group.start()
                 ok, code, who = group.watch(server_restarts)
                 signals.armed = False
+                preempted = not ok and code == PREEMPTION_EXIT_CODE
+                if preempted:
+                    group.settle(config.grace_seconds)
                 group.stop()
                 signals.armed = True
                 if signals.received is not None:
                     raise _Signalled(signals.received)
                 if ok:
                     return 0
+                if preempted:
+                    _say(f"{who} exited with {code} after a preemption checkpoint: restarting the whole group from "
+                         "it (not counted against --max-restarts)")
+                    starts += 1
+                    continue
                 _say(f"{who} failed with exit code {code}")
                 if config.min_workers is not None and workers - 1 >= config.min_workers:
                     workers -= 1
@@ -440,6 +473,9 @@ def launch(config: LaunchConfig) -> int:
                 _say(f"received {name}: forwarding it to every task, killing what remains after "
                      f"{config.grace_seconds:g}s")
                 group.stop(e.signum)
+                if group.all_preempted():
+                    _say(f"every task saved a preemption checkpoint: exiting with {PREEMPTION_EXIT_CODE}")
+                    return PREEMPTION_EXIT_CODE
             return 128 + e.signum
         finally:
             signals.armed = False

@@ -1,0 +1,127 @@
+"""``TerminationConfig``: what counts as a termination notice, how to exit, and how long there is (TF's class).
+
+TF's defaults on a platform other than Borg or GCP, which distrib keeps: the notice is
+SIGTERM, the exit is ``sys.exit(42)`` (42, :data:`PREEMPTION_EXIT_CODE`, is the code
+``distrib launch`` restarts without counting it against ``--max-restarts``), and the
+checkpoint is saved at the first step every worker can agree on.
+
+distrib's additions, keyword-only: ``signals`` (Slurm's ``--signal=USR1@120`` sends
+SIGUSR1 ahead of the time limit) and ``exit_code`` (what the default ``exit_fn`` and the
+deadline's forced exit use). ``grace_period`` is, as in TF, the time from the notice to
+the kill; distrib uses it as a bound: a worker that has not saved and exited by then (a
+peer hung, a save too slow) exits anyway a little before the kill, with ``exit_code``,
+leaving the last good checkpoint (saves are atomic). TF also trains on during a long grace
+period and saves again near its end; distrib saves at once (docs/migration.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal as signal_module
+import sys
+from typing import Any, Callable, Iterable, Optional, Union
+
+__all__ = ["DEFAULT_GRACE_PERIOD", "GRACE_ENV", "PREEMPTION_EXIT_CODE", "TerminationConfig", "exit_deadline"]
+
+#: TF's exit code after a preemption checkpoint on platforms other than GCP ("an arbitrary code", 42)
+PREEMPTION_EXIT_CODE = 42
+#: set by ``distrib launch`` for its tasks: how long it waits after forwarding a signal before it kills
+GRACE_ENV = "DISTRIB_GRACE_SECONDS"
+#: the grace period when neither the config nor the launcher gives one: Kubernetes' and Slurm's default (30 s)
+DEFAULT_GRACE_PERIOD = 30.0
+
+_UNCATCHABLE = {signal_module.SIGKILL, signal_module.SIGSTOP}
+
+
+def _signals(value: Union[int, Iterable[int], None]) -> tuple[int, ...]:
+    if value is None:
+        return (int(signal_module.SIGTERM),)
+    items = (value,) if isinstance(value, int) else tuple(value)
+    if not items:
+        raise ValueError("TerminationConfig(signals=()): give at least one signal, e.g. signal.SIGTERM, or a "
+                         "termination_watcher_fn")
+    out = []
+    for sig in items:
+        if not isinstance(sig, int) or isinstance(sig, bool):
+            raise TypeError(f"TerminationConfig(signals=...): {sig!r} is not a signal number (e.g. signal.SIGUSR1)")
+        if sig in _UNCATCHABLE:
+            raise ValueError(f"TerminationConfig(signals=...): {signal_module.Signals(sig).name} cannot be caught; "
+                             "use SIGTERM, or the signal your scheduler sends ahead of the kill (Slurm: "
+                             "--signal=USR1@120 and signals=signal.SIGUSR1)")
+        out.append(int(sig))
+    return tuple(out)
+
+
+class TerminationConfig:
+    """How a :class:`~distrib.preemption.PreemptionCheckpointHandler` learns of, and answers, a termination notice.
+
+    ``termination_watcher_fn``: called about once a second, returns True once a notice is
+    there (a cloud metadata query, a file); when given, no signal handler is installed.
+    ``exit_fn``: called after the checkpoint is saved (default ``sys.exit(exit_code)``).
+    ``grace_period``: seconds from the notice to the kill (default: ``$DISTRIB_GRACE_SECONDS``,
+    which ``distrib launch`` sets, else 30); the handler exits before it whatever happens.
+    ``save_fn``: called instead of ``CheckpointManager.save()`` to save (on every worker).
+    ``signals``: the notice's signal(s), SIGTERM by default. ``exit_code``: 42 by default.
+
+    Example::
+
+        >>> import signal
+        >>> config = TerminationConfig(grace_period=120, signals=signal.SIGUSR1)
+        >>> config.signals == (signal.SIGUSR1,), config.exit_code, config.deadline_seconds()
+        (True, 42, 118.0)
+    """
+
+    def __init__(self, termination_watcher_fn: Optional[Callable[[], bool]] = None,
+                 exit_fn: Optional[Callable[[], Any]] = None, grace_period: Optional[float] = None,
+                 save_fn: Optional[Callable[..., Any]] = None, *,
+                 signals: Union[int, Iterable[int], None] = None, exit_code: int = PREEMPTION_EXIT_CODE) -> None:
+        if termination_watcher_fn is not None and not callable(termination_watcher_fn):
+            raise TypeError(f"termination_watcher_fn must be callable (returning True on a notice), "
+                            f"got {termination_watcher_fn!r}")
+        if exit_fn is not None and not callable(exit_fn):
+            raise TypeError(f"exit_fn must be callable, e.g. lambda: sys.exit(42), got {exit_fn!r}")
+        if save_fn is not None and not callable(save_fn):
+            raise TypeError(f"save_fn must be callable, got {save_fn!r}")
+        if grace_period is not None and not (isinstance(grace_period, (int, float)) and grace_period >= 0):
+            raise ValueError(f"grace_period={grace_period!r}: give the seconds from the notice to the kill (>= 0)")
+        if not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
+            raise ValueError(f"exit_code={exit_code!r}: give a process exit code from 1 to 255 (0 would read as a "
+                             "finished job, which no launcher restarts)")
+        self.termination_watcher_fn = termination_watcher_fn
+        self.exit_fn = exit_fn if exit_fn is not None else (lambda: sys.exit(exit_code))
+        self.grace_period = grace_period
+        self.save_fn = save_fn
+        self.signals = _signals(signals)
+        self.exit_code = exit_code
+
+    def grace_seconds(self) -> float:
+        """The grace period in force: the config's if positive, else ``$DISTRIB_GRACE_SECONDS``, else 30 s."""
+        if self.grace_period:
+            return float(self.grace_period)
+        given = os.environ.get(GRACE_ENV)
+        if given:
+            try:
+                value = float(given)
+            except ValueError:
+                raise ValueError(f"${GRACE_ENV}={given!r} is not a number of seconds") from None
+            if value > 0:
+                return value
+        return DEFAULT_GRACE_PERIOD
+
+    def deadline_seconds(self) -> float:
+        """Seconds after the notice by which the handler exits even without a checkpoint (:func:`exit_deadline`)."""
+        return exit_deadline(self.grace_seconds())
+
+    def __repr__(self) -> str:
+        names = ", ".join(signal_module.Signals(s).name for s in self.signals)
+        return (f"TerminationConfig(grace_period={self.grace_period!r}, signals=({names}), "
+                f"exit_code={self.exit_code}, watcher={'yes' if self.termination_watcher_fn else 'no'})")
+
+
+def exit_deadline(grace: float) -> float:
+    """When to give up on the save: ``grace`` less a margin of 20 % (at most 2 s) for the exit itself.
+
+    >>> exit_deadline(30.0), exit_deadline(5.0), exit_deadline(1.0)
+    (28.0, 4.0, 0.8)
+    """
+    return grace - min(2.0, 0.2 * grace)
