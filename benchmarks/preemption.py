@@ -88,7 +88,8 @@ def trial(workdir: Path, notice_at: int, via: str, expected: Optional[list[Any]]
     """One preempted run at ``notice_at`` and its restart; the figures described in the module docstring."""
     import torch
 
-    out_file, ckpt = workdir / f"preempted-{via}-{notice_at}.pt", workdir / f"ckpt-{via}-{notice_at}"
+    own = Path(tempfile.mkdtemp(prefix=f"{via}-{notice_at}-", dir=workdir))  # a trial's own files, never reused
+    out_file, ckpt = own / "preempted.pt", own / "ckpt"
     common = ["--workers", "2", str(SCRIPT), "--out", str(out_file), "--checkpoint-dir", str(ckpt)]
     if via == "launcher":  # the launcher looks for signals every 50 ms: slower steps, so the notice lands mid-run
         common += ["--step-seconds", "0.02"]

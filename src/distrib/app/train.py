@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
@@ -177,6 +179,8 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         checkpoint = ds.Checkpoint(optimizer=optimizer, model=model)
     forward = models.maybe_compile(model, config.compile)
     reporters = _reporters(config, strategy, checkpoint)
+    if not strategy.should_use_with_coordinator:  # parameter servers: fit's steps finish out of a callback's sight
+        reporters.insert(0, _PreemptionBackup(os.path.join(config.checkpoint_dir, "preemption")))
     # the seed's loop calls strategy.run itself; where steps are scheduled on workers (TF's
     # should_use_with_coordinator: parameter servers), fit drives them, as it does with --fit
     scheduled = strategy.should_use_with_coordinator
@@ -218,23 +222,28 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
                                        test_accuracy, config.precision)
     history = History()
     callbacks = CallbackList([*job.reporters, history])  # History last, as fit's
-    callbacks.set_loop(Loop(job.model, job.optimizer, strategy))
+    loop = Loop(job.model, job.optimizer, strategy)
+    callbacks.set_loop(loop)
     global_step = 0
 
     # the chief's progress alone (its epoch lines cover every worker): a tqdm bar on a terminal, a line every
     # DISTRIB_PROGRESS_INTERVAL seconds on a pipe (a log file, a worker of distrib launch), none with --no-progress
     verbose = 1 if chief and config.progress is not False else 0
-    callbacks.on_train_begin()
-    for epoch in range(config.epochs):
+    callbacks.on_train_begin()  # a preemption backup, if there is one, sets loop.epoch and loop.step_in_epoch
+    for epoch in range(int(loop.epoch), config.epochs):
         train_batches.set_epoch(epoch)
         callbacks.on_epoch_begin(epoch)
         total_loss, num_batches = torch.zeros(()), 0
         start = time.perf_counter()
         bar = Progbar(data_length(train_dist_dataset), verbose, style="tqdm", desc=f"epoch {epoch + 1}/{config.epochs}",
                       postfix=_postfix)
-        for x in train_dist_dataset:
-            callbacks.on_train_batch_begin(num_batches)
+        skip = int(loop.step_in_epoch)  # resumed mid-epoch: these batches were trained before the preemption
+        for index, x in enumerate(train_dist_dataset):
+            if index < skip:
+                continue
+            callbacks.on_train_batch_begin(index)
             total_loss += strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(x,)), axis=None).cpu()
+            loop.step_in_epoch += 1
             num_batches += 1
             global_step += 1
             logged = chief and config.log_every > 0 and global_step % config.log_every == 0
@@ -244,7 +253,7 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
                 # computed on the steps the reporters write (every --log-every) and the bar shows, not on every step
                 step_logs = {"loss": float(total_loss) / num_batches, "accuracy": float(train_accuracy.local_result())}
             bar.update(num_batches, step_logs)
-            callbacks.on_train_batch_end(num_batches - 1, step_logs)
+            callbacks.on_train_batch_end(index, step_logs)
         bar.update(num_batches, finalize=True)
         seconds = time.perf_counter() - start
         train_loss = total_loss / num_batches
@@ -262,6 +271,8 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
                   f"{strategy.worker_index}", flush=True)
         if chief:
             print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
+        loop.epoch += 1
+        loop.step_in_epoch.zero_()
         callbacks.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
                                        "val_loss": row["test_loss"], "val_accuracy": row["test_accuracy"] / 100,
                                        "examples_per_sec": row["examples_per_sec"]})
@@ -299,6 +310,42 @@ def _reporters(config: TrainConfig, strategy: ds.Strategy, checkpoint: ds.Checkp
         # scalars only: tracing the graph would slow the first logged step (and, with --compile, recompile)
         callbacks.append(TensorBoard(config.tensorboard, update_freq=config.log_every or "epoch", write_graph=False))
     return callbacks
+
+
+class _PreemptionBackup(Callback):
+    """A termination notice (SIGTERM) saves model, optimizer and data position before the next batch every worker
+    agrees on, then exits with 42 (``distrib launch`` restarts the job); the next start resumes at that batch.
+
+    ``BackupAndRestore(save_before_preemption=True)`` without its backup at every epoch's end (seed 000's
+    checkpoint schedule stays as it is): written only on a notice, removed when training ends.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._handler: Optional[ds.experimental.PreemptionCheckpointHandler] = None
+
+    def on_train_begin(self, logs: Optional[dict[str, float]] = None) -> None:
+        loop = self.loop
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+            log.info("train() runs outside the main thread: no preemption handling")
+            return
+        checkpoint = ds.Checkpoint(model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch,
+                                   step_in_epoch=loop.step_in_epoch)
+        self._handler = ds.experimental.PreemptionCheckpointHandler(loop.strategy.cluster_resolver, checkpoint,
+                                                                    self.directory)
+        if int(loop.epoch) or int(loop.step_in_epoch):
+            log.warning("resuming after a preemption at epoch %d, batch %d", int(loop.epoch) + 1,
+                        int(loop.step_in_epoch))
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[dict[str, float]] = None) -> None:
+        if self._handler is not None:
+            self._handler.save_checkpoint_if_preempted()
+
+    def on_train_end(self, logs: Optional[dict[str, float]] = None) -> None:
+        if self._handler is not None:
+            self._handler.close()
+        if self.loop.is_chief:
+            shutil.rmtree(self.directory, ignore_errors=True)  # a finished job resumes nothing
 
 
 class _SeedCheckpoints(Callback):

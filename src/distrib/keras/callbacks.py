@@ -164,13 +164,26 @@ class BackupAndRestore(Callback):
     ``fit`` starts and a backup exists, it is restored and training continues from that
     step with the same data (``fit`` replays the data position). A finished ``fit``
     deletes the backup unless ``delete_checkpoint=False``.
+
+    ``save_before_preemption=True`` (Keras' argument, off by default as there): a
+    termination notice (SIGTERM) to any worker makes every worker save the backup before
+    the same batch and exit with 42, which ``distrib launch`` restarts; the restarted
+    ``fit`` resumes at that batch (:class:`distrib.experimental.PreemptionCheckpointHandler`,
+    checked before every batch: nothing is communicated until a notice comes).
+    ``termination_config`` (distrib's) configures it (signal, exit code, grace period).
     """
 
-    def __init__(self, backup_dir: str, save_freq: Union[str, int] = "epoch", delete_checkpoint: bool = True) -> None:
+    def __init__(self, backup_dir: str, save_freq: Union[str, int] = "epoch", delete_checkpoint: bool = True,
+                 save_before_preemption: bool = False, *, termination_config: Any = None) -> None:
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}")
+        if termination_config is not None and not save_before_preemption:
+            raise ValueError("BackupAndRestore(termination_config=...) configures save_before_preemption=True; "
+                             "pass that too")
         self.backup_dir, self.save_freq, self.delete_checkpoint = backup_dir, save_freq, delete_checkpoint
+        self.save_before_preemption, self.termination_config = save_before_preemption, termination_config
         self._manager: Optional[CheckpointManager] = None
+        self._handler: Any = None
         self._steps = 0
 
     def on_train_begin(self, logs: Optional[Logs] = None) -> None:
@@ -178,7 +191,22 @@ class BackupAndRestore(Callback):
         checkpoint = Checkpoint(model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch,
                                 step_in_epoch=loop.step_in_epoch)
         self._manager = CheckpointManager(checkpoint, self.backup_dir, max_to_keep=1)
-        self._manager.restore_or_initialize()
+        if not self.save_before_preemption:
+            self._manager.restore_or_initialize()
+            return
+        if loop.scheduled:
+            raise ValueError("BackupAndRestore(save_before_preemption=True) under ParameterServerStrategy: fit's "
+                             "steps run on the workers and finish out of the loop's sight; use a custom loop with "
+                             "ds.experimental.PreemptionCheckpointHandler.run around coordinator.schedule instead")
+        from distrib.preemption import PreemptionCheckpointHandler
+
+        # restores the backup (and the count of batches it was saved at) as restore_or_initialize would
+        self._handler = PreemptionCheckpointHandler(loop.strategy.cluster_resolver, self._manager,
+                                                    termination_config=self.termination_config)
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None:
+        if self._handler is not None:  # before the batch: a save here resumes at this batch, never past an epoch
+            self._handler.save_checkpoint_if_preempted()
 
     def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
         self._steps += 1
@@ -190,6 +218,9 @@ class BackupAndRestore(Callback):
             self._manager.save()  # the loop already moved to (epoch + 1, step 0)
 
     def on_train_end(self, logs: Optional[Logs] = None) -> None:
+        if self._handler is not None:
+            self._handler.close()
+            self._handler = None
         if self.delete_checkpoint and self.loop.is_chief:
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
