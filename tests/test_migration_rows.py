@@ -296,6 +296,10 @@ SIGNATURES: list[tuple[str, str, Callable[..., Any]]] = [
     ("a hung worker", "ClusterCoordinator(", ds.coordinator.ClusterCoordinator.__init__),
     ("`tf.keras.callbacks.CSVLogger` / a metrics file", "ds.callbacks.JsonlLogger(", ds.callbacks.JsonlLogger),
     ("an in-process cluster", "ds.testing.create_in_process_cluster(", ds.testing.create_in_process_cluster),
+    ("`tf.distribute.experimental.PreemptionCheckpointHandler(", "ds.experimental.PreemptionCheckpointHandler(",
+     ds.experimental.PreemptionCheckpointHandler),
+    ("`tf.distribute.experimental.TerminationConfig(", "ds.experimental.TerminationConfig(",
+     ds.experimental.TerminationConfig),
 ]
 
 
