@@ -225,3 +225,11 @@ def pop_scope(strategy: "Strategy") -> None:
     if not _scope_stack or _scope_stack[-1] is not strategy:
         raise RuntimeError("strategy scopes were exited out of order")
     _scope_stack.pop()
+
+
+def refuse_mixing(strategy: "Strategy", api: str) -> None:
+    """TF's rule: a strategy's cross-replica API is not called inside another strategy's scope."""
+    scope = current_scope()
+    if scope is not None and scope is not strategy:
+        raise RuntimeError(f"Mixing different strategies: {type(strategy).__name__}.{api} was called inside the "
+                           f"scope of {type(scope).__name__}; call it outside that scope, or use that strategy")

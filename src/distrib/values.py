@@ -8,7 +8,7 @@ replicas (and across workers) go through :class:`ReduceOp`.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -124,3 +124,10 @@ def to_tensor(x: Any, device: torch.device | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x, dtype=torch.get_default_dtype() if isinstance(x, float) else None)
     return x.to(device) if device is not None and x.device != device else x
+
+
+def to_device(structure: Any, device: Optional[torch.device]) -> Any:
+    """Every tensor leaf of ``structure`` on ``device`` (None: where it is)."""
+    if device is None:
+        return structure
+    return map_leaves(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, structure)

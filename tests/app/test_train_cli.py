@@ -155,7 +155,7 @@ def test_train_16_mixed_on_parameter_servers(idx_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Using float16 Automatic Mixed Precision (AMP)" in out and "[chief 0] 8/8 - " in out
-    from distrib.strategies.amp import Precision
+    from distrib.precision import Precision
 
     if Precision.parse("16-mixed").slow_here("cpu"):  # measured slow on this CPU: the chief says so
         assert "Note: float16 autocast is slow on this CPU" in out and "is the faster choice here" in out, out

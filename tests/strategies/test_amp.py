@@ -123,7 +123,7 @@ def test_fit_runs_the_step_and_the_validation_under_the_precision_asked_for(prec
         torch.manual_seed(0)
         model = Recorder()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    from distrib.strategies.amp import Precision
+    from distrib.precision import Precision
 
     slow = Precision.parse(precision).slow_here("cpu") is not None  # this CPU's measured verdict (cached)
     with warnings.catch_warnings(record=True) as caught:

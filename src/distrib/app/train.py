@@ -28,7 +28,7 @@ from distrib.keras.callbacks import Callback, CallbackList, History, JsonlLogger
 from distrib.keras.loop import Loop
 from distrib.keras.progress import Progbar, data_length
 from distrib.strategies import registry
-from distrib.strategies.amp import Precision, backward_and_step
+from distrib.precision import Precision, backward_and_step
 
 __all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "metrics_path", "train"]
 
@@ -57,7 +57,7 @@ class TrainConfig:
     tensorboard: Optional[str] = None  # write TensorBoard scalars here (chief only)
     metrics_file: Optional[str] = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
     log_every: int = 50  # also a line (and TensorBoard scalars) every N training steps; 0: epochs only
-    precision: str = "32"  # Lightning's names: "32", "bf16-mixed", "16-mixed" (see distrib.strategies.amp.Precision)
+    precision: str = "32"  # Lightning's names: "32", "bf16-mixed", "16-mixed" (see distrib.precision.Precision)
 
 
 class TensorBatches:

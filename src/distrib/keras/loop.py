@@ -42,7 +42,7 @@ from distrib import context, metrics as metrics_lib
 from distrib.keras.callback_base import Callback, CallbackList, History
 from distrib.keras.progress import Progbar, data_length
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
-from distrib.strategies.amp import Precision, backward_and_step
+from distrib.precision import Precision, backward_and_step
 from distrib.strategies.base import Strategy
 from distrib.strategies.execution import EndOfData, StepExecutor, StepFn
 

@@ -77,7 +77,7 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
 from distrib import context
-from distrib.cluster import ClusterSpec, SimpleClusterResolver
+from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
 from distrib.strategies.replication import optimizer_params
 from distrib.torch_patches import mark_metric_updated, replace_load_state_dict, scaler_device, wrap_optimizer
@@ -87,7 +87,10 @@ from distrib.parameter_server.datasets import DatasetSource
 from distrib.parameter_server.scaler import Acknowledgements, ScalerAuthority
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
 from distrib.parameter_server.weak_names import WeakNames
+from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 from distrib.strategies.base import Strategy
+from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
+from distrib.strategies.run_options import RunOptions
 
 if TYPE_CHECKING:
     from distrib.strategies.execution import StepExecutor
@@ -133,8 +136,8 @@ class ParameterServerStrategy(Strategy):
         spec = cluster_resolver.cluster_spec()
         _check_cluster(spec, getattr(cluster_resolver, "task_type", None))
         super().__init__([None], cluster_resolver=cluster_resolver, device_names=["/job:chief/replica:0/task:0/device:CPU:0"])
-        self._on_coordinator = True
         self._spec = spec
+        self._replica = ReplicaContext(self, 0, InPlaceMerger())
         self._token = rpc.cluster_token(token)
         self._tls = tls if tls is not None else TLSConfig.from_env()
         self._ps = ParameterClient(spec.job_tasks("ps"), self._token, self._tls)
@@ -151,27 +154,20 @@ class ParameterServerStrategy(Strategy):
         self.cluster_coordinator: Any = None
         log.info("ParameterServerStrategy is initialized with cluster_spec: %s", spec)
 
-    @classmethod
-    def for_worker(cls, cluster_spec: ClusterSpec, worker_index: int) -> "ParameterServerStrategy":
-        """The strategy object a scheduled function sees on worker ``worker_index``."""
-        self = cls.__new__(cls)
-        Strategy.__init__(self, [None], cluster_resolver=SimpleClusterResolver(cluster_spec, "worker", worker_index),
-                          device_names=[f"/job:worker/replica:0/task:{worker_index}/device:CPU:0"])
-        self._on_coordinator = False
-        self._spec = cluster_spec
-        self._variables, self._optimizers = {}, {}
-        self.cluster_coordinator = None
-        return self
+    @staticmethod
+    def for_worker(cluster_spec: ClusterSpec, worker_index: int) -> ParameterServerWorkerStrategy:
+        """The strategy object a scheduled function sees on worker ``worker_index`` (its own class)."""
+        return ParameterServerWorkerStrategy(cluster_spec, worker_index)
 
     @property
     def is_chief(self) -> bool:
-        """True on the coordinator, which alone writes checkpoints."""
-        return self._on_coordinator
+        """True: the coordinator alone writes checkpoints."""
+        return True
 
     @property
     def on_coordinator(self) -> bool:
-        """True for the coordinator's strategy; False for the one a scheduled function sees on a worker."""
-        return self._on_coordinator
+        """True: this is the coordinator's strategy (the one a scheduled function sees on a worker says False)."""
+        return True
 
     @property
     def cluster_spec(self) -> ClusterSpec:
@@ -200,8 +196,7 @@ class ParameterServerStrategy(Strategy):
         return self._spec.num_tasks("ps")
 
     def __repr__(self) -> str:
-        where = "coordinator" if self._on_coordinator else self._device_names[0]
-        return f"ParameterServerStrategy(ps={self._num_ps}, workers={self._spec.num_tasks('worker')}, on {where})"
+        return f"ParameterServerStrategy(ps={self._num_ps}, workers={self._spec.num_tasks('worker')}, on coordinator)"
 
     def __deepcopy__(self, memo: dict) -> "ParameterServerStrategy":
         return self  # a copied module (``copy.deepcopy(model)``) still names its strategy
@@ -216,9 +211,10 @@ class ParameterServerStrategy(Strategy):
             self._connected = True
 
     # ------------------------------------------------------------------ modules
-    def _distribute_module(self, module: nn.Module) -> None:
-        if not self._on_coordinator or context.owner_of(module) is self:
-            return  # a module built inside a scheduled function stays on its worker
+    def distribute_module(self, module: nn.Module) -> None:
+        """Place every parameter of ``module`` on the ps tasks (sharded as the partitioner says)."""
+        if context.owner_of(module) is self:
+            return
         for sub in module.modules():
             owner = context.owner_of(sub)
             if owner is not None and owner is not self:
@@ -254,7 +250,7 @@ class ParameterServerStrategy(Strategy):
 
     def checkpoint_state(self, obj: Any) -> Any:
         """Whole tensors gathered from the ps tasks: a module's parameters, an optimizer's state."""
-        if isinstance(obj, nn.Module) and self._on_coordinator:
+        if isinstance(obj, nn.Module):
             self._ps.pull(self._module_variables(obj, recurse=True))  # one call per ps for the whole module
         return obj.state_dict()  # hooks keep it fresh; an optimizer's state_dict gathers its shards
 
@@ -284,16 +280,12 @@ class ParameterServerStrategy(Strategy):
             [(3, 2), (2, 2)]
             >>> ds.testing.stop_in_process_cluster(resolver)
         """
-        if not self._on_coordinator:
-            raise RuntimeError("variable_shards() reads the ps tasks from the coordinator, not inside a scheduled function")
         return {name: self._ps.read_shards(self._variables[id(p)].spec)
                 for name, p in module.named_parameters() if id(p) in self._variables}
 
     # ------------------------------------------------------------------ optimizers
-    def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._on_coordinator:
-            return
-        self._claim_captured_modules()
+    def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give ``optimizer`` a twin beside every shard of its parameters, on the ps task holding it."""
         context.set_owner(optimizer, self)
         foreign = [p for p in optimizer_params(optimizer) if id(p) not in self._variables]
         if foreign:
@@ -414,22 +406,27 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ run, input
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
-            options: Any = None) -> Any:
-        """Run ``fn`` once, here: on a worker inside a scheduled function (the normal use), or on the coordinator."""
-        self._warn_if_on_coordinator("run")
+            options: Optional[RunOptions] = None) -> Any:
+        """Run ``fn`` once, here, on the coordinator, with TF's warning: inside a function scheduled with
+        ``ClusterCoordinator.schedule`` (the normal use) ``strategy.run`` runs on the worker instead."""
+        self._warn_on_coordinator("run")
         return super().run(fn, args, kwargs, options)
+
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                              options: RunOptions) -> Any:
+        return run_in_place(self._replica, fn, args, kwargs)
 
     def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
         """As every strategy's ``reduce`` (one replica per worker); on the coordinator it warns as TF does."""
-        self._warn_if_on_coordinator("reduce")
+        self._warn_on_coordinator("reduce")
         return super().reduce(reduce_op, value, axis)
 
-    def _warn_if_on_coordinator(self, method: str) -> None:
-        if self._on_coordinator:
-            log.warning(f"A `ParameterServerStrategy` method ({method}) is invoked without using "
-                        "`ClusterCoordinator.schedule`: it runs here, on the coordinator, which can be slow. To "
-                        "dispatch functions to the workers, call `run` or `reduce` within a function passed to "
-                        "`ds.coordinator.ClusterCoordinator.schedule`.")
+    @staticmethod
+    def _warn_on_coordinator(method: str) -> None:
+        log.warning(f"A `ParameterServerStrategy` method ({method}) is invoked without using "
+                    "`ClusterCoordinator.schedule`: it runs here, on the coordinator, which can be slow. To "
+                    "dispatch functions to the workers, call `run` or `reduce` within a function passed to "
+                    "`ds.coordinator.ClusterCoordinator.schedule`.")
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DatasetSource:
         """A dataset to give to ``coordinator.create_per_worker_dataset`` (each worker iterates all of it)."""
@@ -439,6 +436,10 @@ class ParameterServerStrategy(Strategy):
                                           options: Any = None) -> DatasetSource:
         """``dataset_fn(input_context)`` is called on every worker by ``coordinator.create_per_worker_dataset``."""
         return DatasetSource(dataset_fn=dataset_fn)
+
+
+# a worker's strategy answers isinstance(strategy, ParameterServerStrategy), as TF's does
+ParameterServerStrategy.register(ParameterServerWorkerStrategy)
 
 
 def _options(group: dict) -> dict:

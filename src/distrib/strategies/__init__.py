@@ -1,16 +1,19 @@
 """Strategies: how one replica function is run over devices and workers.
 
-:class:`~distrib.strategies.base.Strategy` is the one base; each strategy is a
-file of its own (``default``, ``one_device``, ``mirrored``, ``central_storage``, ``multi_worker``;
-``ParameterServerStrategy`` lives in :mod:`distrib.parameter_server`).
+:class:`~distrib.strategies.base.Strategy` is the small abstract base; the synchronous
+strategies (``default``, ``one_device``, ``mirrored``, ``central_storage``, ``multi_worker``, a
+file each) are :class:`~distrib.strategies.synchronous.SynchronousStrategy`, which composes the
+replica engine (``replica_engine``); ``ParameterServerStrategy`` and its worker-side strategy live
+in :mod:`distrib.parameter_server`.
 :mod:`~distrib.strategies.registry` names them for the command line.
 """
 
 from distrib.strategies.base import Strategy
+from distrib.strategies.synchronous import SynchronousStrategy
 from distrib.strategies.central_storage import CentralStorageStrategy
 from distrib.strategies.default import DefaultStrategy
 from distrib.strategies.mirrored import MirroredStrategy
 from distrib.strategies.multi_worker import MultiWorkerMirroredStrategy
 from distrib.strategies.one_device import OneDeviceStrategy
 
-__all__ = ["Strategy", "CentralStorageStrategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]
+__all__ = ["Strategy", "SynchronousStrategy", "CentralStorageStrategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]

@@ -1,91 +1,49 @@
-"""The one base class of every strategy.
+"""``Strategy``: the small abstract base of every strategy.
 
-A strategy is fixed by three things, given to the constructor:
+It holds what every strategy shares and nothing of how one runs a step:
 
-* its local replica devices (one per replica this process drives; ``None`` means
-  "leave tensors where they are", which is what the default strategy does);
-* a :class:`~distrib.comm.Communicator` for the other worker processes;
-* optionally a cluster resolver.
+* the public ``tf.distribute.Strategy`` API (``scope``, ``run``, ``reduce``, ``gather``,
+  ``experimental_local_results``, ``experimental_distribute_values_from_function``,
+  ``extended``, TF's deprecated names);
+* the topology, fixed by the constructor: this process's replica devices (``None``: tensors stay
+  where they are), a :class:`~distrib.comm.Communicator` to the other workers, and optionally a
+  cluster resolver (``num_replicas_in_sync``, ``num_local_replicas``, ``local_devices``,
+  ``worker_index``, ``num_workers``, ``is_chief``, ``barrier``, ``communicator``);
+* the contracts with the rest of distrib: the scope's capture (modules built inside are handed to
+  :meth:`distribute_module` when complete, optimizers to :meth:`distribute_optimizer`), checkpoints
+  (:meth:`checkpoint_state`, :meth:`restore_checkpoint_state`), the loop (:meth:`step_executor`)
+  and the gradient seam (:attr:`gradient_merge`, through ``extended``).
 
-Everything else (``scope``, ``run``, ``reduce``, ``gather``, input distribution,
-the gradient merge of ``optimizer.step()``) is written once here. A training step
-flows: ``run`` → one replica function per local replica (threads when there are
-several) → ``optimizer.step()`` is a merge point → local gradients are summed and
-reduced across workers through the comm hook → the update is applied once to the
-primary copy and seen by every replica.
-
-What the rest of distrib may use is public and typed: the topology
-(``num_replicas_in_sync``, ``num_local_replicas``, ``local_devices``,
-``worker_index``, ``num_workers``, ``is_chief``, ``barrier``, ``communicator``), the
-checkpoint contract (``checkpoint_state``, ``restore_checkpoint_state``) and
-``step_executor`` (how ``fit`` runs a step), and ``extended`` (TF's ``StrategyExtended``, which
-also holds the gradient seam that ``strategies/amp.py`` uses: ``merges_optimizer_steps``,
-``reduce_gradients_then``, ``end_gradient_reduction``, ``warn_if_loss_unscaled``). Subclasses
-override the ``_``-methods.
+Each strategy decides the abstract members: how it calls the replica function
+(:meth:`call_for_each_replica`), what it does with a module and an optimizer built in its scope,
+how it distributes input, and how ``fit`` runs a step. Shared behaviour comes from parts a strategy
+composes: the replica engine (``replica_engine.py``) for the synchronous strategies
+(``synchronous.py``), the in-place merger (``replica.InPlaceMerger``) for strategies that run
+one replica in place (parameter servers' workers; the sharded strategy).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import functools
 import warnings
-import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from distrib import context
 from distrib.comm import Communicator, LocalCommunicator
-from distrib.comm.hooks import CommHook, allreduce_hook
-from distrib.comm.gradient_reducer import reduce_gradients
-from distrib.comm.options import DEFAULT_BYTES_PER_PACK
-from distrib import torch_patches
-from distrib.strategies import amp
-from distrib.strategies.extended import StrategyExtended
-from distrib.strategies.replica import ReplicaContext, ReplicaThreads, run_in_replica
-from distrib.strategies.replication import (MirroredModules, ModuleCapture, install_capture_hooks,
-                                            optimizer_params, remove_capture_hooks)
-from distrib.torch_patches import wrap_optimizer
+from distrib.strategies.capture import ModuleCapture, install_capture_hooks, remove_capture_hooks
+from distrib.strategies.extended import GradientMerge, StrategyExtended
 from distrib.strategies.reduction import Axis, gather_structure, reduce_structure
-from distrib.values import PerReplica, ReduceOp, map_leaves, parse_reduce_op, regroup, select_replica
+from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, ValueContext
+from distrib.values import PerReplica, ReduceOp, map_leaves, parse_reduce_op, select_replica, to_device
 
 if TYPE_CHECKING:
     from distrib.cluster.resolver import ClusterResolver
     from distrib.strategies.execution import StepExecutor
 
-__all__ = ["Strategy", "RunOptions", "ValueContext", "UnscaledLossWarning"]
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Options of one ``strategy.run`` call (``tf.distribute.RunOptions``).
-
-    ``loss_scaled_by_hand``: the step divides its loss by the global batch itself, without
-    ``ds.compute_average_loss``; do not warn that the loss looks unscaled. TF's own options
-    (``experimental_enable_dynamic_batch_size``, ...) have no PyTorch counterpart and are not taken.
-
-    Example::
-
-        >>> RunOptions(loss_scaled_by_hand=True).loss_scaled_by_hand
-        True
-    """
-
-    loss_scaled_by_hand: bool = False
-
-
-@dataclass(frozen=True)
-class ValueContext:
-    """What ``value_fn`` of ``experimental_distribute_values_from_function`` is told (``tf.distribute.ValueContext``)."""
-
-    replica_id_in_sync_group: int = 0
-    num_replicas_in_sync: int = 1
-
-
-class UnscaledLossWarning(UserWarning):
-    """A step's loss was not scaled by the global batch while several replicas are in sync."""
+__all__ = ["Strategy", "RunOptions", "ValueContext", "UnscaledLossWarning", "ReusableScope"]
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -93,29 +51,11 @@ def _deprecated(old: str, new: str) -> None:
                   stacklevel=3)
 
 
-def _check_optimizer_owner(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A global ``optimizer.step`` pre-hook: inside ``run`` with several replicas, the optimizer must be the strategy's."""
-    ctx = context.current_replica()
-    if ctx is None or ctx.strategy.num_replicas_in_sync == 1 or context.owner_of(optimizer) is ctx.strategy:
-        return None
-    raise RuntimeError(
-        f"{type(optimizer).__name__}.step() is called inside {type(ctx.strategy).__name__}.run with "
-        f"{ctx.strategy.num_replicas_in_sync} replicas in sync, but the optimizer was built outside the "
-        "strategy's scope: its update would use one replica's gradients, and the replicas would drift apart. "
-        "Build the model and the optimizer inside `with strategy.scope():`")
+class Strategy(abc.ABC):
+    """Runs one training step on every replica and keeps replicated state in sync (``tf.distribute.Strategy``).
 
-
-#: GradScaler's unscale_/step/update merge under a strategy (strategies/amp.py), and the global optimizer pre-hook
-#: above: applied by torch_patches while a strategy with several replicas, or one merging an optimizer, lives
-#: (a lease per strategy, given back when it is garbage-collected); never at import
-_STRATEGY_PATCHES = torch_patches.StrategyPatches(amp.SCALER_METHODS, _check_optimizer_owner)
-
-
-class Strategy:
-    """Runs one training step on every replica and keeps replicated state in sync.
-
-    Subclasses only choose devices, a communicator and a cluster resolver; see
-    :class:`~distrib.MirroredStrategy` for a runnable example.
+    Abstract: see :class:`~distrib.MirroredStrategy` for a runnable example, and the module
+    docstring for what a strategy must decide.
     """
 
     #: True where ``fit`` must schedule steps through a ``ClusterCoordinator`` (parameter servers).
@@ -135,27 +75,42 @@ class Strategy:
         self._communicator: Communicator = communicator or LocalCommunicator()
         self._cluster_resolver = cluster_resolver
         self._capture = ModuleCapture()
-        self._mirrored = MirroredModules(self)
-        self._threads: Optional[ReplicaThreads] = None
-        self._replica_contexts = [ReplicaContext(self, k) for k in range(len(self._devices))]
-        self._comm_hook: CommHook = allreduce_hook
-        self._run_options = RunOptions()
-        self._warned_unscaled = False
-        self._merging = 0  # merge functions running (with several replicas, their threads wait in it)
-        # optimizers whose step() this strategy merges, and those whose gradients a GradScaler call has already
-        # summed this step (True while inside _apply_update, which refreshes the copies itself): see amp.py
-        self._merged_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self._summed: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
-        self._patch_lease: Optional[weakref.finalize] = None
-        if self.num_replicas_in_sync > 1:
-            self._lease_torch_patches()
         if self._communicator.world_size > 1:
             context.register_cluster_strategy(self)
 
-    def _lease_torch_patches(self) -> None:
-        """Hold torch_patches' GradScaler/optimizer-hook patches while this strategy lives (once per strategy)."""
-        if self._patch_lease is None:
-            self._patch_lease = weakref.finalize(self, _STRATEGY_PATCHES.acquire())
+    # ------------------------------------------------------------------ what each strategy decides
+    @abc.abstractmethod
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                              options: RunOptions) -> Any:
+        """Call ``fn`` once per local replica (``run``'s work, after its checks): the plain result with one
+        local replica, else a structure of :class:`~distrib.PerReplica` (TF's ``extended.call_for_each_replica``)."""
+
+    @abc.abstractmethod
+    def distribute_module(self, module: torch.nn.Module) -> None:
+        """Take over a root module built in this strategy's scope, once it is complete (place, copy, shard, ...)."""
+
+    @abc.abstractmethod
+    def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take over an optimizer built in this strategy's scope (the modules built before it are distributed)."""
+
+    @abc.abstractmethod
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
+        """Distribute ``dataset``'s global batches over the replicas in sync."""
+
+    @abc.abstractmethod
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
+                                          options: Any = None) -> Any:
+        """Call ``dataset_fn(input_context)`` for this worker's input pipeline."""
+
+    @abc.abstractmethod
+    def step_executor(self) -> "StepExecutor":
+        """How ``fit``/``evaluate``/``predict`` run a step under this strategy (``strategies/execution.py``)."""
+
+    @property
+    def gradient_merge(self) -> Optional[GradientMerge]:
+        """What merges this strategy's optimizer steps over replicas and workers (``extended``'s seam); None
+        where no step is merged."""
+        return None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -190,7 +145,10 @@ class Strategy:
 
     @property
     def is_chief(self) -> bool:
-        """Whether this process is the chief: the one that writes checkpoints and summaries."""
+        """Whether this process is the chief: the one that writes checkpoints and summaries (the resolver's
+        word when there is one, else worker 0)."""
+        if self._cluster_resolver is not None:
+            return self._cluster_resolver.is_chief
         return self.worker_index == 0
 
     @property
@@ -202,13 +160,6 @@ class Strategy:
     def cluster_resolver(self) -> Optional["ClusterResolver"]:
         """The cluster resolver of a multi-worker strategy; None for single-process ones."""
         return self._cluster_resolver
-
-    def _refuse_mixing(self, api: str) -> None:
-        """TF's rule: a strategy's cross-replica API is not called inside another strategy's scope."""
-        scope = context.current_scope()
-        if scope is not None and scope is not self:
-            raise RuntimeError(f"Mixing different strategies: {type(self).__name__}.{api} was called inside the "
-                               f"scope of {type(scope).__name__}; call it outside that scope, or use that strategy")
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Return once every worker has reached this call (``timeout`` seconds at most).
@@ -224,8 +175,15 @@ class Strategy:
         return f"{type(self).__name__}(devices={list(self._device_names)}, num_replicas_in_sync={self.num_replicas_in_sync})"
 
     # ------------------------------------------------------------------ scope
+    def scope(self) -> contextlib.AbstractContextManager["Strategy"]:
+        """Make this the current strategy; modules and optimizers built inside are distributed.
+
+        The returned object can be entered again (``s = strategy.scope(); with s: ...; with s: ...``).
+        """
+        return ReusableScope(self._capturing_scope)
+
     @contextlib.contextmanager
-    def _scope(self) -> Iterator["Strategy"]:
+    def _capturing_scope(self) -> Iterator["Strategy"]:
         context.push_scope(self)
         install_capture_hooks()
         try:
@@ -233,39 +191,24 @@ class Strategy:
         finally:
             remove_capture_hooks()
             try:
-                self._claim_captured_modules()
+                self.claim_modules()
             finally:
                 context.pop_scope(self)
 
-    def scope(self) -> contextlib.AbstractContextManager["Strategy"]:
-        """Make this the current strategy; modules and optimizers built inside are distributed.
+    @property
+    def module_capture(self) -> ModuleCapture:
+        """The modules seen being built in this strategy's scope and not yet distributed."""
+        return self._capture
 
-        The returned object can be entered again (``s = strategy.scope(); with s: ...; with s: ...``).
-        """
-        return _ReusableScope(self)
-
-    def _claim_captured_modules(self) -> None:
+    def claim_modules(self) -> None:
+        """Hand every complete root module built in the scope so far to :meth:`distribute_module`."""
         for root in self._capture.take_roots():
-            self._distribute_module(root)
+            self.distribute_module(root)
 
-    def _distribute_module(self, module: torch.nn.Module) -> None:
-        self._mirrored.distribute(module)
-
-    def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        self._claim_captured_modules()
-        context.set_owner(optimizer, self)
-        if self.num_replicas_in_sync == 1 and not self._mirrored.central:
-            return  # one replica computing on the parameters themselves: nothing to merge
-        foreign = [p for p in optimizer_params(optimizer) if p not in self._mirrored]
-        if foreign:
-            raise ValueError(
-                f"{type(optimizer).__name__} was created under {type(self).__name__}.scope() over "
-                f"{len(foreign)} parameter(s) of a module built outside the scope; build the model "
-                "inside the same strategy.scope() as the optimizer"
-            )
-        self._lease_torch_patches()  # e.g. central storage with one replica: its steps merge too
-        wrap_optimizer(optimizer, self._optimizer_step, self._optimizer_zero_grad)
-        self._merged_optimizers.add(optimizer)
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer was built in the scope: distribute the modules built before it, then the optimizer."""
+        self.claim_modules()
+        self.distribute_optimizer(optimizer)
 
     # ------------------------------------------------------------------ run
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None,
@@ -277,27 +220,10 @@ class Strategy:
         """
         if context.current_replica() is not None:
             raise RuntimeError("strategy.run() was called inside a replica function; call it from the training loop")
-        self._refuse_mixing("run")
+        context.refuse_mixing(self, "run")
         if self._capture:
-            self._claim_captured_modules()
-        self._run_options = options or RunOptions()
-        kwargs = kwargs or {}
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        n = self.num_local_replicas
-        if n == 1:
-            return run_in_replica(self._replica_contexts[0], fn, tuple(args), kwargs, grad, inference)
-        if self._merging:  # run called from a merge_call function: the replica threads are all waiting there
-            return regroup([run_in_replica(self._replica_contexts[k], fn, select_replica(k, tuple(args)),
-                                           select_replica(k, kwargs), grad, inference) for k in range(n)])
-        if self._threads is None:
-            self._threads = ReplicaThreads(n, type(self).__name__)
-            weakref.finalize(self, self._threads.close)  # the threads end when the strategy is freed
-        tasks: list[Callable[[], Any]] = [
-            functools.partial(run_in_replica, self._replica_contexts[k], fn, select_replica(k, tuple(args)),
-                              select_replica(k, kwargs), grad, inference)
-            for k in range(n)
-        ]
-        return regroup(self._threads.run(tasks))
+            self.claim_modules()
+        return self.call_for_each_replica(fn, tuple(args), dict(kwargs or {}), options or RunOptions())
 
     def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                             kwargs: Optional[dict[str, Any]] = None, options: Optional[RunOptions] = None) -> Any:
@@ -316,156 +242,15 @@ class Strategy:
             >>> s.experimental_local_results(v)
             (tensor(0), tensor(1))
         """
-        values = []
-        for k in range(self.num_local_replicas):
-            replica = self._replica_contexts[k]
-            value = value_fn(ValueContext(replica.replica_id_in_sync_group, self.num_replicas_in_sync))
-            values.append(self._to_replica_device(value, k))
+        first = self.worker_index * self.num_local_replicas
+        values = [to_device(value_fn(ValueContext(first + k, self.num_replicas_in_sync)), device)
+                  for k, device in enumerate(self._devices)]
         return values[0] if len(values) == 1 else PerReplica(values)
 
     @property
     def extended(self) -> StrategyExtended:
         """TF's ``strategy.extended``: ``reduce_to``, ``batch_reduce_to``, devices, ``should_checkpoint``, ..."""
         return StrategyExtended(self)
-
-    def _merge(self, ctx: ReplicaContext, value: Any, merge_fn: Callable[[list[Any]], Sequence[Any]]) -> Any:
-        if self._merging and self.num_local_replicas > 1:
-            # the replica threads all wait in the outer merge: a second merge could never complete
-            raise RuntimeError("a merge point (optimizer.step(), all_reduce, merge_call) inside a strategy.run "
-                               "that is itself called from a merge_call function is not supported with several "
-                               "local replicas")
-
-        def merging(values: list[Any]) -> Sequence[Any]:
-            self._merging += 1
-            try:
-                return merge_fn(values)
-            finally:
-                self._merging -= 1
-
-        if self.num_local_replicas == 1:
-            return merging([value])[0]
-        assert self._threads is not None, "a merge happens inside run(), which started the threads"
-        return self._threads.merge(ctx.local_replica_id, value, merging)
-
-    def step_executor(self) -> "StepExecutor":
-        """How ``fit`` runs its steps under this strategy: here, ``strategy.run`` on each global batch."""
-        from distrib.strategies.execution import SynchronousExecutor
-
-        return SynchronousExecutor(self)
-
-    # ------------------------------------------------------------------ optimizer merge
-    def register_comm_hook(self, hook: CommHook) -> None:
-        """Reduce gradients across workers through ``hook`` (see :mod:`distrib.comm.hooks`), as DDP's."""
-        self._comm_hook = hook
-
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
-                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ctx = context.current_replica()
-        if ctx is None and optimizer in self._summed:  # a GradScaler summed this step's gradients (amp.py)
-            inside_update = self._summed.pop(optimizer)
-            result = step(*args, **kwargs)
-            if not inside_update:
-                self._mirrored.refresh()
-            return result
-        if ctx is None:  # cross-replica: the gradients are already where they are
-            return self._apply_update(optimizer, step, args, kwargs)
-        if (args or kwargs.get("closure") is not None) and self.num_local_replicas > 1:
-            raise ValueError("optimizer.step(closure) is not supported with several local replicas; "
-                             "call loss.backward() and optimizer.step() in the replica function")
-
-        def merge(scaled: list[bool]) -> list[Any]:
-            self._warn_if_loss_unscaled(scaled)
-            return [self._apply_update(optimizer, step, args, kwargs)] * len(scaled)
-
-        return ctx.merge(ctx.scaled_loss_recorded, merge)
-
-    def _merges_steps(self, optimizer: Any) -> bool:
-        """Whether ``optimizer.step()`` is a merge point of this strategy (see ``extended.merges_optimizer_steps``)."""
-        return optimizer in self._merged_optimizers
-
-    def _reduce_gradients_for(self, optimizer: torch.optim.Optimizer, then: Callable[[], T]) -> T:
-        """Sum ``optimizer``'s gradients over replicas and workers (once a step), then call ``then``.
-
-        The strategy's own reduction (``_apply_update``) runs with ``then`` in place of the
-        optimizer's step; an ``optimizer.step()`` that ``then`` (or a later call) makes applies
-        the update without summing again. See ``extended.reduce_gradients_then``.
-        """
-        if optimizer in self._summed:
-            return then()
-
-        def summed_then() -> T:
-            self._summed[optimizer] = True
-            return then()
-
-        try:
-            result: T = self._apply_update(optimizer, summed_then, (), {})
-            return result
-        finally:
-            if optimizer in self._summed:  # unscale_ alone, or a skipped step: the sums stay until step/zero_grad
-                self._summed[optimizer] = False
-
-    def _end_gradient_reduction(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step that used the summed gradients is over (applied or skipped): the next ones are summed anew."""
-        self._summed.pop(optimizer, None)
-
-    def _warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
-        """Warn once when a step's loss was not scaled by distrib's helpers while several replicas are in sync."""
-        if all(scaled) or self.num_replicas_in_sync == 1 or self._warned_unscaled or \
-                self._run_options.loss_scaled_by_hand:
-            return
-        self._warned_unscaled = True
-        warnings.warn(
-            f"optimizer.step() ran in strategy.run without the loss being scaled by ds.compute_average_loss or "
-            f"ds.scale_regularization_loss, with {self.num_replicas_in_sync} replicas in sync. Gradients are "
-            f"summed over replicas, so a loss averaged per replica (PyTorch's default reduction='mean') gives "
-            f"gradients {self.num_replicas_in_sync} times too large. Fix: loss = ds.compute_average_loss("
-            "F.cross_entropy(logits, labels, reduction='none'), global_batch_size=GLOBAL_BATCH). If you already "
-            "divide by the global batch yourself, pass options=ds.RunOptions(loss_scaled_by_hand=True) to run.",
-            UnscaledLossWarning, stacklevel=2)
-
-    def _apply_update(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
-                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self._sync_gradients(optimizer_params(optimizer))
-        result = step(*args, **kwargs)
-        self._mirrored.refresh(average_buffers=True)
-        return result
-
-    def _sync_gradients(self, params: Sequence[torch.Tensor]) -> None:
-        """Sum every parameter's gradient over local replicas, then over workers, into ``param.grad``."""
-        to_reduce: list[torch.Tensor] = []
-        reduced: list[torch.Tensor] = []
-        for p in params:
-            grads = [g for g in self._mirrored.replica_grads(p) if g is not None]
-            if grads:
-                total = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                for g in grads:
-                    total.add_(g.to(total.device, non_blocking=True))
-                p.grad = total
-            if self.num_workers > 1 and p.requires_grad:  # the parameters the overlapped reducer buckets
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                to_reduce.append(p.grad)
-                reduced.append(p)
-        # bucketed as the overlapped reducer does (comm.gradient_reducer.bucket_layout): bucket.index is the same
-        reduce_gradients(self._communicator, to_reduce, self._gradient_bucket_bytes(), self._comm_hook,
-                         parameters=reduced)
-
-    def _gradient_bucket_bytes(self) -> int:
-        """The bucket size of the reduction across workers (a strategy with ``CommunicationOptions``: theirs)."""
-        return DEFAULT_BYTES_PER_PACK
-
-    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., None],
-                             set_to_none: bool) -> None:
-        ctx = context.current_replica()
-        params = optimizer_params(optimizer)
-        self._summed.pop(optimizer, None)
-        if ctx is None:
-            zero_grad(set_to_none)
-            self._mirrored.zero_copy_grads(params, None, set_to_none)
-            return
-        if ctx.local_replica_id == 0:
-            zero_grad(set_to_none)  # the primary's gradients (the sums of the last step)
-        self._mirrored.zero_copy_grads(params, ctx.local_replica_id, set_to_none)
 
     # ------------------------------------------------------------------ checkpoint contract
     def checkpoint_state(self, obj: Any) -> Any:
@@ -501,7 +286,7 @@ class Strategy:
         if context.current_replica() is not None:
             raise RuntimeError("strategy.reduce() is a cross-replica call; inside run use "
                                "ds.get_replica_context().all_reduce()")
-        self._refuse_mixing("reduce")
+        context.refuse_mixing(self, "reduce")
         return reduce_structure(self, op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -510,36 +295,10 @@ class Strategy:
         if context.current_replica() is not None:
             raise RuntimeError("strategy.gather() is a cross-replica call; inside run use "
                                "ds.get_replica_context().all_gather()")
-        self._refuse_mixing("gather")
+        context.refuse_mixing(self, "gather")
         return gather_structure(self, value, axis)
 
-    def _to_replica_device(self, value: Any, local_replica_id: int) -> Any:
-        device = self._devices[local_replica_id]
-        if device is None:
-            return value
-        return map_leaves(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
-
-    # ------------------------------------------------------------------ input
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
-        """Split every global batch of ``dataset`` over all replicas in sync.
-
-        ``dataset`` is any iterable of global batches (a ``DataLoader`` with the global
-        batch size, a list of tensors, ...). See :class:`~distrib.input.DistributedDataset`.
-        ``options`` (TF's ``tf.distribute.InputOptions``) is accepted and ignored.
-        """
-        from distrib.input import DistributedDataset
-
-        return DistributedDataset(dataset, self, options=options)
-
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None) -> Any:
-        """Call ``dataset_fn(input_context)`` once on this worker; its batches are per-replica batches.
-
-        ``options`` (TF's ``tf.distribute.InputOptions``) is accepted and ignored.
-        """
-        from distrib.input import DistributedDatasetsFromFunction
-
-        return DistributedDatasetsFromFunction(dataset_fn, self, options=options)
-
+    # ------------------------------------------------------------------ input: TF's older name
     def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
                                                        options: Any = None) -> Any:
         """TF's older name of :meth:`distribute_datasets_from_function` (deprecated there, kept for ported code)."""
@@ -547,15 +306,15 @@ class Strategy:
         return self.distribute_datasets_from_function(dataset_fn, options)
 
 
-class _ReusableScope:
+class ReusableScope:
     """``strategy.scope()``: a context manager that can be entered again after it exits."""
 
-    def __init__(self, strategy: Strategy) -> None:
-        self._strategy = strategy
+    def __init__(self, enter: Callable[[], contextlib.AbstractContextManager[Strategy]]) -> None:
+        self._enter = enter
         self._active: list[contextlib.AbstractContextManager[Strategy]] = []
 
     def __enter__(self) -> Strategy:
-        cm = self._strategy._scope()
+        cm = self._enter()
         self._active.append(cm)
         return cm.__enter__()
 

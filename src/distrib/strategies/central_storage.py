@@ -6,14 +6,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from distrib.strategies.base import Strategy
 from distrib.strategies.devices import local_devices, parse_device
-from distrib.strategies.replication import MirroredModules
+from distrib.strategies.synchronous import SynchronousStrategy
 
 __all__ = ["CentralStorageStrategy"]
 
 
-class CentralStorageStrategy(Strategy):
+class CentralStorageStrategy(SynchronousStrategy):
     """Synchronous training with the parameters in one place (``tf.distribute.experimental.CentralStorageStrategy``).
 
     Parameters (and optimizer state) live on ``parameter_device``; every local replica
@@ -43,10 +42,4 @@ class CentralStorageStrategy(Strategy):
             central = parse_device(parameter_device)
         else:
             central = parsed[0] if len(parsed) == 1 else torch.device("cpu")
-        super().__init__(parsed, device_names=names)
-        self._central = central
-        self._mirrored = MirroredModules(self, parameter_device=central)
-
-    @property
-    def parameter_devices(self) -> tuple[str, ...]:
-        return (str(self._central),)
+        super().__init__(parsed, device_names=names, parameter_device=central)

@@ -8,13 +8,14 @@ from typing import Iterator
 import torch
 
 from distrib import context
-from distrib.strategies.base import Strategy
+from distrib.strategies.base import ReusableScope, Strategy
 from distrib.strategies.replica import ReplicaContext
+from distrib.strategies.synchronous import SynchronousStrategy
 
 __all__ = ["DefaultStrategy"]
 
 
-class DefaultStrategy(Strategy):
+class DefaultStrategy(SynchronousStrategy):
     """``run`` calls ``fn`` once, in place: one replica, no placement, no communication.
 
     Nothing is moved to a device and batches are passed on as they are, so a loop
@@ -30,11 +31,16 @@ class DefaultStrategy(Strategy):
     def __init__(self) -> None:
         super().__init__([None], device_names=["default"])
 
-    def _distribute_module(self, module: torch.nn.Module) -> None:
+    def distribute_module(self, module: torch.nn.Module) -> None:
+        """Modules stay as they are: the default strategy places nothing."""
         return None
 
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
+        """As TF: entering the default strategy's scope changes nothing (still the default replica context)."""
+        return ReusableScope(self._default_scope)
+
     @contextlib.contextmanager
-    def _scope(self) -> Iterator[Strategy]:
+    def _default_scope(self) -> Iterator[Strategy]:
         """As TF: entering the default strategy's scope changes nothing (still the default replica context)."""
         current = context.current_scope()
         if current is not None and current is not self:
@@ -46,7 +52,7 @@ class DefaultStrategy(Strategy):
 
 def _make_default() -> tuple[DefaultStrategy, ReplicaContext]:
     strategy = DefaultStrategy()
-    return strategy, ReplicaContext(strategy, 0)
+    return strategy, strategy.replica_context(0)
 
 
 context.install_default(_make_default)

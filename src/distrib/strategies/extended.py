@@ -4,24 +4,42 @@ Besides TF's members, ``extended`` is where other modules reach a strategy's gra
 (public and typed, as the architecture asks): :meth:`StrategyExtended.merges_optimizer_steps`,
 :meth:`StrategyExtended.reduce_gradients_then`, :meth:`StrategyExtended.end_gradient_reduction`
 and :meth:`StrategyExtended.warn_if_loss_unscaled`. ``strategies/amp.py`` uses them to make
-``torch.amp.GradScaler`` agree over replicas and workers.
+``torch.amp.GradScaler`` agree over replicas and workers. They are answered by the strategy's
+:class:`GradientMerge` (``strategy.gradient_merge``: the replica engine of the synchronous
+strategies; None where no step is merged, as under parameter servers), through public members only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 import torch
 
+from distrib import context
 from distrib.strategies.reduction import reduce_structure
 from distrib.values import ReduceOp, map_leaves, parse_reduce_op
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["StrategyExtended"]
+__all__ = ["StrategyExtended", "GradientMerge"]
 
 T = TypeVar("T")
+
+
+class GradientMerge(Protocol):
+    """How a strategy merges optimizer steps over replicas and workers (the replica engine is one).
+
+    The members mean what :class:`StrategyExtended`'s methods of the same names say.
+    """
+
+    def merges_optimizer_steps(self, optimizer: Any) -> bool: ...
+
+    def reduce_gradients_then(self, optimizer: torch.optim.Optimizer, then: Callable[[], T]) -> T: ...
+
+    def end_gradient_reduction(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None: ...
 
 
 class StrategyExtended:
@@ -46,7 +64,7 @@ class StrategyExtended:
 
     def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any = None, options: Any = None) -> Any:
         """Reduce ``value`` (PerReplica, or any structure of them) to ``destinations``. ``options`` is ignored."""
-        self._strategy._refuse_mixing("extended.reduce_to")
+        context.refuse_mixing(self._strategy, "extended.reduce_to")
         reduced = reduce_structure(self._strategy, parse_reduce_op(reduce_op), value, None)
         device = _device_of(destinations)
         if device is None:
@@ -63,7 +81,8 @@ class StrategyExtended:
         """Whether ``optimizer.step()`` is a merge point of this strategy: gradients summed over replicas and
         workers, one update applied everywhere. False for optimizers built outside its scope, and for one
         replica computing on the parameters themselves (nothing to merge)."""
-        return self._strategy._merges_steps(optimizer)
+        merge = self._strategy.gradient_merge
+        return merge is not None and merge.merges_optimizer_steps(optimizer)
 
     def reduce_gradients_then(self, optimizer: torch.optim.Optimizer, then: Callable[[], T]) -> T:
         """Sum ``optimizer``'s gradients over every replica and worker into its parameters' ``.grad``, then
@@ -94,18 +113,27 @@ class StrategyExtended:
             tensor([[3.]])
             >>> s.extended.end_gradient_reduction(opt)
         """
-        return self._strategy._reduce_gradients_for(optimizer, then)
+        return self._merge("reduce_gradients_then").reduce_gradients_then(optimizer, then)
 
     def end_gradient_reduction(self, optimizer: torch.optim.Optimizer) -> None:
         """The step that used :meth:`reduce_gradients_then`'s sums is over (applied or skipped): the next
         step's gradients are summed anew. ``optimizer.zero_grad()`` does this too."""
-        self._strategy._end_gradient_reduction(optimizer)
+        self._merge("end_gradient_reduction").end_gradient_reduction(optimizer)
 
     def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
         """Warn once (``ds.UnscaledLossWarning``) when, with several replicas in sync, a replica's loss was not
         scaled by ``ds.compute_average_loss`` this step (``scaled``: each local replica's
         ``ReplicaContext.scaled_loss_recorded``), unless ``RunOptions(loss_scaled_by_hand=True)`` was given."""
-        self._strategy._warn_if_loss_unscaled(scaled)
+        merge = self._strategy.gradient_merge
+        if merge is not None:
+            merge.warn_if_loss_unscaled(scaled)
+
+    def _merge(self, api: str) -> GradientMerge:
+        merge = self._strategy.gradient_merge
+        if merge is None:
+            raise RuntimeError(f"extended.{api}: {type(self._strategy).__name__} merges no optimizer steps (its "
+                               "updates are not summed over replicas); ask extended.merges_optimizer_steps first")
+        return merge
 
     @property
     def worker_devices(self) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from distrib.strategies.base import Strategy
+from distrib.strategies.synchronous import SynchronousStrategy
 from distrib.strategies.devices import local_devices, parse_device
 
 __all__ = ["MirroredStrategy", "CrossDeviceOps", "NcclAllReduce", "HierarchicalCopyAllReduce", "ReductionToOneDevice"]
@@ -36,7 +36,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     """``tf.distribute.ReductionToOneDevice(...)``; accepted and ignored (see :class:`CrossDeviceOps`)."""
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(SynchronousStrategy):
     """One replica per local device; gradients are summed over replicas at every step.
 
     ``MirroredStrategy()`` uses every local GPU, or the CPU when there is none.

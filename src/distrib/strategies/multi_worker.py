@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import logging
-import weakref
-from typing import Any, Callable, Optional, Sequence
-
-import torch
+from typing import Optional, Sequence
 
 from distrib import cluster
 from distrib.cluster.resolver import ClusterResolver, worker_rank  # worker_rank: re-exported
-from distrib.comm import BucketedGradientReducer, CommunicationOptions, Communicator, LocalCommunicator
-from distrib.comm.hooks import CommHook
+from distrib.comm import CommunicationOptions, Communicator, LocalCommunicator
 from distrib.comm.process_group import ProcessGroupCommunicator, current_group
-from distrib.strategies.base import Strategy
 from distrib.strategies.devices import parse_device, worker_devices
-from distrib.strategies.replication import optimizer_params
+from distrib.strategies.synchronous import SynchronousStrategy
 
 __all__ = ["MultiWorkerMirroredStrategy", "worker_rank"]
 
 log = logging.getLogger("distrib.strategies")
 
 
-class MultiWorkerMirroredStrategy(Strategy):
+class MultiWorkerMirroredStrategy(SynchronousStrategy):
     """Synchronous training over worker processes, each with one or more local replicas.
 
     The cluster comes from ``cluster_resolver``, else from a ``torch.distributed`` process
@@ -69,11 +64,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                                                     across_hosts=resolver.spans_hosts, device=parsed[0])
         else:
             communicator = LocalCommunicator()
-        super().__init__(parsed, communicator, resolver, device_names=names)
+        super().__init__(parsed, communicator, resolver, device_names=names, bucket_bytes=options.bucket_bytes)
         self._options = options
-        # one bucketed reducer per optimizer; its autograd hooks go when the optimizer goes
-        self._reducers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, BucketedGradientReducer]" = (
-            weakref.WeakKeyDictionary())
         log.info("MultiWorkerMirroredStrategy: worker %d of %d, local devices %s, communication %r",
                  rank, world, names, communicator)
         self.register_comm_hook(options.comm_hook())  # compression=...: every gradient reduction goes through it
@@ -82,55 +74,6 @@ class MultiWorkerMirroredStrategy(Strategy):
     def communication_options(self) -> CommunicationOptions:
         """The options this strategy was made with."""
         return self._options
-
-    @property
-    def is_chief(self) -> bool:
-        resolver = self._cluster_resolver
-        assert resolver is not None, "MultiWorkerMirroredStrategy always has a resolver"
-        return resolver.is_chief
-
-    def register_comm_hook(self, hook: CommHook) -> None:
-        super().register_comm_hook(hook)
-        for reducer in self._reducers.values():
-            reducer.set_hook(hook)
-
-    def _distribute_module(self, module: torch.nn.Module) -> None:
-        super()._distribute_module(module)
-        if self.num_workers > 1:  # every worker starts from the chief's initial values
-            named = [*module.named_parameters(), *module.named_buffers()]
-            self._communicator.verify_same(
-                "; ".join(f"{name}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for name, t in named),
-                f"the {type(module).__name__} built in strategy.scope()")
-            self._communicator.broadcast([t for _, t in named], src=0)
-            self._mirrored.refresh(module)
-
-    def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        super()._on_optimizer_created(optimizer)
-        if self.num_workers > 1 and self.num_local_replicas == 1:
-            reducer = BucketedGradientReducer(optimizer_params(optimizer), self._communicator,
-                                              self._options.bucket_bytes, self._comm_hook)
-            self._reducers[optimizer] = reducer
-            weakref.finalize(optimizer, reducer.close)
-
-    def _gradient_bucket_bytes(self) -> int:
-        return self._options.bucket_bytes  # bytes_per_pack, on the several-local-replicas path too
-
-    def _apply_update(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
-                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        reducer = self._reducers.get(optimizer)
-        if reducer is None:
-            return super()._apply_update(optimizer, step, args, kwargs)
-        reducer.synchronize()
-        result = step(*args, **kwargs)
-        self._mirrored.refresh(average_buffers=True)
-        return result
-
-    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., None],
-                             set_to_none: bool) -> None:
-        reducer = self._reducers.get(optimizer)
-        if reducer is not None:
-            reducer.discard()
-        super()._optimizer_zero_grad(optimizer, zero_grad, set_to_none)
 
 
 def _resolver_for(group: Optional[tuple[int, int, str]]) -> ClusterResolver:

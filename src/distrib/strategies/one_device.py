@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from distrib.strategies.base import Strategy
+from distrib.strategies.synchronous import SynchronousStrategy
 from distrib.strategies.devices import parse_device
 
 __all__ = ["OneDeviceStrategy"]
 
 
-class OneDeviceStrategy(Strategy):
+class OneDeviceStrategy(SynchronousStrategy):
     """Everything on one device: modules built in the scope and input batches are placed on it.
 
     Example::

@@ -16,21 +16,39 @@ still overlap because launches are asynchronous.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 from distrib import context
 from distrib.strategies.reduction import gather_local_values, reduce_local_values
-from distrib.values import ReduceOp, local_values, map_leaves, parse_reduce_op, regroup, select_replica
+from distrib.values import ReduceOp, local_values, map_leaves, parse_reduce_op, regroup, select_replica, to_device
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["ReplicaContext"]
+__all__ = ["ReplicaContext", "ReplicaMerger", "InPlaceMerger", "ReplicaThreads", "run_in_replica", "run_in_place"]
 
 MergeFn = Callable[[list[Any]], Sequence[Any]]
+
+
+class ReplicaMerger(Protocol):
+    """What makes a strategy's local replicas meet at a merge point (``ReplicaContext.merge``).
+
+    The replica engine (several replica threads) and :class:`InPlaceMerger` (one replica, run in
+    place: parameter servers' workers, the sharded strategy) are the two there are.
+    """
+
+    def merge(self, ctx: "ReplicaContext", value: Any, merge_fn: MergeFn) -> Any:
+        """Wait for every local replica's ``value``; return ``merge_fn(values)[ctx.local_replica_id]``."""
+
+
+class InPlaceMerger:
+    """The merger of a strategy whose process drives one replica, in place: the merge is the call itself."""
+
+    def merge(self, ctx: "ReplicaContext", value: Any, merge_fn: MergeFn) -> Any:
+        return merge_fn([value])[0]
 
 
 class ReplicaContext:
@@ -47,9 +65,10 @@ class ReplicaContext:
         (tensor(3.), tensor(3.))
     """
 
-    def __init__(self, strategy: "Strategy", local_replica_id: int) -> None:
+    def __init__(self, strategy: "Strategy", local_replica_id: int, merger: ReplicaMerger) -> None:
         self.strategy = strategy
         self.local_replica_id = local_replica_id
+        self._merger = merger
         self._scaled_loss = False
 
     def record_scaled_loss(self) -> None:
@@ -99,7 +118,7 @@ class ReplicaContext:
             n = len(values)
             reduced = map_leaves(lambda leaf: reduce_local_values(self.strategy, op, local_values(leaf, n), None),
                                  regroup(values))
-            return [self.strategy._to_replica_device(reduced, i) for i in range(n)]
+            return [to_device(reduced, self.strategy.local_devices[i]) for i in range(n)]
 
         return self.merge(value, merge)
 
@@ -122,7 +141,7 @@ class ReplicaContext:
             gathered = map_leaves(
                 lambda leaf: gather_local_values(self.strategy, local_values(leaf, n), axis, "all_gather"),
                 regroup(values))
-            return [self.strategy._to_replica_device(gathered, i) for i in range(n)]
+            return [to_device(gathered, self.strategy.local_devices[i]) for i in range(n)]
 
         return self.merge(value, merge)
 
@@ -159,7 +178,7 @@ class ReplicaContext:
         ``merge_fn`` receives the list of values in local-replica order and returns one
         result per replica. This is TF's ``merge_call``, reduced to what distrib needs.
         """
-        return self.strategy._merge(self, value, merge_fn)
+        return self._merger.merge(self, value, merge_fn)
 
     def __repr__(self) -> str:
         return (
@@ -346,3 +365,8 @@ def run_in_replica(ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwa
             return fn(*args, **kwargs)
     finally:
         context.set_current_replica(previous)
+
+
+def run_in_place(ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn`` on the calling thread as replica ``ctx``, in the caller's autograd mode (one local replica)."""
+    return run_in_replica(ctx, fn, args, kwargs, torch.is_grad_enabled(), torch.is_inference_mode_enabled())

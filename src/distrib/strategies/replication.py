@@ -1,13 +1,6 @@
-"""Modules and optimizers created under ``strategy.scope()``: capture, then copies.
+"""Per-replica copies of the modules a replica engine distributes (captured by :mod:`~distrib.strategies.capture`).
 
-*Capture.* While a scope is open, torch's global registration hooks tell us which
-modules receive parameters, buffers or submodules; when the scope closes (or an
-optimizer is created inside it) the outermost of those modules, the *roots*, are
-handed to the strategy. No constructor is patched for modules. Optimizers have no
-such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is open
-(by :mod:`distrib.torch_patches`, which holds every patch of a torch object).
-
-*Copies.* A root module is the primary copy, on the first local device. Every
+A root module is the primary copy, on the first local device. Every
 other local replica gets a copy: on the same physical device the copy's parameters
 share storage with the primary's (separate autograd leaves, so separate ``.grad``),
 so an update to the primary is seen by every copy for free; on another device the
@@ -24,117 +17,19 @@ distributes), and to an optimizer whose steps merge, its ``step`` and ``zero_gra
 from __future__ import annotations
 
 import copy
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
-from distrib import context
-from distrib import torch_patches
+from distrib import context, torch_patches
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["ModuleCapture", "MirroredModules", "optimizer_params", "install_capture_hooks", "remove_capture_hooks"]
-
-
-# --------------------------------------------------------------------------- capture
-
-class _CaptureState:
-    """Process-wide hooks, installed once while any scope is open."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.depth = 0
-        self.handles: list[Any] = []
-
-
-_capture = _CaptureState()
-
-
-def _capturing_strategy() -> Optional["Strategy"]:
-    if context.current_replica() is not None:
-        return None
-    return context.current_scope()
-
-
-def _on_leaf_registered(module: nn.Module, name: str, value: Any) -> None:
-    strategy = _capturing_strategy()
-    if strategy is not None and value is not None:
-        strategy._capture.saw(module)
-
-
-def _on_module_registered(parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
-    strategy = _capturing_strategy()
-    if strategy is not None and child is not None:
-        strategy._capture.saw(parent, child)
-
-
-def _on_optimizer_built(self: torch.optim.Optimizer) -> None:
-    strategy = _capturing_strategy()
-    if strategy is not None and context.owner_of(self) is None:
-        strategy._on_optimizer_created(self)
-
-
-def install_capture_hooks() -> None:
-    """Start capturing (nested scopes share one set of hooks)."""
-    with _capture.lock:
-        _capture.depth += 1
-        if _capture.depth > 1:
-            return
-        _capture.handles = [
-            module_hooks.register_module_parameter_registration_hook(_on_leaf_registered),
-            module_hooks.register_module_buffer_registration_hook(_on_leaf_registered),
-            module_hooks.register_module_module_registration_hook(_on_module_registered),
-        ]
-        torch_patches.patch_optimizer_init(_on_optimizer_built)
-
-
-def remove_capture_hooks() -> None:
-    """Stop capturing once the outermost scope closes."""
-    with _capture.lock:
-        _capture.depth -= 1
-        if _capture.depth > 0:
-            return
-        for h in _capture.handles:
-            h.remove()
-        _capture.handles = []
-        torch_patches.restore_optimizer_init()
-
-
-class ModuleCapture:
-    """The modules one strategy saw being built in its scope, until they are claimed."""
-
-    def __init__(self) -> None:
-        self._seen: list[weakref.ref[nn.Module]] = []
-        self._seen_ids: set[int] = set()
-        self._children: set[int] = set()
-
-    def __bool__(self) -> bool:
-        return bool(self._seen)
-
-    def saw(self, module: nn.Module, child: Optional[nn.Module] = None) -> None:
-        for m in (module, child):
-            if m is not None and id(m) not in self._seen_ids:
-                self._seen_ids.add(id(m))
-                self._seen.append(weakref.ref(m))
-        if child is not None:
-            self._children.add(id(child))
-
-    def take_roots(self) -> list[nn.Module]:
-        """The outermost captured modules that hold parameters or buffers; forgets them all."""
-        alive = [m for m in (r() for r in self._seen) if m is not None]
-        roots = [
-            m for m in alive
-            if id(m) not in self._children
-            and (next(m.parameters(), None) is not None or next(m.buffers(), None) is not None)
-        ]
-        self._seen, self._seen_ids, self._children = [], set(), set()
-        return roots
+__all__ = ["MirroredModules", "optimizer_params"]
 
 
 # --------------------------------------------------------------------------- copies

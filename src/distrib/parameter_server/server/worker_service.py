@@ -54,7 +54,7 @@ from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, VariableSpec
 
 if TYPE_CHECKING:
-    from distrib.parameter_server.strategy import ParameterServerStrategy
+    from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 
 __all__ = ["WorkerService", "RemoteOptimizer"]
 
@@ -165,7 +165,7 @@ class WorkerService:
         self._run_lock = threading.Lock()
         self._optimizer_options: dict[str, list[dict]] = {}  # the coordinator's, as of the last Run
         self.decoded = 0  # request bodies decoded (reported by Health)
-        self._strategy: Optional["ParameterServerStrategy"] = None
+        self._strategy: Optional["ParameterServerWorkerStrategy"] = None
 
     def handlers(self) -> dict[str, Callable[[bytes], bytes]]:
         return {"Health": self._health, "Run": self._run}
@@ -178,11 +178,11 @@ class WorkerService:
             var = self._variables[spec.var_id] = LocalVariable(spec, tensor)
         return var
 
-    def _worker_strategy(self) -> "ParameterServerStrategy":
+    def _worker_strategy(self) -> "ParameterServerWorkerStrategy":
         if self._strategy is None:
-            from distrib.parameter_server.strategy import ParameterServerStrategy
+            from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 
-            self._strategy = ParameterServerStrategy.for_worker(self._spec, self._index)
+            self._strategy = ParameterServerWorkerStrategy(self._spec, self._index)
         return self._strategy
 
     def _load(self, data: bytes, used: list[LocalVariable], metrics: Optional[list[tuple[str, Any]]] = None,

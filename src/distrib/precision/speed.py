@@ -114,7 +114,7 @@ def measured_slowdown(dtype: torch.dtype, device_type: str) -> Optional[Slowdown
 
     Measured once per process and dtype (cached). None where nothing is measured: devices other
     than the CPU (the caller decides for GPUs from the device's properties, see
-    :meth:`distrib.strategies.amp.Precision.slow_here`), or if autocast fails here.
+    :meth:`distrib.precision.Precision.slow_here`), or if autocast fails here.
     """
     if device_type != "cpu":
         return None

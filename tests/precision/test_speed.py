@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import distrib as ds
-from distrib.strategies import amp_speed
-from distrib.strategies.amp import Precision
-from distrib.strategies.amp_speed import SLOW_RATIO, Slowdown
+from distrib.precision import speed as amp_speed
+from distrib.precision import Precision
+from distrib.precision.speed import SLOW_RATIO, Slowdown
 
 SLOW, FAST = Slowdown(12.0, 0.05), Slowdown(0.8, 0.01)
 MIXED = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
@@ -130,7 +130,7 @@ def test_the_real_measurement_is_cheap_cached_and_leaves_torch_as_it_was():
 
 def test_importing_distrib_measures_nothing():
     code = ("import distrib, distrib.app.train, distrib.keras\n"
-            "from distrib.strategies import amp_speed\n"
+            "from distrib.precision import speed as amp_speed\n"
             "info = amp_speed.measured_slowdown.cache_info()\n"
             "assert info.hits == info.misses == 0, info\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

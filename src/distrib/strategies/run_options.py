@@ -1,0 +1,36 @@
+"""What one ``strategy.run`` call is told, and what it warns about (TF's ``RunOptions``, ``ValueContext``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RunOptions", "ValueContext", "UnscaledLossWarning"]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options of one ``strategy.run`` call (``tf.distribute.RunOptions``).
+
+    ``loss_scaled_by_hand``: the step divides its loss by the global batch itself, without
+    ``ds.compute_average_loss``; do not warn that the loss looks unscaled. TF's own options
+    (``experimental_enable_dynamic_batch_size``, ...) have no PyTorch counterpart and are not taken.
+
+    Example::
+
+        >>> RunOptions(loss_scaled_by_hand=True).loss_scaled_by_hand
+        True
+    """
+
+    loss_scaled_by_hand: bool = False
+
+
+@dataclass(frozen=True)
+class ValueContext:
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` is told (``tf.distribute.ValueContext``)."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+class UnscaledLossWarning(UserWarning):
+    """A step's loss was not scaled by the global batch while several replicas are in sync."""
