@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import inspect
+import multiprocessing
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from distrib.input import InputContext
 from distrib.strategies.execution import numbered_batches, split_xy
 
-__all__ = ["DatasetSource", "WorkerBatches", "call_dataset_fn"]
+__all__ = ["DatasetSource", "WorkerBatches", "call_dataset_fn", "warn_if_forked_loader"]
 
 
 class DatasetSource:
@@ -57,7 +59,26 @@ def call_dataset_fn(dataset_fn: Any, context: InputContext) -> Any:
     dataset = dataset_fn(context) if params else dataset_fn()
     if isinstance(dataset, DatasetSource):  # the function returned strategy.distribute_datasets_from_function(...)
         return dataset.build(context)
+    warn_if_forked_loader(dataset)
     return dataset
+
+
+def warn_if_forked_loader(dataset: Any) -> None:
+    """Warn when ``dataset`` is a ``DataLoader`` that will fork its worker processes: under parameter servers
+    every process runs gRPC threads, and a child forked while they hold gRPC's locks aborts ("DataLoader worker
+    ... is killed by signal: Aborted", seen with num_workers=2 on an in-process cluster)."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(dataset, DataLoader) or dataset.num_workers == 0:
+        return
+    context = dataset.multiprocessing_context
+    method = context.get_start_method() if context is not None else multiprocessing.get_start_method(allow_none=True)
+    if method in (None, "fork"):
+        warnings.warn(
+            "a per-worker DataLoader with num_workers > 0 forks its worker processes from a process running gRPC "
+            "(a parameter-server task), and a forked child can abort on gRPC's locks: pass "
+            "multiprocessing_context='forkserver' (or 'spawn'), with a dataset importable on the workers, or "
+            "num_workers=0", stacklevel=3)
 
 
 class WorkerBatches:
@@ -76,4 +97,5 @@ class WorkerBatches:
                 x, y = split_xy(batch)
                 yield x, y, len(x)
         else:
+            warn_if_forked_loader(self.data)
             yield from numbered_batches(self.data, cycle=True)
