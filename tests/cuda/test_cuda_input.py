@@ -1,8 +1,10 @@
 """Input onto the device: ``experimental_distribute_dataset`` places each replica's part on its device.
 
-distrib has no prefetcher of its own: it copies a batch to the device when ``strategy.run`` gets it,
-``non_blocking`` when the batch is in pinned memory (``DataLoader(pin_memory=True)``). The values must
-arrive unchanged, on the right device, for pinned and ordinary batches, and split over a GPU and a CPU replica.
+``InputOptions(experimental_fetch_to_device=True)`` (the default) copies each replica's part to its device from
+pinned memory (pinning it first when the pipeline did not), ``non_blocking``; with
+``experimental_per_replica_buffer_size`` > 0 the copies of the next steps are issued on a side CUDA stream while
+the current step runs. The values must arrive unchanged, on the right device, for pinned and ordinary batches, split
+over a GPU and a CPU replica, prefetched or not; ``experimental_fetch_to_device=False`` leaves them on the host.
 """
 
 from __future__ import annotations
@@ -40,3 +42,41 @@ def test_batches_are_split_onto_each_replica_device(device, other_device, two):
         local = strategy.experimental_local_results(parts)
         assert [p.device.type for p in local] == [d.type for d in strategy.local_devices]
         torch.testing.assert_close(torch.cat([p.cpu() for p in local]), x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("buffer", [0, 1, 3])
+def test_prefetched_parts_arrive_unchanged_in_order(device, other_device, buffer):
+    strategy = ds.MirroredStrategy([str(device), other_device])
+    data = batches(pinned=False)
+    options = ds.InputOptions(experimental_per_replica_buffer_size=buffer)
+    sums = []
+    for dist_batch in strategy.experimental_distribute_dataset(data, options):
+        parts = strategy.experimental_local_results(strategy.run(lambda a, b: (a.device, a.double().sum()),
+                                                                 args=dist_batch))
+        assert [p[0].type for p in parts] == [d.type for d in strategy.local_devices]
+        sums.append(sum(p[1].item() for p in parts))
+    assert sums == pytest.approx([x.double().sum().item() for x, _ in data], rel=1e-9)
+
+
+def test_the_prefetch_reads_ahead_only_on_a_gpu(device, cuda_only):
+    read = []
+
+    def source():
+        for i, b in enumerate(batches(pinned=False)):
+            read.append(i)
+            yield b
+
+    strategy = ds.OneDeviceStrategy(str(device))
+    it = iter(strategy.experimental_distribute_dataset(source(), ds.InputOptions(
+        experimental_per_replica_buffer_size=2)))
+    x, _ = next(it)
+    assert x.device.type == "cuda" and read == [0, 1, 2]  # the copies of 2 more steps are on their way
+    assert len(list(it)) == 2
+
+
+def test_fetch_to_device_false_leaves_parts_on_the_host(device):
+    strategy = ds.OneDeviceStrategy(str(device))
+    data = batches(pinned=False)
+    options = ds.InputOptions(experimental_fetch_to_device=False)
+    for (x, _), (got, _) in zip(data, strategy.experimental_distribute_dataset(data, options)):
+        assert got.device.type == "cpu" and got is x
