@@ -18,8 +18,6 @@ Not ported, and why:
   ``MirroredThreeDeviceDistributionTest``, ``MirroredVariableStopGradientTest``: variables, their aggregation and
   synchronization modes and initializers do not exist in PyTorch.
 - ``testSummaryForReplicaZeroOnly``: TF summary writers (distrib's TensorBoard callback is not this file's claim).
-- ``test_prefetch_to_host_dataset``: ``tf.distribute.InputOptions`` is not a distrib name; batches always go to
-  the replica's device (``pin_memory`` in a ``DataLoader`` is PyTorch's host staging).
 - ``MirroredCollectiveOpTest``, ``MirroredGetCrossDeviceOpTest``: which ``cross_device_ops`` TF picks internally;
   distrib accepts ``cross_device_ops`` and ignores it.
 - ``MirroredStrategyVariableCreatorStackTest``, ``MirroredStrategyNameScopeTest``: variable creators and name
@@ -353,6 +351,17 @@ def test_prefetch_to_device_dataset(two):
     device_types = [t.device.type for t in item.values]
     expected_device_types = [torch.device(d).type for d in two.extended.worker_devices]
     assert device_types == expected_device_types
+
+
+def test_prefetch_to_host_dataset(two):
+    """TF: mirrored_strategy_test.py, MirroredTwoDeviceDistributionTest.test_prefetch_to_host_dataset.
+
+    ``InputOptions(experimental_fetch_to_device=False)``: every replica's part stays on the host.
+    """
+    options = ds.InputOptions(experimental_fetch_to_device=False)
+    dataset = [torch.arange(i, i + two.num_replicas_in_sync) for i in range(0, 100, two.num_replicas_in_sync)]
+    item = next(iter(two.experimental_distribute_dataset(dataset, options=options)))
+    assert {t.device.type for t in item.values} == {"cpu"}
 
 
 # --------------------------------------------------------------------------- MirroredStrategyCallForEachReplicaTest
