@@ -19,7 +19,9 @@ one torch thread each):
 
 Round after round every variant runs ``--steps`` timed steps (after 2 warm-up steps) between two barriers; the
 order of the variants rotates each round. Figures are medians over rounds; ratios are taken within a round (the
-same machine load). Also counted: examples each worker's ``__getitem__`` loaded per step (``--loader-workers 0``).
+same machine load). Also counted: examples each worker's ``__getitem__`` loaded per step (``--loader-workers 0``),
+and each worker's CPU seconds in the timed window: ``cpu_estimate`` is what an idle machine with one core per
+worker would give (the slower worker's CPU time per step), the figure to trust on a loaded machine.
 
 Targets (issue 21), on 2 workers: auto >= 0.95x hand, auto >= 1.6x off. Prints a JSON object and a table.
 """
@@ -140,17 +142,17 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(WARM_UP):
             step(next(it))
         dist.barrier()
-        before, start = data.loaded, time.perf_counter()
+        before, start, cpu = data.loaded, time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             step(next(it))
-        loaded[0] = data.loaded - before
+        loaded[0], cpu_s[0] = data.loaded - before, time.process_time() - cpu
         dist.barrier()
         elapsed = time.perf_counter() - start
         for _ in it:  # finish the epoch (its batches are not timed), so the next round starts a fresh one
             pass
         return elapsed
 
-    loaded = [0]
+    loaded, cpu_s = [0], [0.0]
     runs = {"auto": distrib_variant(sharded(ds.AutoShardPolicy.AUTO)),
             "off": distrib_variant(sharded(ds.AutoShardPolicy.OFF)),
             "hand": distrib_variant(by_hand()), "ddp": ddp()}
@@ -159,7 +161,8 @@ def worker(args: argparse.Namespace) -> None:
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for name in order:
             seconds = runs[name](r)
-            results[name].append({"seconds": seconds, "loaded_per_step": loaded[0] / args.steps})
+            results[name].append({"seconds": seconds, "loaded_per_step": loaded[0] / args.steps,
+                                  "cpu_seconds": cpu_s[0]})
     everyone = strategy.communicator.all_gather_object(results)
     if strategy.is_chief:
         with open(args.out, "w") as f:
@@ -177,17 +180,26 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
                        "loaded_per_step_per_worker": [statistics.median(w[name][r]["loaded_per_step"] for r in rounds)
                                                       for w in raw["workers"]]}
                 for name in VARIANTS}
+    def cpu_rate(name: str, r: int) -> float:  # what an idle machine with a core per worker would give
+        return args.batch * args.steps / max(w[name][r]["cpu_seconds"] for w in raw["workers"])
+
+    for name in VARIANTS:
+        variants[name]["cpu_estimate_examples_per_s"] = statistics.median(cpu_rate(name, r) for r in rounds)
     ratios = {f"auto_vs_{other}": statistics.median(rate("auto", r) / rate(other, r) for r in rounds)
               for other in ("off", "hand", "ddp")}
-    return {"variants": variants, "ratios": ratios}
+    cpu_ratios = {f"auto_vs_{other}": statistics.median(cpu_rate("auto", r) / cpu_rate(other, r) for r in rounds)
+                  for other in ("off", "hand", "ddp")}
+    return {"variants": variants, "ratios": ratios, "cpu_time_estimate_ratios": cpu_ratios}
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'workers':<8}{'variant':<8}{'examples/s':>11}{'loaded/step/worker':>20}")
+    print(f"\n{'workers':<8}{'variant':<8}{'examples/s':>11}{'CPU-time est.':>14}{'loaded/step/worker':>20}")
     for workers, run in result["runs"].items():
         for name, v in run["variants"].items():
-            print(f"{workers:<8}{name:<8}{v['examples_per_s']:>11.0f}{str(v['loaded_per_step_per_worker']):>20}")
+            print(f"{workers:<8}{name:<8}{v['examples_per_s']:>11.0f}{v['cpu_estimate_examples_per_s']:>14.0f}"
+                  f"{str(v['loaded_per_step_per_worker']):>20}")
         print(f"{'':<8}ratios  " + ", ".join(f"{k} {v:.2f}" for k, v in run["ratios"].items()))
+        print(f"{'':<8}CPU est " + ", ".join(f"{k} {v:.2f}" for k, v in run["cpu_time_estimate_ratios"].items()))
     print(f"\n2-worker targets: auto/hand {result['runs']['2']['ratios']['auto_vs_hand']:.2f} (>= 0.95), "
           f"auto/off {result['runs']['2']['ratios']['auto_vs_off']:.2f} (>= 1.6)")
 
