@@ -319,3 +319,24 @@ def test_sparse_parts_of_an_uncoalesced_tensor_are_its_stored_entries() -> None:
         t.indices()  # the public accessor refuses: why sparse_parts exists
     indices, values = torch_patches.sparse_parts(t)
     assert indices.tolist() == [[0, 0, 2]] and values.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_fake_tensor_skeleton_saves_without_data_and_its_bytes_fill_in_through_a_shared_mmap(
+        tmp_path: pathlib.Path) -> None:
+    """What sharded_export.consolidate assumes: fake tensors save under skip_data, load mmapped MAP_SHARED, and
+    writes to them land in the file."""
+    import mmap
+
+    from distrib.torch_patches import fake_tensor_mode
+    with fake_tensor_mode():
+        fake = torch.empty(1000, 3)
+    assert fake.untyped_storage().nbytes() == 12000
+    path = str(tmp_path / "skeleton.pt")
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save({"w": fake, "n": 3}, path)
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        mapped = torch.load(path, mmap=True, weights_only=True)
+    mapped["w"].copy_(torch.arange(3000.0).reshape(1000, 3))
+    del mapped
+    again = torch.load(path, weights_only=True)
+    assert again["n"] == 3 and torch.equal(again["w"], torch.arange(3000.0).reshape(1000, 3))

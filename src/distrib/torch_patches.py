@@ -43,7 +43,8 @@ __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", 
            "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
            "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
            "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward",
-           "has_load_state_dict_pre_hooks", "queue_backward_callback", "group_backend", "sparse_parts"]
+           "has_load_state_dict_pre_hooks", "queue_backward_callback", "group_backend", "sparse_parts",
+           "fake_tensor_mode"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -369,3 +370,15 @@ def sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     its bytes would copy it.
     """
     return tensor._indices(), tensor._values()
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode``: tensors built under it have a dtype and a shape but no storage.
+
+    ``sharded_export.consolidate`` writes the skeleton of a whole-model file with them under the
+    public ``torch.serialization.skip_data(materialize_fake_tensors=True)`` (bytes filled in
+    afterwards, tensor by tensor), so the export never holds the whole model; the mode itself
+    lives in the private ``torch._subclasses``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode()
