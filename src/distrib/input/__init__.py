@@ -18,7 +18,8 @@ Two entry points, as in ``tf.distribute``:
 Modules: :mod:`~distrib.input.options` (what the user passes), :mod:`~distrib.input.batches` (splitting and
 moving batches), :mod:`~distrib.input.sharding` (a worker's share of a ``DataLoader``),
 :mod:`~distrib.input.datasets` and :mod:`~distrib.input.per_worker` (the two entry points),
-:mod:`~distrib.input.iterators` (TF's iterator API, the copy to the devices and its prefetch).
+:mod:`~distrib.input.iterators` (TF's iterator API, the copy to the devices and its prefetch),
+:mod:`~distrib.input.positions` (``fit``'s numbered batches from a global data position).
 """
 
 from __future__ import annotations

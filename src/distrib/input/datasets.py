@@ -18,6 +18,7 @@ from distrib.input.batches import (batch_len, empty_like, fingerprint, peek_spec
                                    split_batch)
 from distrib.input.iterators import DistributedIterator, prefetching
 from distrib.input.options import AutoShardPolicy, InputReplicationMode, resolve_options
+from distrib.input.positions import numbered_batches, split_xy
 from distrib.input.sharding import GlobalBatch, ShardedLoader, why_not_shardable
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class DistributedDataset:
     def numbered_batches(self, start: int = 0, cycle: bool = False) -> DistributedIterator:
         """``fit``'s elements: each global batch as ``(x, y, global_batch_size)``, split over the replicas, from
         global position ``start`` (with ``cycle``, the data is read again when it ends, calling ``set_epoch(pass)``
-        when the data has one), as :func:`distrib.strategies.execution.numbered_batches`. A sharded loader skips
+        when the data has one), as :func:`distrib.input.positions.numbered_batches`. A sharded loader skips
         to ``start`` in its batch sampler: the skipped batches' indices are drawn, never loaded."""
         return self._iterate(start=start, cycle=cycle, numbered=True)
 
@@ -99,8 +100,6 @@ class DistributedDataset:
 
     def _read_all_parts(self, start: int, cycle: bool, numbered: bool) -> Iterator[list[Any]]:
         """Every worker reads every global batch and keeps its local replicas' parts (policy DATA / OFF)."""
-        from distrib.strategies.execution import numbered_batches  # a plain function; no cycle at import time
-
         s = self._strategy
         batches: Iterator[Any] = numbered_batches(self._dataset, start, cycle) if numbered else iter(self._dataset)
         n, total = s.num_local_replicas, s.num_replicas_in_sync
@@ -120,7 +119,7 @@ class DistributedDataset:
                 return
             assert item is not None
             if numbered:
-                x, y = _split_xy(share)
+                x, y = split_xy(share)
                 share = (x, y, item[0].size if isinstance(x, torch.Tensor) else len(x))
             yield [share] if n == 1 else split_batch(share, n)
 
@@ -133,12 +132,6 @@ class DistributedDataset:
 
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
-
-
-def _split_xy(batch: Any) -> tuple[Any, Any]:
-    from distrib.strategies.execution import split_xy
-
-    return split_xy(batch)
 
 
 def _has_input_work(dataset: Any) -> bool:
