@@ -78,7 +78,7 @@ from distrib.losses import compute_average_loss, scale_regularization_loss
 from distrib import parameter_server
 from distrib.parameter_server import partitioners
 from distrib.strategies import (CentralStorageStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy,
-                                Strategy)
+                                ShardedStrategy, ShardingPolicy, Strategy)
 from distrib.strategies.base import RunOptions, UnscaledLossWarning, ValueContext
 from distrib.strategies.mirrored import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                          ReductionToOneDevice)
@@ -111,6 +111,8 @@ __all__ = [
     "InputReplicationMode",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "ShardedStrategy",
+    "ShardingPolicy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "OptionalValue",

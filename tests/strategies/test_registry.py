@@ -27,7 +27,7 @@ def test_the_parameter_server_entry_builds_an_in_process_cluster_without_tf_conf
 
 
 def test_entries_say_what_the_launcher_may_start():
-    assert [n for n in registry.names() if registry.get(n).multi_worker] == ["multi-worker", "parameter-server"]
+    assert [n for n in registry.names() if registry.get(n).multi_worker] == ["multi-worker", "sharded", "parameter-server"]
     assert [n for n in registry.names() if registry.get(n).parameter_servers] == ["parameter-server"]
 
 

@@ -13,12 +13,14 @@ nothing divides by the number of workers.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 from torch.futures import Future
 
 __all__ = ["CollectiveError", "Communicator", "LocalCommunicator", "completed_future", "describe_tensors"]
+
+T = TypeVar("T")
 
 
 class CollectiveError(RuntimeError):
@@ -91,6 +93,11 @@ class Communicator(Protocol):
         """
         ...
 
+    def guarded(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, whose collectives torch issues itself (FSDP's, inside forward and backward): a peer that
+        died or hung becomes a :class:`CollectiveError` naming ``what``, as this communicator's own calls do."""
+        ...
+
 
 def completed_future(value: Any) -> Future[Any]:
     """A future that already holds ``value``."""
@@ -149,6 +156,9 @@ class LocalCommunicator:
 
     def verify_same(self, signature: str, what: str) -> None:
         return None
+
+    def guarded(self, what: str, fn: Callable[[], T]) -> T:
+        return fn()
 
     def __repr__(self) -> str:
         return "LocalCommunicator()"

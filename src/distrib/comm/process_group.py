@@ -111,6 +111,9 @@ class ProcessGroupCommunicator:
         except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, timeouts, a dead store
             raise self._failed(what, e) from e
 
+    def guarded(self, what: str, fn: Callable[[], T]) -> T:
+        return self._guard(what, fn)
+
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
         if not tensors:
             return

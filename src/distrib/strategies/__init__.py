@@ -15,5 +15,8 @@ from distrib.strategies.default import DefaultStrategy
 from distrib.strategies.mirrored import MirroredStrategy
 from distrib.strategies.multi_worker import MultiWorkerMirroredStrategy
 from distrib.strategies.one_device import OneDeviceStrategy
+from distrib.strategies.sharded import ShardedStrategy
+from distrib.strategies.sharding_policy import ShardingPolicy
 
-__all__ = ["Strategy", "SynchronousStrategy", "CentralStorageStrategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]
+__all__ = ["Strategy", "SynchronousStrategy", "CentralStorageStrategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "ShardedStrategy",
+           "ShardingPolicy"]

@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
-from distrib import cluster
 from distrib.cluster.resolver import ClusterResolver, worker_rank  # worker_rank: re-exported
-from distrib.comm import CommunicationOptions, Communicator, LocalCommunicator
-from distrib.comm.process_group import ProcessGroupCommunicator, current_group
-from distrib.strategies.devices import parse_device, worker_devices
+from distrib.comm import CommunicationOptions
 from distrib.strategies.synchronous import SynchronousStrategy
+from distrib.strategies.workers import join_workers
 
 __all__ = ["MultiWorkerMirroredStrategy", "worker_rank"]
 
@@ -45,26 +43,12 @@ class MultiWorkerMirroredStrategy(SynchronousStrategy):
     def __init__(self, cluster_resolver: Optional[ClusterResolver] = None,
                  communication_options: Optional[CommunicationOptions] = None,
                  devices: Optional[Sequence[str]] = None) -> None:
-        group = current_group()
-        resolver = cluster_resolver or _resolver_for(group)
         options = communication_options or CommunicationOptions()
-        names = list(devices) if devices is not None else worker_devices(group=group[:2] if group else None)
-        parsed = [parse_device(n) for n in names]
-        rank, world = worker_rank(resolver)
-        if group is not None:
-            _check_group(group, rank, world, "the cluster_resolver" if cluster_resolver is not None
-                         else f"the environment ({type(resolver).__name__})")
-        communicator: Communicator
-        if world > 1:
-            spec = resolver.cluster_spec()
-            hosts = [spec.task_address(job, i).rpartition(":")[0].strip("[]")
-                     for job in ("chief", "worker") if job in spec.jobs for i in spec.task_indices(job)]
-            communicator = ProcessGroupCommunicator(resolver.rendezvous_address(), rank, world, options,
-                                                    uses_cuda=parsed[0].type == "cuda", hosts=hosts,
-                                                    across_hosts=resolver.spans_hosts, device=parsed[0])
-        else:
-            communicator = LocalCommunicator()
-        super().__init__(parsed, communicator, resolver, device_names=names, bucket_bytes=options.bucket_bytes)
+        workers = join_workers(cluster_resolver, options, devices)
+        names, communicator = workers.device_names, workers.communicator
+        rank, world = communicator.rank, communicator.world_size
+        super().__init__(workers.devices, communicator, workers.resolver, device_names=names,
+                         bucket_bytes=options.bucket_bytes)
         self._options = options
         log.info("MultiWorkerMirroredStrategy: worker %d of %d, local devices %s, communication %r",
                  rank, world, names, communicator)
@@ -74,26 +58,3 @@ class MultiWorkerMirroredStrategy(SynchronousStrategy):
     def communication_options(self) -> CommunicationOptions:
         """The options this strategy was made with."""
         return self._options
-
-
-def _resolver_for(group: Optional[tuple[int, int, str]]) -> ClusterResolver:
-    """The cluster when no resolver is given: the environment's, else the initialised group's, else one worker."""
-    found = cluster.resolve()
-    if found is not None:
-        return found  # checked against an initialised group by _check_group, as a given resolver is
-    if group is None:
-        return cluster.TFConfigClusterResolver(environ={})
-    rank, world, backend = group
-    log.info("using the initialised %s process group as the cluster: rank %d of %d", backend, rank, world)
-    return cluster.TorchrunClusterResolver.from_process_group(rank, world)
-
-
-def _check_group(group: tuple[int, int, str], rank: int, world: int, source: str) -> None:
-    """A ``torch.distributed`` group the script initialised must be the cluster ``source`` describes."""
-    if group[:2] == (rank, world):
-        return
-    raise ValueError(
-        f"torch.distributed is already initialised as rank {group[0]} of {group[1]}, but {source} says rank {rank} "
-        f"of {world}: the strategy's cluster must be the initialised group. Initialise the group with that rank and "
-        "world size, or take the cluster from the group (pass no cluster_resolver and unset TF_CONFIG / torchrun's "
-        "/ Slurm's variables that describe another cluster), or destroy the group first")

@@ -133,6 +133,12 @@ def _multi_worker(request: StrategyRequest) -> "Strategy":
     return MultiWorkerMirroredStrategy(devices=devices)
 
 
+def _sharded(request: StrategyRequest) -> "Strategy":
+    from distrib.strategies.sharded import ShardedStrategy
+
+    return ShardedStrategy()
+
+
 def _parameter_server(request: StrategyRequest) -> "Strategy":
     from distrib import parameter_server, testing
     from distrib.cluster import TFConfigClusterResolver
@@ -153,5 +159,7 @@ register(StrategyEntry("central-storage", "synchronous, parameters on one device
                        _central_storage))
 register(StrategyEntry("multi-worker", "synchronous over worker processes (TF_CONFIG, torchrun or Slurm)",
                        _multi_worker, multi_worker=True, default_for="workers"))
+register(StrategyEntry("sharded", "synchronous over worker processes, parameters, gradients and optimizer state "
+                       "sharded (FSDP2)", _sharded, multi_worker=True))
 register(StrategyEntry("parameter-server", "asynchronous: parameters on ps tasks, steps scheduled on workers",
                        _parameter_server, multi_worker=True, parameter_servers=True, default_for="ps"))

@@ -37,7 +37,7 @@ from distrib.comm.options import DEFAULT_BYTES_PER_PACK
 from distrib.strategies import amp
 from distrib.strategies.replica import MergeFn, ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import MirroredModules, optimizer_params
-from distrib.strategies.run_options import RunOptions, UnscaledLossWarning
+from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
 from distrib.values import regroup, select_replica
 
 if TYPE_CHECKING:
@@ -300,11 +300,4 @@ class ReplicaEngine:
         if all(scaled) or n == 1 or self._warned_unscaled or self._run_options.loss_scaled_by_hand:
             return
         self._warned_unscaled = True
-        warnings.warn(
-            f"optimizer.step() ran in strategy.run without the loss being scaled by ds.compute_average_loss or "
-            f"ds.scale_regularization_loss, with {n} replicas in sync. Gradients are "
-            f"summed over replicas, so a loss averaged per replica (PyTorch's default reduction='mean') gives "
-            f"gradients {n} times too large. Fix: loss = ds.compute_average_loss("
-            "F.cross_entropy(logits, labels, reduction='none'), global_batch_size=GLOBAL_BATCH). If you already "
-            "divide by the global batch yourself, pass options=ds.RunOptions(loss_scaled_by_hand=True) to run.",
-            UnscaledLossWarning, stacklevel=2)
+        warnings.warn(unscaled_loss_message(n), UnscaledLossWarning, stacklevel=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RunOptions", "ValueContext", "UnscaledLossWarning"]
+__all__ = ["RunOptions", "ValueContext", "UnscaledLossWarning", "unscaled_loss_message"]
 
 
 @dataclass(frozen=True)
@@ -34,3 +34,14 @@ class ValueContext:
 
 class UnscaledLossWarning(UserWarning):
     """A step's loss was not scaled by the global batch while several replicas are in sync."""
+
+
+def unscaled_loss_message(num_replicas_in_sync: int) -> str:
+    """What :class:`UnscaledLossWarning` says: why an unscaled loss trains a wrong model, and the fix."""
+    n = num_replicas_in_sync
+    return (f"optimizer.step() ran in strategy.run without the loss being scaled by ds.compute_average_loss or "
+            f"ds.scale_regularization_loss, with {n} replicas in sync. Gradients are "
+            f"summed over replicas, so a loss averaged per replica (PyTorch's default reduction='mean') gives "
+            f"gradients {n} times too large. Fix: loss = ds.compute_average_loss("
+            "F.cross_entropy(logits, labels, reduction='none'), global_batch_size=GLOBAL_BATCH). If you already "
+            "divide by the global batch yourself, pass options=ds.RunOptions(loss_scaled_by_hand=True) to run.")

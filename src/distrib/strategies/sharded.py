@@ -1,0 +1,214 @@
+"""``ShardedStrategy``: data parallelism with parameters, gradients and optimizer state sharded (FSDP2).
+
+Every other strategy keeps a whole copy of the training state on every worker: for float32 Adam,
+16 bytes per parameter per worker. Here each of N workers keeps 1/N of it: modules built in the
+scope are sharded with torch's ``fully_shard`` when they are complete (one unit per block the
+:class:`~distrib.strategies.sharding_policy.ShardingPolicy` chooses, then the root), so a
+parameter is a ``DTensor`` holding this worker's rows; each unit's whole parameters exist only
+while its forward or backward runs (ZeRO-3; ``reshard_after_forward=False`` keeps them from
+forward to backward: ZeRO-2-like, more memory, fewer all-gathers). Gradients are reduce-scattered
+(summed) during the backward pass, so ``optimizer.step()`` updates each worker's shard alone.
+
+The user's loop does not change: ``strategy.run(step)`` with ``ds.compute_average_loss``,
+``loss.backward(); optimizer.step()``, the same input distribution as ``MultiWorkerMirroredStrategy``
+(one replica per worker process), the same clusters (``TF_CONFIG``, torchrun, Slurm, ``distrib
+launch``, a pre-initialised group). Build order does not matter within the scope: an optimizer
+built over a model's parameters before the model was sharded is moved onto the sharded ones.
+Checkpoints are torch's plain ``state_dict()`` format (whole tensors, gathered on every worker,
+written by the chief), so they load under every strategy and in plain PyTorch, and a checkpoint of
+any strategy loads here, with any number of workers.
+
+With one worker nothing is sharded (the model trains as under ``OneDeviceStrategy``).
+
+Example (run it with ``distrib launch --workers 2 script.py``)::
+
+    strategy = ds.ShardedStrategy()
+    with strategy.scope():
+        model = build_model()
+        optimizer = torch.optim.Adam(model.parameters())
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from distrib import context
+from distrib.cluster.resolver import ClusterResolver
+from distrib.comm import CommunicationOptions
+from distrib.strategies.base import Strategy
+from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
+from distrib.strategies.replication import optimizer_params
+from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
+from distrib.strategies.sharding_policy import ShardingPolicy
+from distrib.strategies.workers import join_workers
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from distrib.input import DistributedDataset, DistributedDatasetsFromFunction
+    from distrib.strategies.execution import StepExecutor
+
+__all__ = ["ShardedStrategy"]
+
+log = logging.getLogger("distrib.strategies")
+
+_PARAM_DTYPES = {None: None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _fsdp() -> "ModuleType":
+    """torch's FSDP2 (strategies/fsdp.py), imported when a sharded strategy first needs it, not at ``import distrib``."""
+    from distrib.strategies import fsdp
+
+    return fsdp
+
+
+class ShardedStrategy(Strategy):
+    """Sharded data parallelism over worker processes, on torch's FSDP2 (see the module docstring).
+
+    ``sharding_policy``: which blocks become units (default: by size, 100,000 parameters);
+    ``reshard_after_forward``: True (ZeRO-3, the default) or False (ZeRO-2-like);
+    ``mixed_precision``: ``"bf16-mixed"`` or ``"16-mixed"`` gathers parameters in that dtype for
+    compute and reduces gradients in float32 (FSDP's ``MixedPrecisionPolicy``); the shards and the
+    optimizer stay float32. ``cluster_resolver``, ``communication_options`` and ``devices`` are
+    ``MultiWorkerMirroredStrategy``'s (one device per process).
+    """
+
+    def __init__(self, cluster_resolver: Optional[ClusterResolver] = None,
+                 communication_options: Optional[CommunicationOptions] = None,
+                 devices: Optional[Sequence[str]] = None, *, sharding_policy: Optional[ShardingPolicy] = None,
+                 reshard_after_forward: bool = True, mixed_precision: Optional[str] = None) -> None:
+        if mixed_precision not in _PARAM_DTYPES:
+            raise ValueError(f"ShardedStrategy(mixed_precision={mixed_precision!r}): give None, 'bf16-mixed' or "
+                             "'16-mixed' (Lightning's names)")
+        workers = join_workers(cluster_resolver, communication_options or CommunicationOptions(), devices)
+        if len(workers.devices) != 1:
+            raise ValueError(f"ShardedStrategy runs one replica per worker process, but devices={workers.device_names}"
+                             "; start one process per device (distrib launch, torchrun) and give each one device")
+        super().__init__(workers.devices, workers.communicator, workers.resolver, device_names=workers.device_names)
+        self._policy = sharding_policy or ShardingPolicy()
+        self._reshard_after_forward = reshard_after_forward
+        self._param_dtype = _PARAM_DTYPES[mixed_precision]
+        self._replica = ReplicaContext(self, 0, InPlaceMerger())
+        self._mesh: Any = None
+        # a parameter replaced by its shard -> (the old parameter, its module, its name): moves optimizers built
+        # over the old ones onto the shards
+        self._moved: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[nn.Module], str]] = {}
+        self._run_options = RunOptions()
+        self._warned_unscaled = False
+        log.info("ShardedStrategy: worker %d of %d, device %s, %s", self.worker_index, self.num_workers,
+                 workers.device_names[0], "ZeRO-3" if reshard_after_forward else "ZeRO-2")
+
+    @property
+    def sharding_policy(self) -> ShardingPolicy:
+        """Which blocks become units."""
+        return self._policy
+
+    # ------------------------------------------------------------------ modules and optimizers
+    def distribute_module(self, module: nn.Module) -> None:
+        """Place ``module`` on this worker's device and shard it (with several workers)."""
+        owner = context.owner_of(module)
+        if owner is self:
+            return
+        for sub in module.modules():
+            if context.owner_of(sub) is not None:
+                raise ValueError(f"module {type(module).__name__} contains {type(sub).__name__}, which another "
+                                 "strategy or scope block distributes; build the whole model inside one scope block")
+        device = self.local_devices[0]
+        if device is not None:
+            module.to(device)
+        if self.num_workers > 1:
+            before = [(name, p) for name, p in module.named_parameters()]
+            if self._mesh is None:
+                self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
+            units = self._policy.units(module)
+            self.communicator.guarded("sharding the model", lambda: _fsdp().shard_module(
+                module, units, self._mesh, self._reshard_after_forward,
+                _fsdp().mixed_precision_policy(self._param_dtype)))
+            for name, old in before:
+                self._moved[id(old)] = (weakref.ref(old), weakref.ref(module), name)
+            log.info("sharded %s over %d workers: %d unit(s) + the root", type(module).__name__, self.num_workers,
+                     len(units))
+        for sub in module.modules():
+            context.set_owner(sub, self)
+
+    def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` update the shards: parameters it took before sharding are replaced by theirs."""
+        context.set_owner(optimizer, self)
+        for group in optimizer.param_groups:
+            group["params"] = [self._shard_of(p) for p in group["params"]]
+        foreign = [p for p in optimizer_params(optimizer) if context.owner_of(p) is None and self.num_workers > 1
+                   and not _fsdp().is_sharded(p)]
+        if foreign:
+            raise ValueError(
+                f"{type(optimizer).__name__} was created under ShardedStrategy.scope() over {len(foreign)} "
+                "parameter(s) that are not sharded (a module built outside the scope); build the model inside the "
+                "same strategy.scope() as the optimizer")
+        optimizer.register_step_pre_hook(self._check_loss_scaled)
+
+    def _shard_of(self, param: Any) -> Any:
+        entry = self._moved.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return param
+        module = entry[1]()
+        return module.get_parameter(entry[2]) if module is not None else param
+
+    def _check_loss_scaled(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        ctx = context.current_replica()
+        if ctx is None or ctx.strategy is not self or self.num_replicas_in_sync == 1 or ctx.scaled_loss_recorded \
+                or self._warned_unscaled or self._run_options.loss_scaled_by_hand:
+            return
+        self._warned_unscaled = True
+        warnings.warn(unscaled_loss_message(self.num_replicas_in_sync), UnscaledLossWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ run, input, fit
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                              options: RunOptions) -> Any:
+        """``fn`` once, in place (one replica per worker); FSDP's collectives inside it fail as CollectiveError."""
+        self._run_options = options
+        return self.communicator.guarded("a sharded step (FSDP's all-gather / reduce-scatter)",
+                                         lambda: run_in_place(self._replica, fn, args, kwargs))
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> "DistributedDataset":
+        """As ``MultiWorkerMirroredStrategy``: each global batch split over the workers."""
+        from distrib.input import DistributedDataset
+
+        return DistributedDataset(dataset, self, options=options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
+                                          options: Any = None) -> "DistributedDatasetsFromFunction":
+        """As ``MultiWorkerMirroredStrategy``: ``dataset_fn(input_context)`` once per worker."""
+        from distrib.input import DistributedDatasetsFromFunction
+
+        return DistributedDatasetsFromFunction(dataset_fn, self, options=options)
+
+    def step_executor(self) -> "StepExecutor":
+        """``fit`` runs ``strategy.run`` on each global batch, as under the synchronous strategies."""
+        from distrib.strategies.execution import SynchronousExecutor
+
+        return SynchronousExecutor(self)
+
+    # ------------------------------------------------------------------ checkpoint contract
+    def checkpoint_state(self, obj: Any) -> Any:
+        """Torch's plain ``state_dict()`` of ``obj``, every shard gathered (on every worker: a collective)."""
+        return self.communicator.guarded("gathering the shards for a checkpoint",
+                                         lambda: _fsdp().full_state(obj.state_dict()))
+
+    def restore_checkpoint_state(self, obj: Any, state: Any) -> None:
+        """Load a plain state (of any strategy, any number of workers) into ``obj``, split into this worker's shards."""
+        if isinstance(obj, torch.optim.Optimizer):
+            params = optimizer_params(obj)
+            like = {i: {k: p for k in saved} for i, p in enumerate(params)
+                    for saved in [state.get("state", {}).get(i, state.get("state", {}).get(str(i), {}))]}
+            state = {**state, "state": {k: _fsdp().shard_state(v, like.get(int(k), {}))
+                                        for k, v in state.get("state", {}).items()}}
+            obj.load_state_dict(state)
+            return
+        if isinstance(obj, nn.Module):
+            state = _fsdp().shard_state(state, obj.state_dict())
+        obj.load_state_dict(state)

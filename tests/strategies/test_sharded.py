@@ -1,0 +1,101 @@
+"""``ds.ShardedStrategy``: real worker processes (distrib launch, gloo over loopback) against one process.
+
+tests/scripts/sharded_train.py trains a small MLP for 20 Adam steps under the sharded strategy;
+the parameters its chief writes (whole, through the checkpoint contract) must equal one process
+trained on the global batch (fp32: 1e-5; ``mixed_precision="bf16-mixed"``: 0.05, bfloat16 compute
+over 20 steps), at N = 2 and 4, ZeRO-3 and ZeRO-2, with gradient accumulation, clipping across
+shards, and an optimizer that took ``list(model.parameters())`` before the model was sharded.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import distrib as ds
+from helpers import SCRIPTS, launch
+
+GLOBAL = 16
+
+
+def _reference(steps: int = 20, clip: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(GLOBAL, 8, generator=g), torch.randn(GLOBAL, 1, generator=g)
+        ((model(x) - y).pow(2).sum(1).sum() / GLOBAL).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict(), optimizer.state_dict()
+
+
+CASES = {
+    # name: (workers, script options, tolerance)
+    "N2-zero3-listed-clip": (2, ["--listed", "--clip"], 1e-5),
+    "N4-zero2-accumulate": (4, ["--zero2", "--accumulate"], 1e-5),
+    "N2-bf16-mixed": (2, ["--mixed", "bf16-mixed"], 5e-2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sharded_training_equals_one_process_on_the_global_batch(case: str, tmp_path: Path) -> None:
+    workers, options, tolerance = CASES[case]
+    out = tmp_path / "final.pt"
+    code, log, _ = launch("--workers", str(workers), str(SCRIPTS / "sharded_train.py"), "--out", str(out), *options,
+                          timeout=240)
+    assert code == 0, log
+    local = [int(line.rsplit(",", 1)[1].split()[0]) for line in log.splitlines() if "local parameter elements" in line]
+    assert len(local) == workers and sum(local) == 1377 and max(local) <= 1377 // workers + 64, local  # sharded
+    got = torch.load(out, weights_only=True)
+    model, optimizer = _reference(clip="--clip" in options)
+    worst = max((got["model"][k] - v).abs().max().item() for k, v in model.items())
+    assert worst <= tolerance, f"{case}: largest difference {worst:.3g}"
+    if tolerance <= 1e-5:  # the optimizer state too, in torch's plain format (loads in plain PyTorch)
+        assert got["optimizer"]["param_groups"][0]["params"] == optimizer["param_groups"][0]["params"]
+        for i, state in optimizer["state"].items():
+            assert torch.allclose(got["optimizer"]["state"][i]["exp_avg_sq"], state["exp_avg_sq"], atol=1e-6)
+
+
+def test_one_worker_shards_nothing_and_warns_of_a_mean_loss_only_with_several() -> None:
+    strategy = ds.ShardedStrategy()
+    assert strategy.num_workers == 1 and strategy.gradient_merge is None
+    with strategy.scope():
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert type(model.weight) is torch.nn.Parameter and ds.context.owner_of(model) is strategy
+
+    def step(x: torch.Tensor) -> None:
+        torch.nn.functional.mse_loss(model(x), torch.zeros(4, 1)).backward()  # mean-reduced: fine with 1 replica
+        optimizer.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ds.UnscaledLossWarning)
+        strategy.run(step, args=(torch.ones(4, 3),))
+
+
+def test_the_policy_names_a_missing_class_and_shards_bottom_up() -> None:
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="no module of class Block; its classes are Linear, Sequential"):
+        ds.ShardingPolicy(module_classes=["Block"]).units(model)
+    units = ds.ShardingPolicy(module_classes=[torch.nn.Linear, "Sequential"]).units(model)
+    assert units[0] is model[0][0] and {id(u) for u in units} == {id(model[0][0]), id(model[0]), id(model[1])}
+    assert [i for i, u in enumerate(units) if u is model[0]] > [0]  # the inner Linear before its Sequential
+    assert ds.ShardingPolicy(min_params=20).units(model) == [model[0][0]]  # 20 parameters; the head has 10
+
+
+def test_several_devices_per_process_are_refused() -> None:
+    with pytest.raises(ValueError, match="one replica per worker process"):
+        ds.ShardedStrategy(devices=["cpu:0", "cpu:1"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
