@@ -278,3 +278,24 @@ def test_not_a_checkpoint_and_missing_keys_are_errors(small: Path, tmp_path: Pat
         load_sharded(tmp_path / "nowhere", target())
     with pytest.raises(CheckpointError, match="extra"):
         load_sharded(small, {"model": plain_model().state_dict(), "extra": torch.zeros(1)})
+
+
+def test_consolidate_holds_one_whole_tensor_at_a_time(small: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export never gathers the model: each whole tensor is gone before the next is assembled."""
+    import weakref
+
+    import distrib.checkpoint.sharded_export as export
+    held: list[weakref.ref[torch.Tensor]] = []
+    real = export._fill
+
+    def fill(directory: str, manifest: Any, fqn: str, into: torch.Tensor) -> None:
+        assert not [r for r in held if r() is not None], f"a whole tensor is still held when {fqn!r} is assembled"
+        held.append(weakref.ref(into))
+        real(directory, manifest, fqn, into)
+
+    monkeypatch.setattr(export, "_fill", fill)
+    out = consolidate(small, tmp_path / "whole.pt")
+    n_tensors = len(json.loads((small / sf.MANIFEST).read_text())["tensors"])
+    assert len(held) == 2 * n_tensors  # pass one (checksums) and pass two (the bytes)
+    assert int(fmt.load(out)["objects"]["epoch"]) == 7

@@ -9,7 +9,7 @@ Usage: ``sharded_ckpt_worker.py MODE RANK WORLD STORE_FILE WORKDIR [WIDTH]``. Mo
   gather and write ``loaded.pt``; then save again as ``WORKDIR/ckpt_resaved`` (N -> M -> 1).
 * ``die1`` / ``dieall``: train differently and save ``WORKDIR/ckpt``, but worker 1 (or every
   worker) writes half its file and is killed (SIGKILL) before it finishes.
-* ``time``: a ~50M-parameter model; time save and load, ``timing.json``.
+* ``time`` (``WIDTH DEPTH``): time save and load (and torch's own ``dcp.save``/``dcp.load``), ``timing.json``.
 """
 
 from __future__ import annotations
@@ -137,10 +137,20 @@ elif mode == "time":
     t0 = time.perf_counter()
     load_sharded(ckpt, sd)
     t_load = time.perf_counter() - t0
+    import torch.distributed.checkpoint as dcp
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.save(state(model, opt), checkpoint_id=os.path.join(workdir, "plain_dcp"))  # torch's own, for comparison
+    t_plain_save = time.perf_counter() - t0
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(sd, checkpoint_id=os.path.join(workdir, "plain_dcp"))
+    t_plain_load = time.perf_counter() - t0
     if rank == 0:
         files = {n: os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt)}
         with open(os.path.join(workdir, "timing.json"), "w") as f:
-            json.dump({"params": n_params, "save_s": t_save, "load_s": t_load, "files": files}, f)
+            json.dump({"params": n_params, "save_s": t_save, "load_s": t_load, "dcp_save_s": t_plain_save,
+                       "dcp_load_s": t_plain_load, "files": files}, f)
 dist.barrier()
 dist.destroy_process_group()
 print("DONE", rank, flush=True)
