@@ -321,22 +321,29 @@ def test_sparse_parts_of_an_uncoalesced_tensor_are_its_stored_entries() -> None:
     assert indices.tolist() == [[0, 0, 2]] and values.tolist() == [1.0, 2.0, 3.0]
 
 
-def test_a_fake_tensor_skeleton_saves_without_data_and_its_bytes_fill_in_through_a_shared_mmap(
-        tmp_path: pathlib.Path) -> None:
-    """What sharded_export.consolidate assumes: fake tensors save under skip_data, load mmapped MAP_SHARED, and
-    writes to them land in the file."""
-    import mmap
+def test_a_fake_tensor_skeleton_saves_without_data_and_its_records_are_in_pickle_order(tmp_path: pathlib.Path) -> None:
+    """What sharded_export.consolidate assumes: fake tensors save under skip_data, storage i is the zip record
+    data/<i> in the order the pickle meets them, mmap loading maps each at its record's offset, and bytes written
+    there are what torch.load reads back."""
+    import os
 
+    from distrib.checkpoint.sharded_export import _record_offsets
+    from distrib.tensor_bytes import byte_view
     from distrib.torch_patches import fake_tensor_mode
     with fake_tensor_mode():
-        fake = torch.empty(1000, 3)
-    assert fake.untyped_storage().nbytes() == 12000
+        fakes = {"w": torch.empty(100, 3), "b": torch.empty(5, dtype=torch.float64), "n": torch.empty(100, 3)}
+    assert fakes["w"].untyped_storage().nbytes() == 1200
     path = str(tmp_path / "skeleton.pt")
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save({"w": fake, "n": 3}, path)
-    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-        mapped = torch.load(path, mmap=True, weights_only=True)
-    mapped["w"].copy_(torch.arange(3000.0).reshape(1000, 3))
-    del mapped
+        torch.save({"objects": {"m": fakes}, "note": 3}, path)
+    offsets = _record_offsets(path, {f"m/{k}": k for k in fakes}, fakes)  # raises if a tensor has no record
+    assert len(set(offsets.values())) == 3
+    values = {"w": torch.arange(300.0).reshape(100, 3), "b": torch.arange(5.0, dtype=torch.float64) / 7,
+              "n": -torch.arange(300.0).reshape(100, 3)}
+    with open(path, "r+b") as f:
+        for name, value in values.items():
+            os.pwrite(f.fileno(), byte_view(value), offsets[name])
     again = torch.load(path, weights_only=True)
-    assert again["n"] == 3 and torch.equal(again["w"], torch.arange(3000.0).reshape(1000, 3))
+    assert again["note"] == 3
+    for name, value in values.items():
+        assert torch.equal(again["objects"]["m"][name], value), name

@@ -59,41 +59,40 @@ def _fill(directory: str, manifest: sf.Manifest, fqn: str, into: torch.Tensor) -
         region.copy_(piece)
 
 
-def _record_offsets(path: str, order: list[str], flat: dict[str, Any]) -> dict[str, int]:
-    """Where in the skeleton file ``path`` each tensor's bytes go, by fqn (``order``: the file's tensor order).
+def _record_offsets(path: str, by_key: dict[str, str], flat: dict[str, Any]) -> dict[str, int]:
+    """Where in the skeleton file ``path`` each tensor's bytes go, by fqn (``by_key``: format key -> fqn).
 
-    ``torch.save`` stores storage ``i`` (in the order the pickle meets them) as the zip record
-    ``<archive>/data/<i>``, uncompressed. The offsets come from the zip directory; the pairing is
-    then checked against torch's own reading of the file (``torch.load(mmap=True)`` maps every
-    storage at the file offset of its record; no page is touched), so a change in torch's layout
-    is an error, never a file with tensors in each other's places.
+    ``torch.save`` stores each storage as an uncompressed zip record ``<archive>/data/<n>``; the
+    records' data offsets come from the zip directory. Which record is which tensor is torch's own
+    answer: ``torch.load(mmap=True)`` maps the file once and every storage at its record's offset
+    (no page is touched), so a tensor's offset is its address minus the mapping's base. Every
+    tensor must land on a record of its own size, or the export stops with an error, never
+    writing tensors in each other's places.
     """
-    records: dict[str, tuple[int, int]] = {}
+    records: dict[int, int] = {}  # data offset -> size
     with zipfile.ZipFile(path) as z, open(path, "rb") as f:
         for info in z.infolist():
-            head, _, key = info.filename.rpartition("/")
-            if head.endswith("/data") or head == "data":
+            if info.filename.rpartition("/")[0].endswith("data") and info.file_size:
                 f.seek(info.header_offset)
-                local = f.read(30)
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                records[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+                name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+                records[info.header_offset + 30 + name_len + extra_len] = info.file_size
     mapped = torch.load(path, mmap=True, weights_only=True)
-    pointers = [t.untyped_storage().data_ptr() for _, t in fmt._tensors(mapped["objects"], "")]
-    offsets: dict[str, int] = {}
-    bases = set()
-    for i, fqn in enumerate(order):
-        offset, size = records.get(str(i), (-1, -1))
-        nbytes = flat[fqn].numel() * flat[fqn].element_size()
-        if size != nbytes:
-            raise CheckpointError(f"Cannot consolidate: torch.save laid out {path!r} unlike what distrib expects "
-                                  f"(record {i} for {fqn!r}: {size} bytes, the tensor has {nbytes})")
-        offsets[fqn] = offset
-        if nbytes:
-            bases.add(pointers[i] - offset)
-    if len(bases) > 1:
-        raise CheckpointError(f"Cannot consolidate: torch.save's records in {path!r} are not in the order distrib "
-                              "expects (a torch version it does not know)")
+    found = [(by_key[key], t.untyped_storage().data_ptr()) for key, t in fmt._tensors(mapped["objects"], "")
+             if t.numel()]
     del mapped
+    offsets = {fqn: 0 for fqn, t in flat.items() if isinstance(t, torch.Tensor)}
+    if not found:
+        return offsets
+    base = min(ptr for _, ptr in found) - min(records, default=0)
+    for fqn, ptr in found:
+        nbytes = flat[fqn].numel() * flat[fqn].element_size()
+        if records.get(ptr - base) != nbytes:
+            raise CheckpointError(f"Cannot consolidate: torch.save laid out {path!r} unlike what distrib expects "
+                                  f"(no record of {nbytes} bytes where {fqn!r} is mapped); a torch version it "
+                                  "does not know")
+        offsets[fqn] = ptr - base
+    if len(set(offsets.values())) != len(offsets) and len(found) == len(offsets):
+        raise CheckpointError(f"Cannot consolidate: two tensors share a record in {path!r}")
     return offsets
 
 
@@ -145,7 +144,7 @@ def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLik
     try:
         with torch.serialization.skip_data(materialize_fake_tensors=True), open(tmp, "wb") as f:
             torch.save(data, f)  # pass two: the skeleton, its tensors' bytes reserved ...
-        offsets = _record_offsets(tmp, [fqn for _, fqn in keys], flat)
+        offsets = _record_offsets(tmp, dict(keys), flat)
         with open(tmp, "r+b") as f:
             for _, fqn in keys:  # ... then written in place, one whole tensor at a time
                 whole = torch.empty(tuple(flat[fqn].shape), dtype=flat[fqn].dtype)
