@@ -12,8 +12,9 @@ TF's ``input_type="input_fn"`` is ``distribute_datasets_from_function`` (each re
 its worker's pipeline). TF's ``input_type="dataset"`` drove TF's internal ``DistributedDataset`` with
 ``split_batch_by=None`` (each replica takes a whole element, or an auto-shard of the data per worker); distrib's
 public ``experimental_distribute_dataset`` always treats an element as a *global* batch and splits it, in replica
-order, over every replica in sync (TF 2's ``experimental_distribute_dataset`` does the same), and it never
-auto-shards: every worker reads the same global batches and keeps its replicas' parts. The "dataset" cases are
+order, over every replica in sync (TF 2's ``experimental_distribute_dataset`` does the same); lists of batches are
+not auto-sharded (only a ``DataLoader`` over a map-style dataset is, tests/input/test_sharding.py): every worker
+reads the same global batches and keeps its replicas' parts. The "dataset" cases are
 therefore fed global batches whose parts are TF's expected per-replica values (e.g. ``range(10).batch(2)`` for two
 replicas). TF's ``api_type`` (wrap into an iterator or a dataset) and ``enable_get_next_as_optional`` (an
 internal switch) have one distrib counterpart each: ``iter(distributed_dataset)``. Graph mode collapses into eager.
