@@ -299,3 +299,19 @@ def test_consolidate_holds_one_whole_tensor_at_a_time(small: Path, tmp_path: Pat
     n_tensors = len(json.loads((small / sf.MANIFEST).read_text())["tensors"])
     assert len(held) == 2 * n_tensors  # pass one (checksums) and pass two (the bytes)
     assert int(fmt.load(out)["objects"]["epoch"]) == 7
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False])
+def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    atomic_exchange: bool) -> None:
+    """Linux swaps the directories in one renameat2; elsewhere two renames. Either way: the new one, no leftovers."""
+    import distrib.checkpoint.sharded as sharded
+    if not atomic_exchange:
+        monkeypatch.setattr(sharded, "_exchange", lambda a, b: False)
+    first, second = plain_model(seed=1), plain_model(seed=2)
+    save_sharded(tmp_path / "c", {"model": first.state_dict()})
+    save_sharded(tmp_path / "c", {"model": second.state_dict()})
+    sd = target()
+    load_sharded(tmp_path / "c", sd)
+    assert_state_equal(second.state_dict(), sd["model"])
+    assert sorted(os.listdir(tmp_path)) == ["c"]
