@@ -20,6 +20,8 @@ p.add_argument("--mixed", default=None)
 p.add_argument("--listed", action="store_true")
 p.add_argument("--clip", action="store_true")
 p.add_argument("--accumulate", action="store_true")
+p.add_argument("--scaler", action="store_true", help="float16 autocast with a torch.amp.GradScaler")
+p.add_argument("--poison", type=int, default=-1, help="a NaN in the last example of this step's global batch")
 args = p.parse_args()
 
 GLOBAL = 16
@@ -40,9 +42,20 @@ with strategy.scope():
 
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(GLOBAL, 8, generator=g), torch.randn(GLOBAL, 1, generator=g)) for _ in range(args.steps)]
+if args.poison >= 0:
+    batches[args.poison][0][-1, 0] = float("nan")  # the last worker's part
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if args.scaler else None
 
 
 def step(x, y):
+    if scaler is not None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ds.compute_average_loss((model(x).float() - y).pow(2).sum(1), global_batch_size=GLOBAL)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        return
     if args.accumulate:
         half = x.shape[0] // 2
         for xs, ys in ((x[:half], y[:half]), (x[half:], y[half:])):
@@ -60,5 +73,7 @@ for x, y in strategy.experimental_distribute_dataset(batches):
 state = strategy.checkpoint_state(model)
 opt_state = strategy.checkpoint_state(optimizer)
 if strategy.is_chief:
-    torch.save({"model": state, "optimizer": opt_state}, args.out)
+    torch.save({"model": state, "optimizer": opt_state, "scale": scaler.get_scale() if scaler else None}, args.out)
+if scaler is not None:
+    print(f"worker {strategy.worker_index}: scale {scaler.get_scale()}")
 print(f"worker {strategy.worker_index}: done, {sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel() for p in model.parameters())} local parameter elements")

@@ -22,20 +22,27 @@ from helpers import SCRIPTS, launch
 GLOBAL = 16
 
 
-def _reference(steps: int = 20, clip: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+def _reference(steps: int = 20, clip: bool = False, scaler: bool = False,
+               poison: int = -1) -> tuple[dict[str, torch.Tensor], dict, float]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                 torch.nn.Linear(32, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaler)
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
+    for i in range(steps):
         x, y = torch.randn(GLOBAL, 8, generator=g), torch.randn(GLOBAL, 1, generator=g)
-        ((model(x) - y).pow(2).sum(1).sum() / GLOBAL).backward()
+        if i == poison:
+            x[-1, 0] = float("nan")
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler):
+            loss = (model(x).float() - y).pow(2).sum(1).sum() / GLOBAL
+        grad_scaler.scale(loss).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
         optimizer.zero_grad()
-    return model.state_dict(), optimizer.state_dict()
+    return model.state_dict(), optimizer.state_dict(), grad_scaler.get_scale() if scaler else 0.0
 
 
 CASES = {
@@ -43,6 +50,8 @@ CASES = {
     "N2-zero3-listed-clip": (2, ["--listed", "--clip"], 1e-5),
     "N4-zero2-accumulate": (4, ["--zero2", "--accumulate"], 1e-5),
     "N2-bf16-mixed": (2, ["--mixed", "bf16-mixed"], 5e-2),
+    # float16 autocast + GradScaler; step 5's NaN is in worker 1's half only: both must skip it
+    "N2-16-mixed-scaler-nan": (2, ["--scaler", "--poison", "5"], 1e-2),
 }
 
 
@@ -56,7 +65,11 @@ def test_sharded_training_equals_one_process_on_the_global_batch(case: str, tmp_
     local = [int(line.rsplit(",", 1)[1].split()[0]) for line in log.splitlines() if "local parameter elements" in line]
     assert len(local) == workers and sum(local) == 1377 and max(local) <= 1377 // workers + 64, local  # sharded
     got = torch.load(out, weights_only=True)
-    model, optimizer = _reference(clip="--clip" in options)
+    poison = int(options[options.index("--poison") + 1]) if "--poison" in options else -1
+    model, optimizer, scale = _reference(clip="--clip" in options, scaler="--scaler" in options, poison=poison)
+    if "--scaler" in options:
+        assert got["scale"] == scale == 512.0  # backed off once, on every worker as in one process
+        assert f"worker 1: scale {scale}" in log and f"worker 0: scale {scale}" in log
     worst = max((got["model"][k] - v).abs().max().item() for k, v in model.items())
     assert worst <= tolerance, f"{case}: largest difference {worst:.3g}"
     if tolerance <= 1e-5:  # the optimizer state too, in torch's plain format (loads in plain PyTorch)

@@ -34,7 +34,7 @@ from distrib.comm import BucketedGradientReducer
 from distrib.comm.gradient_reducer import reduce_gradients
 from distrib.comm.hooks import CommHook, allreduce_hook
 from distrib.comm.options import DEFAULT_BYTES_PER_PACK
-from distrib.strategies import amp
+from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import MergeFn, ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import MirroredModules, optimizer_params
 from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
@@ -46,24 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["ReplicaEngine"]
 
 T = TypeVar("T")
-
-
-def _check_optimizer_owner(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A global ``optimizer.step`` pre-hook: inside ``run`` with several replicas, the optimizer must be the strategy's."""
-    ctx = context.current_replica()
-    if ctx is None or ctx.strategy.num_replicas_in_sync == 1 or context.owner_of(optimizer) is ctx.strategy:
-        return None
-    raise RuntimeError(
-        f"{type(optimizer).__name__}.step() is called inside {type(ctx.strategy).__name__}.run with "
-        f"{ctx.strategy.num_replicas_in_sync} replicas in sync, but the optimizer was built outside the "
-        "strategy's scope: its update would use one replica's gradients, and the replicas would drift apart. "
-        "Build the model and the optimizer inside `with strategy.scope():`")
-
-
-#: GradScaler's unscale_/step/update merge under a strategy (strategies/amp.py), and the global optimizer pre-hook
-#: above: applied by torch_patches while an engine with several replicas, or one merging an optimizer, lives
-#: (a lease per strategy, given back when it is garbage-collected); never at import
-_STRATEGY_PATCHES = torch_patches.StrategyPatches(amp.SCALER_METHODS, _check_optimizer_owner)
 
 
 class ReplicaEngine:
@@ -101,7 +83,7 @@ class ReplicaEngine:
     def _lease_torch_patches(self) -> None:
         """Hold torch_patches' GradScaler/optimizer-hook patches while the strategy lives (once per strategy)."""
         if self._patch_lease is None:
-            self._patch_lease = weakref.finalize(self._strategy, _STRATEGY_PATCHES.acquire())
+            self._patch_lease = lease_torch_patches(self._strategy)
 
     @property
     def parameter_device(self) -> Optional[torch.device]:

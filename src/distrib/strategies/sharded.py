@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -42,6 +42,8 @@ from distrib import context
 from distrib.cluster.resolver import ClusterResolver
 from distrib.comm import CommunicationOptions
 from distrib.strategies.base import Strategy
+from distrib.strategies.extended import GradientMerge
+from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
 from distrib.strategies.replication import optimizer_params
 from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
@@ -58,6 +60,7 @@ __all__ = ["ShardedStrategy"]
 
 log = logging.getLogger("distrib.strategies")
 
+T = TypeVar("T")
 _PARAM_DTYPES = {None: None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -101,8 +104,17 @@ class ShardedStrategy(Strategy):
         self._moved: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[nn.Module], str]] = {}
         self._run_options = RunOptions()
         self._warned_unscaled = False
+        self._gradients = _ShardedGradients(self)
+        if self.num_workers > 1:  # a GradScaler's decision must be every worker's: amp.py's merge, leased
+            self._patch_lease = lease_torch_patches(self)
         log.info("ShardedStrategy: worker %d of %d, device %s, %s", self.worker_index, self.num_workers,
                  workers.device_names[0], "ZeRO-3" if reshard_after_forward else "ZeRO-2")
+
+    @property
+    def gradient_merge(self) -> Optional[GradientMerge]:
+        """With several workers: FSDP sums gradients in backward; a ``GradScaler``'s inf check is agreed over the
+        workers (strategies/amp.py) so every shard's inf or NaN skips the step everywhere. None with one."""
+        return self._gradients if self.num_workers > 1 else None
 
     @property
     def sharding_policy(self) -> ShardingPolicy:
@@ -150,6 +162,7 @@ class ShardedStrategy(Strategy):
                 "parameter(s) that are not sharded (a module built outside the scope); build the model inside the "
                 "same strategy.scope() as the optimizer")
         optimizer.register_step_pre_hook(self._check_loss_scaled)
+        self._gradients.adopt(optimizer)
 
     def _shard_of(self, param: Any) -> Any:
         entry = self._moved.get(id(param))
@@ -160,11 +173,16 @@ class ShardedStrategy(Strategy):
 
     def _check_loss_scaled(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         ctx = context.current_replica()
-        if ctx is None or ctx.strategy is not self or self.num_replicas_in_sync == 1 or ctx.scaled_loss_recorded \
-                or self._warned_unscaled or self._run_options.loss_scaled_by_hand:
+        if ctx is not None and ctx.strategy is self:
+            self.warn_if_loss_unscaled([ctx.scaled_loss_recorded])
+
+    def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
+        """Warn once (``ds.UnscaledLossWarning``) when several workers step on a loss not scaled by the global batch."""
+        if all(scaled) or self.num_replicas_in_sync == 1 or self._warned_unscaled \
+                or self._run_options.loss_scaled_by_hand:
             return
         self._warned_unscaled = True
-        warnings.warn(unscaled_loss_message(self.num_replicas_in_sync), UnscaledLossWarning, stacklevel=3)
+        warnings.warn(unscaled_loss_message(self.num_replicas_in_sync), UnscaledLossWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ run, input, fit
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -212,3 +230,30 @@ class ShardedStrategy(Strategy):
         if isinstance(obj, nn.Module):
             state = _fsdp().shard_state(state, obj.state_dict())
         obj.load_state_dict(state)
+
+
+class _ShardedGradients:
+    """The sharded strategy's :class:`~distrib.strategies.extended.GradientMerge`: FSDP has summed each shard's
+    gradient over the workers by the end of backward, so nothing is left to reduce; what amp.py adds is the
+    agreement on a GradScaler's inf check (one all-reduced flag), so a step is applied or skipped everywhere."""
+
+    def __init__(self, strategy: ShardedStrategy) -> None:
+        self._strategy = weakref.ref(strategy)
+        self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizers.add(optimizer)
+
+    def merges_optimizer_steps(self, optimizer: Any) -> bool:
+        return optimizer in self._optimizers
+
+    def reduce_gradients_then(self, optimizer: torch.optim.Optimizer, then: Callable[[], T]) -> T:
+        return then()  # already summed, shard by shard, in backward
+
+    def end_gradient_reduction(self, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+    def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
+        strategy = self._strategy()
+        if strategy is not None:
+            strategy.warn_if_loss_unscaled(scaled)
