@@ -1,7 +1,7 @@
 """Preemption (issue 23): steps lost and notice-to-exit time over trials, and the handler's per-step cost.
 
     python benchmarks/preemption.py trials [--trials 10] [--via self|launcher] [--seed 0] [--json out.json]
-    python benchmarks/preemption.py overhead [--steps 300] [--rounds 5] [--json out.json]
+    python benchmarks/preemption.py overhead [--steps 25] [--rounds 40] [--json out.json]
 
 ``trials``: one uninterrupted 2-worker run of ``tests/scripts/preempt_train.py`` under
 ``distrib launch`` (MultiWorkerMirroredStrategy, 20 steps), then N runs where a SIGTERM goes
@@ -13,11 +13,13 @@ the restart does again: must be 0), *notice to exit* (from the signal to the las
 exit, seconds), and whether the final parameters equal the uninterrupted run's (bit for bit).
 
 ``overhead``: 2 workers under ``distrib launch``, the same model; each round times ``steps``
-steps three ways, in a rotating order: ``plain`` (the step alone), ``handler``
+steps three ways, in a rotating order (short rounds, many of them: a loaded machine's drift
+falls on all three alike): ``plain`` (the step alone), ``handler``
 (``handler.run(step)``, no notice: the handler's watcher thread polls the chief's store
 10 times a second), and ``flag_allreduce`` (the design the handler avoids: the step plus an
 all-reduce of a one-element flag). Reports medians of per-step milliseconds and the ratios
-to ``plain`` taken within each round; plus ``run()``'s own cost around an empty function
+to ``plain`` taken within each round, in wall time and in the worker's CPU time (every
+thread's: the watcher's included); plus ``run()``'s own cost around an empty function
 (one process, microseconds). Prints a JSON object and a small table.
 """
 
@@ -91,8 +93,11 @@ def trial(workdir: Path, notice_at: int, via: str, expected: Optional[list[Any]]
     own = Path(tempfile.mkdtemp(prefix=f"{via}-{notice_at}-", dir=workdir))  # a trial's own files, never reused
     out_file, ckpt = own / "preempted.pt", own / "ckpt"
     common = ["--workers", "2", str(SCRIPT), "--out", str(out_file), "--checkpoint-dir", str(ckpt)]
-    if via == "launcher":  # the launcher looks for signals every 50 ms: slower steps, so the notice lands mid-run
-        common += ["--step-seconds", "0.02"]
+    if via == "launcher":
+        # the launcher looks for signals every 50 ms: slower steps, so the notice lands mid-run. Its grace period
+        # must cover the save and the process's exit: torch's own teardown at exit took 4-6 s on this 2-core
+        # machine under a load of 15, past the default 5 s, and a task killed then makes the launcher exit 143
+        common = common[:2] + ["--grace-seconds", "15"] + common[2:] + ["--step-seconds", "0.02"]
     started = time.monotonic()
     code, out = _launch(common + ["--notice-at", str(notice_at), "--notice-to", via])
     codes = [code]
@@ -184,10 +189,11 @@ def _overhead_worker(steps: int, rounds: int, out: str) -> None:
         times: dict[str, float] = {}
         for name in order:
             strategy.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 ways[name]()
             times[name] = (time.perf_counter() - start) / steps * 1e3
+            times[f"{name}_cpu"] = (time.process_time() - cpu) / steps * 1e3  # every thread of this worker
         per_round.append(times)
     if strategy.is_chief:
         Path(out).write_text(json.dumps(per_round))
@@ -226,9 +232,13 @@ def overhead(steps: int, rounds: int) -> dict[str, Any]:
         if code != 0:
             raise RuntimeError(f"the overhead run failed ({code}):\n{text}")
         per_round = json.loads(out.read_text())
-    medians = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
-    ratios = {name: statistics.median(r[name] / r["plain"] for r in per_round) for name in per_round[0]}
+    names = [n for n in per_round[0] if not n.endswith("_cpu")]
+    medians = {name: statistics.median(r[name] for r in per_round) for name in names}
+    ratios = {name: statistics.median(r[name] / r["plain"] for r in per_round) for name in names}
+    cpu = {name: statistics.median(r[f"{name}_cpu"] for r in per_round) for name in names}
+    cpu_ratios = {name: statistics.median(r[f"{name}_cpu"] / r["plain_cpu"] for r in per_round) for name in names}
     return {"steps": steps, "rounds": rounds, "ms_per_step": medians, "ratio_to_plain": ratios,
+            "cpu_ms_per_step": cpu, "cpu_ratio_to_plain": cpu_ratios,
             "run_call_cost_us": round(_run_overhead_cost(), 3), "per_round": per_round}
 
 
@@ -241,8 +251,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json")
     o = sub.add_parser("overhead")
-    o.add_argument("--steps", type=int, default=300)
-    o.add_argument("--rounds", type=int, default=5)
+    o.add_argument("--steps", type=int, default=25, help="steps per way in a round")
+    o.add_argument("--rounds", type=int, default=40)
     o.add_argument("--json")
     w = sub.add_parser("_overhead_worker")
     w.add_argument("--steps", type=int, required=True)
@@ -264,9 +274,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         result = overhead(args.steps, args.rounds)
         print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
-        print(f"\n{'way':>15} {'ms/step':>9} {'ratio':>7}")
+        print(f"\n{'way':>15} {'ms/step':>9} {'ratio':>7} {'cpu ms':>8} {'cpu ratio':>10}")
         for name, ms in result["ms_per_step"].items():
-            print(f"{name:>15} {ms:>9.3f} {result['ratio_to_plain'][name]:>7.3f}")
+            print(f"{name:>15} {ms:>9.3f} {result['ratio_to_plain'][name]:>7.3f} "
+                  f"{result['cpu_ms_per_step'][name]:>8.3f} {result['cpu_ratio_to_plain'][name]:>10.3f}")
         print(f"handler.run() around an empty function: {result['run_call_cost_us']:.3f} us per call")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
