@@ -42,6 +42,12 @@ def seeded(seed: int = 7) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def pad_collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads to the batch's largest label (as NLP collates pad to the longest example): shares differ in width."""
+    labels = torch.tensor([i for _, i in items])
+    return torch.zeros(len(items), int(labels.max()) + 1), labels
+
+
 #: case name -> (make the loader from a dataset, local replicas per worker, epochs)
 CASES: dict[str, tuple[Callable[[Dataset], DataLoader], int, int]] = {
     "shuffle": (lambda d: DataLoader(d, batch_size=5, shuffle=True, generator=seeded()), 1, 2),
@@ -50,6 +56,7 @@ CASES: dict[str, tuple[Callable[[Dataset], DataLoader], int, int]] = {
                                                num_workers=2, persistent_workers=True), 1, 2),
     "batch_sampler": (lambda d: DataLoader(d, batch_sampler=[[3, 1], [0], [5, 6, 7, 8, 9, 2], [4, 10, 11]]), 1, 1),
     "sequential_sampler": (lambda d: DataLoader(d, batch_sampler=BatchSampler(SequentialSampler(d), 7, False)), 2, 1),
+    "padding_collate": (lambda d: DataLoader(d, batch_size=6, collate_fn=pad_collate), 1, 1),
 }
 
 

@@ -103,9 +103,10 @@ def fingerprint(batch: Any) -> int:
 
 
 def shapes_fingerprint(batch: Any) -> int:
-    """A checksum of ``batch``'s structure: every tensor's shape past dim 0 and dtype (equal on workers that read
-    the same data, whatever share of a batch each holds)."""
-    described = [(tuple(x.shape[1:]), str(x.dtype)) for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    """A checksum of ``batch``'s structure: every tensor's number of dimensions and dtype (equal on workers that
+    read the same data, whatever share of a batch each holds). Not the sizes past dim 0: a ``collate_fn`` that pads
+    to the longest example pads each worker's share to its own longest."""
+    described = [(x.dim(), str(x.dtype)) for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
     return zlib.crc32(repr(described).encode())
 
 

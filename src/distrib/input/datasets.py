@@ -143,8 +143,8 @@ def _has_input_work(dataset: Any) -> bool:
 
 class _ShardAgreement:
     """The per-step check of sharded input: every worker drew the same global batch (size and a checksum of its
-    indices, never the examples: each worker holds other ones), its share has the same structure, and the data
-    ends at the same step everywhere. One all-reduce of a few integers per worker per step; a worker whose share
+    indices, never the examples: each worker holds other ones), its share has the same structure (tensors' number
+    of dimensions and dtypes), and the data ends at the same step everywhere. One all-reduce of a few integers per worker per step; a worker whose share
     of a step is empty but never held one learns the batch structure from a worker that did (once)."""
 
     def __init__(self, strategy: "Strategy") -> None:
@@ -183,8 +183,8 @@ class _ShardAgreement:
                 "manual_seed(seed))), or give each worker its own data with strategy.distribute_datasets_from_function")
         if len({v for v in rows[:, 3].tolist() if v}) > 1:
             raise CollectiveError(
-                f"experimental_distribute_dataset: the examples of global batch {step} have different shapes or "
-                "dtypes on different workers: every worker must read the same dataset")
+                f"experimental_distribute_dataset: the examples of global batch {step} have tensors of different "
+                "ranks or dtypes on different workers: every worker must read the same dataset")
         if bool(rows[:, 4].any()):
             templates = s.communicator.all_gather_object(self._template)
             if self._template is None:
