@@ -181,10 +181,21 @@ def target() -> dict[str, Any]:
 def test_a_flipped_byte_names_the_file(small: Path) -> None:
     shard = small / "__0_0.distcp"
     raw = bytearray(shard.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
+    raw[-50] ^= 0x10  # in the last item: everything before it reads well
     shard.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp.*CRC-32"):
         load_plain(small)
+    model = plain_model(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for all_or_nothing in (True, False):
+        sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt), "epoch": torch.tensor(0)}
+        with pytest.raises(CheckpointError, match=r"__0_0\.distcp.*CRC-32"):
+            load_sharded(small, sd, all_or_nothing=all_or_nothing)
+        changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+        assert bool(changed) == (not all_or_nothing), changed  # all or nothing: the model did not change
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp"):
         consolidate(small, small.parent / "out.pt")
     assert not (small.parent / "out.pt").exists()

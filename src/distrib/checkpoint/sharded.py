@@ -391,15 +391,49 @@ def manifest_of(directory: str) -> sf.Manifest:
                           f"{sf.DCP_METADATA!r} (an interrupted save leaves no manifest)")
 
 
+def _blank(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by an uninitialised one of the same kind (a DTensor keeps its sharding)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj)
+    if isinstance(obj, dict):
+        return {k: _blank(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_blank(v) for v in obj]
+    return obj
+
+
+def _move(loaded: Any, into: Any) -> Any:
+    """Copy ``loaded``'s values into ``into``'s tensors in place, and return what replaces ``into``."""
+    if isinstance(into, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        with torch.no_grad():
+            into.copy_(loaded)
+        return into
+    if isinstance(into, dict) and isinstance(loaded, dict):
+        for k in loaded:
+            into[k] = _move(loaded[k], into[k]) if k in into else loaded[k]
+        return into
+    if isinstance(into, list) and isinstance(loaded, list) and len(into) == len(loaded):
+        into[:] = [_move(a, b) for a, b in zip(loaded, into)]
+        return into
+    return loaded
+
+
 def load_sharded(directory: "str | os.PathLike[str]", state_dict: dict[str, Any], *,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None, all_or_nothing: bool = True) -> None:
     """Load the sharded checkpoint ``directory`` into ``state_dict`` in place; every worker calls it.
 
     ``state_dict`` is shaped like the saved one, its tensors sharded any way (DTensors of any
     number of workers) or whole: each worker reads only the parts of the files its shards need.
-    Non-tensor values are replaced in the dict. Then hand it to ``set_model_state_dict`` /
-    ``set_optimizer_state_dict`` (or ``load_state_dict``). A missing key, a damaged, truncated
-    or hostile file is a :class:`CheckpointError` on every worker, naming the file.
+    Tensors are overwritten in place (so a state dict whose tensors are the parameters loads
+    straight into the model); non-tensor values are replaced in the dict. Then hand it to
+    ``set_model_state_dict`` / ``set_optimizer_state_dict`` (or ``load_state_dict``). A missing
+    key, a damaged, truncated or hostile file is a :class:`CheckpointError` on every worker,
+    naming the file.
+
+    ``all_or_nothing`` (default): read into a scratch copy and change ``state_dict`` only once
+    every worker read everything, so a failure leaves it untouched; this holds a second copy of
+    this worker's shards meanwhile. ``False`` reads straight into ``state_dict`` (no copy; a
+    failure midway leaves it partly loaded).
     """
     path = os.path.abspath(os.fspath(directory))
     rank, world, distributed = _group_info(process_group)
@@ -414,11 +448,14 @@ def load_sharded(directory: "str | os.PathLike[str]", state_dict: dict[str, Any]
         import logging
         logging.getLogger("distrib.checkpoint").warning(
             "Sharded checkpoint %r has no distrib manifest (plain DCP): its bytes cannot be verified", path)
+    target = _blank(state_dict) if all_or_nothing else state_dict
     try:
         with _quiet(distributed):
-            dcp.load(state_dict, storage_reader=_Reader(path, manifest), process_group=process_group,
+            dcp.load(target, storage_reader=_Reader(path, manifest), process_group=process_group,
                      no_dist=not distributed)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         raise _unwrap(e) from e
+    if all_or_nothing:  # DCP's last step reports every worker's failure to all: none failed
+        _move(target, state_dict)
