@@ -9,9 +9,12 @@ The workers run tests/scripts/input_shard_workers.py under ``distrib launch``; t
 from __future__ import annotations
 
 import collections
+import gc
 import importlib.util
 import itertools
 import json
+import multiprocessing
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +115,38 @@ def test_workers_that_draw_different_batches_fail_on_every_worker(run):
         assert "global batch 0 differs between workers" in results[w]["mismatch"]
         assert "seed the shuffle" in results[w]["mismatch"]
 
+
+
+def halves(loader_for_worker: Any, epochs: int) -> list[list[list[int]]]:
+    """Two workers' shares (1 replica each), simulated in one process with one loader per worker."""
+    from distrib.input.sharding import sharded_loader
+
+    out = []
+    for _ in range(epochs):  # distributed anew every epoch, as fit does
+        shards = [sharded_loader(loader_for_worker(w), 2, w, 1) for w in range(2)]
+        steps = zip(*(shard.steps() for shard in shards))
+        out.append([[i for _, share in pair if share is not None for i in share[1].tolist()] for pair in steps])
+    return out
+
+
+def test_the_shares_of_a_persistent_loader_distributed_again_continue_its_random_draws():
+    """fit distributes the same loader every epoch: the sharded copy is made once per loader, so a loader with
+    persistent workers draws its workers' base seed once, as when iterated plainly, and keeps its processes."""
+    from distrib.input.sharding import sharded_loader
+
+    def make(_: int = 0) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(workers_script.Counted(10), batch_size=4, shuffle=True, num_workers=1,
+                                           persistent_workers=True, generator=workers_script.seeded(11))
+
+    plain = make()
+    expected = [[b[1].tolist() for b in plain] for _ in range(3)]
+    loaders = [make(), make()]
+    assert halves(lambda w: loaders[w], 3) == expected
+    assert sharded_loader(loaders[0], 2, 0, 1) is sharded_loader(loaders[0], 2, 0, 1)
+    assert sharded_loader(loaders[0], 2, 1, 1) is not sharded_loader(loaders[0], 2, 0, 1)
+    del plain, loaders
+    deadline = time.monotonic() + 15  # the cache holds its loaders weakly: their persistent processes end with them
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []

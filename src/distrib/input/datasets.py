@@ -19,7 +19,7 @@ from distrib.input.batches import (batch_len, empty_like, fingerprint, peek_spec
 from distrib.input.iterators import DistributedIterator, prefetching
 from distrib.input.options import AutoShardPolicy, InputReplicationMode, resolve_options
 from distrib.input.positions import numbered_batches, split_xy
-from distrib.input.sharding import GlobalBatch, ShardedLoader, why_not_shardable
+from distrib.input.sharding import GlobalBatch, ShardedLoader, sharded_loader, why_not_shardable
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -64,7 +64,7 @@ class DistributedDataset:
             reason = why_not_shardable(dataset)
             if reason is None:
                 n = strategy.num_local_replicas
-                self._sharded = ShardedLoader(dataset, strategy.num_replicas_in_sync, strategy.worker_index * n, n)
+                self._sharded = sharded_loader(dataset, strategy.num_replicas_in_sync, strategy.worker_index * n, n)
             elif _has_input_work(dataset):
                 warnings.warn(
                     f"experimental_distribute_dataset cannot auto-shard this input ({reason}), so every worker "

@@ -15,6 +15,7 @@ indices are drawn (so the random state moves as it did) but never loaded.
 from __future__ import annotations
 
 import itertools
+import weakref
 import zlib
 from array import array
 from collections import deque
@@ -25,7 +26,7 @@ import torch
 
 from distrib.input.batches import part_bounds
 
-__all__ = ["GlobalBatch", "ShardedBatchSampler", "ShardedLoader", "why_not_shardable"]
+__all__ = ["GlobalBatch", "ShardedBatchSampler", "ShardedLoader", "sharded_loader", "why_not_shardable"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class ShardedLoader:
     def __init__(self, loader: Any, num_parts: int, first: int, count: int) -> None:
         from torch.utils.data import DataLoader
 
-        self.original = loader
+        # weakly: the cache of sharded_loader() is keyed by the original loader, and must not keep it alive
+        self._original = weakref.ref(loader)
         self.sampler = ShardedBatchSampler(loader.batch_sampler, num_parts, first, count)
         workers = loader.num_workers
         self.loader = DataLoader(
@@ -121,9 +123,6 @@ class ShardedLoader:
             persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
             in_order=getattr(loader, "in_order", True))
 
-    def __len__(self) -> int:
-        return len(self.original)
-
     def steps(self, start: int = 0, cycle: bool = False) -> Iterator[tuple[GlobalBatch, Optional[Any]]]:
         """``(global batch, this worker's loaded share of it or None when its share is empty)`` for every global
         batch from position ``start`` (with ``cycle``, passes over the data follow each other for ever, calling the
@@ -131,8 +130,9 @@ class ShardedLoader:
         skip = start
         passes: Iterable[Optional[int]] = itertools.count() if cycle else [None]
         for n_pass in passes:
-            if n_pass is not None and hasattr(self.original, "set_epoch"):
-                self.original.set_epoch(n_pass)
+            original = self._original()
+            if n_pass is not None and original is not None and hasattr(original, "set_epoch"):
+                original.set_epoch(n_pass)
             run = self.sampler.run = _Run(skip=skip)
             loaded = iter(self.loader)
             held: deque[Any] = deque()  # shares loaded ahead of their global batch's turn
@@ -153,3 +153,20 @@ class ShardedLoader:
             skip = run.skip
             if run.drawn == 0:
                 return
+
+
+_SHARDED: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], ShardedLoader]]" = weakref.WeakKeyDictionary()
+
+
+def sharded_loader(loader: Any, num_parts: int, first: int, count: int) -> ShardedLoader:
+    """The :class:`ShardedLoader` of ``loader`` for this worker's parts, made once per loader and topology.
+
+    Distributing the same loader again (``fit`` does, every epoch) reuses it, so that its loader processes and
+    random draws go on as the original loader's would: a loader with ``persistent_workers`` keeps its processes,
+    and draws its workers' base seed once, as when it is iterated plainly.
+    """
+    per_topology = _SHARDED.setdefault(loader, {})
+    key = (num_parts, first, count)
+    if key not in per_topology:
+        per_topology[key] = ShardedLoader(loader, num_parts, first, count)
+    return per_topology[key]
