@@ -68,7 +68,8 @@ def state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model, options=FULL), "optim": get_optimizer_state_dict(model, opt, options=FULL)}
+    return {"model": get_model_state_dict(model, options=FULL),
+            "optim": get_optimizer_state_dict(model, opt, options=FULL)}
 
 
 ckpt = os.path.join(workdir, "ckpt")
@@ -122,35 +123,32 @@ elif mode in ("die1", "dieall"):
         print("SAVE FAILED:", e, flush=True)
         os._exit(3)
     raise SystemExit("the save should not have finished")
-elif mode == "time":
+elif mode == "time":  # two rounds, distrib's and torch's own calls interleaved (the first of each warms up)
+    import torch.distributed.checkpoint as dcp
     model, opt = build(0, depth=int(sys.argv[7]))
     train(model, opt, 1, seed=1)
-    n_params = sum(p.numel() for p in model.parameters())
-    dist.barrier()
-    t0 = time.perf_counter()
-    save_sharded(ckpt, state(model, opt))
-    t_save = time.perf_counter() - t0
     model2, opt2 = build(5, depth=int(sys.argv[7]))
     train(model2, opt2, 1, seed=9)
     sd = state(model2, opt2)
-    dist.barrier()
-    t0 = time.perf_counter()
-    load_sharded(ckpt, sd)
-    t_load = time.perf_counter() - t0
-    import torch.distributed.checkpoint as dcp
-    dist.barrier()
-    t0 = time.perf_counter()
-    dcp.save(state(model, opt), checkpoint_id=os.path.join(workdir, "plain_dcp"))  # torch's own, for comparison
-    t_plain_save = time.perf_counter() - t0
-    dist.barrier()
-    t0 = time.perf_counter()
-    dcp.load(sd, checkpoint_id=os.path.join(workdir, "plain_dcp"))
-    t_plain_load = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    times: dict[str, list[float]] = {"save_sharded": [], "dcp.save": [], "load_sharded": [], "dcp.load": []}
+
+    def timed(name: str, fn: object) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        dist.barrier()
+        times[name].append(round(time.perf_counter() - t0, 2))
+
+    for _ in range(2):
+        timed("save_sharded", lambda: save_sharded(ckpt, state(model, opt)))
+        timed("dcp.save", lambda: dcp.save(state(model, opt), checkpoint_id=os.path.join(workdir, "plain_dcp")))
+        timed("load_sharded", lambda: load_sharded(ckpt, sd))
+        timed("dcp.load", lambda: dcp.load(sd, checkpoint_id=os.path.join(workdir, "plain_dcp")))
     if rank == 0:
         files = {n: os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt)}
         with open(os.path.join(workdir, "timing.json"), "w") as f:
-            json.dump({"params": n_params, "save_s": t_save, "load_s": t_load, "dcp_save_s": t_plain_save,
-                       "dcp_load_s": t_plain_load, "files": files}, f)
+            json.dump({"params": n_params, "seconds": times, "files": files}, f)
 dist.barrier()
 dist.destroy_process_group()
 print("DONE", rank, flush=True)

@@ -165,7 +165,8 @@ def read_manifest(directory: str) -> Manifest:
     if stored != zlib.crc32(_canonical(body)):
         raise CheckpointError(f"{damaged}: it fails its CRC-32 checksum. Restore an earlier checkpoint.")
     files = body.get("files")
-    if not (isinstance(files, dict) and all(isinstance(v, dict) and type(v.get("size")) is int for v in files.values())):
+    if not (isinstance(files, dict)
+            and all(isinstance(v, dict) and type(v.get("size")) is int for v in files.values())):
         raise CheckpointError(f"{damaged}: its file list is unreadable")
     for name, entry in files.items():
         file = os.path.join(directory, name)
