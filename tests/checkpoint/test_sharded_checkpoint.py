@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from distrib.checkpoint import CheckpointError
 from distrib.checkpoint import format as fmt
 from distrib.checkpoint import sharded_format as sf
-from distrib.checkpoint.sharded import load_sharded, save_sharded
+from distrib.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from distrib.checkpoint.sharded_export import consolidate
 
 WORKER = Path(__file__).resolve().parents[1] / "scripts" / "sharded_ckpt_worker.py"
@@ -147,6 +147,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(saved: Path, tmp_pa
     assert not (workdir / partial[0] / sf.MANIFEST).exists()  # ... and never taken for complete
     with pytest.raises(CheckpointError, match="incomplete"):
         load_plain(workdir / partial[0])
+    assert not is_sharded_checkpoint(workdir / partial[0]) and is_sharded_checkpoint(workdir / "ckpt")
     assert_state_equal(previous, load_plain(workdir / "ckpt"), "previous")
     save_sharded(workdir / "other", {"model": plain_model().state_dict()})  # another name: no business of it
     assert len([n for n in os.listdir(workdir) if ".partial-" in n]) == 1
@@ -326,3 +327,15 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path: Path, monkeypatch:
     load_sharded(tmp_path / "c", sd)
     assert_state_equal(second.state_dict(), sd["model"])
     assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_plain_pytorch_loads_a_distrib_sharded_checkpoint(small: Path) -> None:
+    """Without distrib: torch's own dcp.load reads the directory (DCP's .metadata is kept for it)."""
+    import torch.distributed.checkpoint as dcp
+    saved = target()
+    load_sharded(small, saved)
+    sd = target()
+    dcp.load(sd, checkpoint_id=str(small), no_dist=True)
+    assert_state_equal(saved["model"], sd["model"])
+    assert not torch.equal(sd["model"]["0.weight"], plain_model(seed=3).state_dict()["0.weight"])

@@ -284,8 +284,13 @@ def _remove_stale(parent: str, base: str) -> None:
 
 
 def is_sharded_checkpoint(directory: "str | os.PathLike[str]") -> bool:
-    """Whether ``directory`` holds a complete sharded checkpoint (distrib's manifest, or DCP's ``.metadata``)."""
+    """Whether ``directory`` holds a complete sharded checkpoint (distrib's manifest, or DCP's ``.metadata``).
+
+    A save's temporary ``.<name>.partial-*`` directory never is, whatever it holds.
+    """
     d = os.fspath(directory)
+    if _PARTIAL in os.path.basename(os.path.normpath(d)):
+        return False
     return os.path.isfile(os.path.join(d, sf.MANIFEST)) or os.path.isfile(os.path.join(d, sf.DCP_METADATA))
 
 
