@@ -1,0 +1,113 @@
+"""Train a model under a per-worker memory limit (RLIMIT_AS), run by distrib launch --workers N.
+
+    sharded_memory_limit.py --strategy {sharded,mwms} --limit-mb MB [--width W] [--blocks B] [--steps S]
+
+Once the strategy (its process group) exists and the code every phase needs is loaded, the limit
+is set to this process's virtual size plus ``--limit-mb`` (``--limit-mb 0``: no limit, for
+calibration). Then ``--blocks`` residual ``Linear(W, W)`` blocks are built in the scope with
+float32 Adam and trained ``--steps`` steps. Exit 0 with "trained S steps" at the end; running out
+of memory (``MemoryError`` or torch's "can't allocate memory") prints "out of memory while
+PHASE: ..." and exits 3. Each worker also prints a JSON line with its virtual and resident peaks
+above the baseline (MB), what the test's limit is calibrated against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+
+import torch
+import torch.distributed.fsdp  # noqa: F401  (loaded before the limit: code is not what is measured)
+import torch.distributed.tensor  # noqa: F401
+from torch import nn
+
+import distrib as ds
+
+OUT_OF_MEMORY = 3
+
+p = argparse.ArgumentParser()
+p.add_argument("--strategy", choices=["sharded", "mwms"], required=True)
+p.add_argument("--limit-mb", type=float, required=True)
+p.add_argument("--width", type=int, default=1024)
+p.add_argument("--blocks", type=int, default=24)
+p.add_argument("--steps", type=int, default=2)
+p.add_argument("--batch", type=int, default=8)
+args = p.parse_args()
+torch.set_num_threads(1)
+
+
+def vm() -> dict[str, int]:
+    """``Vm*`` of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if line.startswith("Vm"))}
+
+
+class Block(nn.Module):
+    """A residual block, one sharding unit."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+if args.strategy == "sharded":
+    strategy: ds.Strategy = ds.ShardedStrategy(sharding_policy=ds.ShardingPolicy(module_classes=[Block]))
+else:
+    strategy = ds.MultiWorkerMirroredStrategy()
+strategy.barrier()
+warm = nn.Linear(4, 4)  # autograd and Adam's code paths, loaded before the limit
+warm_opt = torch.optim.Adam(warm.parameters())
+warm(torch.ones(2, 4)).sum().backward()
+warm_opt.step()
+del warm, warm_opt
+global_batch = args.batch * strategy.num_replicas_in_sync
+g = torch.Generator().manual_seed(1)
+data = [(torch.randn(global_batch, args.width, generator=g), torch.randn(global_batch, args.width, generator=g))
+        for _ in range(args.steps)]
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM restarts from the current RSS (VmPeak cannot be reset: it may predate the baseline)
+base = vm()
+if args.limit_mb > 0:
+    limit = base["VmSize"] + int(args.limit_mb * 1e6)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+print(f"worker {strategy.worker_index}: limit {args.limit_mb:g} MB above {base['VmSize'] / 1e6:.0f} MB", flush=True)
+
+
+def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = ds.compute_average_loss((model(x) - y).pow(2).mean(1), global_batch_size=global_batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+phase = "building the model"
+try:
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    built = vm()
+    for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
+        phase = f"training step {i + 1}"
+        loss = strategy.run(step, args=(x, y))
+        assert torch.isfinite(loss), loss
+except (MemoryError, RuntimeError) as e:
+    if not isinstance(e, MemoryError) and "alloc" not in str(e):
+        raise
+    print(f"worker {strategy.worker_index}: out of memory while {phase}: {type(e).__name__}: {str(e)[:200]}",
+          flush=True)
+    sys.stdout.flush()
+    os._exit(OUT_OF_MEMORY)  # a peer may wait in a collective: the launcher stops the group on this exit
+end = vm()
+print(json.dumps({"memory_worker": strategy.worker_index,
+                  "virtual_peak_mb": round((end["VmPeak"] - base["VmSize"]) / 1e6, 1),
+                  "virtual_build_mb": round((built["VmPeak"] - base["VmSize"]) / 1e6, 1),
+                  "rss_peak_mb": round((end["VmHWM"] - base["VmRSS"]) / 1e6, 1)}), flush=True)
+print(f"worker {strategy.worker_index}: trained {args.steps} steps", flush=True)
