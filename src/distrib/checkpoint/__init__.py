@@ -18,7 +18,11 @@ own, longer than the collectives' ``CommunicationOptions(timeout_seconds=...)``.
 Parts: ``errors.py`` (the error, the timeout), ``fileio.py`` (atomic writes), ``format.py``
 (the data file), ``index.py`` (the index, ``latest_checkpoint``, ``checkpoints_iterator``),
 ``restore.py`` (validation, rollback, the load status), ``core.py`` (``Checkpoint``),
-``manager.py`` (``CheckpointManager``).
+``manager.py`` (``CheckpointManager``). Sharded checkpoints (a directory, each worker writing only
+its own shards through ``torch.distributed.checkpoint``, with the same atomicity, checksums and
+no-code-on-load guarantees): ``sharded.py`` (``save_sharded``, ``load_sharded``),
+``sharded_format.py`` (the JSON manifest), ``sharded_export.py`` (``consolidate`` to one file);
+they are imported on use, not by ``import distrib``.
 """
 
 from distrib.checkpoint.core import Checkpoint
