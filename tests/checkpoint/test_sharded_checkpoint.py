@@ -162,6 +162,17 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(saved: Path, tmp_pa
     assert_state_equal(previous, load_plain(workdir / "ckpt"), "previous")
 
 
+def test_a_failed_write_on_one_worker_is_an_error_on_every_worker(saved: Path, tmp_path: Path) -> None:
+    import shutil
+    workdir = tmp_path / "w"
+    shutil.copytree(saved / "ckpt", workdir / "ckpt")
+    outs = run_workers("fail1", 2, workdir)
+    for out in outs:  # the same error, naming the worker and the cause, on both; then the job goes on (DONE)
+        assert "SAVE FAILED: Sharded checkpoint failed on worker 1: OSError" in out and "No space left" in out, out
+    assert sorted(n for n in os.listdir(workdir) if not n.startswith("store-")) == ["ckpt"]  # no leftovers
+    assert_state_equal(torch.load(saved / "ref.pt", weights_only=True), load_plain(workdir / "ckpt"), "previous")
+
+
 # --------------------------------------------------------------- one process: damage and hostile files
 @pytest.fixture()
 def small(tmp_path: Path) -> Path:

@@ -9,6 +9,7 @@ Usage: ``sharded_ckpt_worker.py MODE RANK WORLD STORE_FILE WORKDIR [WIDTH]``. Mo
   gather and write ``loaded.pt``; then save again as ``WORKDIR/ckpt_resaved`` (N -> M -> 1).
 * ``die1`` / ``dieall``: train differently and save ``WORKDIR/ckpt``, but worker 1 (or every
   worker) writes half its file and is killed (SIGKILL) before it finishes.
+* ``fail1``: worker 1's write fails (no space left); every worker reports it and goes on.
 * ``time`` (``WIDTH DEPTH``): time save and load (and torch's own ``dcp.save``/``dcp.load``), ``timing.json``.
 """
 
@@ -123,6 +124,19 @@ elif mode in ("die1", "dieall"):
         print("SAVE FAILED:", e, flush=True)
         os._exit(3)
     raise SystemExit("the save should not have finished")
+elif mode == "fail1":  # worker 1's disk is full: every worker gets the error, the job goes on
+    model, opt = build(3)
+    train(model, opt, 1, seed=4)
+    if rank == 1:
+        def disk_full(path: str, *args: object, **kwargs: object) -> int:
+            raise OSError(28, "No space left on device", path)
+
+        sharded.sf.crc_of_file = disk_full  # type: ignore[assignment]
+    try:
+        save_sharded(ckpt, state(model, opt))
+        raise SystemExit("the save should have failed")
+    except CheckpointError as e:
+        print("SAVE FAILED:", e, flush=True)
 elif mode == "time":  # two rounds, distrib's and torch's own calls interleaved (the first of each warms up)
     import torch.distributed.checkpoint as dcp
     model, opt = build(0, depth=int(sys.argv[7]))
