@@ -1,9 +1,10 @@
 """The step time of two versions of distrib, in one run: the main job and 2-worker MultiWorkerMirrored.
 
-    python benchmarks/core_before_after.py --before 9ff4f51 [--rounds 5] [--steps 60] [--json out.json]
+    python benchmarks/core_before_after.py --before 653d5ed [--after 6b08412] [--rounds 5] [--steps 60]
+        [--clock wall|cpu] [--json out.json]
 
-``--before`` is a git revision: it is checked out into a temporary worktree and imported from
-there (``PYTHONPATH``), while "after" is this checkout's ``src``. Each round measures both
+``--before`` (and ``--after``) are git revisions: each is checked out into a temporary worktree
+and imported from there (``PYTHONPATH``); without ``--after``, "after" is this checkout's ``src``. Each round measures both
 versions, in alternating order, each in a fresh process:
 
 * ``main_job``: the `distrib train` step (``app.train.make_steps``: the seed's CNN, fused Adam,
@@ -86,6 +87,7 @@ def run_version(src: pathlib.Path, setting: str, steps: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", default="HEAD", help="the git revision to compare against (default: HEAD)")
+    p.add_argument("--after", default=None, help="a git revision for 'after' (default: this checkout's src)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--settings", default="main_job,multi_worker_2")
@@ -103,11 +105,13 @@ def main() -> None:
 
     os.environ["DISTRIB_BENCH_CLOCK"] = args.clock
     with tempfile.TemporaryDirectory() as tmp:
-        before = pathlib.Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before],
-                       check=True, capture_output=True)
+        trees = {"before": args.before, **({"after": args.after} if args.after else {})}
+        for name, rev in trees.items():
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(pathlib.Path(tmp) / name), rev],
+                           check=True, capture_output=True)
         try:
-            versions = {"before": before / "src", "after": ROOT / "src"}
+            versions = {"before": pathlib.Path(tmp) / "before" / "src",
+                        "after": pathlib.Path(tmp) / "after" / "src" if args.after else ROOT / "src"}
             settings = args.settings.split(",")
             rates: dict[str, dict[str, list[float]]] = {s: {v: [] for v in versions} for s in settings}
             for r in range(args.rounds):
@@ -117,9 +121,11 @@ def main() -> None:
                         rates[setting][v].append(run_version(versions[v], setting, args.steps))
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], capture_output=True)
+            for name in trees:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(pathlib.Path(tmp) / name)],
+                               capture_output=True)
 
-    summary: dict[str, Any] = {"before": args.before, "rounds": args.rounds, "steps": args.steps, "clock": args.clock,
+    summary: dict[str, Any] = {"before": args.before, "after": args.after or "working tree", "rounds": args.rounds, "steps": args.steps, "clock": args.clock,
                                "settings": {}}
     for setting, by_version in rates.items():
         ratios = [a / b for a, b in zip(by_version["after"], by_version["before"])]

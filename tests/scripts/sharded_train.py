@@ -7,6 +7,7 @@ list(model.parameters()), taken before the model is sharded), --clip (clip_grad_
 """
 
 import argparse
+import os
 
 import torch
 
@@ -20,6 +21,7 @@ p.add_argument("--mixed", default=None)
 p.add_argument("--listed", action="store_true")
 p.add_argument("--clip", action="store_true")
 p.add_argument("--accumulate", action="store_true")
+p.add_argument("--seed-by-rank", action="store_true", help="each worker builds a different model: the chief's wins")
 p.add_argument("--scaler", action="store_true", help="float16 autocast with a torch.amp.GradScaler")
 p.add_argument("--poison", type=int, default=-1, help="a NaN in the last example of this step's global batch")
 args = p.parse_args()
@@ -28,7 +30,7 @@ GLOBAL = 16
 
 
 def build() -> torch.nn.Module:
-    torch.manual_seed(0)
+    torch.manual_seed(int(os.environ.get("RANK", "0")) if args.seed_by_rank else 0)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                torch.nn.Linear(32, 1))
 

@@ -37,6 +37,7 @@ from distrib.comm.options import DEFAULT_BYTES_PER_PACK
 from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import MergeFn, ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import MirroredModules, optimizer_params
+from distrib.strategies.workers import take_chiefs_values
 from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
 from distrib.values import regroup, select_replica
 
@@ -98,13 +99,8 @@ class ReplicaEngine:
     def distribute_module(self, module: torch.nn.Module) -> None:
         """Place ``module`` and give every local replica its copy; with several workers, take the chief's values."""
         self._mirrored.distribute(module)
-        communicator = self._strategy.communicator
-        if communicator.world_size > 1:
-            named = [*module.named_parameters(), *module.named_buffers()]
-            communicator.verify_same(
-                "; ".join(f"{name}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for name, t in named),
-                f"the {type(module).__name__} built in strategy.scope()")
-            communicator.broadcast([t for _, t in named], src=0)
+        if self._strategy.num_workers > 1:
+            take_chiefs_values(self._strategy.communicator, module)
             self._mirrored.refresh(module)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

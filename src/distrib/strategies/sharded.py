@@ -48,7 +48,7 @@ from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_pla
 from distrib.strategies.replication import optimizer_params
 from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
 from distrib.strategies.sharding_policy import ShardingPolicy
-from distrib.strategies.workers import join_workers
+from distrib.strategies.workers import join_workers, take_chiefs_values
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -135,6 +135,7 @@ class ShardedStrategy(Strategy):
         if device is not None:
             module.to(device)
         if self.num_workers > 1:
+            take_chiefs_values(self.communicator, module)  # each worker keeps its rows of the chief's values
             before = [(name, p) for name, p in module.named_parameters()]
             if self._mesh is None:
                 self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")

@@ -21,7 +21,7 @@ from distrib.comm import CommunicationOptions, Communicator, LocalCommunicator
 from distrib.comm.process_group import ProcessGroupCommunicator, current_group
 from distrib.strategies.devices import parse_device, worker_devices
 
-__all__ = ["WorkerGroup", "join_workers"]
+__all__ = ["WorkerGroup", "join_workers", "take_chiefs_values"]
 
 log = logging.getLogger("distrib.strategies")
 
@@ -62,6 +62,20 @@ def join_workers(cluster_resolver: Optional[ClusterResolver], options: Communica
     else:
         communicator = LocalCommunicator()
     return WorkerGroup(resolver, communicator, parsed, names)
+
+
+def take_chiefs_values(communicator: Communicator, module: torch.nn.Module) -> None:
+    """Give every worker the chief's parameters and buffers of ``module`` (built on each worker, maybe unseeded).
+
+    The workers first check that they built the same thing (names, dtypes, shapes): a mismatch is a
+    ``CollectiveError`` on every worker naming the difference, not a broadcast of garbage.
+    """
+    if communicator.world_size == 1:
+        return
+    named = [*module.named_parameters(), *module.named_buffers()]
+    communicator.verify_same("; ".join(f"{name}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                                       for name, t in named), f"the {type(module).__name__} built in strategy.scope()")
+    communicator.broadcast([t.detach() for _, t in named], src=0)
 
 
 def _resolver_for(group: Optional[tuple[int, int, str]]) -> ClusterResolver:
