@@ -9,9 +9,9 @@ Calibration (the script's own figures without a limit, virtual memory above the 
 largest worker; 2026-11-26, torch 2.13 CPU): MultiWorkerMirrored 486-487 MB (16 bytes per parameter:
 parameters, gradients, Adam's two moments, plus ~65 MB that glibc and gloo reserve), the sharded
 strategy 269 MB, reached while the model is built (today the whole model exists on every worker
-before it is sharded, and a copy of it besides: ``module.to(torch.device("cpu", 0))`` copies every
-parameter); its steps need less. ``LIMIT_MB`` = 370 leaves ~115 MB on either side, more than one
-malloc arena (64 MB) that a run might reserve or not.
+before it is sharded, and all of it stays until every unit is sharded); its steps need less.
+``LIMIT_MB`` = 370 leaves ~115 MB on either side, more than one malloc arena (64 MB) that a run
+might reserve or not.
 
 The workers run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc's default threshold is dynamic, and
 freed blocks of a few MB then stay in the heap; FSDP frees a unit's whole parameters and gradients
