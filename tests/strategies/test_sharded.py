@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import distrib as ds
-from helpers import SCRIPTS, launch
+from helpers import SCRIPTS, launch, run_bounded
 
 GLOBAL = 16
 
@@ -114,3 +114,55 @@ def test_several_devices_per_process_are_refused() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("how", ["dead", "hang"])
+def test_a_dead_or_hung_peer_is_a_collective_error_within_the_timeout(how: str) -> None:
+    """FSDP's all-gather and reduce-scatter run inside forward and backward: a peer that exits or stops answering
+    there is a CollectiveError on the other worker within CommunicationOptions(timeout_seconds=5), not a hang."""
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "sharded_peer.py"), how, "5", timeout=120)
+    assert code == 3, out
+    line = next(line for line in out.splitlines() if "COLLECTIVE ERROR" in line)
+    assert line.startswith("[worker 0]") and "a sharded step" in line, line
+    assert float(line.split("after ")[1].split("s:")[0]) < 5 + 3.0, line
+
+
+def _plain_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def test_a_checkpoint_of_2_workers_resumes_on_4_and_on_1_and_loads_anywhere(tmp_path: Path) -> None:
+    """ds.Checkpoint under the sharded strategy: saved by 2 workers after 5 steps, restored by 4 workers and by one
+    process, 5 more steps each: both equal 10 uninterrupted steps in one process. The file also loads in plain
+    PyTorch (no strategy) and under MirroredStrategy."""
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "sharded_peer.py"), "save", str(tmp_path), timeout=180)
+    assert code == 0, out
+    code, out, _ = launch("--workers", "4", str(SCRIPTS / "sharded_peer.py"), "restore", str(tmp_path), timeout=180)
+    assert code == 0, out
+    code, out, _ = run_bounded([sys.executable, str(SCRIPTS / "sharded_peer.py"), "restore", str(tmp_path)],
+                               timeout=120)
+    assert code == 0, out
+
+    model = _plain_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        ((model(x) - y).pow(2).sum(1).sum() / 16).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for n in (4, 1):
+        final = torch.load(tmp_path / f"final-{n}.pt", weights_only=True)
+        worst = max((final[k] - v).abs().max().item() for k, v in model.state_dict().items())
+        assert worst < 1e-5, f"resumed on {n}: {worst:.3g}"
+
+    plain = _plain_model()
+    ds.Checkpoint(model=plain, optimizer=torch.optim.Adam(plain.parameters(), lr=0.01)).restore(str(tmp_path / "ckpt-1"))
+    mirrored = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with mirrored.scope():
+        copy = _plain_model()
+        copy_optimizer = torch.optim.Adam(copy.parameters(), lr=0.01)
+    ds.Checkpoint(model=copy, optimizer=copy_optimizer).restore(str(tmp_path / "ckpt-1"))
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), copy.state_dict().values()))
+    assert copy_optimizer.state_dict()["state"][0]["step"] == 5
