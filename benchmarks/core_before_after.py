@@ -11,7 +11,9 @@ versions, in alternating order, each in a fresh process:
   ``compute_average_loss``, the accuracy metric) through ``strategy.run`` + ``strategy.reduce``
   under ``MirroredStrategy()`` (one CPU replica), on random data of Fashion-MNIST's shape, batch 64;
 * ``multi_worker_2``: the same step under ``MultiWorkerMirroredStrategy`` on 2 worker processes
-  started by ``distrib launch --workers 2`` (gloo over loopback, global batch 128), worker 0's rate.
+  started by ``distrib launch --workers 2`` (gloo over loopback, global batch 128), worker 0's rate;
+* ``run_dispatch``: ``strategy.run`` of an empty function, calls per CPU second: the strategy layer's
+  own per-step cost without the step (steady where the other two are noisy on a shared machine).
 
 Reported: examples/s per version and setting (medians), and the median of the per-round ratios
 after/before (1.0: no slower). Used for issue 19 (docs/performance.md).
@@ -34,8 +36,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 64
 
 
+def measure_dispatch(calls: int) -> float:
+    """``strategy.run`` calls per second of an empty function under ``MirroredStrategy()`` (one CPU replica): the
+    strategy layer's own cost per step, alone (its inverse is the microseconds a step pays for the layer)."""
+    import torch
+
+    import distrib as ds
+
+    strategy = ds.MirroredStrategy(["cpu"])
+    x = torch.ones(1)
+    for _ in range(1000):
+        strategy.run(lambda t: t, args=(x,))
+    start = time.process_time()
+    for _ in range(calls):
+        strategy.run(lambda t: t, args=(x,))
+    return calls / (time.process_time() - start)
+
+
 def measure(steps: int) -> float:
     """Examples/s of the main job's step under this process's strategy (run inside a measuring process)."""
+    if os.environ.get("DISTRIB_BENCH_SETTING") == "run_dispatch":
+        return measure_dispatch(steps * 1000)
     import torch
 
     import distrib as ds
@@ -71,7 +92,8 @@ def run_version(src: pathlib.Path, setting: str, steps: int) -> float:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.pop("TF_CONFIG", None)
     me = [str(pathlib.Path(__file__).resolve()), "--measure", "--steps", str(steps)]
-    if setting == "main_job":
+    env["DISTRIB_BENCH_SETTING"] = setting
+    if setting in ("main_job", "run_dispatch"):
         cmd = [sys.executable, *me]
     else:
         env["DISTRIB_BENCH_WORKERS"] = "2"
@@ -90,7 +112,8 @@ def main() -> None:
     p.add_argument("--after", default=None, help="a git revision for 'after' (default: this checkout's src)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--settings", default="main_job,multi_worker_2")
+    p.add_argument("--settings", default="main_job,multi_worker_2,run_dispatch",
+                   help="run_dispatch: strategy.run calls/s of an empty function (steps x 1000 calls)")
     p.add_argument("--json", default=None)
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: examples per second of this process's CPU time (a shared, noisy machine: other "

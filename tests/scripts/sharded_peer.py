@@ -21,7 +21,8 @@ from distrib.comm import CollectiveError
 
 mode, arg = sys.argv[1], sys.argv[2]
 timeout = float(arg) if mode in ("hang", "dead") else 60.0
-strategy = ds.ShardedStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=timeout),
+strategy = ds.ShardedStrategy(devices=["cpu"],  # the same on a GPU machine
+                              communication_options=ds.CommunicationOptions(timeout_seconds=timeout),
                               sharding_policy=ds.ShardingPolicy(min_params=200))
 torch.manual_seed(0)
 with strategy.scope():

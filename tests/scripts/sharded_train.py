@@ -35,7 +35,8 @@ def build() -> torch.nn.Module:
                                torch.nn.Linear(32, 1))
 
 
-strategy = ds.ShardedStrategy(sharding_policy=ds.ShardingPolicy(min_params=200), reshard_after_forward=not args.zero2,
+strategy = ds.ShardedStrategy(devices=["cpu"],  # the same on a GPU machine
+                              sharding_policy=ds.ShardingPolicy(min_params=200), reshard_after_forward=not args.zero2,
                               mixed_precision=args.mixed)
 with strategy.scope():
     model = build()

@@ -81,7 +81,7 @@ def test_sharded_training_equals_one_process_on_the_global_batch(case: str, tmp_
 
 
 def test_one_worker_shards_nothing_and_warns_of_a_mean_loss_only_with_several() -> None:
-    strategy = ds.ShardedStrategy()
+    strategy = ds.ShardedStrategy(devices=["cpu"])
     assert strategy.num_workers == 1 and strategy.gradient_merge is None
     with strategy.scope():
         model = torch.nn.Linear(3, 1)

@@ -129,7 +129,11 @@ class SynchronousExecutor:
 
     def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
              per_worker: bool = False) -> Iterable[Any]:
-        batches = self._strategy.experimental_distribute_dataset(numbered_batches(data, start, cycle))
+        from distrib.input import DistributedDataset
+
+        # a DataLoader over a map-style dataset is auto-sharded, and a resumed fit skips to `start` in its batch
+        # sampler (the skipped batches are drawn, never loaded); other data is read whole and split as before
+        batches = DistributedDataset(data, self._strategy).numbered_batches(start, cycle)
         return itertools.islice(batches, steps)
 
     def submit(self, fn: StepFn, step_input: Any) -> None:

@@ -26,8 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:  # FSDP2's public API: torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError as e:  # pragma: no cover - torch 2.4/2.5
+    raise ImportError(f"ds.ShardedStrategy needs torch >= 2.6 (FSDP2's torch.distributed.fsdp.fully_shard); this is "
+                      f"torch {torch.__version__}: upgrade torch, or use MultiWorkerMirroredStrategy") from e
 
 __all__ = ["world_mesh", "shard_module", "is_sharded", "full_state", "shard_state", "mixed_precision_policy"]
 
@@ -55,7 +60,8 @@ def shard_module(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, 
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch < 2.9: gloo would refuse PREMUL_SUM
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def is_sharded(tensor: Any) -> bool:

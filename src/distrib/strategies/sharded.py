@@ -93,6 +93,11 @@ class ShardedStrategy(Strategy):
         if len(workers.devices) != 1:
             raise ValueError(f"ShardedStrategy runs one replica per worker process, but devices={workers.device_names}"
                              "; start one process per device (distrib launch, torchrun) and give each one device")
+        backend = getattr(workers.communicator, "backend", None)  # ProcessGroupCommunicator's: "gloo" or "nccl"
+        if workers.devices[0].type == "cuda" and backend == "gloo":
+            raise ValueError(f"ShardedStrategy on {workers.device_names[0]} needs NCCL, but the workers fell back to "
+                             "gloo (several processes share one GPU, or NCCL is missing): gloo cannot reduce-scatter "
+                             "CUDA tensors. Give each worker its own GPU, or train on the CPU with devices=['cpu']")
         super().__init__(workers.devices, workers.communicator, workers.resolver, device_names=workers.device_names)
         self._policy = sharding_policy or ShardingPolicy()
         self._reshard_after_forward = reshard_after_forward
