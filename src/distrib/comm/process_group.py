@@ -52,6 +52,10 @@ log = logging.getLogger("distrib.comm")
 T = TypeVar("T")
 
 
+#: the largest flat buffer a broadcast makes (see ProcessGroupCommunicator.broadcast)
+BROADCAST_BUCKET_BYTES = 16 * 1024 * 1024
+
+
 class ProcessGroupCommunicator:
     """A communicator over the default ``torch.distributed`` process group.
 
@@ -168,10 +172,26 @@ class ProcessGroupCommunicator:
         return out
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        if not tensors:
-            return
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        # in buckets of BROADCAST_BUCKET_BYTES (per dtype run): one flat copy of a whole model would double its
+        # memory at the moment a sharded strategy is about to shard it
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in tensors:
+            if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device
+                           or size + t.numel() * t.element_size() > BROADCAST_BUCKET_BYTES):
+                self._broadcast_bucket(bucket, src)
+                bucket, size = [], 0
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+        if bucket:
+            self._broadcast_bucket(bucket, src)
+
+    def _broadcast_bucket(self, tensors: list[torch.Tensor], src: int) -> None:
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].detach()
+        flat = flat.contiguous()
         self._guard("broadcast", lambda: dist.broadcast(flat, src))
+        if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr():
+            return
         offset = 0
         with torch.no_grad():
             for t in tensors:

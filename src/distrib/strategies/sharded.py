@@ -141,15 +141,17 @@ class ShardedStrategy(Strategy):
             module.to(device)
         if self.num_workers > 1:
             take_chiefs_values(self.communicator, module)  # each worker keeps its rows of the chief's values
-            before = [(name, p) for name, p in module.named_parameters()]
+            # weakly: a strong list would keep every unit's whole parameters alive until the last unit is sharded
+            before = [(name, weakref.ref(p), id(p)) for name, p in module.named_parameters()]
             if self._mesh is None:
                 self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
             units = self._policy.units(module)
             self.communicator.guarded("sharding the model", lambda: _fsdp().shard_module(
                 module, units, self._mesh, self._reshard_after_forward,
                 _fsdp().mixed_precision_policy(self._param_dtype)))
-            for name, old in before:
-                self._moved[id(old)] = (weakref.ref(old), weakref.ref(module), name)
+            for name, old, key in before:
+                if old() is not None:  # an optimizer holds it: it may be built over it before the scope closed
+                    self._moved[key] = (old, weakref.ref(module), name)
             log.info("sharded %s over %d workers: %d unit(s) + the root", type(module).__name__, self.num_workers,
                      len(units))
         for sub in module.modules():
