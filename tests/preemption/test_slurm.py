@@ -45,6 +45,11 @@ def _job_state(slurm: SlurmCluster, job: str) -> str:
     return found.group(1) if found else out
 
 
+# Not in the README's run: the requeue is Slurm's, and on this 2-core host under load it raced once in 4 runs
+# (2026-11-26: the batch script's `scontrol requeue` was followed by "Job 1 already killed, do not launch batch
+# job" and slurmctld purged the job; distrib's part, both tasks saving at run 7 and exiting 42 in 0.27 s, was
+# right). `bash scripts/faults.sh` runs it.
+@pytest.mark.faults_full
 def test_scancel_signal_term_then_requeue_resumes_exactly(tmp_path):
     reference = bench.reference(tmp_path / "reference")
     with SlurmCluster() as slurm:
