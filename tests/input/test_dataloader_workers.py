@@ -91,8 +91,9 @@ def test_loader_processes_in_one_process(name, num_workers, persistent):
     assert wait_no_children() == []
 
 
-def test_loader_processes_on_two_workers(tmp_path):
-    code, log, _ = launch("--workers", "2", str(SCRIPT), str(tmp_path), timeout=240)
+@pytest.mark.parametrize("kind", ["multi-worker", "sharded"])
+def test_loader_processes_on_two_workers(tmp_path, kind):
+    code, log, _ = launch("--workers", "2", str(SCRIPT), str(tmp_path), kind, timeout=240)
     assert code == 0 and log.count("DONE") == 2, log
     results = [json.loads((tmp_path / f"w{w}.json").read_text()) for w in range(2)]
     for w, p, policy in ((w, p, policy) for policy in ("auto", "hand") for w, p in MATRIX):

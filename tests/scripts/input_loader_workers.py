@@ -1,4 +1,4 @@
-"""DataLoader worker processes under MultiWorkerMirroredStrategy: the matrix of tests/input/test_dataloader_workers.py.
+"""DataLoader worker processes under MultiWorkerMirroredStrategy (or ShardedStrategy: argument ``sharded``): the matrix of tests/input/test_dataloader_workers.py.
 
     distrib launch --workers 2 tests/scripts/input_loader_workers.py OUT_DIR
 
@@ -45,9 +45,11 @@ def loader(num_workers: int, persistent: bool, seed: int = 5, context: Optional[
                       multiprocessing_context=context if num_workers else None)
 
 
-def main(out: str) -> None:
+def main(out: str, kind: str = "multi-worker") -> None:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
-    strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=60))
+    options = ds.CommunicationOptions(timeout_seconds=60)
+    strategy = (ds.ShardedStrategy(devices=["cpu"], communication_options=options) if kind == "sharded"
+                else ds.MultiWorkerMirroredStrategy(communication_options=options))
     with strategy.scope():
         model = torch.nn.Linear(2, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -97,4 +99,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
