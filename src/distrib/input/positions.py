@@ -1,8 +1,8 @@
 """Global data positions: the ``(x, y, global_batch_size)`` elements ``fit`` takes, from a position.
 
-The same contract as :func:`distrib.strategies.execution.numbered_batches` (which steps are counted, how
-passes follow each other, ``set_epoch``), kept here so that the input package needs nothing from the strategies:
-the executors import input, never the reverse.
+Which steps are counted, how passes follow each other, ``set_epoch``: one definition, here, so that the
+input package needs nothing from the strategies (the executors, ``strategies/execution.py`` and the
+parameter-server one, import it from here, never the reverse).
 """
 
 from __future__ import annotations

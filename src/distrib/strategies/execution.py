@@ -23,6 +23,8 @@ import itertools
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol
 
+from distrib.input.positions import numbered_batches, split_xy  # re-exported: the executors' data positions
+
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
@@ -75,43 +77,6 @@ class StepExecutor(Protocol):
         A step that found its data ended gives :data:`END_OF_DATA` instead of a result.
         """
         ...
-
-
-def split_xy(batch: Any) -> tuple[Any, Any]:
-    """``(x, y)`` of a batch ``x``, ``(x,)`` or ``(x, y, ...)`` (``y`` is None when absent)."""
-    if isinstance(batch, (tuple, list)):
-        return batch[0], (batch[1] if len(batch) > 1 else None)
-    return batch, None
-
-
-def numbered_batches(data: Iterable[Any], start: int = 0, cycle: bool = False) -> Iterator[tuple[Any, Any, int]]:
-    """``(x, y, global_batch_size)`` for the batches of ``data`` from position ``start``.
-
-    Position p is the p-th batch since the start; with ``cycle`` the data is read
-    again when it ends, calling its ``set_epoch(pass)`` when it has one, so a resumed
-    run replays the same batches from the same place.
-
-    Example::
-
-        >>> import torch
-        >>> [(x.tolist(), n) for x, _, n in numbered_batches([torch.ones(2), torch.zeros(3)], start=1)]
-        [([0.0, 0.0, 0.0], 3)]
-    """
-    skip = start
-    passes: Iterable[Optional[int]] = itertools.count() if cycle else [None]
-    for n_pass in passes:
-        if n_pass is not None and hasattr(data, "set_epoch"):
-            data.set_epoch(n_pass)
-        empty = True
-        for batch in data:
-            empty = False
-            if skip > 0:
-                skip -= 1
-                continue
-            x, y = split_xy(batch)
-            yield x, y, len(x)
-        if empty:
-            return
 
 
 class SynchronousExecutor:
