@@ -61,13 +61,17 @@ class RecordingStrategy(Strategy):
         super().__init__([None], device_names=["recording"])
         self.replica = ReplicaContext(self, 0, InPlaceMerger())
         self.events: list[str] = []
+        self.calls = 0
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                               options: RunOptions) -> Any:
+        self.calls += 1
         return run_in_place(self.replica, fn, args, kwargs)
 
     def distribute_module(self, module: torch.nn.Module) -> None:
         self.events.append(f"module {type(module).__name__}")
+        for sub in module.modules():
+            ds.context.set_owner(sub, self)  # so that fit finds this strategy (context.strategy_of)
 
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.events.append(f"optimizer {type(optimizer).__name__}")
@@ -104,6 +108,8 @@ def test_a_new_kind_of_strategy_gets_complete_modules_then_optimizers_and_runs()
     losses = [strategy.run(step, args=(x,)) for x in batches]
     assert len(losses) == 1 and torch.isfinite(losses[0])
     assert strategy.reduce("sum", torch.tensor(2.0), axis=None) == 2.0
+    calls = strategy.calls
     history = ds.fit(model, [(torch.ones(4, 2), torch.zeros(4, 1))], optimizer=optimizer, loss="mse", epochs=2,
                      verbose=0)
     assert len(history.history["loss"]) == 2
+    assert strategy.calls == calls + 2  # fit ran its 2 steps through this strategy, not the default one

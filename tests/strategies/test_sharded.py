@@ -80,7 +80,7 @@ def test_sharded_training_equals_one_process_on_the_global_batch(case: str, tmp_
             assert torch.allclose(got["optimizer"]["state"][i]["exp_avg_sq"], state["exp_avg_sq"], atol=1e-6)
 
 
-def test_one_worker_shards_nothing_and_warns_of_a_mean_loss_only_with_several() -> None:
+def test_one_worker_shards_nothing_and_a_mean_loss_is_fine_with_one_replica() -> None:
     strategy = ds.ShardedStrategy(devices=["cpu"])
     assert strategy.num_workers == 1 and strategy.gradient_merge is None
     with strategy.scope():
