@@ -21,15 +21,21 @@ Measured in every worker, from ``/proc/self/status`` (RSS: what the process real
 Also reported: VmPeak above the baseline VmSize (virtual memory, what ``RLIMIT_AS`` counts),
 the figure tests/strategies/test_sharded_memory.py calibrates its limit against.
 
-Each configuration runs under two settings of glibc's allocator (``--malloc``):
+Each configuration runs under every glibc allocator setting named by ``--malloc`` (comma-separated;
+the grammar is ``sharded_model.allocator_env``'s), put in the workers' environment:
 
 * ``default``: glibc as it comes. Its mmap threshold is dynamic: once a block of a few MB was freed,
   later blocks up to that size come from the heap, and freed heap memory stays in the process (it
   counts in RSS and in ``RLIMIT_AS``). FSDP allocates and frees a unit's whole parameters and
   gradients at every unit of every step, so under this setting the freed buffers pile up;
-* ``mmap``: ``MALLOC_MMAP_THRESHOLD_=131072`` in the workers' environment: a fixed threshold, so
-  every block over 128 KiB is its own mapping, returned to the system when freed (the same as
-  ``mallopt(M_MMAP_THRESHOLD, 131072)`` called in the process; jemalloc or tcmalloc behave alike).
+* ``mmap`` (= ``mmap:128k``): ``MALLOC_MMAP_THRESHOLD_=131072``: a fixed threshold, so every block
+  over 128 KiB is its own mapping, returned to the system when freed (the same as
+  ``mallopt(M_MMAP_THRESHOLD, 131072)`` called in the process); ``mmap:4m`` etc. fix it elsewhere;
+* ``trim``: glibc's ``malloc_trim(0)`` after every step; ``arena:N``, ``trimthr:SIZE``, ``toppad:SIZE``:
+  ``MALLOC_ARENA_MAX``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``; parts combine with ``+``.
+
+Each worker also times its steps (the median over every step but the first, wall and CPU time): a
+rough figure for the setting's speed on this model; benchmarks/sharded_speed.py measures speed properly.
 
 Today the sharded build holds the whole model on every worker for a moment (the user's code builds
 it normally in the scope; it is sharded when the scope closes): ``build`` shows that cost apart from
@@ -41,85 +47,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from sharded_model import allocator_env, params, worker_env  # this directory is sys.path[0]
+
 STRATEGIES = ("mwms", "sharded")
-#: the workers' environment for each --malloc setting (see the module docstring)
-MALLOC = {"default": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
-
-
-def status() -> dict[str, int]:
-    """This process's ``Vm*`` figures from /proc/self/status, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Vm"):
-                key, value = line.split(":", 1)
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def reset_high_water_mark() -> None:
-    """Reset VmHWM (and the kernel's peak RSS) to the current RSS (Linux >= 4.0, ``clear_refs`` 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def warm_up() -> None:
-    """Load what the measured phases would otherwise load on first use: FSDP2's modules, Adam, autograd."""
-    import torch
-    import torch.distributed.fsdp  # noqa: F401  (the sharded strategy imports it when it first shards)
-    import torch.distributed.tensor  # noqa: F401
-
-    layer = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.Adam(layer.parameters())
-    layer(torch.ones(2, 4)).sum().backward()
-    optimizer.step()
 
 
 def measure(strategy_name: str, width: int, blocks: int, steps: int, batch: int) -> dict[str, Any]:
     """Build the model under ``strategy_name`` and train it ``steps`` steps; the memory figures (run in a worker)."""
+    import time
+
     import torch
-    from torch import nn
 
     import distrib as ds
+    from sharded_model import after_step, batches, build_model, make_strategy, reset_high_water_mark, vm_status, \
+        warm_up
 
     torch.set_num_threads(1)
-
-    class Block(nn.Module):
-        """A residual block: a natural sharding unit."""
-
-        def __init__(self, d: int) -> None:
-            super().__init__()
-            self.fc = nn.Linear(d, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.relu(self.fc(x))
-
-    if strategy_name == "sharded":
-        strategy: Any = ds.ShardedStrategy(sharding_policy=ds.ShardingPolicy(module_classes=[Block]))
-    else:
-        strategy = ds.MultiWorkerMirroredStrategy()
+    strategy = make_strategy(strategy_name)
     strategy.barrier()  # the group's first collective: its buffers belong to the baseline
     warm_up()  # code loaded on first use (FSDP, Adam, autograd) belongs to the baseline too, not to the model
-    base = status()
+    base = vm_status()
     reset_high_water_mark()
     with strategy.scope():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[Block(width) for _ in range(blocks)])
+        model = build_model(width, blocks)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    built = status()
+    built = vm_status()
     reset_high_water_mark()
     global_batch = batch * strategy.num_replicas_in_sync
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(global_batch, width, generator=g), torch.randn(global_batch, width, generator=g))
-            for _ in range(steps)]
+    data = batches(steps, global_batch, width)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = ds.compute_average_loss((model(x) - y).pow(2).mean(1), global_batch_size=global_batch)
@@ -128,27 +89,33 @@ def measure(strategy_name: str, width: int, blocks: int, steps: int, batch: int)
         optimizer.zero_grad()
         return loss.detach()
 
+    wall: list[float] = []
+    cpu: list[float] = []
     for x, y in strategy.experimental_distribute_dataset(data):
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = strategy.run(step, args=(x, y))
+        after_step()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     assert torch.isfinite(loss)
-    trained = status()
+    trained = vm_status()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     mb = 1e6
+    timed = slice(1, None) if len(wall) > 1 else slice(None)  # the first step also pays for first-use costs
     return {"worker": strategy.worker_index, "local_params": local,
             "baseline_rss_mb": round(base["VmRSS"] / mb, 1),
             "build_mb": round((built["VmHWM"] - base["VmRSS"]) / mb, 1),
             "steps_mb": round((trained["VmHWM"] - base["VmRSS"]) / mb, 1),
             "peak_mb": round((max(built["VmHWM"], trained["VmHWM"]) - base["VmRSS"]) / mb, 1),
             "after_build_rss_mb": round((built["VmRSS"] - base["VmRSS"]) / mb, 1),
-            "virtual_peak_mb": round((max(built["VmPeak"], trained["VmPeak"]) - base["VmSize"]) / mb, 1)}
+            "virtual_peak_mb": round((max(built["VmPeak"], trained["VmPeak"]) - base["VmSize"]) / mb, 1),
+            "step_wall_s": round(statistics.median(wall[timed]), 4),
+            "step_cpu_s": round(statistics.median(cpu[timed]), 4)}
 
 
 def run(strategy_name: str, workers: int, malloc: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One configuration in fresh processes; every worker's figures."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **MALLOC[malloc]}
-    env.pop("TF_CONFIG", None)
-    if malloc == "default":
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env = worker_env(malloc)
     cmd = [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", str(workers), str(pathlib.Path(__file__)),
            "--measure", strategy_name, "--width", str(args.width), "--blocks", str(args.blocks), "--steps",
            str(args.steps), "--batch", str(args.batch)]
@@ -163,7 +130,8 @@ def run(strategy_name: str, workers: int, malloc: str, args: argparse.Namespace)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="1,2,4")
-    p.add_argument("--malloc", default="default,mmap", help="glibc allocator settings: default, mmap (see above)")
+    p.add_argument("--malloc", default="default,mmap",
+                   help="glibc allocator settings, comma-separated: default, mmap, mmap:4m, trim, ... (see above)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--steps", type=int, default=3)
@@ -175,32 +143,43 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.width, args.blocks, args.steps, args.batch)), flush=True)
         return
 
-    params = args.blocks * (args.width * args.width + args.width)
-    summary: dict[str, Any] = {"params": params, "width": args.width, "blocks": args.blocks, "steps": args.steps,
+    mallocs = args.malloc.split(",")
+    for malloc in mallocs:
+        allocator_env(malloc)  # a mistyped setting fails now, not after the first runs
+    total = params(args.width, args.blocks)
+    summary: dict[str, Any] = {"params": total, "width": args.width, "blocks": args.blocks, "steps": args.steps,
                                "batch_per_worker": args.batch, "runs": {}}
-    for malloc in args.malloc.split(","):
+    for malloc in mallocs:
         for n in [int(w) for w in args.workers.split(",")]:
-            entry: dict[str, Any] = {}
+            entry: dict[str, Any] = {"env": allocator_env(malloc)}
             for name in STRATEGIES:
                 rows = run(name, n, malloc, args)
                 entry[name] = {"workers": rows, **{k: max(r[k] for r in rows) for k in
-                                                   ("build_mb", "steps_mb", "peak_mb", "virtual_peak_mb")},
+                                                   ("build_mb", "steps_mb", "peak_mb", "virtual_peak_mb",
+                                                    "step_wall_s", "step_cpu_s")},
                                "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in rows)}
                 print(f"{malloc} N={n} {name}: peak {entry[name]['peak_mb']} MB", file=sys.stderr, flush=True)
             entry["ratio_peak"] = round(entry["sharded"]["peak_mb"] / entry["mwms"]["peak_mb"], 3)
             entry["ratio_steps"] = round(entry["sharded"]["steps_mb"] / entry["mwms"]["steps_mb"], 3)
+            default = summary["runs"].get(f"default/{n}")
+            if default is not None:  # against MWMS as users get it (glibc's default), when that ran before
+                entry["ratio_peak_vs_mwms_default"] = round(entry["sharded"]["peak_mb"] / default["mwms"]["peak_mb"],
+                                                            3)
             summary["runs"][f"{malloc}/{n}"] = entry
     print(json.dumps(summary, indent=1))
-    print(f"\n{params / 1e6:.1f}M parameters, fp32 Adam; MB above the process-group baseline, the largest worker")
-    print(f"{'malloc':<8} {'N':>2} {'strategy':<8} {'build':>7} {'steps':>7} {'peak':>7} {'virtual':>8} "
-          f"{'peak ratio':>11} {'steps ratio':>12}")
+    print(f"\n{total / 1e6:.1f}M parameters, fp32 Adam; MB above the process-group baseline, the largest worker; "
+          "step: median seconds of the slower worker (wall / CPU)")
+    width = max(8, *(len(m) for m in mallocs))
+    print(f"{'malloc':<{width}} {'N':>2} {'strategy':<8} {'build':>7} {'steps':>7} {'peak':>7} {'virtual':>8} "
+          f"{'step wall/cpu':>14} {'peak ratio':>11} {'steps ratio':>12}")
     for key, e in summary["runs"].items():
-        malloc, n = key.split("/")
+        malloc, n = key.rsplit("/", 1)
         for name in STRATEGIES:
             r = e[name]
             ratio = (f"{e['ratio_peak']:>11} {e['ratio_steps']:>12}" if name == "sharded" else "")
-            print(f"{malloc:<8} {n:>2} {name:<8} {r['build_mb']:>7} {r['steps_mb']:>7} {r['peak_mb']:>7} "
-                  f"{r['virtual_peak_mb']:>8} {ratio}")
+            step = f"{r['step_wall_s']:.3f}/{r['step_cpu_s']:.3f}"
+            print(f"{malloc:<{width}} {n:>2} {name:<8} {r['build_mb']:>7} {r['steps_mb']:>7} {r['peak_mb']:>7} "
+                  f"{r['virtual_peak_mb']:>8} {step:>14} {ratio}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(summary, indent=1))
 

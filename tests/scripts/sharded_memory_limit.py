@@ -5,7 +5,8 @@
 Once the strategy (its process group) exists and the code every phase needs is loaded, the limit
 is set to this process's virtual size plus ``--limit-mb`` (``--limit-mb 0``: no limit, for
 calibration). Then ``--blocks`` residual ``Linear(W, W)`` blocks are built in the scope with
-float32 Adam and trained ``--steps`` steps. Exit 0 with "trained S steps" at the end; running out
+float32 Adam and trained ``--steps`` steps: the model, data and probes of benchmarks/sharded_model.py,
+which benchmarks/sharded_memory.py measures without a limit. Exit 0 with "trained S steps" at the end; running out
 of memory (``MemoryError`` or torch's "can't allocate memory") prints "out of memory while
 PHASE: ..." and exits 3. Each worker also prints a JSON line with its virtual and resident peaks
 above the baseline (MB), what the test's limit is calibrated against.
@@ -18,13 +19,14 @@ import json
 import os
 import resource
 import sys
+from pathlib import Path
 
 import torch
-import torch.distributed.fsdp  # noqa: F401  (loaded before the limit: code is not what is measured)
-import torch.distributed.tensor  # noqa: F401
-from torch import nn
 
 import distrib as ds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model the benchmarks measure
+from sharded_model import batches, build_model, make_strategy, reset_high_water_mark, vm_status, warm_up  # noqa: E402
 
 OUT_OF_MEMORY = 3
 
@@ -38,41 +40,13 @@ p.add_argument("--batch", type=int, default=8)
 args = p.parse_args()
 torch.set_num_threads(1)
 
-
-def vm() -> dict[str, int]:
-    """``Vm*`` of /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if line.startswith("Vm"))}
-
-
-class Block(nn.Module):
-    """A residual block, one sharding unit."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.fc(x))
-
-
-if args.strategy == "sharded":
-    strategy: ds.Strategy = ds.ShardedStrategy(sharding_policy=ds.ShardingPolicy(module_classes=[Block]))
-else:
-    strategy = ds.MultiWorkerMirroredStrategy()
+strategy: ds.Strategy = make_strategy(args.strategy)
 strategy.barrier()
-warm = nn.Linear(4, 4)  # autograd and Adam's code paths, loaded before the limit
-warm_opt = torch.optim.Adam(warm.parameters())
-warm(torch.ones(2, 4)).sum().backward()
-warm_opt.step()
-del warm, warm_opt
+warm_up()  # FSDP2's modules, autograd and Adam's code paths, loaded before the limit: code is not what is measured
 global_batch = args.batch * strategy.num_replicas_in_sync
-g = torch.Generator().manual_seed(1)
-data = [(torch.randn(global_batch, args.width, generator=g), torch.randn(global_batch, args.width, generator=g))
-        for _ in range(args.steps)]
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # VmHWM restarts from the current RSS (VmPeak cannot be reset: it may predate the baseline)
-base = vm()
+data = batches(args.steps, global_batch, args.width)
+reset_high_water_mark()  # VmHWM restarts from the current RSS (VmPeak cannot be reset: it may predate the baseline)
+base = vm_status()
 if args.limit_mb > 0:
     limit = base["VmSize"] + int(args.limit_mb * 1e6)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -90,10 +64,9 @@ def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 phase = "building the model"
 try:
     with strategy.scope():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
+        model = build_model(args.width, args.blocks)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    built = vm()
+    built = vm_status()
     for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
         phase = f"training step {i + 1}"
         loss = strategy.run(step, args=(x, y))
@@ -105,7 +78,7 @@ except (MemoryError, RuntimeError) as e:
           flush=True)
     sys.stdout.flush()
     os._exit(OUT_OF_MEMORY)  # a peer may wait in a collective: the launcher stops the group on this exit
-end = vm()
+end = vm_status()
 print(json.dumps({"memory_worker": strategy.worker_index,
                   "virtual_peak_mb": round((end["VmPeak"] - base["VmSize"]) / 1e6, 1),
                   "virtual_build_mb": round((built["VmPeak"] - base["VmSize"]) / 1e6, 1),
