@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec python3 -m pytest -q -s -p no:cacheprovider tests/faults tests/preemption/test_slurm.py -m "faults_full or not faults_full" "$@"
+exec python3 -m pytest -q -s -p no:cacheprovider tests/faults -m "faults_full or not faults_full" "$@"

@@ -66,9 +66,20 @@ class SlurmCluster:
     here: its socket is a file, which every namespace sees.
     """
 
-    def __init__(self, cpus: int = 8, hosts: Optional["Hosts"] = None) -> None:
+    def __init__(self, cpus: int = 8, hosts: Optional["Hosts"] = None, *, requeue_exit: Sequence[int] = (),
+                 cred_expire: Optional[int] = None, sched_interval: Optional[int] = None) -> None:
+        """``requeue_exit``: slurm.conf's ``RequeueExit`` (slurmctld requeues a batch job that exits with one of
+        these codes). ``cred_expire``: ``AuthInfo=cred_expire=`` (at least 5), the credential lifetime, which is
+        also how long a requeued job waits before it may start again (Slurm's default 120 s). ``sched_interval``:
+        ``SchedulerParameters=sched_interval=`` (default 60 s), how often the main scheduling loop looks at pending
+        jobs, among them a requeued job whose wait is over. Left out, Slurm's defaults."""
+        if cred_expire is not None and cred_expire < 5:
+            raise ValueError(f"cred_expire={cred_expire}: Slurm ignores values under 5 (and uses 120)")
         self.cpus = cpus
         self.hosts = hosts
+        self.requeue_exit = tuple(requeue_exit)
+        self.cred_expire = cred_expire
+        self.sched_interval = sched_interval
         self.dir = Path(tempfile.mkdtemp(prefix="distrib-slurm-"))
         self.nodes = [(h.name, h.address) for h in hosts.hosts] if hosts else [(node_name() or "localhost", "127.0.0.1")]
         self.node = self.nodes[0][0]
@@ -122,9 +133,13 @@ class SlurmCluster:
         ctld_port, slurmd_port = _free_ports(2)
         node_lines = "\n".join(f"NodeName={name} NodeAddr={address} CPUs={self.cpus} State=UNKNOWN"
                                for name, address in self.nodes)
+        auth_extra = f",cred_expire={self.cred_expire}" if self.cred_expire is not None else ""
+        extra = "".join([f"RequeueExit={','.join(map(str, self.requeue_exit))}\n" if self.requeue_exit else "",
+                         f"SchedulerParameters=sched_interval={self.sched_interval}\n"
+                         if self.sched_interval is not None else ""])
         self.conf.write_text(_CONF.format(dir=d, node=self.node, address=self.nodes[0][1], nodes=node_lines,
                                           names=",".join(name for name, _ in self.nodes), ctld_port=ctld_port,
-                                          slurmd_port=slurmd_port))
+                                          slurmd_port=slurmd_port, auth_extra=auth_extra, extra=extra))
         socket_path = d / "munge" / "munge.socket"
         self._daemon(["munged", "--force", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
                       f"--pid-file={d / 'munge' / 'munged.pid'}", f"--log-file={d / 'log' / 'munged.log'}",
@@ -279,7 +294,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={dir}/munge/munge.socket
+AuthInfo=socket={dir}/munge/munge.socket{auth_extra}
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool/%n
 SlurmctldPidFile={dir}/slurmctld.pid
@@ -300,6 +315,6 @@ SlurmdParameters=config_overrides
 KillWait=2
 MinJobAge=2
 InactiveLimit=0
-{nodes}
+{extra}{nodes}
 PartitionName=debug Nodes={names} Default=YES MaxTime=10 State=UP
 """
