@@ -56,8 +56,12 @@ def install_default(factory: Callable[[], tuple["Strategy", "ReplicaContext"]]) 
 def _default_pair() -> tuple["Strategy", "ReplicaContext"]:
     global _default
     if _default is None:
-        if _default_factory is None:  # pragma: no cover - distrib/__init__ imports the strategies first
-            raise RuntimeError("distrib.strategies was not imported; import distrib first")
+        if _default_factory is None:  # the strategies install it when imported: a part used before them
+            import importlib
+
+            importlib.import_module("distrib.strategies")
+        if _default_factory is None:  # pragma: no cover
+            raise RuntimeError("distrib.strategies did not install the default strategy")
         _default = _default_factory()
     return _default
 

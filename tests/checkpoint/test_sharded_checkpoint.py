@@ -310,14 +310,14 @@ def test_consolidate_holds_one_whole_tensor_at_a_time(small: Path, tmp_path: Pat
 
     import distrib.checkpoint.sharded_export as export
     held: list[weakref.ref[torch.Tensor]] = []
-    real = export._fill
+    real = export.fill_tensor
 
     def fill(directory: str, manifest: Any, fqn: str, into: torch.Tensor) -> None:
         assert not [r for r in held if r() is not None], f"a whole tensor is still held when {fqn!r} is assembled"
         held.append(weakref.ref(into))
         real(directory, manifest, fqn, into)
 
-    monkeypatch.setattr(export, "_fill", fill)
+    monkeypatch.setattr(export, "fill_tensor", fill)
     out = consolidate(small, tmp_path / "whole.pt")
     n_tensors = len(json.loads((small / sf.MANIFEST).read_text())["tensors"])
     assert len(held) == 2 * n_tensors  # pass one (checksums) and pass two (the bytes)

@@ -1,12 +1,8 @@
-"""A sharded step whose peer dies or hangs; and sharded checkpoints through ds.Checkpoint.
+"""A sharded step whose peer dies or hangs.
 
     distrib launch --workers 2 tests/scripts/sharded_peer.py hang|dead TIMEOUT_SECONDS
         worker 1 stops answering (SIGSTOP) or exits after 2 steps; worker 0's next step (FSDP's all-gather and
         reduce-scatter run inside forward and backward) must be a CollectiveError within the timeout
-    distrib launch --workers N tests/scripts/sharded_peer.py save|restore DIR
-        save: 5 Adam steps, then ds.Checkpoint(model, optimizer).save(DIR/ckpt) (shards gathered, the chief writes);
-        restore: ds.Checkpoint(...).restore(DIR/ckpt-1) into a fresh sharded model, then 5 more steps; the chief
-        writes the final parameters to DIR/final-N.pt
 """
 
 import os
@@ -20,7 +16,7 @@ import distrib as ds
 from distrib.comm import CollectiveError
 
 mode, arg = sys.argv[1], sys.argv[2]
-timeout = float(arg) if mode in ("hang", "dead") else 60.0
+timeout = float(arg)
 strategy = ds.ShardedStrategy(devices=["cpu"],  # the same on a GPU machine
                               communication_options=ds.CommunicationOptions(timeout_seconds=timeout),
                               sharding_policy=ds.ShardingPolicy(min_params=200))
@@ -39,34 +35,19 @@ def step(x, y):
 
 
 data = iter(strategy.experimental_distribute_dataset(batches))
-if mode in ("hang", "dead"):
-    for _ in range(2):
-        strategy.run(step, args=next(data))
-    if strategy.worker_index == 1:
-        if mode == "hang":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        os._exit(0)
-    start = time.monotonic()
-    x, y = batches[2]
-    try:  # this worker's half of the batch, given directly: the first collective is FSDP's all-gather in forward
-        strategy.run(step, args=(x[:8], y[:8]))
-    except CollectiveError as e:
-        print(f"COLLECTIVE ERROR after {time.monotonic() - start:.2f}s: {str(e)[:300]}", flush=True)
-        os._exit(3)  # the group is broken: leave without tearing it down
-    print("no error", flush=True)
-    sys.exit(0)
+for _ in range(2):
+    strategy.run(step, args=next(data))
+if strategy.worker_index == 1:
+    if mode == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)
+start = time.monotonic()
+x, y = batches[2]
+try:  # this worker's half of the batch, given directly: the first collective is FSDP's all-gather in forward
+    strategy.run(step, args=(x[:8], y[:8]))
+except CollectiveError as e:
+    print(f"COLLECTIVE ERROR after {time.monotonic() - start:.2f}s: {str(e)[:300]}", flush=True)
+    os._exit(3)  # the group is broken: leave without tearing it down
+print("no error", flush=True)
+sys.exit(0)
 
-checkpoint = ds.Checkpoint(model=model, optimizer=optimizer)
-if mode == "save":
-    for _ in range(5):
-        strategy.run(step, args=next(data))
-    print("saved", checkpoint.save(os.path.join(arg, "ckpt")), flush=True)
-else:
-    for _ in range(5):
-        next(data)  # the batches the saving run used
-    checkpoint.restore(os.path.join(arg, "ckpt-1"))
-    for _ in range(5):
-        strategy.run(step, args=next(data))
-    state = strategy.checkpoint_state(model)
-    if strategy.is_chief:
-        torch.save(state, os.path.join(arg, f"final-{strategy.num_workers}.pt"))

@@ -127,42 +127,5 @@ def test_a_dead_or_hung_peer_is_a_collective_error_within_the_timeout(how: str) 
     assert float(line.split("after ")[1].split("s:")[0]) < 5 + 3.0, line
 
 
-def _plain_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-
-def test_a_checkpoint_of_2_workers_resumes_on_4_and_on_1_and_loads_anywhere(tmp_path: Path) -> None:
-    """ds.Checkpoint under the sharded strategy: saved by 2 workers after 5 steps, restored by 4 workers and by one
-    process, 5 more steps each: both equal 10 uninterrupted steps in one process. The file also loads in plain
-    PyTorch (no strategy) and under MirroredStrategy."""
-    code, out, _ = launch("--workers", "2", str(SCRIPTS / "sharded_peer.py"), "save", str(tmp_path), timeout=180)
-    assert code == 0, out
-    code, out, _ = launch("--workers", "4", str(SCRIPTS / "sharded_peer.py"), "restore", str(tmp_path), timeout=180)
-    assert code == 0, out
-    code, out, _ = run_bounded([sys.executable, str(SCRIPTS / "sharded_peer.py"), "restore", str(tmp_path)],
-                               timeout=120)
-    assert code == 0, out
-
-    model = _plain_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(10):
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
-        ((model(x) - y).pow(2).sum(1).sum() / 16).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    for n in (4, 1):
-        final = torch.load(tmp_path / f"final-{n}.pt", weights_only=True)
-        worst = max((final[k] - v).abs().max().item() for k, v in model.state_dict().items())
-        assert worst < 1e-5, f"resumed on {n}: {worst:.3g}"
-
-    plain = _plain_model()
-    ds.Checkpoint(model=plain, optimizer=torch.optim.Adam(plain.parameters(), lr=0.01)).restore(str(tmp_path / "ckpt-1"))
-    mirrored = ds.MirroredStrategy(["cpu:0", "cpu:1"])
-    with mirrored.scope():
-        copy = _plain_model()
-        copy_optimizer = torch.optim.Adam(copy.parameters(), lr=0.01)
-    ds.Checkpoint(model=copy, optimizer=copy_optimizer).restore(str(tmp_path / "ckpt-1"))
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), copy.state_dict().values()))
-    assert copy_optimizer.state_dict()["state"][0]["step"] == 5
+# Checkpoints under the sharded strategy (2 -> 4 -> 1 workers, every other strategy, plain PyTorch, a crash,
+# corruption, a hostile file): tests/checkpoint/test_checkpoint_matrix.py

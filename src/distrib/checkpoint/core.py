@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from distrib import context
 from distrib.checkpoint import format as fmt
 from distrib.checkpoint import index as idx
+from distrib.checkpoint import sharded_objects
 from distrib.checkpoint.errors import CheckpointError, checkpoint_timeout
 from distrib.checkpoint.fileio import atomic_write, describe_os_error, remove_stale_temp_files
 from distrib.checkpoint.restore import LoadStatus, apply, validate
@@ -230,12 +231,36 @@ class Checkpoint:
         given a path other than the chief's; all meet."""
         strategy = _strategy(self._objects)
         checkpoint_timeout(timeout)  # a bad timeout is an error before anything is written
+        if strategy.checkpoint_format == "sharded":
+            self._write_sharded(strategy, path, counter, timeout, after)
+            return
         writes = writes_here(strategy, path)
         payload = self._payload(strategy, writes)
         error: Optional[BaseException] = None
         if writes:
             try:
                 write_data_file(path, counter, payload)
+                idx.remove(path, keep=".pt")  # a sharded checkpoint of that name would be found first
+                if after is not None:
+                    after()
+            except Exception as e:  # shared with the other workers so that none waits in vain
+                error = e
+        meet(strategy, timeout, error)
+
+    def _write_sharded(self, strategy: "Strategy", path: str, counter: int, timeout: Optional[float],
+                       after: Optional[Callable[[], None]]) -> None:
+        """Every worker writes its own shards into ``<path>.dcp`` (sharded_objects.py), in parallel, with no
+        gather; the chief then runs ``after``; all meet. Every worker writes into the chief's directory."""
+        path = strategy.communicator.broadcast_object(os.path.abspath(path) if strategy.is_chief else None)
+        states = {name: obj if isinstance(obj, torch.Tensor) else strategy.local_checkpoint_state(obj)
+                  for name, obj in self._objects.items()}
+        failed = sharded_objects.write(strategy, path, counter, states, timeout)
+        if failed is not None:  # every worker has it already (or lost its group): nothing to agree on
+            raise failed
+        error: Optional[BaseException] = None
+        if strategy.is_chief:
+            try:
+                idx.remove(path, keep=sharded_objects.SUFFIX)  # a plain file of that name would be found first
                 if after is not None:
                     after()
             except Exception as e:  # shared with the other workers so that none waits in vain
@@ -264,7 +289,13 @@ class Checkpoint:
 
     def _load(self, path: str, restore_counter: bool) -> LoadStatus:
         data_file = idx.data_file(path)
-        data = fmt.load(data_file)
+        strategy = _strategy(self._objects)
+        if not os.path.isdir(data_file):
+            data = fmt.load(data_file)
+        elif strategy.checkpoint_format == "sharded":  # each worker reads its own shards (a collective)
+            data = sharded_objects.read_like(data_file, self._objects, strategy)
+        else:
+            data = sharded_objects.read_whole(data_file)
         stored = data["objects"]
         missing = sorted(set(self._objects) - set(stored))
         if missing:
@@ -274,7 +305,7 @@ class Checkpoint:
                 "Track only names the file holds (e.g. Checkpoint(model=model) to restore just the model), "
                 "with the names used to save.")
         validate(self._objects, stored, data_file)
-        apply(_strategy(self._objects), self._objects, stored, data_file)
+        apply(strategy, self._objects, stored, data_file)
         if restore_counter:
             self._save_counter = int(data.get("save_counter", 0))
         unused = sorted(set(stored) - set(self._objects))

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any, Callable, Iterator, Optional
 
 from distrib.checkpoint.errors import CheckpointError
-from distrib.checkpoint.fileio import atomic_write
+from distrib.checkpoint.fileio import TEMP_PREFIX, atomic_write
+from distrib.checkpoint.sharded_objects import SUFFIX as SHARDED_SUFFIX
 
-__all__ = ["INDEX", "read_index", "write_index", "record", "latest_checkpoint", "checkpoints_iterator", "data_file"]
+__all__ = ["INDEX", "read_index", "write_index", "record", "latest_checkpoint", "checkpoints_iterator", "data_file",
+           "exists", "remove"]
 
 INDEX = "checkpoint"
 
@@ -84,19 +87,52 @@ def record(path: str) -> None:
     write_index(directory, index)
 
 
+def _is_sharded_dir(directory: str) -> bool:
+    """Whether ``directory`` is a complete sharded checkpoint (its manifest, or plain DCP's metadata, is there;
+    the names of sharded_format.MANIFEST and DCP_METADATA, kept here so that listing needs no DCP import)."""
+    return os.path.isfile(os.path.join(directory, "distrib-sharded.json")) or \
+        os.path.isfile(os.path.join(directory, ".metadata"))
+
+
 def data_file(path: str) -> str:
-    """The existing data file of checkpoint ``path`` (``path + ".pt"``, or ``path`` itself)."""
-    for candidate in (path + ".pt", path):
-        if os.path.isfile(candidate):
+    """The data of checkpoint ``path``: the file ``path + ".pt"``, the sharded directory ``path + ".dcp"``, or
+    ``path`` itself (either kind)."""
+    for candidate in (path + ".pt", path + SHARDED_SUFFIX):
+        if os.path.isfile(candidate) or (candidate.endswith(SHARDED_SUFFIX) and _is_sharded_dir(candidate)):
             return candidate
+    if os.path.isfile(path) or _is_sharded_dir(path):
+        return path
     directory = os.path.dirname(path) or "."
     raise FileNotFoundError(
-        f"No checkpoint at {path!r} (looked for {path + '.pt'!r}). To find the newest "
-        f"checkpoint use distrib.latest_checkpoint({directory!r}).")
+        f"No checkpoint at {path!r} (looked for {path + '.pt'!r} and {path + SHARDED_SUFFIX!r}). To find the "
+        f"newest checkpoint use distrib.latest_checkpoint({directory!r}).")
+
+
+def exists(path: str) -> bool:
+    """Whether checkpoint ``path`` (a prefix) has its data, in either format."""
+    return os.path.isfile(path + ".pt") or _is_sharded_dir(path + SHARDED_SUFFIX)
+
+
+def remove(path: str, keep: Optional[str] = None) -> None:
+    """Delete checkpoint ``path``'s data in either format (``keep``: ``".pt"`` or ``".dcp"``, the one to leave).
+
+    A checkpoint rewritten in the other format must not leave the old one where :func:`data_file`
+    would find it first. A sharded directory is first renamed aside, so that it is never half there.
+    """
+    if keep != ".pt":
+        try:
+            os.remove(path + ".pt")
+        except FileNotFoundError:
+            pass
+    if keep != SHARDED_SUFFIX and os.path.isdir(path + SHARDED_SUFFIX):
+        directory, base = os.path.split(path + SHARDED_SUFFIX)
+        aside = os.path.join(directory or ".", f"{TEMP_PREFIX}removed-{base}-{os.getpid()}")
+        os.rename(path + SHARDED_SUFFIX, aside)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def latest_checkpoint(checkpoint_dir: "str | os.PathLike[str]") -> Optional[str]:
-    """Path (without ``.pt``) of the newest checkpoint in ``checkpoint_dir``, or None.
+    """Path (without ``.pt`` or ``.dcp``) of the newest checkpoint in ``checkpoint_dir``, or None.
 
     Prefers the index's ``latest``, then the newest entry of ``all`` whose data file still
     exists, so a deleted file never makes ``restore`` fail. Raises :class:`CheckpointError`
@@ -121,7 +157,7 @@ def latest_checkpoint(checkpoint_dir: "str | os.PathLike[str]") -> Optional[str]
         names.append(index["latest"])
     for name in reversed(names):
         path = os.path.join(directory, name)
-        if os.path.isfile(path + ".pt"):
+        if exists(path):
             return path
     return None
 

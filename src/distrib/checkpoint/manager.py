@@ -89,7 +89,7 @@ class CheckpointManager:
         stamps = index.get("timestamps", {})
         pattern = re.compile(re.escape(checkpoint_name) + r"-\d+")
         for name in index["all"]:
-            if not pattern.fullmatch(name) or not os.path.isfile(os.path.join(self.directory, name + ".pt")):
+            if not pattern.fullmatch(name) or not idx.exists(os.path.join(self.directory, name)):
                 continue
             if legacy:
                 self._managed[name] = now
@@ -161,11 +161,9 @@ class CheckpointManager:
             self._commit(base, deleted + preserved)
             for name in deleted:  # the save is committed: a file that cannot be deleted is only noted
                 try:
-                    os.remove(os.path.join(self.directory, name + ".pt"))
-                except FileNotFoundError:
-                    pass
+                    idx.remove(os.path.join(self.directory, name))
                 except OSError as e:
-                    _log.warning("Could not delete old checkpoint %s.pt: %s", name, e)
+                    _log.warning("Could not delete old checkpoint %s: %s", name, e)
 
         try:
             self.checkpoint.save_as(path, timeout=self.timeout, on_written=written)

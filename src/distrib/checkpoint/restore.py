@@ -133,7 +133,8 @@ def apply(strategy: "Strategy", objects: Mapping[str, Any], stored: Mapping[str,
     """Load every object's state; on a failure put back those already changed, then raise CheckpointError."""
     done: list[tuple[str, Any, Any]] = []
     for name, obj in objects.items():
-        before = obj.detach().clone() if isinstance(obj, torch.Tensor) else _copy_state(strategy.checkpoint_state(obj))
+        before = obj.detach().clone() if isinstance(obj, torch.Tensor) \
+            else _copy_state(strategy.local_checkpoint_state(obj))  # a sharded strategy's shards: nothing gathered
         done.append((name, obj, before))
         try:
             _load(strategy, obj, stored[name])

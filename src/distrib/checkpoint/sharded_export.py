@@ -39,10 +39,10 @@ from distrib.checkpoint.sharded import load_object, manifest_of, read_item
 from distrib.tensor_bytes import byte_view
 from distrib.torch_patches import fake_tensor_mode
 
-__all__ = ["consolidate"]
+__all__ = ["consolidate", "fill_tensor"]
 
 
-def _fill(directory: str, manifest: sf.Manifest, fqn: str, into: torch.Tensor) -> None:
+def fill_tensor(directory: str, manifest: sf.Manifest, fqn: str, into: torch.Tensor) -> None:
     """Copy every stored chunk of tensor ``fqn`` into its region of ``into`` (the whole tensor)."""
     md = manifest.metadata.state_dict_metadata[fqn]
     assert isinstance(md, TensorStorageMetadata)
@@ -101,10 +101,10 @@ def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLik
     """Write the sharded checkpoint ``directory`` as one distrib checkpoint file ``out_file``; return it.
 
     ``out_file`` is the data file itself (``<prefix>.pt``; ``Checkpoint.restore(<prefix>)`` reads
-    it, its ``objects`` being the saved state dict's top-level entries). ``save_counter`` is
-    stored for ``Checkpoint.restore``. Peak memory: the largest tensor, plus one chunk (a 50M-parameter model with Adam:
-    +66 MB). Every
-    chunk is CRC-checked as it is read; a damaged directory is a :class:`CheckpointError` naming
+    it, its ``objects`` being the saved state dict's top-level entries, or, for a directory that
+    ``ds.Checkpoint`` wrote under a sharded strategy, its objects and its save counter). ``save_counter``
+    is stored for ``Checkpoint.restore``. Peak memory: the largest tensor, plus one chunk (a
+    50M-parameter model with Adam: +66 MB). Every chunk is CRC-checked as it is read; a damaged directory is a :class:`CheckpointError` naming
     the file, and ``out_file`` is then left as it was.
     """
     src = os.path.abspath(os.fspath(directory))
@@ -122,11 +122,15 @@ def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLik
             flat[fqn] = load_object(read_item(src, span, f"value {fqn!r}"), os.path.join(src, span.file),
                                     f"value {fqn!r}")
     objects = sf.unflatten(flat, md.planner_data or {})
+    if set(objects) == {"save_counter", "objects"} and isinstance(objects["objects"], dict):
+        save_counter, objects = int(objects["save_counter"]), objects["objects"]  # ds.Checkpoint's directory
+    for state in objects.values():
+        sf.int_optimizer_keys(state)
     fqn_of = {id(t): fqn for fqn, t in flat.items() if isinstance(t, torch.Tensor)}
     crcs: dict[str, int] = {}
     for fqn in fqn_of.values():  # pass one: checksums, one whole tensor at a time
         whole = torch.empty(tuple(flat[fqn].shape), dtype=flat[fqn].dtype)
-        _fill(src, manifest, fqn, whole)
+        fill_tensor(src, manifest, fqn, whole)
         crcs[fqn] = fmt._tensor_crc(whole)
         del whole
     keys = [(key, fqn_of[id(t)]) for key, t in fmt._tensors(objects, "")]
@@ -148,7 +152,7 @@ def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLik
         with open(tmp, "r+b") as f:
             for _, fqn in keys:  # ... then written in place, one whole tensor at a time
                 whole = torch.empty(tuple(flat[fqn].shape), dtype=flat[fqn].dtype)
-                _fill(src, manifest, fqn, whole)
+                fill_tensor(src, manifest, fqn, whole)
                 if whole.numel():
                     os.pwrite(f.fileno(), byte_view(whole), offsets[fqn])
                 del whole

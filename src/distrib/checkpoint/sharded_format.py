@@ -41,7 +41,7 @@ from distrib.checkpoint.errors import CheckpointError
 from distrib.checkpoint.fileio import describe_os_error
 
 __all__ = ["MANIFEST", "DCP_METADATA", "FORMAT", "VERSION", "Span", "Manifest", "encode_manifest",
-           "read_manifest", "safe_load_dcp_metadata", "crc_of_file", "unflatten"]
+           "read_manifest", "safe_load_dcp_metadata", "crc_of_file", "unflatten", "int_optimizer_keys"]
 
 MANIFEST = "distrib-sharded.json"
 DCP_METADATA = ".metadata"
@@ -291,3 +291,11 @@ def unflatten(flat: dict[str, Any], planner_data: dict[str, tuple[Any, ...]]) ->
             node.extend([None] * (path[-1] + 1 - len(node)))
         node[path[-1]] = value
     return root
+
+
+def int_optimizer_keys(state: Any) -> Any:
+    """``state`` with an optimizer state dict's ``state`` keyed by int parameter ids again (DCP stores every
+    dict key as a string; torch's ``Optimizer.load_state_dict`` would file ``"0"`` apart from parameter 0)."""
+    if isinstance(state, dict) and isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"), list):
+        state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state["state"].items()}
+    return state

@@ -45,6 +45,11 @@ class Communicator(Protocol):
         """How many worker processes take part."""
         ...
 
+    @property
+    def backend(self) -> Optional[str]:
+        """torch.distributed's backend of the collectives (``"gloo"``, ``"nccl"``), or None without a process group."""
+        ...
+
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum every tensor in place over all workers."""
         ...
@@ -93,9 +98,11 @@ class Communicator(Protocol):
         """
         ...
 
-    def guarded(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, whose collectives torch issues itself (FSDP's, inside forward and backward): a peer that
-        died or hung becomes a :class:`CollectiveError` naming ``what``, as this communicator's own calls do."""
+    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+        """``fn()``, whose collectives torch issues itself (FSDP's, inside forward and backward; DCP's while a
+        sharded checkpoint is written): a peer that died or hung becomes a :class:`CollectiveError` naming
+        ``what``, as this communicator's own calls do. ``timeout``: seconds each of those collectives may wait,
+        for this call only (a checkpoint's own, longer bound); None: the communicator's timeout."""
         ...
 
 
@@ -127,6 +134,10 @@ class LocalCommunicator:
     def world_size(self) -> int:
         return 1
 
+    @property
+    def backend(self) -> Optional[str]:
+        return None
+
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
         return None
 
@@ -157,7 +168,7 @@ class LocalCommunicator:
     def verify_same(self, signature: str, what: str) -> None:
         return None
 
-    def guarded(self, what: str, fn: Callable[[], T]) -> T:
+    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
         return fn()
 
     def __repr__(self) -> str:

@@ -115,8 +115,18 @@ class ProcessGroupCommunicator:
         except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, timeouts, a dead store
             raise self._failed(what, e) from e
 
-    def guarded(self, what: str, fn: Callable[[], T]) -> T:
-        return self._guard(what, fn)
+    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+        if timeout is None or self.backend != "gloo":
+            return self._guard(what, fn)  # NCCL's collectives are bounded by the group's own watchdog timeout
+        # gloo's timeout, raised for this call (e.g. while every worker writes its shards of a checkpoint)
+        backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu"))
+        if not hasattr(backend, "set_timeout"):  # older torch (2.4): the group's timeout holds
+            return self._guard(what, fn)
+        backend.set_timeout(datetime.timedelta(seconds=timeout))
+        try:
+            return self._guard(what, fn)
+        finally:
+            backend.set_timeout(datetime.timedelta(seconds=self.options.timeout))
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
         if not tensors:
@@ -221,29 +231,24 @@ class ProcessGroupCommunicator:
                               "call it with the same structure, shapes and dtypes")
 
     def barrier(self, timeout: Optional[float] = None) -> None:
-        if timeout is None or self.backend != "gloo":
-            # NCCL's barrier is bounded by the group's own watchdog timeout
-            self._guard("barrier", lambda: dist.barrier())
+        backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu")) \
+            if timeout is not None and self.backend == "gloo" else None
+        if backend is None or hasattr(backend, "set_timeout"):
+            # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
+            self.guarded("barrier", lambda: dist.barrier(), timeout=timeout)
             return
-        # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
-        backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu"))
-        if not hasattr(backend, "set_timeout"):
-            # older torch (2.4 has no ProcessGroupGloo.set_timeout): a gloo group of the whole world made with
-            # that timeout, once per length (new_group is collective, and every worker reaches this barrier
-            # with the same length). monitored_barrier would not do: its waiting ranks keep the group's timeout.
-            def long_barrier() -> None:  # the group's making waits for the others too: inside the guard
-                if timeout not in self._long_groups:
-                    self._long_groups[timeout] = dist.new_group(backend="gloo",
-                                                                timeout=datetime.timedelta(seconds=timeout))
-                dist.barrier(group=self._long_groups[timeout])
+        # older torch (2.4 has no ProcessGroupGloo.set_timeout): a gloo group of the whole world made with
+        # that timeout, once per length (new_group is collective, and every worker reaches this barrier
+        # with the same length). monitored_barrier would not do: its waiting ranks keep the group's timeout.
+        assert timeout is not None
 
-            self._guard("barrier", long_barrier)
-            return
-        backend.set_timeout(datetime.timedelta(seconds=timeout))
-        try:
-            self._guard("barrier", lambda: dist.barrier())
-        finally:
-            backend.set_timeout(datetime.timedelta(seconds=self.options.timeout))
+        def long_barrier() -> None:  # the group's making waits for the others too: inside the guard
+            if timeout not in self._long_groups:
+                self._long_groups[timeout] = dist.new_group(backend="gloo",
+                                                            timeout=datetime.timedelta(seconds=timeout))
+            dist.barrier(group=self._long_groups[timeout])
+
+        self._guard("barrier", long_barrier)
 
 
 def current_group() -> Optional[tuple[int, int, str]]:

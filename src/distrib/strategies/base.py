@@ -265,8 +265,22 @@ class Strategy(abc.ABC):
         return obj.state_dict()
 
     def restore_checkpoint_state(self, obj: Any, state: Any) -> None:
-        """Load ``state`` (as made by :meth:`checkpoint_state`, under any strategy) into ``obj``."""
+        """Load ``state`` into ``obj``: whole tensors (:meth:`checkpoint_state`'s, under any strategy), or tensors
+        laid out as :meth:`local_checkpoint_state`'s (a sharded checkpoint read back into this strategy)."""
         obj.load_state_dict(state)
+
+    @property
+    def checkpoint_format(self) -> str:
+        """How ``ds.Checkpoint`` writes under this strategy: ``"plain"``, one file of whole states
+        (:meth:`checkpoint_state`) that the chief writes; or ``"sharded"``, one directory into which every
+        worker writes its own part (:meth:`local_checkpoint_state`) in parallel, through
+        ``torch.distributed.checkpoint``. Either loads under every strategy."""
+        return "plain"
+
+    def local_checkpoint_state(self, obj: Any) -> Any:
+        """``obj``'s state as this worker holds it, without gathering (a sharded strategy's ``DTensor`` shards):
+        what a ``"sharded"`` checkpoint writes, and what a restore keeps to roll back. The whole state here."""
+        return self.checkpoint_state(obj)
 
     # ------------------------------------------------------------------ reductions
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:

@@ -14,9 +14,11 @@ The user's loop does not change: ``strategy.run(step)`` with ``ds.compute_averag
 (one replica per worker process), the same clusters (``TF_CONFIG``, torchrun, Slurm, ``distrib
 launch``, a pre-initialised group). Build order does not matter within the scope: an optimizer
 built over a model's parameters before the model was sharded is moved onto the sharded ones.
-Checkpoints are torch's plain ``state_dict()`` format (whole tensors, gathered on every worker,
-written by the chief), so they load under every strategy and in plain PyTorch, and a checkpoint of
-any strategy loads here, with any number of workers.
+``ds.Checkpoint`` (and the managers and callbacks on it) has every worker write its own shards into
+one directory, ``<prefix>.dcp`` (``torch.distributed.checkpoint`` with distrib's manifest: atomic,
+checksummed, never unpickling), with no gather; it loads with any number of workers, under every
+other strategy and in plain PyTorch, and a checkpoint of any strategy loads here
+(``checkpoint_format="plain"``: one file of whole tensors instead, as the other strategies write).
 
 With one worker nothing is sharded (the model trains as under ``OneDeviceStrategy``).
 
@@ -78,14 +80,19 @@ class ShardedStrategy(Strategy):
     ``reshard_after_forward``: True (ZeRO-3, the default) or False (ZeRO-2-like);
     ``mixed_precision``: ``"bf16-mixed"`` or ``"16-mixed"`` gathers parameters in that dtype for
     compute and reduces gradients in float32 (FSDP's ``MixedPrecisionPolicy``); the shards and the
-    optimizer stay float32. ``cluster_resolver``, ``communication_options`` and ``devices`` are
-    ``MultiWorkerMirroredStrategy``'s (one device per process).
+    optimizer stay float32. ``checkpoint_format``: ``"sharded"`` or ``"plain"`` (see :attr:`checkpoint_format`).
+    ``cluster_resolver``, ``communication_options`` and ``devices`` are ``MultiWorkerMirroredStrategy``'s
+    (one device per process).
     """
 
     def __init__(self, cluster_resolver: Optional[ClusterResolver] = None,
                  communication_options: Optional[CommunicationOptions] = None,
                  devices: Optional[Sequence[str]] = None, *, sharding_policy: Optional[ShardingPolicy] = None,
-                 reshard_after_forward: bool = True, mixed_precision: Optional[str] = None) -> None:
+                 reshard_after_forward: bool = True, mixed_precision: Optional[str] = None,
+                 checkpoint_format: str = "sharded") -> None:
+        if checkpoint_format not in ("sharded", "plain"):
+            raise ValueError(f"ShardedStrategy(checkpoint_format={checkpoint_format!r}): give 'sharded' (every worker "
+                             "writes its own shards) or 'plain' (one file of whole tensors, gathered)")
         if mixed_precision not in _PARAM_DTYPES:
             raise ValueError(f"ShardedStrategy(mixed_precision={mixed_precision!r}): give None, 'bf16-mixed' or "
                              "'16-mixed' (Lightning's names)")
@@ -93,14 +100,14 @@ class ShardedStrategy(Strategy):
         if len(workers.devices) != 1:
             raise ValueError(f"ShardedStrategy runs one replica per worker process, but devices={workers.device_names}"
                              "; start one process per device (distrib launch, torchrun) and give each one device")
-        backend = getattr(workers.communicator, "backend", None)  # ProcessGroupCommunicator's: "gloo" or "nccl"
-        if workers.devices[0].type == "cuda" and backend == "gloo":
+        if workers.devices[0].type == "cuda" and workers.communicator.backend == "gloo":
             raise ValueError(f"ShardedStrategy on {workers.device_names[0]} needs NCCL, but the workers fell back to "
                              "gloo (several processes share one GPU, or NCCL is missing): gloo cannot reduce-scatter "
                              "CUDA tensors. Give each worker its own GPU, or train on the CPU with devices=['cpu']")
         super().__init__(workers.devices, workers.communicator, workers.resolver, device_names=workers.device_names)
         self._policy = sharding_policy or ShardingPolicy()
         self._reshard_after_forward = reshard_after_forward
+        self._checkpoint_format = checkpoint_format
         self._param_dtype = _PARAM_DTYPES[mixed_precision]
         self._replica = ReplicaContext(self, 0, InPlaceMerger())
         self._mesh: Any = None
@@ -220,6 +227,17 @@ class ShardedStrategy(Strategy):
         return SynchronousExecutor(self)
 
     # ------------------------------------------------------------------ checkpoint contract
+    @property
+    def checkpoint_format(self) -> str:
+        """``"sharded"`` (the default, with several workers): ``ds.Checkpoint`` has every worker write its own
+        shards into one directory (torch.distributed.checkpoint), never gathering the model; ``"plain"``: one
+        file of whole tensors, gathered on every worker and written by the chief. One worker: ``"plain"``."""
+        return self._checkpoint_format if self.num_workers > 1 else "plain"
+
+    def local_checkpoint_state(self, obj: Any) -> Any:
+        """``obj.state_dict()`` as it is here: parameters and optimizer state are this worker's ``DTensor`` shards."""
+        return obj.state_dict()
+
     def checkpoint_state(self, obj: Any) -> Any:
         """Torch's plain ``state_dict()`` of ``obj``, every shard gathered (on every worker: a collective)."""
         return self.communicator.guarded("gathering the shards for a checkpoint",
