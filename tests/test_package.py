@@ -26,6 +26,21 @@ def test_import_distrib_loads_no_parameter_server_dependency():
     assert out.strip() == "True"  # loaded on first use
 
 
+def test_import_distrib_and_distrib_launch_load_no_torch(tmp_path):
+    """`import distrib` loads each name on first use, so `distrib launch` (a process that only starts and watches
+    its tasks, which import torch themselves) starts without torch: about 0.1 s instead of 1.5 s on every launch."""
+    script = tmp_path / "task.py"
+    script.write_text("import os; print('task', os.environ['TF_CONFIG'] != '')\n")
+    code = ("import sys\nfrom distrib.app.cli import main\n"
+            f"code = main(['launch', '--workers', '2', {str(script)!r}])\n"
+            "print('exit', code, sorted({'torch', 'grpc', 'cloudpickle'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.count("task True") == 2 and "exit 0 []" in out, out
+    code = "import distrib as ds, sys; ds.MirroredStrategy; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"  # loaded on first use
+
+
 NO_NUMPY = """
 import sys
 class NoNumpy:  # as in an environment without numpy

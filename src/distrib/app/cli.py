@@ -6,7 +6,8 @@
 
 Each subcommand registers a function that adds its arguments to a parser and a
 function that runs it; ``main`` returns the process exit code. Strategy names come
-from :mod:`distrib.strategies.registry`.
+from :mod:`distrib.strategies.registry`, imported only by the subcommands that need it: ``distrib launch``
+(a process that only starts and watches its tasks) imports no torch and starts in about 0.1 s.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import argparse
 import logging
 import sys
 from typing import Any, Callable, NamedTuple, Optional, Sequence
-
-from distrib.strategies import registry
 
 __all__ = ["main", "register", "build_parser", "forwarded_arguments"]
 
@@ -85,11 +84,13 @@ def _non_negative_float(text: str) -> float:
 
 
 def _strategy_help() -> str:
+    from distrib.strategies import registry  # imports torch: only where train's options are needed
     return "; ".join(f"{name}: {registry.get(name).description}" for name in registry.names())
 
 
 def _train_options() -> list[tuple[str, dict[str, Any]]]:
     """``distrib train``'s options: (flag, ``add_argument`` keywords). One table adds and forwards them."""
+    from distrib.strategies import registry
     return [
         ("--strategy", dict(choices=registry.names(), default=None,
                             help=f"distribution strategy (default: {registry.default_name()}; "
@@ -166,6 +167,7 @@ def _train(args: argparse.Namespace) -> int:
     from distrib.app.datasets import DatasetNotFoundError
     from distrib.app.train import TrainConfig, train
 
+    from distrib.strategies import registry
     name = args.strategy or registry.default_name(workers=args.workers, ps=args.ps)
     entry = registry.get(name)
     if args.ps and not entry.parameter_servers:
@@ -261,26 +263,46 @@ register("plot", "draw a run's training.png again from its metrics.jsonl (needs 
          _plot)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``distrib`` parser, with every registered subcommand."""
-    import torch
+class _VersionAction(argparse.Action):
+    """``--version``: distrib's, torch's and Python's versions (torch imported only when asked)."""
 
-    from distrib import __version__
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: Optional[str] = None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show the versions of distrib, torch and Python and exit")
 
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        import torch
+
+        from distrib import __version__
+
+        print(f"distrib {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")  # as argparse's
+        parser.exit()
+
+
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The ``distrib`` parser, with every registered subcommand.
+
+    ``only``: add the arguments of that subcommand alone (the others are listed, without their options),
+    so that parsing ``distrib launch ...`` does not import what ``distrib train``'s options need (torch)."""
     parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute-style training for PyTorch",
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--version", action="version",
-                        version=f"distrib {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
-        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help,
-                                             formatter_class=HelpFormatter))
+        subparser = sub.add_parser(name, help=command.help, description=command.help, formatter_class=HelpFormatter)
+        if only is None or name == only:
+            command.add_arguments(subparser)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    # the subcommand is the first word that is not an option (distrib's own options take no value)
+    named = next((word for word in arguments if not word.startswith("-")), None)
+    args = build_parser(only=named if named in COMMANDS else None).parse_args(arguments)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return COMMANDS[args.command].run(args)
