@@ -220,7 +220,7 @@ SLOW_CHIEF = textwrap.dedent("""
     real_save = torch.save
 
     def slow_save(obj, f, *args, **kwargs):  # the chief's write outlasts the collectives' 3 s timeout
-        time.sleep(6)
+        time.sleep(4.5)
         return real_save(obj, f, *args, **kwargs)
 
     def full_save(obj, f, *args, **kwargs):
@@ -262,7 +262,7 @@ def test_a_save_longer_than_the_collective_timeout_succeeds_on_every_worker(tmp_
 
 
 def test_the_checkpoint_timeout_comes_from_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTRIB_CHECKPOINT_TIMEOUT", "2")  # shorter than the chief's 6 s write
+    monkeypatch.setenv("DISTRIB_CHECKPOINT_TIMEOUT", "2")  # shorter than the chief's 4.5 s write
     code, lines = _two_workers(tmp_path, "slow")
     assert code != 0 and lines.get("[worker 1]", "").startswith("CollectiveError"), lines
     assert "barrier" in lines["[worker 1]"]

@@ -30,6 +30,6 @@ def test_a_dead_peer_fails_the_overlapped_all_reduce_within_the_timeout():
 def test_a_barrier_of_its_own_length_outlasts_the_communication_timeout_and_a_plain_one_does_not():
     code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_barrier.py"), "1", timeout=90)
     assert code == 0, out
-    for worker in (0, 1):  # worker 1 sleeps 4 s; the communication timeout is 2 s
+    for worker in (0, 1):  # worker 1 sleeps 3 s; the communication timeout is 2 s
         assert f"[worker {worker}] long barrier passed" in out, out
         assert f"[worker {worker}] short barrier failed" in out, out
