@@ -74,25 +74,27 @@ def _events(out: str) -> list[tuple[str, dict[str, float]]]:
     return events
 
 
-def reference(workdir: Path) -> list[Any]:
-    """The uninterrupted run's final parameters."""
+def reference(workdir: Path, strategy: str = "mwms") -> list[Any]:
+    """The uninterrupted run's final parameters (``strategy``: the script's ``mwms`` or ``sharded``)."""
     import torch
 
     out_file = workdir / "reference.pt"
     code, out = _launch(["--workers", "2", str(SCRIPT), "--out", str(out_file), "--checkpoint-dir",
-                         str(workdir / "reference-ckpt")])
+                         str(workdir / "reference-ckpt"), "--strategy", strategy])
     if code != 0:
         raise RuntimeError(f"the uninterrupted run failed ({code}):\n{out}")
     return list(torch.load(out_file))
 
 
-def trial(workdir: Path, notice_at: int, via: str, expected: Optional[list[Any]] = None) -> dict[str, Any]:
+def trial(workdir: Path, notice_at: int, via: str, expected: Optional[list[Any]] = None,
+          strategy: str = "mwms") -> dict[str, Any]:
     """One preempted run at ``notice_at`` and its restart; the figures described in the module docstring."""
     import torch
 
     own = Path(tempfile.mkdtemp(prefix=f"{via}-{notice_at}-", dir=workdir))  # a trial's own files, never reused
     out_file, ckpt = own / "preempted.pt", own / "ckpt"
-    common = ["--workers", "2", str(SCRIPT), "--out", str(out_file), "--checkpoint-dir", str(ckpt)]
+    common = ["--workers", "2", str(SCRIPT), "--out", str(out_file), "--checkpoint-dir", str(ckpt),
+              "--strategy", strategy]
     if via == "launcher":
         # the launcher looks for signals every 50 ms: slower steps, so the notice lands mid-run. Its grace period
         # must cover the save and the process's exit: torch's own teardown at exit took 4-6 s on this 2-core

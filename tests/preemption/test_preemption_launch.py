@@ -46,3 +46,17 @@ def test_a_notice_at_a_random_step_is_one_agreed_checkpoint_and_an_exact_resume(
     else:
         assert result["launcher_exit_codes"] == [0]  # restarted by the launcher itself, with --max-restarts 0
     assert result["notice_to_exit_s"] < 4.0  # within the default 5 s grace period, less the handler's margin
+
+
+def test_under_the_sharded_strategy_each_worker_saves_its_shards_and_the_resume_is_exact(tmp_path):
+    """The handler's checkpoint under ShardedStrategy is the sharded format (one shard file per worker)."""
+    expected = bench.reference(tmp_path, strategy="sharded")
+    notice_at = random.Random().randint(1, 18)
+    result = bench.trial(tmp_path, notice_at, "self", expected, strategy="sharded")
+    print(f"PREEMPTION under ShardedStrategy: notice at run {notice_at}, saved at {result['saved_at']}, "
+          f"resumed at {result['resumed_at']}, notice to exit {result.get('notice_to_exit_s')}s")
+    assert set(result["saved_at"].values()) == {notice_at + 1} and len(result["saved_at"]) == 2, result.get("output")
+    assert result["resumed_at"] == [notice_at + 1] and result["steps_lost"] == 0, result
+    assert result["params_equal"] is True, result
+    shards = list(tmp_path.glob("self-*/ckpt/*.dcp/*.distcp"))
+    assert len(shards) == 2, shards

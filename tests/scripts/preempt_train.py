@@ -1,9 +1,10 @@
 """A worker script for the preemption tests: TF's custom loop around PreemptionCheckpointHandler.run.
 
     distrib launch --workers 2 tests/scripts/preempt_train.py --out OUT --checkpoint-dir DIR
-        [--notice-at STEP --notice-worker W --notice-to self|launcher] [--signal TERM|USR1]
+        [--notice-at STEP --notice-worker W --notice-to self|launcher] [--signal TERM|USR1] [--strategy sharded]
 
-Trains EPOCHS x STEPS of a small CNN with Adam on seeded data under MultiWorkerMirroredStrategy,
+Trains EPOCHS x STEPS of a small CNN with Adam on seeded data under MultiWorkerMirroredStrategy (or
+ShardedStrategy, whose checkpoints are then the sharded format: each worker writes its own shards),
 every step through ``handler.run``; the data position is ``handler.total_run_calls`` (TF's guide).
 On the first attempt (``DISTRIB_RESTART=0``), when the run count reaches --notice-at, worker
 --notice-worker sends the signal to itself (``self``) or to its parent, the launcher
@@ -39,10 +40,13 @@ p.add_argument("--notice-worker", type=int, default=1)
 p.add_argument("--notice-to", choices=("self", "launcher"), default="self")
 p.add_argument("--signal", default="TERM")
 p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step (a slower step)")
+p.add_argument("--strategy", choices=("mwms", "sharded"), default="mwms")
 args = p.parse_args()
 
 restart = int(os.environ.get("DISTRIB_RESTART", "0"))
-strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=60))
+options = ds.CommunicationOptions(timeout_seconds=60)
+strategy = ds.MultiWorkerMirroredStrategy(communication_options=options) if args.strategy == "mwms" else \
+    ds.ShardedStrategy(communication_options=options, devices=["cpu"], sharding_policy=ds.ShardingPolicy(min_params=40))
 
 g = torch.Generator().manual_seed(0)
 images = torch.randn(args.examples, 1, 8, 8, generator=g)
@@ -92,6 +96,7 @@ for epoch in range(handler.total_run_calls // steps_per_epoch, args.epochs):
             print(f"NOTICE worker={me} run={handler.total_run_calls} t={time.time():.4f}", flush=True)
             os.kill(os.getpid() if args.notice_to == "self" else os.getppid(), sig)
         handler.run(train_step, iterator)
+whole = strategy.checkpoint_state(model)  # the whole parameters (gathered from the shards under "sharded")
 if strategy.is_chief:
-    torch.save([q.detach() for q in model.parameters()], args.out)
+    torch.save(list(whole.values()), args.out)
 print(f"done: worker {me} of {strategy.num_workers}", flush=True)
