@@ -2,13 +2,15 @@
 
     distrib launch --workers 2 tests/scripts/sharded_peer.py hang|dead TIMEOUT_SECONDS
         worker 1 stops answering (SIGSTOP) or exits after 2 steps; worker 0's next step (FSDP's all-gather and
-        reduce-scatter run inside forward and backward) must be a CollectiveError within the timeout
+        reduce-scatter run inside forward and backward) must be a CollectiveError within the timeout. The first
+        of the 2 steps uses a mean loss (not scaled by the global batch): one UnscaledLossWarning per worker
 """
 
 import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 
@@ -34,9 +36,19 @@ def step(x, y):
     optimizer.zero_grad()
 
 
+def mean_loss_step(x, y):  # a loss averaged over this worker's examples only: the gradients would be N times off
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 data = iter(strategy.experimental_distribute_dataset(batches))
-for _ in range(2):
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    strategy.run(mean_loss_step, args=next(data))
     strategy.run(step, args=next(data))
+unscaled = [w for w in seen if issubclass(w.category, ds.UnscaledLossWarning)]
+print(f"UNSCALED LOSS WARNINGS {len(unscaled)}: {str(unscaled[0].message)[:120] if unscaled else ''}", flush=True)
 if strategy.worker_index == 1:
     if mode == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)

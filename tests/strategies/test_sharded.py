@@ -125,6 +125,9 @@ def test_a_dead_or_hung_peer_is_a_collective_error_within_the_timeout(how: str) 
     line = next(line for line in out.splitlines() if "COLLECTIVE ERROR" in line)
     assert line.startswith("[worker 0]") and "a sharded step" in line, line
     assert float(line.split("after ")[1].split("s:")[0]) < 5 + 3.0, line
+    # the first step's mean loss (several workers): one warning with the fix on each worker, not a silent N-fold error
+    for worker in (0, 1):
+        assert f"[worker {worker}] UNSCALED LOSS WARNINGS 1: " in out and "compute_average_loss" in out, out
 
 
 # Checkpoints under the sharded strategy (2 -> 4 -> 1 workers, every other strategy, plain PyTorch, a crash,
