@@ -347,3 +347,45 @@ def test_a_fake_tensor_skeleton_saves_without_data_and_its_records_are_in_pickle
     assert again["note"] == 3
     for name, value in values.items():
         assert torch.equal(again["objects"]["m"][name], value), name
+
+
+def test_what_deferred_initialisation_reads_of_torch() -> None:
+    """strategies/deferred_init.py: a wrapper subclass with torch function disabled reports its device and
+    reaches ``__torch_dispatch__`` from ``nn.init``; an in-place view op changes the wrapper's own size when run
+    under no_dispatch; an op's schema says which arguments it writes; a dispatch mode sees ``torch.empty`` as
+    ``aten.empty.memory_format``; the graph task id tells a backward pass apart."""
+    seen: list[object] = []
+
+    class Wrapper(torch.Tensor):
+        __torch_function__ = torch_patches.DISABLED_TORCH_FUNCTION
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def, override]
+            seen.append(func)
+            return args[0]
+
+    w = torch_patches.wrapper_tensor(Wrapper, torch.empty(4, 3, device="meta"), torch.device("cpu"), False)
+    assert w.device.type == "cpu" and not w.is_meta and w.shape == (4, 3)
+    torch.nn.init.uniform_(w)  # nn.init skips meta tensors; a wrapper reporting the CPU reaches dispatch
+    assert seen == [torch.ops.aten.uniform_.default]
+    torch_patches.apply_inplace_view(torch.ops.aten.t_.default, (w,), {})
+    assert w.shape == (3, 4) and w.stride() == (1, 3)
+    schema = torch_patches.op_schema(torch.ops.aten.copy_.default)
+    assert [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments][:2] == [True, False]
+    assert torch.Tag.nondeterministic_seeded in torch.ops.aten.normal_.default.tags
+    assert torch.Tag.inplace_view in torch.ops.aten.t_.default.tags
+
+    class Modes(torch_patches.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Modes():
+        torch.empty(2, 2)
+        torch.nn.Linear(2, 2)  # a layer allocates its parameters with torch.empty
+    assert seen[1:3] == [torch.ops.aten.empty.memory_format] * 2
+    flags: list[bool] = []
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda g: flags.append(torch_patches.in_backward()))
+    (x * 2).sum().backward()
+    assert flags == [True] and not torch_patches.in_backward()

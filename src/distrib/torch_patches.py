@@ -22,6 +22,9 @@ and ``load_state_dict`` under parameter   (or of a parameter-server strategy)
 servers)
 ``module.forward`` (instance attribute)   a module is distributed by a strategy  never: it lives and dies with
                                           with copies for other local replicas   that one module instance
+a dispatch mode (``TorchDispatchMode``,   a ``ShardedStrategy`` scope with       that scope closes
+this thread's only) and the global        several workers is entered
+module forward pre/post hooks (public)    (``strategies/deferred_init.py``)
 ========================================  =====================================  =========================================
 
 ``import distrib`` applies none of them (``tests/test_torch_untouched.py``), and
@@ -38,13 +41,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch.amp.grad_scaler import GradScaler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _python_dispatch
 
 __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", "wrap_optimizer",
            "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
            "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
            "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward",
            "has_load_state_dict_pre_hooks", "queue_backward_callback", "group_backend", "sparse_parts",
-           "fake_tensor_mode"]
+           "fake_tensor_mode", "DISABLED_TORCH_FUNCTION", "TorchDispatchMode", "wrapper_tensor",
+           "apply_inplace_view", "in_backward", "op_schema"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -382,3 +387,53 @@ def fake_tensor_mode() -> Any:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode()
+
+
+# --------------------------------------------------------------------------- deferred initialisation (sharded builds)
+
+#: the ``__torch_function__`` a tensor subclass that works at the dispatch level sets, so torch's Python-level
+#: functions (``nn.init.*``) see it as a plain tensor and its ``__torch_dispatch__`` receives the aten ops
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+#: torch's base class of a dispatch mode (every aten op of this thread passes through it while entered); torch
+#: documents it in its extending guide, but it lives in the private ``torch.utils._python_dispatch``
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+
+def wrapper_tensor(cls: type, like: torch.Tensor, device: torch.device, requires_grad: bool) -> Any:
+    """A tensor of class ``cls`` with ``like``'s size, strides, offset and dtype on ``device``, and no data.
+
+    ``strategies/deferred_init.py`` builds a sharded model's tensors as these: they report the device the
+    plain build would have used (``nn.init`` skips meta tensors: ``if tensor.is_meta: return``), while their
+    ``__torch_dispatch__`` records the ops. ``Tensor._make_wrapper_subclass`` is how torch's own DTensor and
+    FakeTensor are made.
+    """
+    return torch.Tensor._make_wrapper_subclass(cls, like.size(), strides=like.stride(),
+                                               storage_offset=like.storage_offset(), dtype=like.dtype, device=device,
+                                               requires_grad=requires_grad)
+
+
+def apply_inplace_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Run an in-place view op (``t_``, ``transpose_``, ``unsqueeze_``: ``torch.Tag.inplace_view``) on a wrapper
+    tensor's own metadata, dispatching nowhere: how ``torch.utils._python_dispatch.return_and_correct_aliasing``
+    keeps a wrapper subclass's size and strides those of the tensor it stands for."""
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+
+
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass (torch has no public way to ask)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def op_schema(func: Any) -> Any:
+    """An aten op's ``FunctionSchema`` (which arguments it writes, what it returns); torch's own tensor subclasses
+    read it the same way (``torch.utils._python_dispatch``), and ``OpOverload`` has no public name for it."""
+    return func._schema

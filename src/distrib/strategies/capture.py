@@ -7,6 +7,10 @@ strategy's ``distribute_module``. No constructor is patched for modules. Optimiz
 such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is open (by
 :mod:`distrib.torch_patches`, which holds every patch of a torch object), and an optimizer
 built in the scope is handed to the strategy's ``distribute_optimizer`` (after the modules).
+
+A strategy that defers initialisation (``ShardedStrategy`` with several workers: see
+:mod:`distrib.strategies.deferred_init`) records the build while its scope is open, so the modules
+handed over hold no data yet; every other strategy's modules are built as in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from distrib import context, torch_patches
+from distrib.strategies import deferred_init
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -64,7 +69,11 @@ def _on_optimizer_built(self: torch.optim.Optimizer) -> None:
 
 
 def install_capture_hooks() -> None:
-    """Start capturing (nested scopes share one set of hooks)."""
+    """Start capturing (nested scopes share one set of hooks); the current scope's strategy starts recording
+    its build if it defers initialisation."""
+    recorder = deferred_init.recorder_of(context.current_scope())
+    if recorder is not None:
+        recorder.open()
     with _capture.lock:
         _capture.depth += 1
         if _capture.depth > 1:
@@ -78,7 +87,10 @@ def install_capture_hooks() -> None:
 
 
 def remove_capture_hooks() -> None:
-    """Stop capturing once the outermost scope closes."""
+    """Stop capturing once the outermost scope closes (and the current scope's recording of its build)."""
+    recorder = deferred_init.recorder_of(context.current_scope())
+    if recorder is not None:
+        recorder.close()
     with _capture.lock:
         _capture.depth -= 1
         if _capture.depth > 0:

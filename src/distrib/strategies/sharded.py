@@ -44,6 +44,9 @@ from distrib import context
 from distrib.cluster.resolver import ClusterResolver
 from distrib.comm import CommunicationOptions
 from distrib.strategies.base import Strategy
+from distrib.strategies.deferred_init import DeferredInit
+from distrib.strategies.deferred_init import paused as deferred_paused
+from distrib.strategies.deferred_materialise import plan_materialisation
 from distrib.strategies.extended import GradientMerge
 from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
@@ -81,6 +84,9 @@ class ShardedStrategy(Strategy):
     ``mixed_precision``: ``"bf16-mixed"`` or ``"16-mixed"`` gathers parameters in that dtype for
     compute and reduces gradients in float32 (FSDP's ``MixedPrecisionPolicy``); the shards and the
     optimizer stay float32. ``checkpoint_format``: ``"sharded"`` or ``"plain"`` (see :attr:`checkpoint_format`).
+    ``deferred_init``: True (the default) builds modules in the scope without their data and initialises
+    them shard by shard, never whole (the same values as a plain build with the same seed); False builds
+    them whole on every worker and shards them when the scope closes.
     ``cluster_resolver``, ``communication_options`` and ``devices`` are ``MultiWorkerMirroredStrategy``'s
     (one device per process).
     """
@@ -89,7 +95,7 @@ class ShardedStrategy(Strategy):
                  communication_options: Optional[CommunicationOptions] = None,
                  devices: Optional[Sequence[str]] = None, *, sharding_policy: Optional[ShardingPolicy] = None,
                  reshard_after_forward: bool = True, mixed_precision: Optional[str] = None,
-                 checkpoint_format: str = "sharded") -> None:
+                 checkpoint_format: str = "sharded", deferred_init: bool = True) -> None:
         if checkpoint_format not in ("sharded", "plain"):
             raise ValueError(f"ShardedStrategy(checkpoint_format={checkpoint_format!r}): give 'sharded' (every worker "
                              "writes its own shards) or 'plain' (one file of whole tensors, gathered)")
@@ -109,6 +115,9 @@ class ShardedStrategy(Strategy):
         self._reshard_after_forward = reshard_after_forward
         self._checkpoint_format = checkpoint_format
         self._param_dtype = _PARAM_DTYPES[mixed_precision]
+        #: with several workers, the scope records the build and distribute_module initialises shard by shard
+        #: (strategies/deferred_init.py); ``deferred_init=False`` builds whole and shards when the scope closes
+        self.deferred_init = DeferredInit() if deferred_init and self.num_workers > 1 else None
         self._replica = ReplicaContext(self, 0, InPlaceMerger())
         self._mesh: Any = None
         # a parameter replaced by its shard -> (the old parameter, its module, its name): moves optimizers built
@@ -135,7 +144,11 @@ class ShardedStrategy(Strategy):
 
     # ------------------------------------------------------------------ modules and optimizers
     def distribute_module(self, module: nn.Module) -> None:
-        """Place ``module`` on this worker's device and shard it (with several workers)."""
+        """Place ``module`` on this worker's device and shard it (with several workers).
+
+        A module built under deferred initialisation holds no data yet: it is sharded on the meta device,
+        allocated (``to_empty``), and each parameter's rows are filled from the recorded build, one tensor
+        at a time (strategies/deferred_init.py); the workers then agree on the chief's values."""
         owner = context.owner_of(module)
         if owner is self:
             return
@@ -144,23 +157,35 @@ class ShardedStrategy(Strategy):
                 raise ValueError(f"module {type(module).__name__} contains {type(sub).__name__}, which another "
                                  "strategy or scope block distributes; build the whole model inside one scope block")
         device = self.local_devices[0]
-        if device is not None:
-            module.to(device)
-        if self.num_workers > 1:
-            take_chiefs_values(self.communicator, module)  # each worker keeps its rows of the chief's values
-            # weakly: a strong list would keep every unit's whole parameters alive until the last unit is sharded
-            before = [(name, weakref.ref(p), id(p)) for name, p in module.named_parameters()]
-            if self._mesh is None:
-                self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
-            units = self._policy.units(module)
-            self.communicator.guarded("sharding the model", lambda: _fsdp().shard_module(
-                module, units, self._mesh, self._reshard_after_forward,
-                _fsdp().mixed_precision_policy(self._param_dtype)))
-            for name, old, key in before:
-                if old() is not None:  # an optimizer holds it: it may be built over it before the scope closed
-                    self._moved[key] = (old, weakref.ref(module), name)
-            log.info("sharded %s over %d workers: %d unit(s) + the root", type(module).__name__, self.num_workers,
-                     len(units))
+        with deferred_paused(self):
+            plan = plan_materialisation(module) if self.num_workers > 1 else None
+            if plan is None and device is not None:
+                module.to(device)
+            if self.num_workers > 1:
+                if plan is None:
+                    take_chiefs_values(self.communicator, module)  # each worker keeps its rows of the chief's values
+                else:
+                    self.communicator.verify_same(plan.signature(), f"the {type(module).__name__} built in "
+                                                  "strategy.scope()")
+                    plan.take_chiefs_real_values(self.communicator)
+                # weakly: a strong list would keep every unit's whole parameters alive until the last unit is sharded
+                before = [(name, weakref.ref(p), id(p)) for name, p in module.named_parameters()]
+                if plan is not None:
+                    plan.to_meta()
+                if self._mesh is None:
+                    self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
+                units = self._policy.units(module)
+                self.communicator.guarded("sharding the model", lambda: _fsdp().shard_module(
+                    module, units, self._mesh, self._reshard_after_forward,
+                    _fsdp().mixed_precision_policy(self._param_dtype)))
+                if plan is not None:
+                    self.communicator.guarded("initialising the sharded model", lambda: plan.materialise(
+                        device, self.communicator))
+                for name, old, key in before:
+                    if old() is not None:  # an optimizer holds it: it may be built over it before the scope closed
+                        self._moved[key] = (old, weakref.ref(module), name)
+                log.info("sharded %s over %d workers: %d unit(s) + the root%s", type(module).__name__,
+                         self.num_workers, len(units), ", initialised shard by shard" if plan is not None else "")
         for sub in module.modules():
             context.set_owner(sub, self)
 
