@@ -27,6 +27,20 @@ def test_launch_returns_the_first_failures_exit_code(tmp_path):
     assert elapsed < 30  # the sleeping worker was stopped, not waited for
 
 
+
+def test_a_stopped_task_is_continued_to_take_the_polite_signal_and_does_not_hold_the_launcher(tmp_path):
+    """Worker 0 stops itself (SIGSTOP, as a hung or debugged process), worker 1 fails: the launcher's SIGTERM is
+    followed by SIGCONT, so the stopped worker ends at once, not when the 60 s grace period runs out."""
+    script = tmp_path / "stopped.py"
+    script.write_text("import json, os, signal, sys, time\n"
+                      "t = json.loads(os.environ['TF_CONFIG'])['task']\n"
+                      "if t['index'] == 0:\n"
+                      "    print('stopping', flush=True); os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)\n"
+                      "time.sleep(1); sys.exit(7)\n")
+    code, out, elapsed = launch("--workers", "2", "--grace-seconds", "60", str(script), timeout=50)
+    assert code == 7 and "[worker 0] stopping" in out and "worker 1 failed with exit code 7" in out, out
+    assert elapsed < 30, out  # not held for the grace period (run_bounded fails the test at 50 s anyway)
+
 SLEEPER = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     task = json.loads(os.environ["TF_CONFIG"])["task"]

@@ -58,7 +58,8 @@ ends with the same parameters whatever the sizes it ran at, up to float rounding
 
 Signals: SIGTERM and SIGHUP (how Slurm, Kubernetes, systemd and ``timeout`` stop a job)
 and SIGINT (Ctrl-C) sent to the launcher are forwarded to every task (each task runs
-in its own process group, which receives the signal), the launcher waits up to
+in its own process group, which receives the signal, then SIGCONT so that a stopped task acts on it
+at once), the launcher waits up to
 ``grace_seconds`` (5 s, ``--grace-seconds``; the tasks see it as ``DISTRIB_GRACE_SECONDS``)
 for them to exit, kills (SIGKILL) the process group of every task still there, and exits
 with ``128 + signal``: 143 for SIGTERM, 129 for SIGHUP, 130 for SIGINT; or with 42 when
@@ -222,10 +223,16 @@ class _Task:
         return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the task's process group (the task and what it started), even if the task itself exited."""
+        """Send ``sig`` to the task's process group (the task and what it started), even if the task itself exited.
+
+        A polite stop (SIGTERM, SIGHUP, SIGINT) is followed by SIGCONT, as systemd does: a stopped process
+        (SIGSTOP, Ctrl-Z, a debugger) only acts on its pending signal once continued, so it then exits or saves
+        now instead of holding the launcher for the whole grace period before SIGKILL."""
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, sig)
+                if sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                    os.killpg(self.proc.pid, signal.SIGCONT)
             except (ProcessLookupError, PermissionError):
                 pass
 
