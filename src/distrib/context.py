@@ -94,6 +94,17 @@ def strategy_of(*objects: Any) -> "Strategy":
     belongs to the cluster: the chief alone writes, and an optimizer built outside the
     scope is an error naming the fix rather than a worker training alone); else the default.
     """
+    owner = distributor_of(*objects)
+    if owner is not None:
+        return owner
+    if has_strategy():
+        return get_strategy()
+    return cluster_strategy() or get_strategy()
+
+
+def distributor_of(*objects: Any) -> Optional["Strategy"]:
+    """The strategy that distributes one of ``objects`` (or a module inside one), or None: their state is then
+    whole and plain, whatever strategy the process runs."""
     import torch
 
     for obj in objects:
@@ -101,9 +112,7 @@ def strategy_of(*objects: Any) -> "Strategy":
             owner = owner_of(part)
             if owner is not None:
                 return owner
-    if has_strategy():
-        return get_strategy()
-    return cluster_strategy() or get_strategy()
+    return None
 
 
 def register_cluster_strategy(strategy: "Strategy") -> None:

@@ -128,6 +128,22 @@ def test_custom_loop_step_scalars_reach_tensorboard(idx_dir, tmp_path, capsys):
     assert [e.value for e in scalars.Scalars("batch_loss")] == pytest.approx([r["loss"] for r in rows if "step" in r])
 
 
+def test_train_sharded_writes_each_workers_shards_and_the_chief_restores_them_without_strategy(idx_dir, tmp_path,
+                                                                                                capsys):
+    """`--strategy sharded --workers 2`: checkpoints are the sharded format (a shard file per worker); the chief
+    alone restores the last one into a plain model, reading it whole (no collective the other worker would miss)."""
+    ckpt = tmp_path / "ckpt"
+    code = main(["train", "--strategy", "sharded", "--workers", "2", "--epochs", "1", "--batch-size-per-replica", "32",
+                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    epochs = [m.groups() for m in LINE.finditer(re.sub(r"^\[worker 0\] ", "", out, flags=re.MULTILINE))]
+    assert [int(e[0]) for e in epochs] == [1] and float(epochs[0][4]) > 30.0, out
+    assert sorted(p.name for p in (ckpt / "ckpt-1.dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    restored = re.search(r"Accuracy after restoring the saved model without strategy: (\d+\.\d\d)$", out, re.MULTILINE)
+    assert restored is not None and restored.group(1) == epochs[0][4], out
+
+
 def test_train_on_parameter_servers_through_launch(idx_dir, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     code = main(["train", "--strategy", "parameter-server", "--workers", "2", "--ps", "1", "--epochs", "1",

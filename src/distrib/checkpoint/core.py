@@ -46,6 +46,14 @@ def _strategy(objects: Mapping[str, Any]) -> "Strategy":
     return context.strategy_of(*objects.values())
 
 
+def _sharded(objects: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint of ``objects`` is in the sharded format: they are distributed by a strategy whose
+    ``checkpoint_format`` is ``"sharded"``. Objects nobody distributes are whole: the plain format (a model
+    built outside the scope, e.g. to evaluate a checkpoint on the chief alone)."""
+    owner = context.distributor_of(*objects.values())
+    return owner is not None and owner.checkpoint_format == "sharded"
+
+
 def _state(strategy: "Strategy", obj: Any) -> Any:
     """The whole, plain state of one tracked object, as the strategy gathers it."""
     if isinstance(obj, torch.Tensor):
@@ -231,7 +239,7 @@ class Checkpoint:
         given a path other than the chief's; all meet."""
         strategy = _strategy(self._objects)
         checkpoint_timeout(timeout)  # a bad timeout is an error before anything is written
-        if strategy.checkpoint_format == "sharded":
+        if _sharded(self._objects):
             self._write_sharded(strategy, path, counter, timeout, after)
             return
         writes = writes_here(strategy, path)
@@ -292,7 +300,7 @@ class Checkpoint:
         strategy = _strategy(self._objects)
         if not os.path.isdir(data_file):
             data = fmt.load(data_file)
-        elif strategy.checkpoint_format == "sharded":  # each worker reads its own shards (a collective)
+        elif _sharded(self._objects):  # each worker reads its own shards (a collective)
             data = sharded_objects.read_like(data_file, self._objects, strategy)
         else:
             data = sharded_objects.read_whole(data_file)
