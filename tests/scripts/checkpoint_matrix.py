@@ -147,10 +147,6 @@ def load(directory: str, kind: str) -> None:
 
 def crash(directory: str) -> None:
     """ckpt-1 saved; ckpt-2's save is killed midway on worker 1 (half its shard file written, SIGKILL)."""
-    import signal
-
-    from distrib.checkpoint import sharded
-
     strategy = strategy_of("sharded")
     with strategy.scope():
         model = build(0)
@@ -160,15 +156,9 @@ def crash(directory: str) -> None:
     print("saved", checkpoint.save(os.path.join(directory, "crash", "ckpt")), flush=True)
     train(strategy, model, optimizer, batches()[1:2])
     if strategy.worker_index == 1:
-        real = sharded.sf.crc_of_file
+        from die_midway import die_while_saving
 
-        def die_halfway(path: str, *args: object, **kwargs: object) -> int:
-            with open(path, "r+b") as f:
-                f.truncate(os.path.getsize(path) // 2)
-            os.kill(os.getpid(), signal.SIGKILL)
-            return real(path)
-
-        sharded.sf.crc_of_file = die_halfway  # type: ignore[assignment]
+        die_while_saving()
     try:
         checkpoint.save(os.path.join(directory, "crash", "ckpt"))
     except (ds.CheckpointError, ds.CollectiveError) as e:
