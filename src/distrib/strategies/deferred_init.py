@@ -291,9 +291,10 @@ class Session:
             raise RuntimeError(
                 f"{func} writes a tensor built under ShardedStrategy.scope() after its model was sharded; write to "
                 "the module's parameters (they are the shards now), or build with ShardedStrategy(deferred_init=False)")
-        if reason not in self._eager_reasons:
+        if reason not in self._eager_reasons:  # once per reason; a write keeps that tensor whole until sharded
             self._eager_reasons.add(reason)
-            log.debug("deferred init: evaluating on the CPU because %s", reason)
+            log.log(logging.INFO if written else logging.DEBUG, "deferred init: evaluated on the CPU because %s%s",
+                    reason, "; the values it wrote are kept whole until the model is sharded" if written else "")
         env = replay(self, {t.ref().node for t in deferred}, keep=True)
         real_of = {id(t): view_of(env[t.ref().node], t.ref()) for t in deferred}
         real_args = _map(args, lambda t: real_of.get(id(t), t))

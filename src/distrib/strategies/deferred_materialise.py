@@ -51,11 +51,17 @@ class MaterialisePlan:
         named = [*self.root.named_parameters(), *self.root.named_buffers()]
         return "; ".join(f"{n}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for n, t in named)
 
-    def take_chiefs_real_values(self, communicator: Any) -> None:
-        """The tensors built with values (not deferred) take the chief's, as ``take_chiefs_values`` gives them."""
+    def take_chiefs_real_values(self, communicator: Any, device: Optional[torch.device]) -> None:
+        """The tensors built with values (not deferred) take the chief's, as ``take_chiefs_values`` gives them
+        (through copies on ``device``: NCCL broadcasts only CUDA tensors)."""
         tensors = [self._get(name, is_param).detach() for name, is_param in self.real]
         if tensors and communicator.world_size > 1:
-            communicator.broadcast(tensors, src=0)
+            moved = [t.to(device or CPU) for t in tensors]
+            communicator.broadcast(moved, src=0)
+            with torch.no_grad():
+                for t, m in zip(tensors, moved):
+                    if m is not t:
+                        t.copy_(m)
 
     def to_meta(self) -> None:
         """Swap every deferred parameter and buffer for a meta one (what ``fully_shard`` and ``to_empty`` take)."""
@@ -108,12 +114,14 @@ class MaterialisePlan:
                             "differently?), e.g. %s; every worker takes the chief's", len(differ), len(self.bindings),
                             differ[0].name)
             for b in differ:  # one tensor at a time, the same order everywhere
-                replay(self.session, {b.ref.node}, on_final=self._chiefs(b, communicator))
+                replay(self.session, {b.ref.node}, on_final=self._chiefs(b, communicator, device))
 
-    def _chiefs(self, b: _Binding, communicator: Any) -> Callable[[int, torch.Tensor], None]:
-        """What replaying ``b`` ends with: the chief's whole value broadcast, this worker's part of it kept."""
+    def _chiefs(self, b: _Binding, communicator: Any,
+                device: Optional[torch.device]) -> Callable[[int, torch.Tensor], None]:
+        """What replaying ``b`` ends with: the chief's whole value broadcast (on ``device``: NCCL broadcasts only
+        CUDA tensors), this worker's part of it kept."""
         def broadcast(node: int, storage: torch.Tensor) -> None:
-            whole = view_of(storage, b.ref).contiguous()
+            whole = view_of(storage, b.ref).contiguous().to(device or CPU)
             communicator.broadcast([whole], src=0)
             self._place(b, whole)
         return broadcast

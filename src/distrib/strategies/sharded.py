@@ -167,7 +167,7 @@ class ShardedStrategy(Strategy):
                 else:
                     self.communicator.verify_same(plan.signature(), f"the {type(module).__name__} built in "
                                                   "strategy.scope()")
-                    plan.take_chiefs_real_values(self.communicator)
+                    plan.take_chiefs_real_values(self.communicator, device)
                 # weakly: a strong list would keep every unit's whole parameters alive until the last unit is sharded
                 before = [(name, weakref.ref(p), id(p)) for name, p in module.named_parameters()]
                 if plan is not None:
