@@ -40,6 +40,7 @@ class Block(nn.Module):
         pe[:, 0::2] = torch.sin(torch.arange(d * 2.0).view(d, 2))
         self.register_buffer("pe", pe)
         self.norm_at_init = float(self.fc.weight.norm())  # a value read during the build
+        self.table = torch.empty(3).fill_(2.0)  # a plain attribute, not a buffer
 
 
 def _tied() -> nn.Module:
@@ -107,6 +108,7 @@ def test_a_deferred_build_replays_to_the_plain_build_bit_for_bit(name: str) -> N
     assert [k for k, _ in plain.named_parameters()] == [k for k, _ in model.named_parameters()]  # ties kept
     if name == "Block":
         assert model.norm_at_init == plain.norm_at_init
+        assert type(model.table) is torch.Tensor and torch.equal(model.table, plain.table)
 
 
 def test_a_draw_overwritten_before_it_is_read_is_never_replayed() -> None:

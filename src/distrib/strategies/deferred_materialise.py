@@ -106,6 +106,7 @@ class MaterialisePlan:
                 self._place(b, whole)
 
         replay(self.session, set(by_node), on_final=fill)
+        self._realise_attributes()
         if communicator.world_size > 1:
             everyone = communicator.all_gather_object([digests[b.name] for b in self.bindings])
             differ = [b for i, b in enumerate(self.bindings) if any(d[i] != everyone[0][i] for d in everyone)]
@@ -115,6 +116,17 @@ class MaterialisePlan:
                             differ[0].name)
             for b in differ:  # one tensor at a time, the same order everywhere
                 replay(self.session, {b.ref.node}, on_final=self._chiefs(b, communicator, device))
+
+    def _realise_attributes(self) -> None:
+        """Tensors the build kept as plain attributes (``self.table = torch.empty(n).fill_(...)``, not a buffer)
+        become real CPU tensors with their values, as in a plain build; deferred, every use after the build would
+        replay their history again."""
+        for module in self.root.modules():
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, DeferredTensor) and value._session is self.session:
+                    ref = value.ref()
+                    real = view_of(replay(self.session, {ref.node}, keep=True)[ref.node], ref)
+                    setattr(module, attr, real.requires_grad_(value.requires_grad) if real.is_leaf else real)
 
     def _chiefs(self, b: _Binding, communicator: Any,
                 device: Optional[torch.device]) -> Callable[[int, torch.Tensor], None]:
