@@ -10,8 +10,9 @@ Run by tests/strategies/test_deferred_init.py through ``distrib launch --workers
   sharded model equals one of the plain model. ``--seed-by-rank``: each worker seeds with its rank (the
   chief's values must win). Prints ``RESULT {json}``.
 * ``memory``: the residual-block model of benchmarks/sharded_memory.py (``--width``, ``--blocks``) built in
-  the scope (``--plain``: built whole outside any scope, then ``--deferred-off``: the scope with
-  ``deferred_init=False``); prints the peak RSS of the build above the baseline (VmHWM, reset before).
+  the scope (``--how deferred``, the default), in the scope with ``deferred_init=False`` (``whole``) or
+  outside any scope (``plain``); prints the peak RSS of the build above the baseline (VmHWM, reset
+  before), the RSS after it, and its seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 from torch import nn
@@ -131,16 +133,19 @@ def memory() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     torch.manual_seed(0)
+    start = time.perf_counter()
     if args.how == "plain":
         model = nn.Sequential(*[Residual(args.width) for _ in range(args.blocks)])
     else:
         with strategy.scope():
             model = nn.Sequential(*[Residual(args.width) for _ in range(args.blocks)])
     built = status()
+    seconds = time.perf_counter() - start
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     print("RESULT " + json.dumps({"worker": int(os.environ.get("RANK", "0")), "how": args.how, "local": local,
                                   "build_mb": round((built["VmHWM"] - base["VmRSS"]) / 1e6, 1),
-                                  "after_mb": round((built["VmRSS"] - base["VmRSS"]) / 1e6, 1)}), flush=True)
+                                  "after_mb": round((built["VmRSS"] - base["VmRSS"]) / 1e6, 1),
+                                  "build_s": round(seconds, 2)}), flush=True)
 
 
 equal() if args.mode == "equal" else memory()
