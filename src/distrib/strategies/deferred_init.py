@@ -168,10 +168,11 @@ class Session:
             raise RuntimeError("a deferred tensor's storage is not in its build's log (a bug in deferred_init)")
         return found
 
-    def new_node(self, meta: torch.Tensor, kind: str, value: Optional[torch.Tensor] = None) -> int:
+    def new_node(self, meta: torch.Tensor, kind: str) -> int:
+        """A node for ``meta``'s storage (a new ``torch.empty``, or an op's new output)."""
         storage = meta.untyped_storage()
         layout = Ref(len(self.nodes), tuple(meta.size()), tuple(meta.stride()), int(meta.storage_offset()))
-        self.nodes.append(Node(meta.dtype, storage.nbytes() // meta.element_size(), kind, meta, layout, value))
+        self.nodes.append(Node(meta.dtype, storage.nbytes() // meta.element_size(), kind, meta, layout))
         self._by_storage[id(storage)] = len(self.nodes) - 1
         return len(self.nodes) - 1
 

@@ -1,6 +1,7 @@
 """The log of a deferred build, and its replay: what ``deferred_init`` records and ``deferred_materialise`` runs.
 
-A node is one storage of the build (a ``torch.empty``, an op's output, or a value computed for real);
+A node is one storage of the build (a ``torch.empty``, or an op's output: a value computed for real
+during the build is written into its node by a recorded ``copy_`` from a :class:`Const`);
 an entry is one aten op with its arguments as :class:`Ref`\\ s (views of nodes), :class:`Const`\\ s
 (real tensors it read) and plain values, and the generator state from just before it if it draws
 random numbers. :func:`replay` runs what some nodes depend on, in order, on the CPU.
@@ -47,14 +48,13 @@ class Const:
 
 @dataclass
 class Node:
-    """One storage of the deferred build: ``empty`` (uninitialised), an op's ``output``, or a ``const`` value."""
+    """One storage of the deferred build: ``empty`` (uninitialised) or an op's ``output``."""
 
     dtype: torch.dtype
     numel: int
     kind: str
     meta: torch.Tensor  # a meta tensor on the node's storage: keeps the storage (and so its id) alive
     layout: Ref  # the tensor that made it, as made (``meta`` may be changed in place later: ``t_()``)
-    value: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -150,11 +150,8 @@ def replay(session: Session, wanted: set[int], keep: bool = False,
     def storage(n: int) -> torch.Tensor:
         if n not in env:
             node = session.nodes[n]
-            if node.value is not None:
-                env[n] = node.value.clone()
-            else:
-                env[n] = scratch.take((node.numel,), (1,), node.dtype)
-                ours.add(n)
+            env[n] = scratch.take((node.numel,), (1,), node.dtype)
+            ours.add(n)
         return env[n]
 
     def finish(n: int) -> None:
