@@ -185,6 +185,14 @@ def test_only_building_defers_not_a_forward_or_a_plain_strategys_scope() -> None
     assert type(layer.weight) is nn.Parameter and type(other.weight) is nn.Parameter
 
 
+def test_a_meta_tensor_beside_deferred_ones_is_an_error_naming_the_fix() -> None:
+    from distrib.strategies.deferred_materialise import plan_materialisation
+
+    model, _ = _deferred(lambda: nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta")))
+    with pytest.raises(ValueError, match=r"1.weight was built on the meta device.*drop the torch.device\('meta'\)"):
+        plan_materialisation(model)
+
+
 def _results(log: str) -> list[dict]:
     return sorted((json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line),
                   key=lambda r: r["worker"])

@@ -194,6 +194,10 @@ def plan_materialisation(root: nn.Module) -> Optional[MaterialisePlan]:
                                        "than the rest of the model; build the whole model inside one scope block")
                 session = t._session
                 bindings.append(_Binding(name, t.ref(), kind == "param"))
+            elif t.is_meta:
+                raise ValueError(f"{type(root).__name__}.{name} was built on the meta device inside ShardedStrategy."
+                                 "scope(), which already builds without data and initialises shard by shard; build "
+                                 "it on the CPU (drop the torch.device('meta') block / init_empty_weights)")
             else:
                 real.append((name, kind == "param"))
     if session is None:
