@@ -47,13 +47,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
 import sys
 from typing import Any
 
-from sharded_model import allocator_env, params, worker_env  # this directory is sys.path[0]
+from sharded_model import (MALLOC_VARIABLES, after_step, allocator_env, batches, build_model,  # sys.path[0]
+                           make_strategy, params, reset_high_water_mark, vm_status, warm_up, worker_env)
 
 STRATEGIES = ("mwms", "sharded")
 
@@ -65,8 +67,6 @@ def measure(strategy_name: str, width: int, blocks: int, steps: int, batch: int)
     import torch
 
     import distrib as ds
-    from sharded_model import after_step, batches, build_model, make_strategy, reset_high_water_mark, vm_status, \
-        warm_up
 
     torch.set_num_threads(1)
     strategy = make_strategy(strategy_name)
@@ -110,7 +110,8 @@ def measure(strategy_name: str, width: int, blocks: int, steps: int, batch: int)
             "after_build_rss_mb": round((built["VmRSS"] - base["VmRSS"]) / mb, 1),
             "virtual_peak_mb": round((max(built["VmPeak"], trained["VmPeak"]) - base["VmSize"]) / mb, 1),
             "step_wall_s": round(statistics.median(wall[timed]), 4),
-            "step_cpu_s": round(statistics.median(cpu[timed]), 4)}
+            "step_cpu_s": round(statistics.median(cpu[timed]), 4),
+            "allocator_env": {k: os.environ[k] for k in MALLOC_VARIABLES if k in os.environ}}
 
 
 def run(strategy_name: str, workers: int, malloc: str, args: argparse.Namespace) -> list[dict[str, Any]]:

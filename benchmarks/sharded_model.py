@@ -15,6 +15,7 @@ directory is on ``sys.path``) and tests/scripts/sharded_memory_limit.py (which p
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import nn
 TRIM_VARIABLE = "DISTRIB_BENCH_MALLOC_TRIM"
 #: the glibc variables allocator_env sets; any of them inherited from the caller is removed first
 MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_",
-                    TRIM_VARIABLE)
+                    "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", TRIM_VARIABLE)
 _UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
 
 
@@ -95,10 +96,14 @@ def warm_up() -> None:
     optimizer.step()
 
 
-def _size(text: str) -> int:
+def _size(text: str) -> int | None:
+    """``"128k"`` -> 131072 (binary units k, m, g); None when ``text`` is no size."""
     text = text.strip().lower()
-    unit = text[-1] if text[-1] in "kmg" else ""
-    return int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
+    unit = text[-1:] if text[-1:] in ("k", "m", "g") else ""
+    try:
+        return int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        return None
 
 
 def allocator_env(spec: str) -> dict[str, str]:
@@ -107,7 +112,9 @@ def allocator_env(spec: str) -> dict[str, str]:
     ``default`` (glibc as it comes: a dynamic mmap threshold), or parts joined by ``+``:
     ``mmap:SIZE`` (``MALLOC_MMAP_THRESHOLD_``, a fixed threshold; glibc ignores one over 32 MiB on 64-bit),
     ``trimthr:SIZE`` (``MALLOC_TRIM_THRESHOLD_``), ``toppad:SIZE`` (``MALLOC_TOP_PAD_``), ``arena:N``
-    (``MALLOC_ARENA_MAX``), ``trim`` (glibc's ``malloc_trim(0)`` after every step, see :func:`after_step`).
+    (``MALLOC_ARENA_MAX``), ``trim`` (glibc's ``malloc_trim(0)`` after every step, see :func:`after_step`),
+    ``thp`` (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, glibc >= 2.35: malloc asks for transparent huge pages,
+    ``madvise(MADV_HUGEPAGE)``, on what it maps, so a fresh 16 MB block takes 8 page faults instead of 4096).
     SIZE takes k/m/g (binary). ``mmap`` alone means ``mmap:128k``. Note: glibc fixes the mmap threshold
     (no longer dynamic) once any of the mmap, trim-threshold or top-pad variables is set.
     """
@@ -119,15 +126,25 @@ def allocator_env(spec: str) -> dict[str, str]:
         key, _, value = part.partition(":")
         if key == "mmap" and not value:
             value = "128k"
-        if key in names and value:
-            env[names[key]] = str(_size(value))
+        size = _size(value) if value else None
+        if key in names and size is not None:
+            env[names[key]] = str(size)
         elif key == "arena" and value.isdigit():
             env["MALLOC_ARENA_MAX"] = value
         elif key == "trim" and not value:
             env[TRIM_VARIABLE] = "1"
+        elif key == "thp" and not value:
+            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+        elif key == "jemalloc" and (not value or value.isdigit()):
+            library = ctypes.util.find_library("jemalloc")
+            if library is None:
+                raise ValueError("jemalloc is not installed (Debian: apt-get install libjemalloc2)")
+            env["LD_PRELOAD"] = library
+            if value:
+                env["MALLOC_CONF"] = f"dirty_decay_ms:{value},muzzy_decay_ms:{value}"
         else:
             raise ValueError(f"unknown allocator setting {part!r} in {spec!r}: use default, mmap:SIZE, "
-                             "trimthr:SIZE, toppad:SIZE, arena:N or trim, joined by '+'")
+                             "trimthr:SIZE, toppad:SIZE, arena:N, trim, thp, jemalloc or jemalloc:MS, joined by '+'")
     return env
 
 

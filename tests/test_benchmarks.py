@@ -41,3 +41,82 @@ def test_the_input_benchmark_runs_and_each_sharded_worker_loads_half(tmp_path):
     loaded = {name: v["loaded_per_step_per_worker"] for name, v in run["variants"].items()}
     assert loaded == {"auto": [4.0, 4.0], "off": [8.0, 8.0], "hand": [4.0, 4.0], "ddp": [4.0, 4.0]}
     assert set(run["ratios"]) == {"auto_vs_off", "auto_vs_hand", "auto_vs_ddp"}
+
+
+def test_the_sharded_benchmarks_allocator_settings_become_the_workers_environment(monkeypatch):
+    """benchmarks/sharded_model.py's --malloc grammar: each part sets its glibc variable, anything inherited from
+    the caller is removed (a sweep's "default" must be glibc's default), and a mistyped setting is an error."""
+    from sharded_model import TRIM_VARIABLE, allocator_env, worker_env
+
+    assert allocator_env("default") == {}
+    assert allocator_env("mmap") == {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    assert allocator_env("mmap:4m+trim+arena:2") == {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), TRIM_VARIABLE: "1",
+                                                     "MALLOC_ARENA_MAX": "2"}
+    assert allocator_env("trimthr:512k+toppad:1m") == {"MALLOC_TRIM_THRESHOLD_": "524288",
+                                                       "MALLOC_TOP_PAD_": str(1 << 20)}
+    assert allocator_env("mmap:128k+thp") == {"MALLOC_MMAP_THRESHOLD_": "131072",
+                                              "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    for bad in ("mmap:lots", "arena", "tcmalloc", "trim:1", "jemalloc:soon"):
+        with pytest.raises(ValueError, match="unknown allocator setting"):
+            allocator_env(bad)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999")
+    monkeypatch.setenv("TF_CONFIG", "{}")
+    env = worker_env("default")
+    assert "MALLOC_MMAP_THRESHOLD_" not in env and "TF_CONFIG" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert worker_env("mmap:1m")["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
+
+
+def test_the_sharded_memory_benchmark_runs_both_strategies_and_shards_the_model(tmp_path):
+    """benchmarks/sharded_memory.py, tiny (2 workers, 2 steps): MWMS and the sharded strategy both run, under the
+    allocator setting asked for; MWMS workers hold every parameter, the sharded ones half each; the figures are
+    positive and the ratio is the sharded peak over MWMS's."""
+    import json
+
+    from helpers import run_bounded
+    from sharded_model import params
+
+    out = tmp_path / "memory.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_memory.py"
+    code, log, _ = run_bounded([sys.executable, str(bench), "--workers", "2", "--malloc", "mmap", "--width", "256",
+                                "--blocks", "4", "--steps", "2", "--batch", "4", "--json", str(out)], timeout=120)
+    assert code == 0, log
+    summary = json.loads(out.read_text())
+    total = params(256, 4)
+    assert summary["params"] == total and set(summary["runs"]) == {"mmap/2"}
+    run = summary["runs"]["mmap/2"]
+    for name in ("mwms", "sharded"):
+        workers = run[name]["workers"]
+        assert [w["worker"] for w in workers] == [0, 1]
+        assert all(w["allocator_env"] == {"MALLOC_MMAP_THRESHOLD_": "131072"} for w in workers), workers
+        assert run[name]["peak_mb"] > 0 and run[name]["step_wall_s"] > 0 and run[name]["step_cpu_s"] > 0
+        assert run[name]["peak_mb"] >= run[name]["steps_mb"]
+    assert [w["local_params"] for w in run["mwms"]["workers"]] == [total, total]
+    assert [w["local_params"] for w in run["sharded"]["workers"]] == [total // 2, total // 2]
+    assert run["ratio_peak"] == round(run["sharded"]["peak_mb"] / run["mwms"]["peak_mb"], 3) > 0
+
+
+def test_the_sharded_speed_benchmark_times_every_variant(tmp_path):
+    """benchmarks/sharded_speed.py, tiny (2 workers, 2 steps, 1 round): distrib's sharded step, the direct
+    fully_shard loop and MWMS all run and get positive rates, and the ratios are the rates' quotients."""
+    import json
+
+    from helpers import run_bounded
+
+    out = tmp_path / "speed.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_speed.py"
+    code, log, _ = run_bounded([sys.executable, str(bench), "--width", "64", "--blocks", "2", "--batch", "4",
+                                "--steps", "2", "--rounds", "1", "--json", str(out)], timeout=120)
+    assert code == 0, log
+    summary = json.loads(out.read_text())
+    assert summary["variants"] == ["distrib", "direct", "mwms"] and set(summary["malloc"]) == {"default"}
+    default = summary["malloc"]["default"]
+    assert default["env"] == {}
+    for kind in ("steps_per_s_wall", "steps_per_s_cpu_estimate"):
+        assert set(default[kind]) == {"distrib", "direct", "mwms"} and min(default[kind].values()) > 0, default
+    raw = summary["raw"]
+    for kind, rates in (("ratios_wall", "wall"), ("ratios_cpu_estimate", "cpu_estimate")):
+        assert set(default[kind]) == {"distrib_vs_direct", "distrib_vs_mwms"}
+        for other in ("direct", "mwms"):
+            expected = raw["distrib/default"][rates][0] / raw[f"{other}/default"][rates][0]
+            assert default[kind][f"distrib_vs_{other}"] == pytest.approx(expected, abs=1e-3) and expected > 0
+    assert default["distrib_outside_step_fn_ms"] >= 0
