@@ -43,6 +43,7 @@ from torch import nn
 from distrib import context
 from distrib.cluster.resolver import ClusterResolver
 from distrib.comm import CommunicationOptions
+from distrib.strategies import allocator
 from distrib.strategies.base import Strategy
 from distrib.strategies.deferred_init import DeferredInit
 from distrib.strategies.deferred_init import paused as deferred_paused
@@ -130,6 +131,7 @@ class ShardedStrategy(Strategy):
             self._patch_lease = lease_torch_patches(self)
         log.info("ShardedStrategy: worker %d of %d, device %s, %s", self.worker_index, self.num_workers,
                  workers.device_names[0], "ZeRO-3" if reshard_after_forward else "ZeRO-2")
+        allocator.warn_if_untuned(workers.devices[0].type, self.num_workers, self.is_chief)
 
     @property
     def gradient_merge(self) -> Optional[GradientMerge]:
