@@ -120,3 +120,23 @@ def test_the_sharded_speed_benchmark_times_every_variant(tmp_path):
             expected = raw["distrib/default"][rates][0] / raw[f"{other}/default"][rates][0]
             assert default[kind][f"distrib_vs_{other}"] == pytest.approx(expected, abs=1e-3) and expected > 0
     assert default["distrib_outside_step_fn_ms"] >= 0
+
+
+def test_the_sharded_checkpoint_benchmark_compares_both_formats(tmp_path):
+    """benchmarks/sharded_checkpoint.py, tiny (2 workers, 1 round): both formats write and read; the sharded one
+    is written by both workers, the plain one by the chief alone; the figures are positive."""
+    import json
+
+    from helpers import run_bounded
+
+    out = tmp_path / "ckpt.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_checkpoint.py"
+    code, log, _ = run_bounded([sys.executable, str(bench), "--width", "64", "--blocks", "2", "--rounds", "1",
+                                "--json", str(out)], timeout=120)
+    assert code == 0, log
+    summary = json.loads(out.read_text())
+    assert summary["params"] == 2 * (64 * 64 + 64) and set(summary["variants"]) == {"sharded", "plain"}
+    sharded, plain = summary["variants"]["sharded"], summary["variants"]["plain"]
+    assert min(sharded["written_mb_per_worker"]) > 0  # every worker wrote its own shards
+    assert plain["written_mb_per_worker"][0] > 0 and plain["written_mb_per_worker"][1] == 0  # the chief alone
+    assert all(row[k] > 0 for row in (sharded, plain) for k in ("save_s", "restore_s"))
