@@ -43,4 +43,6 @@ def test_joining_without_the_peer_fails_within_the_timeout(case, chief, index):
     found = re.search(r"ERROR after ([\d.]+)s: worker \d could not join the 2-worker cluster", result.stdout)
     assert found, result.stdout + result.stderr[-2000:]
     print(f"FAULT rendezvous, {case}: timeout 3 s, error after {found.group(1)} s ({elapsed:.1f} s with start-up)")
-    assert float(found.group(1)) < 3 + 2 + 1  # the timeout, plus the 2 s left for torch's own, finer error
+    # the timeout, plus the 2 s left for torch's own, finer error, plus room for a loaded 2-core machine (6.1 s was
+    # seen at load 7); a wrong bound (the 30 s default, or none) would still fail
+    assert float(found.group(1)) < 3 * 3
