@@ -37,8 +37,8 @@ the grammar is ``sharded_model.allocator_env``'s), put in the workers' environme
 Each worker also times its steps (the median over every step but the first, wall and CPU time): a
 rough figure for the setting's speed on this model; benchmarks/sharded_speed.py measures speed properly.
 
-Today the sharded build holds the whole model on every worker for a moment (the user's code builds
-it normally in the scope; it is sharded when the scope closes): ``build`` shows that cost apart from
+The sharded build records the model's initialisation and replays it shard by shard (deferred init, the
+default), so no worker holds the whole model while building either: ``build`` shows that cost apart from
 ``steps``. Targets (issue 20): the sharded peak <= 0.55x MultiWorkerMirrored's at N=2 and <= 0.35x
 at N=4. Prints a JSON object and a table.
 """
