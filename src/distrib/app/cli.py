@@ -163,16 +163,6 @@ def forwarded_arguments(args: argparse.Namespace, skip: Sequence[str] = _LAUNCHE
     return argv
 
 
-def train_workers_env(strategy: str, device: Optional[str]) -> dict[str, str]:
-    """What ``distrib train --workers N`` adds to its workers' environment: for ``sharded`` on the CPU, glibc's
-    allocator settings that let sharding save memory (strategies/allocator.py), unless the user chose one."""
-    if strategy != "sharded" or (device or "cpu").split(":")[0] != "cpu":
-        return {}
-    from distrib.strategies.allocator import recommended_env
-
-    return recommended_env()
-
-
 def _train(args: argparse.Namespace) -> int:
     from distrib.app.datasets import DatasetNotFoundError
     from distrib.app.train import TrainConfig, train
@@ -199,7 +189,7 @@ def _train(args: argparse.Namespace) -> int:
         # reach this terminal prefixed by its task ("[worker 0] epoch 1/10:  40%|...")
         child = ["-m", "distrib", *(["-v"] if args.verbose else []), "train", *forwarded_arguments(args)]
         return launch(LaunchConfig(command=child, workers=args.workers, ps=args.ps, max_restarts=args.max_restarts,
-                                   tls=args.tls, env=train_workers_env(name, args.device)))
+                                   tls=args.tls, env=entry.worker_env(args.device) if entry.worker_env else {}))
 
     config = TrainConfig(
         strategy=name, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,

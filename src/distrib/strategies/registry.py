@@ -46,6 +46,8 @@ class StrategyEntry:
     ``parameter_servers``: it needs ps tasks (``--ps M``).
     ``default_for``: the job shape it is the default strategy of, if any: ``"one-process"``,
     ``"workers"`` (``--workers N``) or ``"ps"`` (``--ps M``); see :func:`default_name`.
+    ``worker_env``: what its worker processes' environment needs, given ``--device`` (read by the C library
+    at start-up, so the launcher sets it: the sharded strategy's allocator settings); None: nothing.
     """
 
     name: str
@@ -54,6 +56,7 @@ class StrategyEntry:
     multi_worker: bool = False
     parameter_servers: bool = False
     default_for: str = ""
+    worker_env: Optional[Callable[[Optional[str]], dict[str, str]]] = None
 
 
 _ENTRIES: dict[str, StrategyEntry] = {}
@@ -139,6 +142,15 @@ def _sharded(request: StrategyRequest) -> "Strategy":
     return ShardedStrategy()
 
 
+def _sharded_worker_env(device: Optional[str]) -> dict[str, str]:
+    """glibc's allocator settings for sharded CPU workers (strategies/allocator.py), unless the user chose one."""
+    if (device or "cpu").split(":")[0] != "cpu":
+        return {}
+    from distrib.strategies.allocator import recommended_env
+
+    return recommended_env()
+
+
 def _parameter_server(request: StrategyRequest) -> "Strategy":
     from distrib import parameter_server, testing
     from distrib.cluster import TFConfigClusterResolver
@@ -160,6 +172,6 @@ register(StrategyEntry("central-storage", "synchronous, parameters on one device
 register(StrategyEntry("multi-worker", "synchronous over worker processes (TF_CONFIG, torchrun or Slurm)",
                        _multi_worker, multi_worker=True, default_for="workers"))
 register(StrategyEntry("sharded", "synchronous over worker processes, parameters, gradients and optimizer state "
-                       "sharded (FSDP2)", _sharded, multi_worker=True))
+                       "sharded (FSDP2)", _sharded, multi_worker=True, worker_env=_sharded_worker_env))
 register(StrategyEntry("parameter-server", "asynchronous: parameters on ps tasks, steps scheduled on workers",
                        _parameter_server, multi_worker=True, parameter_servers=True, default_for="ps"))
