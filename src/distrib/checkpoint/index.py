@@ -88,18 +88,21 @@ def record(path: str) -> None:
 
 
 def _is_sharded_dir(directory: str) -> bool:
-    """Whether ``directory`` is a complete sharded checkpoint (its manifest, or plain DCP's metadata, is there;
-    the names of sharded_format.MANIFEST and DCP_METADATA, kept here so that listing needs no DCP import)."""
-    return os.path.isfile(os.path.join(directory, "distrib-sharded.json")) or \
-        os.path.isfile(os.path.join(directory, ".metadata"))
+    """Whether ``directory`` is a complete sharded checkpoint (DCP is imported only when a directory is there)."""
+    if not os.path.isdir(directory):
+        return False
+    from distrib.checkpoint.sharded import is_sharded_checkpoint
+
+    return is_sharded_checkpoint(directory)
 
 
 def data_file(path: str) -> str:
     """The data of checkpoint ``path``: the file ``path + ".pt"``, the sharded directory ``path + ".dcp"``, or
     ``path`` itself (either kind)."""
-    for candidate in (path + ".pt", path + SHARDED_SUFFIX):
-        if os.path.isfile(candidate) or (candidate.endswith(SHARDED_SUFFIX) and _is_sharded_dir(candidate)):
-            return candidate
+    if os.path.isfile(path + ".pt"):
+        return path + ".pt"
+    if _is_sharded_dir(path + SHARDED_SUFFIX):
+        return path + SHARDED_SUFFIX
     if os.path.isfile(path) or _is_sharded_dir(path):
         return path
     directory = os.path.dirname(path) or "."

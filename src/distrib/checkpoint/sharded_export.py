@@ -26,7 +26,7 @@ import os
 import struct
 import tempfile
 import zipfile
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -39,7 +39,7 @@ from distrib.checkpoint.sharded import load_object, manifest_of, read_item
 from distrib.tensor_bytes import byte_view
 from distrib.torch_patches import fake_tensor_mode
 
-__all__ = ["consolidate", "fill_tensor"]
+__all__ = ["consolidate", "fill_tensor", "read_structure"]
 
 
 def fill_tensor(directory: str, manifest: sf.Manifest, fqn: str, into: torch.Tensor) -> None:
@@ -57,6 +57,27 @@ def fill_tensor(directory: str, manifest: sf.Manifest, fqn: str, into: torch.Ten
         for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
             region = region.narrow(dim, start, length)
         region.copy_(piece)
+
+
+def read_structure(directory: str, manifest: sf.Manifest,
+                   tensor_for: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The saved state dict nested again, from the checked manifest alone, and its tensors by DCP key.
+
+    Each tensor is what ``tensor_for(fqn, size, dtype)`` makes: a fake or ``meta`` one (a shape and a dtype,
+    no storage) or one filled with :func:`fill_tensor`; every other value is read (CRC-checked, never
+    unpickled as code).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    flat: dict[str, Any] = {}
+    for fqn, entry in manifest.metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            flat[fqn] = tensors[fqn] = tensor_for(fqn, tuple(entry.size), entry.properties.dtype)
+        else:
+            span = manifest.spans[MetadataIndex(fqn)]
+            flat[fqn] = load_object(read_item(directory, span, f"value {fqn!r}"), os.path.join(directory, span.file),
+                                    f"value {fqn!r}")
+    return sf.unflatten(flat, manifest.metadata.planner_data or {}), tensors
 
 
 def _record_offsets(path: str, by_key: dict[str, str], flat: dict[str, Any]) -> dict[str, int]:
@@ -110,23 +131,18 @@ def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLik
     src = os.path.abspath(os.fspath(directory))
     out = os.path.abspath(os.fspath(out_file))
     manifest = manifest_of(src)
-    md = manifest.metadata
-    flat: dict[str, Any] = {}
-    with fake_tensor_mode():
-        for fqn, entry in md.state_dict_metadata.items():
-            if isinstance(entry, TensorStorageMetadata):
-                flat[fqn] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-    for fqn, entry in md.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            span = manifest.spans[MetadataIndex(fqn)]
-            flat[fqn] = load_object(read_item(src, span, f"value {fqn!r}"), os.path.join(src, span.file),
-                                    f"value {fqn!r}")
-    objects = sf.unflatten(flat, md.planner_data or {})
+    mode = fake_tensor_mode()
+
+    def fake(fqn: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with mode:
+            return torch.empty(size, dtype=dtype)
+
+    objects, flat = read_structure(src, manifest, fake)
     if set(objects) == {"save_counter", "objects"} and isinstance(objects["objects"], dict):
         save_counter, objects = int(objects["save_counter"]), objects["objects"]  # ds.Checkpoint's directory
     for state in objects.values():
         sf.int_optimizer_keys(state)
-    fqn_of = {id(t): fqn for fqn, t in flat.items() if isinstance(t, torch.Tensor)}
+    fqn_of = {id(t): fqn for fqn, t in flat.items()}
     crcs: dict[str, int] = {}
     for fqn in fqn_of.values():  # pass one: checksums, one whole tensor at a time
         whole = torch.empty(tuple(flat[fqn].shape), dtype=flat[fqn].dtype)
@@ -149,14 +165,14 @@ def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLik
         with torch.serialization.skip_data(materialize_fake_tensors=True), open(tmp, "wb") as f:
             torch.save(data, f)  # pass two: the skeleton, its tensors' bytes reserved ...
         offsets = _record_offsets(tmp, dict(keys), flat)
-        with open(tmp, "r+b") as f:
+        with open(tmp, "r+b") as out_f:
             for _, fqn in keys:  # ... then written in place, one whole tensor at a time
                 whole = torch.empty(tuple(flat[fqn].shape), dtype=flat[fqn].dtype)
                 fill_tensor(src, manifest, fqn, whole)
                 if whole.numel():
-                    os.pwrite(f.fileno(), byte_view(whole), offsets[fqn])
+                    os.pwrite(out_f.fileno(), byte_view(whole), offsets[fqn])
                 del whole
-            os.fsync(f.fileno())
+            os.fsync(out_f.fileno())
         os.replace(tmp, out)
     except BaseException as e:
         with contextlib.suppress(OSError):

@@ -8,9 +8,9 @@ in parallel into one directory with distrib's manifest (atomic, CRC-checked, nev
 The directory holds ``{"save_counter": n, "objects": {name: state}}``, the same layout as the
 single file ``<prefix>.pt``.
 
-Reading it back needs targets shaped like what was saved. :func:`skeleton` builds the saved
-structure from the manifest alone, every tensor a ``meta`` tensor (a shape and a dtype, no
-storage). Then:
+Reading it back needs targets shaped like what was saved: the saved structure comes from the
+manifest alone (``sharded_export.read_structure``, as ``consolidate`` builds it), every tensor a
+``meta`` tensor (a shape and a dtype, no storage) or read whole. Then:
 
 * a strategy that keeps whole states (every other one, or a plain process) reads every tensor
   whole (:func:`read_whole`, no collective: each process reads alone), and the result goes through
@@ -36,7 +36,7 @@ from distrib.checkpoint.errors import CheckpointError, checkpoint_timeout
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["SUFFIX", "write", "skeleton", "read_whole", "read_like"]
+__all__ = ["SUFFIX", "write", "read_whole", "read_like"]
 
 #: the directory of checkpoint ``<prefix>`` in the sharded format (the single-file format is ``<prefix>.pt``)
 SUFFIX = ".dcp"
@@ -66,75 +66,22 @@ def write(strategy: "Strategy", path: str, counter: int, states: dict[str, Any],
 
 
 # --------------------------------------------------------------- reading
-def skeleton(directory: str) -> dict[str, Any]:
-    """The saved state dict's structure from the checked manifest: every tensor a ``meta`` tensor of its
-    shape and dtype, every other value read (CRC-checked, never unpickled as code)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    from distrib.checkpoint import sharded_format as sf
-    from distrib.checkpoint.sharded import load_object, manifest_of, read_item
-
-    manifest = manifest_of(directory)
-    flat: dict[str, Any] = {}
-    for fqn, entry in manifest.metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            flat[fqn] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="meta")
-        else:
-            span = manifest.spans[MetadataIndex(fqn)]
-            flat[fqn] = load_object(read_item(directory, span, f"value {fqn!r}"), os.path.join(directory, span.file),
-                                    f"value {fqn!r}")
-    return sf.unflatten(flat, manifest.metadata.planner_data or {})
-
-
-def read_whole(directory: str) -> dict[str, Any]:
-    """``{"save_counter": n, "objects": {...}}`` with every tensor whole, read by this process alone."""
-    from distrib.checkpoint import sharded_format as sf
+def _read(directory: str, tensor: str) -> dict[str, Any]:
+    """The checkpoint's ``{"save_counter": n, "objects": {...}}`` from its checked manifest; each tensor ``meta``
+    (a shape and a dtype: a skeleton to lay targets out by) or ``whole`` (read and checked by this process)."""
     from distrib.checkpoint.sharded import manifest_of
-    from distrib.checkpoint.sharded_export import fill_tensor
+    from distrib.checkpoint.sharded_export import fill_tensor, read_structure
 
     manifest = manifest_of(directory)
-    data = skeleton(directory)
-    planner = manifest.metadata.planner_data or {}
 
-    def whole(fqn: str, meta: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(meta.shape, dtype=meta.dtype)
+    def make(fqn: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if tensor == "meta":
+            return torch.empty(size, dtype=dtype, device="meta")
+        out = torch.empty(size, dtype=dtype)
         fill_tensor(directory, manifest, fqn, out)
         return out
 
-    flat = {fqn: whole(fqn, _at(data, path)) for fqn, path in _tensor_paths(manifest, planner).items()}
-    for fqn, tensor in flat.items():
-        _put(data, planner.get(fqn, (fqn,)), tensor)
-    _check_layout(data, directory)
-    return data
-
-
-def read_like(directory: str, objects: Mapping[str, Any], strategy: "Strategy") -> dict[str, Any]:
-    """``{"save_counter": n, "objects": {...}}`` read into tensors laid out as ``objects``' live states are
-    (``strategy.local_checkpoint_state``): every worker calls it (DCP's collectives), each reads its shards."""
-    from distrib.checkpoint.sharded import load_sharded
-
-    data = skeleton(directory)
-    _check_layout(data, directory)
-    stored = data["objects"]
-    targets = {name: _target(obj, stored[name], strategy) for name, obj in objects.items() if name in stored}
-    wanted = {**data, "objects": targets}  # what is not tracked is not read (its names stay, for the status)
-    error = strategy.communicator.guarded(f"reading the sharded checkpoint {directory!r}",
-                                          lambda: _load_or_error(load_sharded, directory, wanted))
-    if error is not None:
-        raise error
-    return {**wanted, "objects": {**stored, **targets}}
-
-
-def _load_or_error(load: Any, directory: str, data: dict[str, Any]) -> Optional[CheckpointError]:
-    try:
-        load(directory, data, all_or_nothing=False)  # into fresh targets: nothing live changes until apply()
-    except CheckpointError as e:
-        return e
-    return None
-
-
-# --------------------------------------------------------------- targets
-def _check_layout(data: Any, directory: str) -> None:
+    data, _ = read_structure(directory, manifest, make)
     if not (isinstance(data, dict) and isinstance(data.get("objects"), dict)):
         raise CheckpointError(f"{directory!r} is a sharded checkpoint but not one of ds.Checkpoint (it holds "
                               f"{sorted(data) if isinstance(data, dict) else type(data).__name__}, not 'objects'); "
@@ -143,8 +90,38 @@ def _check_layout(data: Any, directory: str) -> None:
 
     for state in data["objects"].values():
         sf.int_optimizer_keys(state)
+    return data
 
 
+def read_whole(directory: str) -> dict[str, Any]:
+    """``{"save_counter": n, "objects": {...}}`` with every tensor whole, read by this process alone."""
+    return _read(directory, "whole")
+
+
+def read_like(directory: str, objects: Mapping[str, Any], strategy: "Strategy") -> dict[str, Any]:
+    """``{"save_counter": n, "objects": {...}}`` read into tensors laid out as ``objects``' live states are
+    (``strategy.local_checkpoint_state``): every worker calls it (DCP's collectives), each reads its shards."""
+    from distrib.checkpoint.sharded import load_sharded
+
+    data = _read(directory, "meta")
+    stored = data["objects"]
+    targets = {name: _target(obj, stored[name], strategy) for name, obj in objects.items() if name in stored}
+    wanted = {**data, "objects": targets}  # what is not tracked is not read (its names stay, for the status)
+
+    def load() -> Optional[CheckpointError]:
+        try:
+            load_sharded(directory, wanted, all_or_nothing=False)  # fresh targets: nothing live changes yet
+        except CheckpointError as e:  # every worker has it: not a CollectiveError of the guard
+            return e
+        return None
+
+    error = strategy.communicator.guarded(f"reading the sharded checkpoint {directory!r}", load)
+    if error is not None:
+        raise error
+    return {**wanted, "objects": {**stored, **targets}}
+
+
+# --------------------------------------------------------------- targets
 def _empty(state: Any) -> Any:
     """``state`` with every meta tensor replaced by an uninitialised whole one (filled by the load)."""
     if isinstance(state, torch.Tensor):
@@ -174,21 +151,3 @@ def _target(obj: Any, saved: Any, strategy: "Strategy") -> Any:
         return _empty(saved)
     live = strategy.local_checkpoint_state(obj)
     return {k: _like(v, live.get(k) if isinstance(live, Mapping) else None) for k, v in saved.items()}
-
-
-# --------------------------------------------------------------- flat <-> nested
-def _tensor_paths(manifest: Any, planner: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    return {fqn: tuple(planner.get(fqn, (fqn,))) for fqn, entry in manifest.metadata.state_dict_metadata.items()
-            if isinstance(entry, TensorStorageMetadata)}
-
-
-def _at(data: Any, path: tuple[Any, ...]) -> Any:
-    for key in path:
-        data = data[key]
-    return data
-
-
-def _put(data: Any, path: tuple[Any, ...], value: Any) -> None:
-    _at(data, path[:-1])[path[-1]] = value

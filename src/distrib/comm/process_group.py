@@ -115,13 +115,19 @@ class ProcessGroupCommunicator:
         except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, timeouts, a dead store
             raise self._failed(what, e) from e
 
-    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+    def _settable_gloo(self, timeout: Optional[float]) -> Any:
+        """The gloo backend whose timeout can be set for one call, or None: no timeout asked, NCCL (bounded by
+        the group's own watchdog timeout), or an older torch (2.4 has no ProcessGroupGloo.set_timeout)."""
         if timeout is None or self.backend != "gloo":
-            return self._guard(what, fn)  # NCCL's collectives are bounded by the group's own watchdog timeout
-        # gloo's timeout, raised for this call (e.g. while every worker writes its shards of a checkpoint)
+            return None
         backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu"))
-        if not hasattr(backend, "set_timeout"):  # older torch (2.4): the group's timeout holds
+        return backend if hasattr(backend, "set_timeout") else None
+
+    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+        backend = self._settable_gloo(timeout)
+        if backend is None or timeout is None:
             return self._guard(what, fn)
+        # gloo's timeout, raised for this call (e.g. while every worker writes its shards of a checkpoint)
         backend.set_timeout(datetime.timedelta(seconds=timeout))
         try:
             return self._guard(what, fn)
@@ -231,9 +237,7 @@ class ProcessGroupCommunicator:
                               "call it with the same structure, shapes and dtypes")
 
     def barrier(self, timeout: Optional[float] = None) -> None:
-        backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu")) \
-            if timeout is not None and self.backend == "gloo" else None
-        if backend is None or hasattr(backend, "set_timeout"):
+        if timeout is None or self.backend != "gloo" or self._settable_gloo(timeout) is not None:
             # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
             self.guarded("barrier", lambda: dist.barrier(), timeout=timeout)
             return

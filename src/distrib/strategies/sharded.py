@@ -159,37 +159,43 @@ class ShardedStrategy(Strategy):
                 raise ValueError(f"module {type(module).__name__} contains {type(sub).__name__}, which another "
                                  "strategy or scope block distributes; build the whole model inside one scope block")
         device = self.local_devices[0]
-        with deferred_paused(self):
-            plan = plan_materialisation(module) if self.num_workers > 1 else None
-            if plan is None and device is not None:
+        if self.num_workers == 1:  # nothing to shard
+            if device is not None:
                 module.to(device)
-            if self.num_workers > 1:
-                if plan is None:
-                    take_chiefs_values(self.communicator, module)  # each worker keeps its rows of the chief's values
-                else:
-                    self.communicator.verify_same(plan.signature(), f"the {type(module).__name__} built in "
-                                                  "strategy.scope()")
-                    plan.take_chiefs_real_values(self.communicator, device)
-                # weakly: a strong list would keep every unit's whole parameters alive until the last unit is sharded
-                before = [(name, weakref.ref(p), id(p)) for name, p in module.named_parameters()]
-                if plan is not None:
-                    plan.to_meta()
-                if self._mesh is None:
-                    self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
-                units = self._policy.units(module)
-                self.communicator.guarded("sharding the model", lambda: _fsdp().shard_module(
-                    module, units, self._mesh, self._reshard_after_forward,
-                    _fsdp().mixed_precision_policy(self._param_dtype)))
-                if plan is not None:
-                    self.communicator.guarded("initialising the sharded model", lambda: plan.materialise(
-                        device, self.communicator))
-                for name, old, key in before:
-                    if old() is not None:  # an optimizer holds it: it may be built over it before the scope closed
-                        self._moved[key] = (old, weakref.ref(module), name)
-                log.info("sharded %s over %d workers: %d unit(s) + the root%s", type(module).__name__,
-                         self.num_workers, len(units), ", initialised shard by shard" if plan is not None else "")
+        else:
+            with deferred_paused(self):
+                self._shard(module, device)
         for sub in module.modules():
             context.set_owner(sub, self)
+
+    def _shard(self, module: nn.Module, device: Optional[torch.device]) -> None:
+        """Every worker's values agree (the chief's), then ``fully_shard`` per unit and the root; a module built
+        under deferred initialisation is sharded on the meta device, then filled tensor by tensor."""
+        plan = plan_materialisation(module)
+        if plan is None:
+            if device is not None:
+                module.to(device)
+            take_chiefs_values(self.communicator, module)  # each worker keeps its rows of the chief's values
+        else:
+            self.communicator.verify_same(plan.signature(), f"the {type(module).__name__} built in strategy.scope()")
+            plan.take_chiefs_real_values(self.communicator, device)
+        # weakly: a strong list would keep every unit's whole parameters alive until the last unit is sharded
+        before = [(name, weakref.ref(p), id(p)) for name, p in module.named_parameters()]
+        if plan is not None:
+            plan.to_meta()
+        if self._mesh is None:
+            self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
+        units = self._policy.units(module)
+        self.communicator.guarded("sharding the model", lambda: _fsdp().shard_module(
+            module, units, self._mesh, self._reshard_after_forward, _fsdp().mixed_precision_policy(self._param_dtype)))
+        if plan is not None:
+            self.communicator.guarded("initialising the sharded model", lambda: plan.materialise(
+                device, self.communicator))
+        for name, old, key in before:
+            if old() is not None:  # an optimizer holds it: it may be built over it before the scope closed
+                self._moved[key] = (old, weakref.ref(module), name)
+        log.info("sharded %s over %d workers: %d unit(s) + the root%s", type(module).__name__, self.num_workers,
+                 len(units), ", initialised shard by shard" if plan is not None else "")
 
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` update the shards: parameters it took before sharding are replaced by theirs."""
