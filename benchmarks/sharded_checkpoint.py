@@ -43,14 +43,8 @@ def worker(fmt: str, width: int, blocks: int, rounds: int, directory: str, out: 
         model = sm.build_model(width, blocks)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     x, y = sm.batches(1, 16, width)[0]
-
-    def step(a: torch.Tensor, b: torch.Tensor) -> None:
-        ds.compute_average_loss((model(a) - b).pow(2).sum(1), global_batch_size=16).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
     rows = 16 // strategy.num_workers
-    strategy.run(step, args=(x[:rows], y[:rows]))  # Adam's state exists
+    strategy.run(sm.make_step(model, optimizer, 16), args=(x[:rows], y[:rows]))  # Adam's state exists
     checkpoint = ds.Checkpoint(model=model, optimizer=optimizer)
     for i in range(rounds):
         prefix = os.path.join(directory, f"{fmt}-{i}")

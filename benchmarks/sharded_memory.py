@@ -54,7 +54,7 @@ import subprocess
 import sys
 from typing import Any
 
-from sharded_model import (MALLOC_VARIABLES, after_step, allocator_env, batches, build_model,  # sys.path[0]
+from sharded_model import (MALLOC_VARIABLES, after_step, allocator_env, batches, build_model, make_step,  # sys.path[0]
                            make_strategy, params, reset_high_water_mark, vm_status, warm_up, worker_env)
 
 STRATEGIES = ("mwms", "sharded")
@@ -65,8 +65,6 @@ def measure(strategy_name: str, width: int, blocks: int, steps: int, batch: int)
     import time
 
     import torch
-
-    import distrib as ds
 
     torch.set_num_threads(1)
     strategy = make_strategy(strategy_name)
@@ -82,13 +80,7 @@ def measure(strategy_name: str, width: int, blocks: int, steps: int, batch: int)
     global_batch = batch * strategy.num_replicas_in_sync
     data = batches(steps, global_batch, width)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = ds.compute_average_loss((model(x) - y).pow(2).mean(1), global_batch_size=global_batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
+    step = make_step(model, optimizer, global_batch)
     wall: list[float] = []
     cpu: list[float] = []
     for x, y in strategy.experimental_distribute_dataset(data):

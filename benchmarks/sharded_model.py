@@ -6,7 +6,7 @@ directory is on ``sys.path``) and tests/scripts/sharded_memory_limit.py (which p
 
 * :class:`Block`, :func:`build_model`: ``blocks`` residual blocks ``x + relu(Linear(width, width)(x))``,
   each a natural sharding unit (:func:`make_strategy` shards per ``Block``);
-* :func:`batches`: the (inputs, targets) global batches, from a fixed seed;
+* :func:`batches`: the (inputs, targets) global batches, from a fixed seed; :func:`make_step`: the step;
 * :func:`vm_status`, :func:`reset_high_water_mark`, :func:`warm_up`: what the memory figures rest on;
 * :func:`allocator_env`, :func:`after_step`: glibc allocator settings named on the command line
   (``--malloc``), put in the workers' environment.
@@ -61,6 +61,21 @@ def make_strategy(name: str) -> Any:
     if name == "mwms":
         return ds.MultiWorkerMirroredStrategy()
     raise ValueError(f"unknown strategy {name!r}: use 'sharded' or 'mwms'")
+
+
+def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch: int) -> Any:
+    """The training step every variant runs inside ``strategy.run``: mean squared error per row, scaled by the
+    global batch (``ds.compute_average_loss``), backward, Adam; returns the loss."""
+    import distrib as ds
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = ds.compute_average_loss((model(x) - y).pow(2).mean(1), global_batch_size=global_batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
 
 
 def batches(n: int, global_batch: int, width: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -26,7 +26,8 @@ import torch
 import distrib as ds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model the benchmarks measure
-from sharded_model import batches, build_model, make_strategy, reset_high_water_mark, vm_status, warm_up  # noqa: E402
+from sharded_model import (batches, build_model, make_step, make_strategy, reset_high_water_mark,  # noqa: E402
+                           vm_status, warm_up)
 
 OUT_OF_MEMORY = 3
 
@@ -53,20 +54,13 @@ if args.limit_mb > 0:
 print(f"worker {strategy.worker_index}: limit {args.limit_mb:g} MB above {base['VmSize'] / 1e6:.0f} MB", flush=True)
 
 
-def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = ds.compute_average_loss((model(x) - y).pow(2).mean(1), global_batch_size=global_batch)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
-
-
 phase = "building the model"
 try:
     with strategy.scope():
         model = build_model(args.width, args.blocks)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     built = vm_status()
+    step = make_step(model, optimizer, global_batch)
     for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
         phase = f"training step {i + 1}"
         loss = strategy.run(step, args=(x, y))
