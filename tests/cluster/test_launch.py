@@ -103,6 +103,18 @@ def test_a_parameter_server_cluster_is_stopped_whole_by_sigterm(tmp_path):
     assert len(started) >= 4 and returncode == 143 and not survivors, out
 
 
+def test_tasks_that_finish_their_work_after_the_signal_make_the_launcher_exit_0(tmp_path):
+    """A notice near the end: the tasks finish instead of saving (exit 0), so the job is done, not failed."""
+    script = tmp_path / "finisher.py"
+    script.write_text("import signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *_: (print('finishing', flush=True), sys.exit(0)))\n"
+                      "print('ready', flush=True)\ntime.sleep(120)\n")
+    returncode, out, started, survivors = start_and_signal(["--workers", "2", str(script)], ready=2,
+                                                           sig=signal.SIGTERM)
+    assert out.count("] finishing") == 2 and not survivors, out
+    assert returncode == 0 and "every task finished its work (exit 0) before SIGTERM" in out, out
+
+
 TLS_CHIEF = textwrap.dedent("""
     import os, sys
     import torch

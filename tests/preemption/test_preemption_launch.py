@@ -27,7 +27,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("via", ["self", "launcher"])
 def test_a_notice_at_a_random_step_is_one_agreed_checkpoint_and_an_exact_resume(tmp_path, reference, via):
-    notice_at = random.Random().randint(1, 18)
+    notice_at = random.Random().randint(1, bench.last_notice(via))
     result = bench.trial(tmp_path, notice_at, via, reference)
     print(f"PREEMPTION via {via}: notice at run {notice_at}, saved at {result['saved_at']}, runs at exit "
           f"{result['runs_at_exit']}, resumed at {result['resumed_at']}, steps lost {result.get('steps_lost')}, "

@@ -65,7 +65,9 @@ for them to exit, kills (SIGKILL) the process group of every task still there, a
 with ``128 + signal``: 143 for SIGTERM, 129 for SIGHUP, 130 for SIGINT; or with 42 when
 every script task exited with 42 (each saved a preemption checkpoint), so that the
 scheduler above (a Kubernetes Job's ``podFailurePolicy``, a Slurm batch script that
-requeues on 42) can tell a preemption from a failure. No task outlives the launcher.
+requeues on 42) can tell a preemption from a failure; or with 0 when every script task
+exited with 0 (the notice came so near the end that the work finished first, and
+nothing is left to redo). No task outlives the launcher.
 
 Preemption: a script task that exits with 42 (:data:`PREEMPTION_EXIT_CODE`, what
 ``ds.experimental.PreemptionCheckpointHandler`` exits with after its checkpoint, TF's code)
@@ -306,6 +308,10 @@ class _Group:
         while time.monotonic() < deadline and any(t.poll() is None for t in self.script_tasks):
             time.sleep(0.05)
 
+    def all_finished(self) -> bool:
+        """Whether every script task exited with 0: the work was done before the signal could stop it."""
+        return all(t.poll() == 0 for t in self.script_tasks)
+
     def all_preempted(self) -> bool:
         """Whether every script task exited with the preemption code (each saved its checkpoint)."""
         return all(t.poll() is not None and _exit_code(t.poll() or 0) == PREEMPTION_EXIT_CODE
@@ -483,6 +489,11 @@ def launch(config: LaunchConfig) -> int:
                 if group.all_preempted():
                     _say(f"every task saved a preemption checkpoint: exiting with {PREEMPTION_EXIT_CODE}")
                     return PREEMPTION_EXIT_CODE
+                if group.all_finished():
+                    # a notice near the end: the step agreed for the checkpoint came after the last one, so the
+                    # tasks finished. Nothing is left to do, and a failure code would make the scheduler rerun it
+                    _say(f"every task finished its work (exit 0) before {name} stopped it: exiting with 0")
+                    return 0
             return 128 + e.signum
         finally:
             signals.armed = False
