@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 python3 -m mypy
-exec python3 -m pytest -q "$@"
+# two test processes (pytest-xdist): most tests wait on processes they started, so two at a time use the 2 cores
+# better than one; each test file stays on one process (tests/conftest.py's scheduler). DISTRIB_TEST_PROCESSES=0
+# runs everything in this one process
+exec python3 -m pytest -q -n "${DISTRIB_TEST_PROCESSES:-2}" "$@"

@@ -48,3 +48,42 @@ def _environment_restored():
     if dict(os.environ) != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+
+# Files that start a Slurm cluster or network-namespace hosts: one test process runs them one after another (each
+# starts daemons and namespaces that take the machine's CPUs; two at once only slow both down)
+SERIAL_SCOPE = "slurm-and-hosts"
+SERIAL_FILES = {"tests/cluster/test_slurm.py", "tests/preemption/test_slurm.py", "tests/cluster/test_two_hosts.py",
+                "tests/faults/test_hosts.py"}
+
+
+def test_scope(nodeid: str) -> str:
+    """The unit of work of ``pytest -n N`` (scripts/test.sh): a test file, so that its module fixtures (a reference
+    run, a checkpoint matrix's saves) are built once, on one process; the files of ``SERIAL_FILES`` share one."""
+    file = nodeid.split("::", 1)[0]
+    return SERIAL_SCOPE if file in SERIAL_FILES else file
+
+
+test_scope.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+class _FileScheduling:
+    """xdist's ``--dist loadfile`` with :func:`test_scope` as the scope. Not ``--dist loadgroup`` with marks: with
+    pytest 9.2 its group suffix no longer reaches the scheduler (pytest-xdist issue #1386), and it splits files."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+        from xdist.scheduler import LoadScopeScheduling
+
+        class FileScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return test_scope(nodeid)
+
+        return FileScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # registered only where xdist is installed: pytest refuses a hook nobody declared
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_FileScheduling(), "distrib-file-scheduling")
