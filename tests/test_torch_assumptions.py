@@ -389,3 +389,39 @@ def test_what_deferred_initialisation_reads_of_torch() -> None:
     x.register_hook(lambda g: flags.append(torch_patches.in_backward()))
     (x * 2).sum().backward()
     assert flags == [True] and not torch_patches.in_backward()
+
+
+# --------------------------------------------------------------------------- Optimizer.load_state_dict (restore)
+
+def test_an_optimizer_load_adopts_the_tensors_given_and_leaves_the_old_state_as_it_was() -> None:
+    """checkpoint/restore.py keeps an optimizer's old state tensors, not a copy, as the rollback of a restore."""
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    adam.step()
+    old = adam.state_dict()
+    old_tensors = {(i, k): v for i, s in old["state"].items() for k, v in s.items()}
+    kept = {key: v.clone() for key, v in old_tensors.items()}
+    new = {"state": {i: {k: torch.full_like(v, 7.0) for k, v in s.items()} for i, s in old["state"].items()},
+           "param_groups": old["param_groups"]}
+    assert torch_patches.optimizer_load_replaces_state(adam)
+    adam.load_state_dict(new)
+    for (i, k), v in old_tensors.items():
+        assert torch.equal(v, kept[(i, k)]), (i, k)  # the old tensors were not written
+        live = adam.state[adam.param_groups[0]["params"][i]][k]
+        assert live is new["state"][i][k] and live is not v, (i, k)  # the loaded ones were adopted
+    adam.load_state_dict(old)  # and loading the old state back restores it
+    assert all(torch.equal(adam.state_dict()["state"][i][k], kept[(i, k)]) for i, k in kept)
+
+
+def test_an_optimizer_with_its_own_load_or_a_load_hook_is_copied_for_the_rollback() -> None:
+    class Own(torch.optim.SGD):
+        def load_state_dict(self, state_dict: dict) -> None:  # may write into the old tensors
+            super().load_state_dict(state_dict)
+
+    model = torch.nn.Linear(2, 1)
+    assert not torch_patches.optimizer_load_replaces_state(Own(model.parameters(), lr=0.1))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert torch_patches.optimizer_load_replaces_state(sgd)
+    sgd.register_load_state_dict_post_hook(lambda optimizer: None)
+    assert not torch_patches.optimizer_load_replaces_state(sgd)

@@ -304,7 +304,7 @@ class Checkpoint:
             data = sharded_objects.read_like(data_file, self._objects, strategy)
         else:
             data = sharded_objects.read_whole(data_file)
-        stored = data["objects"]
+        stored, counter = data["objects"], int(data.get("save_counter", 0))
         missing = sorted(set(self._objects) - set(stored))
         if missing:
             raise CheckpointError(
@@ -313,10 +313,11 @@ class Checkpoint:
                 "Track only names the file holds (e.g. Checkpoint(model=model) to restore just the model), "
                 "with the names used to save.")
         validate(self._objects, stored, data_file)
+        unused = sorted(set(stored) - set(self._objects))
+        del data  # apply takes each state out of ``stored`` as it loads it: nothing else may keep it alive
         apply(strategy, self._objects, stored, data_file)
         if restore_counter:
-            self._save_counter = int(data.get("save_counter", 0))
-        unused = sorted(set(stored) - set(self._objects))
+            self._save_counter = counter
         return LoadStatus(data_file, restored=list(self._objects) + (["save_counter"] if restore_counter else []),
                           unused=unused)
 

@@ -3,8 +3,13 @@
 :func:`validate` checks, before any object changes, what would make a ``load_state_dict``
 fail halfway: names, shapes and dtypes of tracked tensors, a module's keys and shapes, an
 optimizer's parameter groups. :func:`apply` then loads each object; should one still fail
-(a custom ``load_state_dict``), the objects already loaded are put back from a CPU copy taken
+(a custom ``load_state_dict``), the objects already loaded are put back from what they held
 just before, so a failed restore leaves every object as it was.
+
+What a restore holds beyond the live state, for a sharded job whose memory is tight: the states
+read (once), a copy of each module's and tensor's state (``load_state_dict`` writes into the live
+tensors), and nothing for an optimizer (torch's ``load_state_dict`` adopts the tensors read and
+leaves the old ones as they were: they are the rollback). Each state read is dropped once loaded.
 
 :class:`LoadStatus` is what ``restore``/``read`` return, TF's ``CheckpointLoadStatus``.
 """
@@ -14,14 +19,14 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 from torch.nn.parameter import is_lazy
 
 from distrib.checkpoint.errors import CheckpointError
-from distrib.torch_patches import has_load_state_dict_pre_hooks
+from distrib.torch_patches import has_load_state_dict_pre_hooks, optimizer_load_replaces_state
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -129,15 +134,30 @@ def _load(strategy: "Strategy", obj: Any, state: Any) -> None:
         strategy.restore_checkpoint_state(obj, state)
 
 
-def apply(strategy: "Strategy", objects: Mapping[str, Any], stored: Mapping[str, Any], data_file: str) -> None:
-    """Load every object's state; on a failure put back those already changed, then raise CheckpointError."""
+def _rollback(strategy: "Strategy", obj: Any) -> Any:
+    """What ``obj`` holds now, such that loading it puts ``obj`` back (a sharded strategy's shards: nothing gathered)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    state = strategy.local_checkpoint_state(obj)
+    if isinstance(obj, torch.optim.Optimizer) and optimizer_load_replaces_state(obj) and isinstance(state, dict):
+        # the load builds a new state from the tensors read: the current tensors stay as they are, unreferenced
+        # by the optimizer, and are the rollback (Adam's moments: twice the parameters, not copied)
+        return {**state, "state": {k: dict(v) if isinstance(v, dict) else v for k, v in state["state"].items()},
+                "param_groups": copy.deepcopy(state["param_groups"])}
+    return _copy_state(state)
+
+
+def apply(strategy: "Strategy", objects: Mapping[str, Any], stored: MutableMapping[str, Any], data_file: str) -> None:
+    """Load every object's state; on a failure put back those already changed, then raise CheckpointError.
+
+    Takes ``stored``'s entries for ``objects`` out of it as they are loaded, so that a state read is freed once it
+    is in its object (a module's was copied into the live tensors; an optimizer's tensors are now its state).
+    """
     done: list[tuple[str, Any, Any]] = []
     for name, obj in objects.items():
-        before = obj.detach().clone() if isinstance(obj, torch.Tensor) \
-            else _copy_state(strategy.local_checkpoint_state(obj))  # a sharded strategy's shards: nothing gathered
-        done.append((name, obj, before))
+        done.append((name, obj, _rollback(strategy, obj)))
         try:
-            _load(strategy, obj, stored[name])
+            _load(strategy, obj, stored.pop(name))
         except Exception as e:
             failed = []
             for other, target, state in reversed(done):
