@@ -425,3 +425,6 @@ def test_an_optimizer_with_its_own_load_or_a_load_hook_is_copied_for_the_rollbac
     assert torch_patches.optimizer_load_replaces_state(sgd)
     sgd.register_load_state_dict_post_hook(lambda optimizer: None)
     assert not torch_patches.optimizer_load_replaces_state(sgd)
+    replaced = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch_patches.replace_load_state_dict(replaced, lambda optimizer, state: None)  # the parameter servers' load
+    assert not torch_patches.optimizer_load_replaces_state(replaced)

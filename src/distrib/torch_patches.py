@@ -290,10 +290,12 @@ def optimizer_load_replaces_state(optimizer: torch.optim.Optimizer) -> bool:
     old state's tensors as they were (torch's own ``Optimizer.load_state_dict``, no load hooks registered).
 
     Then the old state's tensors are a rollback without a copy: a restore that fails later loads them back.
-    A subclass's own ``load_state_dict`` or a hook may write into the old tensors, so those are copied.
+    A subclass's own ``load_state_dict``, one replaced on the instance (:func:`replace_load_state_dict`, the
+    parameter servers') or a hook may write into the old tensors, so those are copied.
     torch has no public view of an optimizer's load hooks (``tests/test_torch_assumptions.py`` pins this).
     """
-    return (type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict
+    load = getattr(optimizer.load_state_dict, "__func__", None)  # this instance's: replace_load_state_dict's too
+    return (load is torch.optim.Optimizer.load_state_dict
             and not getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True)
             and not getattr(optimizer, "_optimizer_load_state_dict_post_hooks", True))
 
