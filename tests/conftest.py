@@ -50,7 +50,6 @@ def _environment_restored():
         os.environ.update(saved)
 
 
-
 # Files that start a Slurm cluster or network-namespace hosts: one test process runs them one after another (each
 # starts daemons and namespaces that take the machine's CPUs; two at once only slow both down)
 SERIAL_SCOPE = "slurm-and-hosts"
@@ -58,18 +57,15 @@ SERIAL_FILES = {"tests/cluster/test_slurm.py", "tests/preemption/test_slurm.py",
                 "tests/faults/test_hosts.py"}
 
 
-def test_scope(nodeid: str) -> str:
+def scope_of(nodeid: str) -> str:
     """The unit of work of ``pytest -n N`` (scripts/test.sh): a test file, so that its module fixtures (a reference
     run, a checkpoint matrix's saves) are built once, on one process; the files of ``SERIAL_FILES`` share one."""
     file = nodeid.split("::", 1)[0]
     return SERIAL_SCOPE if file in SERIAL_FILES else file
 
 
-test_scope.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
-
-
 class _FileScheduling:
-    """xdist's ``--dist loadfile`` with :func:`test_scope` as the scope. Not ``--dist loadgroup`` with marks: with
+    """xdist's ``--dist loadfile`` with :func:`scope_of` as the scope. Not ``--dist loadgroup`` with marks: with
     pytest 9.2 its group suffix no longer reaches the scheduler (pytest-xdist issue #1386), and it splits files."""
 
     @staticmethod
@@ -78,7 +74,7 @@ class _FileScheduling:
 
         class FileScheduling(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
-                return test_scope(nodeid)
+                return scope_of(nodeid)
 
         return FileScheduling(config, log)
 

@@ -410,6 +410,7 @@ def test_an_optimizer_load_adopts_the_tensors_given_and_leaves_the_old_state_as_
         assert torch.equal(v, kept[(i, k)]), (i, k)  # the old tensors were not written
         live = adam.state[adam.param_groups[0]["params"][i]][k]
         assert live is new["state"][i][k] and live is not v, (i, k)  # the loaded ones were adopted
+    assert all(adam.state[p] is not s for p, s in zip(adam.param_groups[0]["params"], old["state"].values()))
     adam.load_state_dict(old)  # and loading the old state back restores it
     assert all(torch.equal(adam.state_dict()["state"][i][k], kept[(i, k)]) for i, k in kept)
 

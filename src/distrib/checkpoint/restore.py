@@ -139,11 +139,10 @@ def _rollback(strategy: "Strategy", obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     state = strategy.local_checkpoint_state(obj)
-    if isinstance(obj, torch.optim.Optimizer) and optimizer_load_replaces_state(obj) and isinstance(state, dict):
-        # the load builds a new state from the tensors read: the current tensors stay as they are, unreferenced
-        # by the optimizer, and are the rollback (Adam's moments: twice the parameters, not copied)
-        return {**state, "state": {k: dict(v) if isinstance(v, dict) else v for k, v in state["state"].items()},
-                "param_groups": copy.deepcopy(state["param_groups"])}
+    if isinstance(obj, torch.optim.Optimizer) and optimizer_load_replaces_state(obj):
+        # the load builds new state and group dicts from the tensors read; this state_dict's dicts and tensors
+        # stay as they are, unreferenced by the optimizer, and are the rollback (Adam's moments: not copied)
+        return state
     return _copy_state(state)
 
 
