@@ -54,7 +54,8 @@ def _environment_restored():
 # starts daemons and namespaces that take the machine's CPUs; two at once only slow both down)
 SERIAL_SCOPE = "slurm-and-hosts"
 SERIAL_FILES = {"tests/cluster/test_slurm.py", "tests/preemption/test_slurm.py", "tests/cluster/test_two_hosts.py",
-                "tests/faults/test_hosts.py"}
+                "tests/faults/test_hosts.py", "tests/faults/test_rendezvous.py",
+                "tests/parameter_server/test_bind_address.py"}
 
 
 def scope_of(nodeid: str) -> str:

@@ -10,16 +10,20 @@ cross-host run of the same is in tests/cluster/test_two_hosts.py (root only).
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
 
 import distrib as ds
+from cluster import netns
 from distrib.parameter_server.errors import AuthenticationError
 from distrib.parameter_server.server.server import listen_address, routed_address
 from distrib.parameter_server.transport import rpc, wire
 
 TOKEN = "bind-test-token-0123456789abcdef"
+NETNS = netns.unavailable()
 
 
 def free_port(family: int = socket.AF_INET) -> int:
@@ -99,15 +103,15 @@ def test_a_malformed_bind_address_names_the_argument(value):
         listen_address("ps-0:2222", value)
 
 
-def test_a_name_that_is_loopback_here_also_listens_where_the_other_hosts_reach_it():
-    """The ps's spec address is `localhost:port` (as a Debian host's own name is 127.0.1.1) while the chief is
-    on another host: the server also listens on the local address that routes there, token required."""
-    local = routed_address("localhost:1", ["192.0.2.254", "198.51.100.1", "8.8.8.8"])
-    if local is None:
-        pytest.skip("this machine has no non-loopback route")
+def listen_also_where_the_other_hosts_reach(other: str) -> str:
+    """The body of the next test, on a namespace host: the ps's spec address is `localhost:port` while the chief
+    is at ``other`` (another host's address); the server also listens on the local address that routes there
+    (a UDP ``connect`` finds it, sending nothing), token required. That address."""
+    local = routed_address("localhost:1", [other])
+    assert local is not None and not local.startswith("127."), local
     local_host = local.rpartition(":")[0]
     port = free_port()
-    server = ds.Server({"chief": [f"{local_host.strip('[]')}:1"], "ps": [f"localhost:{port}"]}, "ps", 0, token=TOKEN)
+    server = ds.Server({"chief": [f"{other}:1"], "ps": [f"localhost:{port}"]}, "ps", 0, token=TOKEN)
     try:
         assert server.bind_address == f"localhost:{port}" and server.also_listening == [f"{local_host}:{port}"]
         for target in (f"127.0.0.1:{port}", f"{local_host}:{port}"):
@@ -116,7 +120,26 @@ def test_a_name_that_is_loopback_here_also_listens_where_the_other_hosts_reach_i
             "Health", wire.encode({}), timeout=20))["ok"]
     finally:
         server.stop(grace=0)
-    # a routable spec address, or every task on this host: nothing more
+    return local_host
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_a_name_that_is_loopback_here_also_listens_where_the_other_hosts_reach_it():
+    """As a Debian host's own name is 127.0.1.1: on host1 of two namespace hosts (`cluster.netns`, root), with the
+    chief at host2's address, the ps also listens on host1's address. In a namespace, so that every packet stays
+    on this machine (issue 30): on the machine's own network the routed address is its real interface."""
+    child = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_bind_address as t; "
+             f"print('ALSO LISTENING ON', t.listen_also_where_the_other_hosts_reach(sys.argv[1]))")
+    with netns.Hosts(2) as hosts:
+        proc = hosts.popen(0, [sys.executable, "-c", child, hosts[1].address], {"PYTHONPATH": ":".join(sys.path)})
+        code, out = hosts.wait(proc, timeout=120)
+        expected = f"ALSO LISTENING ON {hosts[0].address}"
+    assert netns.leftovers() == [], netns.leftovers()
+    assert code == 0 and expected in out, out[-4000:]
+
+
+def test_a_routable_spec_address_or_every_task_on_this_host_listens_nowhere_else():
+    port = free_port()
     assert ds.Server({"chief": ["localhost:1"], "ps": [f"localhost:{port}"]}, "ps", 0, token=TOKEN,
                      start=False).also_listening == []
     assert ds.Server({"chief": ["localhost:1"], "ps": [f"localhost:{port}"]}, "ps", 0, token=TOKEN,
