@@ -29,7 +29,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 LIMIT = 64 << 20  # the cluster's DISTRIB_MAX_MESSAGE_BYTES in this module
 PS_METHODS = ["Health", "Create", "Pull", "Push", "Assign", "CreateOptimizer", "GetOptimizerState", "SetOptimizerState"]
-WORKER_METHODS = ["Health", "Run"]
+WORKER_METHODS = ["Health", "Run", "Cancel"]
 DENSE, TABLE = "fuzz/v0/part_0", "fuzz/v1/part_0"
 
 
@@ -94,6 +94,8 @@ def _semantic(rng: random.Random, method: str) -> bytes:
     unknown = rng.choice(["nope", "", "fuzz/v9/part_0", 7, None])
     cases = {
         "Health": [b"DSW1" + bytes(8), wire.encode([1, 2])[:-1] + b"x"],
+        "Cancel": [wire.encode({"runs": "all"}), wire.encode({"runs": [1, None]}), wire.encode({"run": ["x"]}),
+                   wire.encode(["x"])],
         "Create": [wire.encode({"vars": [{"key": DENSE, "value": torch.zeros(5, 2)}]}),
                    wire.encode({"vars": [{"key": unknown, "value": bad_value}, {"key": unknown, "value": bad_value}]}),
                    wire.encode({"vars": "all"})],
@@ -122,6 +124,7 @@ def _semantic(rng: random.Random, method: str) -> bytes:
                                            "options": {"lr": "fast"}})],
         "Run": [wire.encode({"calls": [{"fn": "0" * 40, "args": [], "kwargs": {}}], "payloads": {"0" * 40: b"junk"}}),
                 wire.encode({"calls": "all"}), wire.encode({"calls": [{"fn": 1}]}),
+                wire.encode({"calls": [], "run": 5}), wire.encode({"calls": [], "run": "r", "after": ["x"]}),
                 _raw({"v": {"D": {"calls": [{"D": {"fn": "a", "args": [{"R": ["evil"]}], "kwargs": {"D": {}}}}]}},
                       "o": [], "n": []})],
     }

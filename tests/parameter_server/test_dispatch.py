@@ -57,6 +57,8 @@ class FakeWorker:
         self.up = True
         self.ran: list[int] = []
         self.lock = threading.Lock()
+        self.runs: dict[str, str] = {}  # run id -> "started" | "cancelled", as a worker keeps them
+        self.runs_lock = threading.Lock()
 
     def _down(self) -> PeerUnavailableError:
         return self.unavailable(self.address, "connection refused", self.task)
@@ -66,17 +68,35 @@ class FakeWorker:
             raise self._down()
         if method == "Health":
             return wire.encode({"ok": True})
-        return self.result(payload)
+        return self.result(("Run", payload))
 
-    def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> bytes:
-        return payload  # the call happens when its result is asked for
+    def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> Any:
+        if method == "Cancel":  # answered at once: drops the batches that have not started
+            if not self.up:
+                raise self._down()
+            dropped = []
+            with self.runs_lock:
+                for run in wire.decode(payload)["runs"]:
+                    if self.runs.get(run, "cancelled") == "cancelled":
+                        self.runs[run] = "cancelled"
+                        dropped.append(run)
+            return wire.encode({"dropped": dropped})
+        return ("Run", payload)  # the call happens when its result is asked for: a batch sent ahead waits
 
-    def cancel(self, payload: bytes) -> None:
+    def cancel(self, payload: Any) -> None:
         pass
 
-    def result(self, payload: bytes, timeout: Optional[float] = None) -> bytes:
+    def result(self, payload: Any, timeout: Optional[float] = None) -> bytes:
+        if not isinstance(payload, tuple):
+            return payload  # a Cancel's reply
+        payload = payload[1]
         if not self.up:
             raise self._down()
+        run = wire.decode(payload).get("run")
+        with self.runs_lock:
+            if self.runs.get(run) == "cancelled":
+                return wire.encode({"results": [], "cancelled": True})
+            self.runs[run] = "started"
         results = []
         for call in wire.decode(payload)["calls"]:
             (x,) = call["args"]
@@ -187,6 +207,59 @@ def test_a_function_error_fails_it_cancels_the_rest_and_join_raises_once():
     again = coordinator.schedule(_identity, args=(7,))  # the error was raised: scheduling works again
     coordinator.join(timeout=10)
     assert again.fetch() == 7
+    coordinator.close()
+
+
+def test_an_error_cancels_the_batch_sent_ahead_to_a_busy_worker_at_once_and_it_never_starts():
+    gate = threading.Event()
+
+    def script(worker: FakeWorker, x: int) -> tuple[Any, ...]:
+        if x == 0:
+            gate.wait(10)  # worker 0 runs 0 while 1 waits there, sent ahead
+        return ("error", "bad input 2") if x == 2 else ("ok", x)
+
+    coordinator, fakes = _coordinator(script, workers=2, down=(0, 1))
+    values = [coordinator.schedule(_identity, args=(i,)) for i in range(4)]
+    fakes[0].up = True  # takes 0, and 1 ahead (no other worker waits for work)
+    _wait_for(lambda: values[1].status is RemoteValueStatus.RUNNING)
+    fakes[1].up = True  # takes 2 (and 3 ahead): 2 fails
+    _wait_for(lambda: values[2].status is RemoteValueStatus.FAILED)
+    # the queue and the batches sent ahead are cancelled at once, while worker 0 still runs function 0
+    _wait_for(lambda: all(values[i].status is RemoteValueStatus.CANCELLED for i in (1, 3)), timeout=2)
+    assert values[0].status is RemoteValueStatus.RUNNING and values[1].worker == "/job:worker/replica:0/task:0"
+    gate.set()
+    with pytest.raises(ScheduledFunctionError, match="bad input 2"):
+        coordinator.join(timeout=10)
+    assert values[0].fetch() == 0  # running when the error came: it finished
+    with pytest.raises(ClosureCancelledError, match="bad input 2"):
+        values[1].fetch()
+    assert fakes[0].ran == [0] and fakes[1].ran == []  # 1 and 3 never started
+    again = coordinator.schedule(_identity, args=(5,))  # after join raised, scheduling works again
+    coordinator.join(timeout=10)
+    assert again.fetch() == 5
+    coordinator.close()
+
+
+def test_a_lost_worker_s_function_is_cancelled_not_run_again_after_an_error():
+    gate = threading.Event()
+
+    def script(worker: FakeWorker, x: int) -> tuple[Any, ...]:
+        if x == 0:
+            gate.wait(10)
+            return ("lost",)  # TF's put_back: after an error, a function given back is cancelled
+        return ("error", "bad input 1") if x == 1 else ("ok", x)
+
+    coordinator, fakes = _coordinator(script, workers=2, down=(1,))
+    values = [coordinator.schedule(_identity, args=(0,))]
+    _wait_for(lambda: values[0].status is RemoteValueStatus.RUNNING)
+    fakes[1].up = True
+    values.append(coordinator.schedule(_identity, args=(1,)))
+    _wait_for(lambda: values[1].status is RemoteValueStatus.FAILED)
+    gate.set()
+    with pytest.raises(ScheduledFunctionError, match="bad input 1"):
+        coordinator.join(timeout=10)
+    assert values[0].status is RemoteValueStatus.CANCELLED and values[0].attempts == 1
+    assert fakes[1].ran == []
     coordinator.close()
 
 

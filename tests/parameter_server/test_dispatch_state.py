@@ -66,6 +66,10 @@ class _Workers:
                     return
                 batch += state.next_batch(block=False)
                 self.batches.append(len(batch))
+                if not state.may_send():  # an error came since they were taken: they are cancelled, not run
+                    for closure in reversed(batch):
+                        state.requeue(closure)
+                    continue
                 for closure in batch:
                     self.handle(closure)
         except BaseException as e:  # noqa: BLE001 - reported by stop(), not lost in a thread
@@ -149,6 +153,38 @@ def test_a_function_error_cancels_what_has_not_started_and_is_raised_once():
     state.put(Closure(_PAYLOAD, (7,), {}))  # scheduling works again
     assert state.wait(timeout=10)
     workers.stop()
+
+
+def test_an_error_cancels_the_queue_atomically_then_what_was_taken_and_not_sent_or_given_back():
+    state = _state()
+    seen: list = []
+    state.on_error(lambda: seen.append(("hook", state.pending_count, closures[4].value.status))
+                   or (lambda: seen.append("finished")))
+    state.on_error(lambda: seen.append("second hook") and None)
+    closures = _closures(state, 5)
+    failing, also, taken, lost = (state.next_batch() for _ in range(4))  # each alone: never run before
+    assert state.may_send()
+    state.settle(failing[0], ValueError("boom"), state.decide(FailureKind.FUNCTION_ERROR, failing[0]))
+    # the queue was emptied with the error recorded; then every hook was started, then finished
+    assert seen == [("hook", 0, RemoteValueStatus.CANCELLED), "second hook", "finished"]
+    state.settle(also[0], ValueError("boom too"), state.decide(FailureKind.FUNCTION_ERROR, also[0]))
+    assert len(seen) == 3 and also[0].value.status is RemoteValueStatus.FAILED  # nothing new to cancel: no hooks
+    assert not state.may_send()  # taken before the error and not sent: its thread gives it back...
+    state.requeue(taken[0])  # ...and it is cancelled (RUNNING -> CANCELLED), as is a lost worker's function (TF)
+    state.settle(lost[0], WorkerUnavailableError("w:1", "lost", "/job:worker/task:1"), Decision.RETRY)
+    assert state.pending_count == 0 and state.inflight_count == 0
+    for c in (taken[0], lost[0], closures[4]):
+        assert c.value.status is RemoteValueStatus.CANCELLED
+        with pytest.raises(ClosureCancelledError, match="boom"):
+            c.value.fetch()
+    with pytest.raises(ValueError, match="boom"):
+        state.wait(timeout=1)
+    assert state.may_send()  # raised: the coordinator is usable again
+    again = Closure(_PAYLOAD, (5,), {})
+    state.put(again)
+    [taken_again] = state.next_batch()
+    state.finish(taken_again, 25)
+    assert state.wait(timeout=1) and again.value.fetch() == 25
 
 
 def test_a_fatal_error_fails_the_rest_and_every_later_call():

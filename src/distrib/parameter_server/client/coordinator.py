@@ -210,9 +210,14 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait until every scheduled function has finished; raise the first error among them.
 
-        After a function error the functions not yet started are cancelled; once
-        ``join`` has raised the error, scheduling works again. ``timeout`` (seconds,
-        a distrib extension) raises TimeoutError instead of waiting longer.
+        Once a function's error reaches the coordinator, no function queued starts: each
+        one not started is cancelled (its RemoteValue is CANCELLED and ``fetch()`` raises
+        ClosureCancelledError), including one already sent ahead to a busy worker that
+        has not started there. Functions already running on other workers finish (a
+        running Python function cannot be interrupted safely; TF cancels them too) and
+        keep their results; ``join`` waits for them, raises the error once, and then
+        scheduling works again, as in TF. ``timeout`` (seconds, a distrib extension)
+        raises TimeoutError instead of waiting longer.
         """
         state = self._dispatch
         if not state.wait(timeout):

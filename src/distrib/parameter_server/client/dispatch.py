@@ -18,6 +18,19 @@ answers again (DOWN -> IDLE), then sends it functions and datasets afresh (a
 restarted worker has none). A function error fails that function and cancels the
 ones not started; a lost parameter server fails everything for good.
 
+Cancellation: a thread sends its worker the next batch while the current one runs (the
+worker starts it as soon as the current one ends, without a round trip to the
+coordinator). Each batch is named (a run id); until its reply is settled the thread keeps
+it among its unsettled batches. When any thread records a function error, the queue is
+cancelled at once, and every thread asks its worker (``Cancel``) to drop its unsettled
+batches that have not started there: those the worker dropped are cancelled at once (their
+RemoteValues go CANCELLED; ``fetch()`` raises ClosureCancelledError), and a batch sent right
+after one that failed on the same worker is dropped by the worker itself. A thread also
+asks the queue (``may_send``) right before sending what it took, and cancels it instead if
+an error came meanwhile. So once an error reaches the coordinator, no queued function
+starts; functions already running on workers (started before the error, or before the
+``Cancel`` reached their worker, within a round trip) finish, and their results are kept.
+
 Short functions travel in batches: a free worker takes several queued functions at
 once while their expected run time (a moving average of what each took before) fits
 the dispatch state's budget, so a no-op does not cost a whole round trip; a function
@@ -53,6 +66,8 @@ if TYPE_CHECKING:
 __all__ = ["WorkerState", "PerWorkerIterator", "WorkerThread", "fetch_remote_values"]
 
 log = logging.getLogger("distrib.parameter_server.client.coordinator")
+
+_CANCEL_TIMEOUT = 2.0  # seconds an error hook waits for a worker's answer to Cancel
 
 
 class WorkerState(enum.Enum):
@@ -108,6 +123,11 @@ class WorkerThread:
         self.sent_datasets: set[str] = set()
         self.released = 0  # how many of the coordinator's released iterators this worker was told of
         self.scaler_acks = Acknowledgements()  # this worker's GradScaler outcomes replayed on the coordinator
+        # batches sent (or about to be) and not settled yet, by run id: whoever removes one (this thread
+        # on its reply, or an error hook on the worker's word that it dropped it) settles its functions
+        self._unsettled: dict[str, list[Closure]] = {}
+        self._unsettled_lock = threading.Lock()
+        state.on_error(self._cancel_unstarted)
         self.thread = threading.Thread(target=self._main, name=f"distrib-coordinator-worker-{index}", daemon=True)
         self.thread.start()
 
@@ -146,7 +166,7 @@ class WorkerThread:
             following = None
             if self.state is WorkerState.BUSY:
                 more = self.dispatch.next_batch(block=False)
-                following = self._send(more) if more else None
+                following = self._send(more, after=current[1]) if more else None
             self._finish(*current)
             current = following  # if the worker was lost, this one fails too and is requeued
 
@@ -168,8 +188,9 @@ class WorkerThread:
         self.state = WorkerState.IDLE
 
     # ------------------------------------------------------------------ one batch
-    def _request(self, batch: list[Closure], force: bool) -> bytes:
-        """The Run request for ``batch``, with the functions and datasets this worker may lack."""
+    def _request(self, batch: list[Closure], run: str, after: Optional[str], force: bool) -> bytes:
+        """The Run request for ``batch`` (named ``run``, sent to follow ``after``), with the functions and
+        datasets this worker may lack."""
         datasets: set[str] = set()
 
         def encode_ref(x: Any) -> Any:
@@ -183,7 +204,9 @@ class WorkerThread:
         payloads = {c.payload.digest: c.payload.data for c in batch if force or c.payload.digest not in self.sent_functions}
         released = self.dispatch.released_since(self.released)
         request: dict[str, Any] = {"calls": calls, "options": self.strategy.optimizer_options(),
-                                   "payloads": payloads, "release": released}
+                                   "payloads": payloads, "release": released, "run": run}
+        if after is not None:
+            request["after"] = after
         self.released += len(released)
         scalers = self.strategy.scaler_snapshot(self.scaler_acks)
         if scalers is not None:  # the scale each GradScaler's next steps start from
@@ -198,15 +221,68 @@ class WorkerThread:
         self.sent_datasets.update(datasets)
         return body
 
-    def _send(self, batch: list[Closure]) -> Optional[tuple[list[Closure], Any]]:
-        """Start the call for ``batch``; None if it could not even be sent (then it has been failed)."""
+    def _send(self, batch: list[Closure], after: Optional[str] = None) -> Optional[tuple[list[Closure], str, Any]]:
+        """Start the call for ``batch`` (to run after batch ``after``): ``(batch, run id, future)``.
+
+        None if it was not sent: an error was recorded since it was taken (then it is
+        cancelled), or it could not be sent (then it has been failed).
+        """
         for closure in batch:
             closure.value.worker = self.task
-        try:
-            return batch, self.conn.future("Run", self._request(batch, force=False))
-        except Exception as e:  # noqa: BLE001 - unsendable arguments, a failed RemoteValue argument
-            self._fail(batch, 0, e, self.dispatch.decide(FailureKind.PROTOCOL, batch[0]))
+        run = uuid.uuid4().hex[:16]
+        with self._unsettled_lock:  # before may_send: an error recorded after it passed finds the batch here
+            self._unsettled[run] = batch
+        if not self.dispatch.may_send():
+            if self._claim(run) is not None:
+                self._requeue(batch)  # an error came since it was taken: cancelled
             return None
+        try:
+            return batch, run, self.conn.future("Run", self._request(batch, run, after, force=False))
+        except Exception as e:  # noqa: BLE001 - unsendable arguments, a failed RemoteValue argument
+            if self._claim(run) is not None:
+                self._fail(batch, 0, e, self.dispatch.decide(FailureKind.PROTOCOL, batch[0]))
+            return None
+
+    def _claim(self, run: str) -> Optional[list[Closure]]:
+        """Take batch ``run`` out of the unsettled ones to settle it; None if someone else did already."""
+        with self._unsettled_lock:
+            return self._unsettled.pop(run, None)
+
+    def _requeue(self, closures: list[Closure]) -> None:
+        """Functions taken that did not start: back to the front of the queue in order (cancelled after an error)."""
+        for closure in reversed(closures):
+            self.dispatch.requeue(closure)
+
+    def _cancel_unstarted(self) -> Optional[Callable[[], None]]:
+        """An error was recorded (the queue is cancelled): ask the worker to drop its batches that have not started.
+
+        Starts the ``Cancel`` call and returns what waits for its reply and cancels the
+        functions of the batches the worker dropped (or None: nothing is out). The worker
+        stops a batch that has started after its current call. A worker that cannot be
+        asked leaves things as they are: its batches settle when their replies come.
+        """
+        with self._unsettled_lock:
+            runs = list(self._unsettled)
+        if not runs:
+            return None
+        try:
+            future = self.conn.future("Cancel", wire.encode({"runs": runs}), timeout=_CANCEL_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - e.g. the channel is closed
+            log.debug("could not ask %s to drop its batches: %s", self.task, e)
+            return None
+
+        def finish() -> None:
+            try:
+                reply = wire.decode(self.conn.result(future))
+            except Exception as e:  # noqa: BLE001 - unreachable (its thread will see), or a worker without Cancel
+                log.debug("%s did not answer the Cancel: %s", self.task, e)
+                return
+            for run in reply.get("dropped") or ():
+                batch = self._claim(run) if isinstance(run, str) else None
+                if batch is not None:
+                    self._requeue(batch)
+
+        return finish
 
     def _await(self, future: Any) -> bytes:
         """The reply of a call, sending heartbeats while it runs; WorkerUnavailableError if they stop."""
@@ -233,7 +309,8 @@ class WorkerThread:
                 raise WorkerUnavailableError(self.conn.address, f"no answer to heartbeats for {silent:.1f}s (hung, "
                                              f"stopped or cut off; heartbeat_timeout={timeout}s)", self.task)
 
-    def _receive(self, batch: list[Closure], future: Any) -> list[dict]:
+    def _receive(self, batch: list[Closure], run: str, future: Any) -> tuple[list[dict], bool]:
+        """The replies of the calls of ``batch`` that ran, and whether the worker cancelled the rest."""
         reply = wire.decode(self._await(future))
         for _ in range(2):
             if reply.get("status") != "need":
@@ -241,28 +318,38 @@ class WorkerThread:
             self.sent_functions.clear()  # the worker forgot (it was restarted): send everything again
             self.sent_datasets.clear()
             self.released = self.dispatch.released_count
-            reply = wire.decode(self._await(self.conn.future("Run", self._request(batch, force=True))))
+            reply = wire.decode(self._await(self.conn.future("Run", self._request(batch, run, None, force=True))))
         if reply.get("status") == "need":
             raise RemoteProtocolError(f"{self.task} keeps asking for the functions and datasets it was sent")
         if "results" not in reply:
             raise RemoteProtocolError(f"{self.task} failed to run a batch: {reply.get('type')}: "
                                       f"{reply.get('message')}\n{reply.get('traceback', '')}")
-        return [wire.decode(r) for r in reply["results"]]
+        return [wire.decode(r) for r in reply["results"]], reply.get("cancelled") is True
 
-    def _finish(self, batch: list[Closure], future: Any) -> None:
-        """Wait for the call of ``batch``; settle every closure in it (ready, failed, or back in the queue)."""
+    def _finish(self, batch: list[Closure], run: str, future: Any) -> None:
+        """Wait for the call of ``batch``; settle every closure in it (ready, failed, cancelled, or back in the queue).
+
+        Nothing to do if the worker said it dropped the batch (an error hook cancelled it).
+        """
         state = self.dispatch
+        with self._unsettled_lock:
+            if run not in self._unsettled:
+                return
         try:
-            replies = self._receive(batch, future)
+            replies, cancelled = self._receive(batch, run, future)
         except WorkerUnavailableError as e:
             if self.state is not WorkerState.DOWN:
                 log.warning("%s (%s) is unavailable; its functions go to another worker", self.task, self.conn.address)
             self.state = WorkerState.DOWN
-            for closure in reversed(batch):  # back to the front of the queue, in their order
-                state.settle(closure, e, state.decide(FailureKind.WORKER_LOST, closure))
+            if self._claim(run) is not None:
+                for closure in reversed(batch):  # back to the front of the queue, in their order
+                    state.settle(closure, e, state.decide(FailureKind.WORKER_LOST, closure))
             return
         except Exception as e:  # noqa: BLE001 - refused token, an incompatible worker
-            self._fail(batch, 0, e, state.decide(FailureKind.PROTOCOL, batch[0]))
+            if self._claim(run) is not None:
+                self._fail(batch, 0, e, state.decide(FailureKind.PROTOCOL, batch[0]))
+            return
+        if self._claim(run) is None:  # the worker dropped it: cancelled already
             return
         for i, (closure, reply) in enumerate(zip(batch, replies)):
             status = reply.get("status")
@@ -288,6 +375,9 @@ class WorkerThread:
             self._fail(batch, i, error, state.decide(kind, closure))
             return
         if len(replies) < len(batch):
+            if cancelled:  # the worker did not start the rest (an error was recorded): cancelled
+                self._requeue(batch[len(replies):])
+                return
             self._fail(batch, len(replies), RemoteProtocolError(f"{self.task} ran {len(replies)} of "
                                                                 f"{len(batch)} functions and said nothing more"),
                        Decision.RAISE)

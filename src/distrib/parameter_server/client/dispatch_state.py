@@ -8,9 +8,11 @@ coordinator only through it. It holds:
 * the :class:`ClosureQueue`: functions not yet run, the number running, and the error
   ``join`` raises (TF's ``_CoordinatedClosureQueue``). Its methods move each function's
   :class:`~distrib.parameter_server.client.remote_value.RemoteValue` through its life
-  cycle: ``take`` (PENDING -> RUNNING), ``requeue`` (RUNNING -> PENDING, to the front),
-  ``finish`` (-> READY), ``fail`` (-> FAILED, and the functions not started are
-  cancelled, or failed too if the error is fatal);
+  cycle: ``take`` (PENDING -> RUNNING), ``requeue`` (RUNNING -> PENDING, to the front;
+  CANCELLED once an error is recorded), ``finish`` (-> READY), ``fail`` (-> FAILED, and
+  the functions not started are cancelled, or failed too if the error is fatal);
+* the error hooks: what each worker thread does when an error is recorded (ask its
+  worker to drop the batches sent ahead that have not started), called by ``fail``;
 * how short functions are batched: a moving average of each function's run time, so
   that a free worker takes several short ones at once within a budget of expected work;
 * the :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy` (retry a
@@ -64,6 +66,16 @@ class ClosureQueue:
     and ``wait`` s (``join``) or asks ``done``. A function error is raised once, by the next
     ``put``, ``wait`` or ``done``, and then forgotten, as in TF; a fatal error (a lost
     parameter server) is raised by every later call.
+
+    Cancellation, as TF promises it: ``fail`` records the error and cancels every function
+    not taken in one step under the queue's lock, so no ``take`` can get one in between;
+    a worker thread asks ``may_send`` (under the same lock) before it sends what it took,
+    and a function taken before the error but not sent (or put back by ``requeue``) is
+    cancelled instead. Until ``join`` has raised the error (it waits for the functions
+    running), nothing can be queued: so after an error nothing queued starts. Functions
+    already running on their workers finish; a batch already sent to a worker but not
+    started there is the worker threads' to cancel (see
+    :meth:`DispatchState.on_error`).
     """
 
     def __init__(self) -> None:
@@ -145,15 +157,28 @@ class ClosureQueue:
                 closure.value.transition(RemoteValueStatus.RUNNING)
             return batch
 
-    def requeue(self, closure: Closure) -> None:
-        """A taken function did not run (its worker was lost): back to the front of the queue, PENDING.
+    def may_send(self) -> bool:
+        """Whether a worker thread may send the functions it took: False once an error is recorded.
 
-        After a fatal error it fails instead: nothing will run it.
+        Asked right before sending; False means an error came since they were taken (while
+        functions are taken the error cannot have been raised and cleared): the thread
+        ``requeue`` s them, which cancels them.
+        """
+        with self._cond:
+            return self._error is None and self._fatal is None
+
+    def requeue(self, closure: Closure) -> None:
+        """A taken function did not run (its worker was lost, or it was never sent or started): back to the front.
+
+        PENDING again, unless an error is recorded: then it is CANCELLED (as TF's
+        ``put_back``), or FAILED with a fatal error: nothing queued runs after an error.
         """
         with self._cond:
             self._inflight -= 1
             if self._fatal is not None:
                 closure.value.transition(RemoteValueStatus.FAILED, error=self._fatal)
+            elif self._error is not None:
+                closure.value.transition(RemoteValueStatus.CANCELLED, error=self._cancelled(self._error))
             else:
                 closure.value.transition(RemoteValueStatus.PENDING)
                 self._pending.appendleft(closure)
@@ -166,25 +191,29 @@ class ClosureQueue:
             closure.value.transition(RemoteValueStatus.READY, value=value)
             self._cond.notify_all()
 
-    def fail(self, closure: Closure, error: BaseException, fatal: bool) -> None:
-        """A taken function failed with ``error``: FAILED, and every function not started is cancelled.
+    def fail(self, closure: Closure, error: BaseException, fatal: bool) -> bool:
+        """A taken function failed with ``error``: FAILED, and every function not taken is cancelled.
 
-        ``fatal`` (a parameter server is gone): the functions not started fail with ``error``
-        too, and every later ``put``, ``wait`` and ``done`` raises it.
+        Recording the error and emptying the queue happen under one lock: no worker thread
+        takes a function in between. ``fatal`` (a parameter server is gone): the functions not
+        started fail with ``error`` too, and every later ``put``, ``wait`` and ``done`` raises it.
+        Returns whether this is the first error recorded (none was waiting to be raised).
         """
         with self._cond:
+            first = self._error is None and self._fatal is None
             self._inflight -= 1
             closure.value.transition(RemoteValueStatus.FAILED, error=error)
             if fatal:
                 self._fatal = self._fatal or error
             elif self._error is None:
                 self._error = error
-            cancelled = ClosureCancelledError(f"not run because an earlier scheduled function failed: {error}")
+            cancelled = self._cancelled(error)
             while self._pending:
                 pending = self._pending.popleft()
                 pending.value.transition(RemoteValueStatus.FAILED if fatal else RemoteValueStatus.CANCELLED,
                                          error=error if fatal else cancelled)
             self._cond.notify_all()
+            return first
 
     # ------------------------------------------------------------------ introspection
     def idle(self) -> bool:
@@ -208,6 +237,10 @@ class ClosureQueue:
         return self._fatal or self._error
 
     # ------------------------------------------------------------------ internals (call with _cond held)
+    @staticmethod
+    def _cancelled(error: BaseException) -> ClosureCancelledError:
+        return ClosureCancelledError(f"not run because an earlier scheduled function failed: {error}")
+
     def _idle(self) -> bool:
         return not self._pending and self._inflight == 0
 
@@ -260,6 +293,7 @@ class DispatchState:
         # which may run in any thread while it holds any lock: so no lock here (list.append and
         # slicing are atomic), and each worker remembers how many of them it was told of.
         self._released: list[str] = []
+        self._error_hooks: list[Callable[[], Optional[Callable[[], None]]]] = []
 
     # ------------------------------------------------------------------ the queue (the coordinator's side)
     def put(self, closure: Closure) -> None:
@@ -304,9 +338,34 @@ class DispatchState:
         """A taken function returned ``value``: READY."""
         self._queue.finish(closure, value)
 
+    def may_send(self) -> bool:
+        """Whether a worker thread may send what it took (see :meth:`ClosureQueue.may_send`)."""
+        return self._queue.may_send()
+
     def fail(self, closure: Closure, error: BaseException, fatal: bool) -> None:
-        """A taken function failed for good: see :meth:`ClosureQueue.fail`."""
-        self._queue.fail(closure, error, fatal)
+        """A taken function failed for good: see :meth:`ClosureQueue.fail`; then the error hooks run.
+
+        The queue is cancelled first (at once, under its lock); then, for the first error
+        recorded (later ones until ``join`` raises it find nothing new to cancel: nothing is
+        sent meanwhile), every hook registered with :meth:`on_error` is started, and then
+        each is finished: the worker threads ask their workers, all at once, to drop the
+        batches sent ahead that have not started.
+        """
+        if not self._queue.fail(closure, error, fatal):
+            return
+        finishers = [finish for finish in (hook() for hook in list(self._error_hooks)) if finish is not None]
+        for finish in finishers:
+            finish()
+
+    def on_error(self, hook: Callable[[], Optional[Callable[[], None]]]) -> None:
+        """Call ``hook()`` in the thread that records each function error, after the queue was cancelled.
+
+        ``hook`` starts what it does without waiting and may return a callable that waits for
+        it: all hooks are started before any is waited for. A worker thread's hook asks its
+        worker to drop the batches it was sent and has not started (a worker thread sends its
+        next batch while the current one runs), and cancels their functions.
+        """
+        self._error_hooks.append(hook)
 
     def decide(self, kind: FailureKind, closure: Closure) -> Decision:
         """The failure policy's decision on a failure of ``kind`` of ``closure``'s latest attempt."""

@@ -7,6 +7,8 @@ Status transitions, and the only ones allowed (anything else is a bug and raises
     RUNNING  -> READY      the function returned; fetch() gives its result
     RUNNING  -> FAILED     it raised on the worker, or a parameter server was lost; fetch() raises
     PENDING  -> CANCELLED  an earlier scheduled function failed; fetch() raises ClosureCancelledError
+    RUNNING  -> CANCELLED  as above, for a function a worker had taken (sent ahead to its worker, or
+                           taken back from a lost one) that had not started there when the error came
     PENDING  -> FAILED     the cluster failed (a ps was lost) before the function ran
 
 READY, FAILED and CANCELLED are final. Because RUNNING can go back to PENDING, a
@@ -32,7 +34,8 @@ class RemoteValueStatus(enum.Enum):
 
 _ALLOWED = {
     RemoteValueStatus.PENDING: {RemoteValueStatus.RUNNING, RemoteValueStatus.CANCELLED, RemoteValueStatus.FAILED},
-    RemoteValueStatus.RUNNING: {RemoteValueStatus.PENDING, RemoteValueStatus.READY, RemoteValueStatus.FAILED},
+    RemoteValueStatus.RUNNING: {RemoteValueStatus.PENDING, RemoteValueStatus.READY, RemoteValueStatus.FAILED,
+                                RemoteValueStatus.CANCELLED},
 }
 _FINAL = (RemoteValueStatus.READY, RemoteValueStatus.FAILED, RemoteValueStatus.CANCELLED)
 

@@ -11,6 +11,22 @@ A ``Run`` call carries a batch of calls (several short functions share one round
 trip; the coordinator sizes batches from how long each function took before), and
 the ids of per-worker iterators the coordinator no longer holds (dropped here).
 
+Each ``Run`` is named by the coordinator (``run``), which sends the next batch while the
+current one runs (``after``: the batch it follows). A batch sent ``after`` another starts after
+it (it waits up to ``_AFTER_WAIT`` seconds for that one to arrive: the two calls may arrive in
+either order). Cancellation, as TF promises it (once a scheduled function's error reaches the
+coordinator, no function queued after it starts):
+
+* a batch sent ``after`` one whose call failed here does not start: the coordinator is
+  about to cancel it, and this worker knows of the error first;
+* ``Cancel`` (``{"runs": [...]}``, sent by the coordinator when it records an error) drops
+  each named batch that has not started here, now or when it arrives later (the reply lists
+  them: ``{"dropped": [...]}``, the coordinator cancels their functions at once); a batch
+  that has started runs no call after the current one.
+
+A batch that did not run all its calls because of either answers with the replies of the
+calls that ran and ``"cancelled": true``.
+
 Metrics a function captured arrive as copies, one per metric, kept by the metric's
 id. Before each call their state is reset; after a call that returned, the state
 (what that call added) goes back with its reply, and the coordinator adds it to its
@@ -26,7 +42,7 @@ The reply says, per call that ran: ``ok`` (with the result and the seconds it to
 ``error`` (the function raised: type, message, traceback), or ``ps_unavailable`` (a
 parameter server could not be reached); calls after a failed one do not run. Or,
 for the whole batch, ``need``: this worker lacks a function or dataset (it was
-restarted); the coordinator sends them and calls again.
+restarted); the coordinator sends them and calls again (under the same ``run``).
 """
 
 from __future__ import annotations
@@ -59,6 +75,8 @@ if TYPE_CHECKING:
 __all__ = ["WorkerService", "RemoteOptimizer"]
 
 _MAX_FUNCTIONS = 512
+_MAX_RUNS = 1024  # the latest batches whose state is kept (a coordinator has at most 2 out per worker)
+_AFTER_WAIT = 5.0  # seconds a batch waits for the one it follows to arrive (e.g. this worker restarted between)
 log = logging.getLogger("distrib.parameter_server.worker")
 
 
@@ -163,12 +181,16 @@ class WorkerService:
         self._metrics: dict[str, Any] = {}  # the coordinator's metrics by id: this worker's copies
         self._scalers = WorkerScalers(self._incarnation)  # the coordinator's GradScalers: this worker's copies
         self._run_lock = threading.Lock()
+        # the latest batches by the coordinator's run id: "started", "stopping" (cancelled while it ran),
+        # "ok", "failed" (a call did not return), "cancelled" (dropped before it started)
+        self._runs: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._runs_lock = threading.Condition()  # notified whenever a batch's state changes
         self._optimizer_options: dict[str, list[dict]] = {}  # the coordinator's, as of the last Run
         self.decoded = 0  # request bodies decoded (reported by Health)
         self._strategy: Optional["ParameterServerWorkerStrategy"] = None
 
     def handlers(self) -> dict[str, Callable[[bytes], bytes]]:
-        return {"Health": self._health, "Run": self._run}
+        return {"Health": self._health, "Run": self._run, "Cancel": self._cancel}
 
     # ------------------------------------------------------------------ resolution
     def _variable(self, spec: VariableSpec) -> LocalVariable:
@@ -239,7 +261,8 @@ class WorkerService:
 
         Replies ``{"status": "need", ...}`` without running anything when a function or
         dataset is missing, else ``{"results": [reply, ...]}`` with one encoded reply per
-        call that ran (a failed call's reply is the last).
+        call that ran (a failed call's reply is the last), and ``"cancelled": true`` when
+        the batch was cancelled before all its calls ran (see the module docstring).
         """
         try:
             self.decoded += 1
@@ -248,21 +271,37 @@ class WorkerService:
                     isinstance(c, dict) and isinstance(c.get("fn"), str) and isinstance(c.get("args"), (list, tuple))
                     and isinstance(c.get("kwargs"), dict) for c in message["calls"]):
                 raise wire.WireError("malformed Run request: 'calls' must be a list of {fn, args, kwargs}")
+            run, after = message.get("run"), message.get("after")
+            if not isinstance(run, (str, type(None))) or not isinstance(after, (str, type(None))):
+                raise wire.WireError("malformed Run request: 'run' and 'after' must be strings")
+            if after is not None:  # the batch this one follows starts first (the calls may arrive swapped)
+                with self._runs_lock:
+                    self._runs_lock.wait_for(lambda: after in self._runs, timeout=_AFTER_WAIT)
             with self._run_lock:
                 need = self._register(message)
                 if need is not None:
                     return wire.encode(need)
-                results = []
-                for call in message["calls"]:
-                    reply = self._execute(call)
-                    try:
-                        results.append(wire.encode(reply))
-                    except wire.WireError as e:  # the function returned something that cannot be sent
-                        reply = _error_reply(e)
-                        results.append(wire.encode(reply))
-                    if reply["status"] != "ok":
-                        break
-                return wire.encode({"results": results})
+                if not self._begin(run, after):
+                    return wire.encode({"results": [], "cancelled": True})
+                results: list[bytes] = []
+                outcome = "failed"
+                try:
+                    for i, call in enumerate(message["calls"]):
+                        if i and self._stopping(run):
+                            outcome = "cancelled"
+                            return wire.encode({"results": results, "cancelled": True})
+                        reply = self._execute(call)
+                        try:
+                            results.append(wire.encode(reply))
+                        except wire.WireError as e:  # the function returned something that cannot be sent
+                            reply = _error_reply(e)
+                            results.append(wire.encode(reply))
+                        if reply["status"] != "ok":
+                            return wire.encode({"results": results})
+                    outcome = "ok"
+                    return wire.encode({"results": results})
+                finally:
+                    self._end(run, outcome)
         except ModuleNotFoundError as e:  # the function was pickled by reference to a module we lack
             reply = _error_reply(e)
             reply["message"] += (f"; the scheduled function (or what it captures) refers to module {e.name!r}, "
@@ -271,6 +310,55 @@ class WorkerService:
             return wire.encode(reply)
         except Exception as e:  # noqa: BLE001 - a malformed request
             return wire.encode(_error_reply(e))
+
+    def _cancel(self, request: bytes) -> bytes:
+        """Drop the batches named that have not started (they never will); stop the named ones running after their current call."""
+        try:
+            self.decoded += 1
+            message = wire.decode(request)
+            runs = message.get("runs") if isinstance(message, dict) else None
+            if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+                raise wire.WireError("malformed Cancel request: 'runs' must be a list of run ids")
+            dropped = []
+            with self._runs_lock:
+                for run in runs:
+                    state = self._runs.get(run)
+                    if state is None or state == "cancelled":  # not arrived yet, or waiting: it will not start
+                        self._remember(run, "cancelled")
+                        dropped.append(run)
+                    elif state == "started":
+                        self._remember(run, "stopping")
+            return wire.encode({"dropped": dropped})
+        except Exception as e:  # noqa: BLE001 - a malformed request
+            return wire.encode(_error_reply(e))
+
+    def _begin(self, run: Optional[str], after: Optional[str]) -> bool:
+        """Whether batch ``run`` starts (False: it was cancelled, or the batch it follows failed); marks it started."""
+        if run is None:  # a coordinator that does not name its batches: nothing can cancel them
+            return True
+        with self._runs_lock:
+            if self._runs.get(run) == "cancelled" or (after is not None and self._runs.get(after) == "failed"):
+                self._remember(run, "cancelled")
+                return False
+            self._remember(run, "started")
+            return True
+
+    def _stopping(self, run: Optional[str]) -> bool:
+        with self._runs_lock:
+            return run is not None and self._runs.get(run) == "stopping"
+
+    def _end(self, run: Optional[str], outcome: str) -> None:
+        if run is not None:
+            with self._runs_lock:
+                self._remember(run, outcome)
+
+    def _remember(self, run: str, state: str) -> None:
+        """Record batch ``run``'s state (call with ``_runs_lock`` held), forgetting the oldest beyond ``_MAX_RUNS``."""
+        self._runs[run] = state
+        self._runs.move_to_end(run)
+        while len(self._runs) > _MAX_RUNS:
+            self._runs.popitem(last=False)
+        self._runs_lock.notify_all()
 
     def _register(self, message: dict) -> Optional[dict]:
         """Load the functions and datasets sent along; the ``need`` reply if some are still missing."""
