@@ -6,9 +6,13 @@
 #
 # Runs from the checkout (PYTHONPATH=src, `python3 -m ...`: distrib need not be installed). Everything
 # goes to $OUT when set (the GPU machine returns that folder), else ./gpu-check/: gpu_check.log (this
-# output), env.txt, cuda-tests.xml (junit) and cuda-tests.log, benchmark.json and benchmark.txt.
+# output, every stage's included), env.txt, cuda-tests.xml (junit), benchmark.json (benchmarks/gpu.py),
+# function-table.jsonl (ds.function against eager, per strategy x feature: tests/cuda/test_cuda_function.py),
+# capture-probe.json (benchmarks/capture_probe.py) and function-benchmark.json (benchmarks/function_step.py):
+# 7 files, within what the GPU machine sends back (8).
 # Each stage is bounded by `timeout`; a failing stage does not stop the next; the exit status is non-zero
 # when any stage failed. DISTRIB_CHECK_DEVICE=cpu is how the dry run runs the CUDA tests on the CPU.
+# GPU_CHECK_STAGES=tests,benchmark,probe,function (the default: all) picks stages, for a rerun in the time left.
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -35,13 +39,15 @@ stage() {  # stage NAME SECONDS LOGFILE COMMAND...: run bounded, its output also
 
 if [ $DRY -eq 1 ]; then
     export DISTRIB_CHECK_DEVICE=cpu
-    DEVICE=cpu TESTS_LIMIT=150 PER_TEST=90 BENCH_LIMIT=150  # 2 shared cores: ~60 s each when idle
+    DEVICE=cpu TESTS_LIMIT=200 PER_TEST=90 BENCH_LIMIT=150 FUNCTION_LIMIT=90  # 2 shared cores: ~60 s each when idle
     BENCH_ARGS=(--device cpu --batch 8 --rounds 1 --steps 2 --warmup 1 --large-batch 32 --large-steps 1
                 --compile-precisions fp32 --compile-backend eager --mw-steps 2 --mw-timeout 60 --dispatch-calls 200)
+    FUNCTION_ARGS=(--device cpu --rounds 1 --steps 4 --batch 8 --large-batch 0 --gpt 1,32,16,2 --gpt-steps 1)
 else
     export DISTRIB_CHECK_DEVICE=cuda
-    DEVICE=cuda TESTS_LIMIT=180 PER_TEST=120 BENCH_LIMIT=270  # + ~15 s of set-up: within 8 minutes
-    BENCH_ARGS=(--device cuda --budget-s 110)
+    DEVICE=cuda TESTS_LIMIT=200 PER_TEST=150 BENCH_LIMIT=150 FUNCTION_LIMIT=120  # + set-up: within 8 minutes
+    BENCH_ARGS=(--device cuda --budget-s 40 --rounds 3 --compile-precisions fp32)
+    FUNCTION_ARGS=(--device cuda --rounds 7 --steps 300)
 fi
 
 echo "=== environment ($( [ $DRY -eq 1 ] && echo 'DRY RUN on the CPU' || echo 'GPU check' ), $(date -u +%FT%TZ)) ==="
@@ -65,13 +71,23 @@ fi
 
 TIMEOUT_ARGS=()
 "$PY" -c 'import pytest_timeout' 2>/dev/null && TIMEOUT_ARGS=(--timeout "$PER_TEST")
+STAGES=",${GPU_CHECK_STAGES:-tests,benchmark,probe,function},"
 # addopts='': not the suite's --doctest-modules and -m 'not faults_full'; -m cuda selects these tests alone
-stage "CUDA tests (DISTRIB_CHECK_DEVICE=$DISTRIB_CHECK_DEVICE)" "$TESTS_LIMIT" "$OUTDIR/cuda-tests.log" \
-    "$PY" -m pytest -m cuda tests/cuda -p no:cacheprovider -o addopts='' --import-mode=importlib -ra -v \
+rm -f "$OUTDIR/function-table.jsonl"
+[[ $STAGES == *,tests,* ]] && DISTRIB_FUNCTION_TABLE="$OUTDIR/function-table.jsonl" \
+stage "CUDA tests (DISTRIB_CHECK_DEVICE=$DISTRIB_CHECK_DEVICE)" "$TESTS_LIMIT" /dev/null \
+    "$PY" -m pytest -m cuda ${GPU_CHECK_TESTS:-tests/cuda} -p no:cacheprovider -o addopts='' --import-mode=importlib -ra -v \
     "${TIMEOUT_ARGS[@]}" --junitxml="$OUTDIR/cuda-tests.xml"
 
-stage "benchmark (benchmarks/gpu.py ${BENCH_ARGS[*]})" "$BENCH_LIMIT" "$OUTDIR/benchmark.txt" \
+[[ $STAGES == *,benchmark,* ]] && stage "benchmark (benchmarks/gpu.py ${BENCH_ARGS[*]})" "$BENCH_LIMIT" /dev/null \
     "$PY" benchmarks/gpu.py "${BENCH_ARGS[@]}" --json "$OUTDIR/benchmark.json"
+
+[[ $STAGES == *,probe,* && $DRY -eq 0 ]] && stage "capture probe (benchmarks/capture_probe.py)" 150 /dev/null \
+    "$PY" benchmarks/capture_probe.py --scenario all --steps 300 --json "$OUTDIR/capture-probe.json"
+
+[[ $STAGES == *,function,* ]] && stage "ds.function benchmark (benchmarks/function_step.py ${FUNCTION_ARGS[*]})" \
+    "$FUNCTION_LIMIT" /dev/null "$PY" benchmarks/function_step.py "${FUNCTION_ARGS[@]}" \
+    --json "$OUTDIR/function-benchmark.json"
 
 echo; echo "=== summary ($(( $(date +%s) - START ))s, output in $OUTDIR) ==="
 printf '%s\n' "${RESULTS[@]}"

@@ -44,5 +44,10 @@ def test_gpu_check_dry_run_passes_runs_the_cuda_tests_on_the_cpu_and_benchmarks_
     assert result["dispatch_overhead"]["bare_us_per_call"] > 0
     assert result["multi_worker_2_processes_one_device"]["examples_per_s_median"] > 0
     assert result["multi_worker_2_processes_one_device"]["backend"] == "gloo"
-    for name in ("gpu_check.log", "env.txt", "cuda-tests.log", "benchmark.txt"):
+    function = json.loads((tmp_path / "function-benchmark.json").read_text())
+    assert not function["failed"], function["failed"]
+    assert function["ratios"]["function_vs_one_device_eager"] > 0
+    table = [json.loads(line) for line in (tmp_path / "function-table.jsonl").read_text().splitlines()]
+    assert {row["feature"] for row in table} >= {"plain", "accumulate", "checkpoint", "fp16_fused"}, table
+    for name in ("gpu_check.log", "env.txt"):
         assert (tmp_path / name).stat().st_size > 0, name

@@ -429,3 +429,13 @@ def test_an_optimizer_with_its_own_load_or_a_load_hook_is_copied_for_the_rollbac
     replaced = torch.optim.SGD(model.parameters(), lr=0.1)
     torch_patches.replace_load_state_dict(replaced, lambda optimizer, state: None)  # the parameter servers' load
     assert not torch_patches.optimizer_load_replaces_state(replaced)
+
+
+def test_cublas_workspaces_can_be_cleared_where_torch_has_cuda() -> None:
+    """``torch_patches.clear_cublas_workspaces`` calls ``torch._C._cuda_clearCublasWorkspaces`` (ds.function's
+    captures, issue 28): a CUDA build of torch must still have it, or captured graphs share eager workspaces."""
+    from distrib import torch_patches
+
+    if torch.backends.cuda.is_built():
+        assert callable(getattr(torch._C, "_cuda_clearCublasWorkspaces", None))
+    torch_patches.clear_cublas_workspaces()  # a no-op without CUDA, never an error

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
                                     latest_checkpoint)
     from distrib.cluster import ClusterSpec
     from distrib.comm import CollectiveError, CommunicationImplementation, CommunicationOptions, PowerSGD
+    from distrib.graphs import function
     from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                                  in_cross_replica_context)
     from distrib.input import (AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, OptionalValue,
@@ -106,6 +107,7 @@ _LAZY: dict[str, tuple[str, Optional[str]]] = {
                                                    "InputReplicationMode", "OptionalValue", "OutOfRangeError",
                                                    "TensorSpec")},
     "callbacks": ("distrib.keras", "callbacks"),
+    "function": ("distrib.graphs", "function"),
     **{name: ("distrib.keras.loop", name) for name in ("evaluate", "fit", "predict")},
     **{name: ("distrib.losses", name) for name in ("compute_average_loss", "scale_regularization_loss")},
     **{name: ("distrib.parameter_server", name) for name in ("ParameterServerStrategy", "Server", "coordinator",
@@ -163,6 +165,7 @@ __all__ = [
     "evaluate",
     "experimental",
     "fit",
+    "function",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

@@ -126,6 +126,16 @@ def cluster_strategy() -> Optional["Strategy"]:
     return _cluster() if _cluster is not None else None
 
 
+#: who wants to know which strategies ``run`` steps (``ds.function`` while it warms up a step); empty otherwise
+run_observers: list[Callable[["Strategy"], None]] = []
+
+
+def note_run(strategy: "Strategy") -> None:
+    """``strategy.run`` was called: tell the observers (``Strategy.run`` calls this only when there are some)."""
+    for observe in list(run_observers):
+        observe(strategy)
+
+
 def current_replica() -> Optional["ReplicaContext"]:
     """The replica context set on this thread by ``strategy.run``, or None."""
     return getattr(_thread, "replica", None)

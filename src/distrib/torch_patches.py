@@ -49,7 +49,7 @@ __all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", 
            "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward",
            "has_load_state_dict_pre_hooks", "queue_backward_callback", "group_backend", "sparse_parts",
            "fake_tensor_mode", "DISABLED_TORCH_FUNCTION", "TorchDispatchMode", "wrapper_tensor",
-           "apply_inplace_view", "in_backward", "op_schema"]
+           "apply_inplace_view", "in_backward", "op_schema", "clear_cublas_workspaces"]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -452,3 +452,20 @@ def op_schema(func: Any) -> Any:
     """An aten op's ``FunctionSchema`` (which arguments it writes, what it returns); torch's own tensor subclasses
     read it the same way (``torch.utils._python_dispatch``), and ``OpOverload`` has no public name for it."""
     return func._schema
+
+
+# --------------------------------------------------------------------------- CUDA graphs (ds.function)
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached workspaces (torch keeps one per handle and stream, from the caching allocator).
+
+    ``ds.function`` calls it right before and right after each capture (``graphs/cuda_graph.py``), as torch's own
+    ``torch.compile`` CUDA graphs do (``torch/_inductor/cudagraph_trees.py``): a graph bakes in the address of
+    the workspace its matmuls used. Captured with a workspace that eager work made on the same stream, the graph
+    writes into memory the caching allocator later frees or hands to other tensors (the next capture frees
+    cached memory first): an illegal memory access, or a segmentation fault, at a later replay (issue 28).
+    Cleared before, the capture allocates its own workspace inside the graph's private pool; cleared after, no
+    eager matmul shares it. torch has no public name for it; a no-op where torch has no CUDA."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        clear()

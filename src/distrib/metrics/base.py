@@ -89,7 +89,9 @@ def weighted_total(values: Any, sample_weight: Any = None, reduce: str = "mean")
     """
     v = _as_float(values)
     if sample_weight is None:
-        return v.sum(), torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device)
+        # torch.full, not torch.tensor(..., device=...): a fill on the device, not a copy from the host (which a
+        # CUDA graph of the step, ds.function, could not replay)
+        return v.sum(), torch.full((), float(v.numel()), dtype=torch.float64, device=v.device)
     w = _adjust_weight_rank(v, _as_float(sample_weight, v.device))
     broadcastable = w.dim() == 0 or (w.dim() == v.dim() and all(a in (1, b) for a, b in zip(w.shape, v.shape)))
     if not broadcastable:
@@ -170,6 +172,10 @@ class Metric:
         with self._lock, torch.no_grad():
             for k, v in deltas.items():
                 state = self._state[k]
+                if state.device != v.device and v.device.type != "cpu" and self._strategy.local_devices[0] is None:
+                    # a strategy that places nothing (the default): the state follows the values to their device
+                    # at the first update, so that a GPU step adds on the GPU (and ds.function can capture it)
+                    state = self._state[k] = state.to(v.device)
                 state.add_(v.detach().to(state.device, state.dtype))
 
     def deltas(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:

@@ -184,6 +184,12 @@ class ParameterServerStrategy(Strategy):
         """The TLS certificates for calls to the cluster's tasks, if any."""
         return self._tls
 
+    @property
+    def graph_capture_blocker(self) -> Optional[str]:
+        """Scheduled steps pull and push parameters over RPC, on the host: ``ds.function`` runs them eagerly."""
+        return ("ParameterServerStrategy's steps pull parameters from and push gradients to the ps tasks over "
+                "RPC, on the host, which a CUDA graph cannot hold")
+
     def step_executor(self) -> "StepExecutor":
         """Steps of ``fit``/``evaluate``/``predict`` are scheduled on the workers through the ClusterCoordinator."""
         from distrib.parameter_server.client.coordinator import ClusterCoordinator

@@ -9,7 +9,7 @@ subclass, registered by :mod:`distrib.parameter_server.strategy`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
@@ -77,6 +77,12 @@ class ParameterServerWorkerStrategy(Strategy):
                                           options: Any = None) -> DatasetSource:
         """A dataset source, as on the coordinator (per-worker datasets are made there)."""
         return DatasetSource(dataset_fn=dataset_fn)
+
+    @property
+    def graph_capture_blocker(self) -> Optional[str]:
+        """Scheduled steps pull and push parameters over RPC, on the host: ``ds.function`` runs them eagerly."""
+        return ("A scheduled function's steps pull parameters from and push gradients to the ps tasks over "
+                "RPC, on the host, which a CUDA graph cannot hold")
 
     def step_executor(self) -> "StepExecutor":
         raise RuntimeError("fit/evaluate/predict run on the coordinator, not inside a scheduled function")

@@ -115,6 +115,28 @@ class Strategy(abc.ABC):
         where no step is merged."""
         return None
 
+    @property
+    def graph_capture_blocker(self) -> Optional[str]:
+        """Why ``ds.function`` cannot capture this strategy's steps as one CUDA graph, or None where it can.
+
+        A graph captures the kernels one thread launches on one GPU, NCCL's collectives included: the
+        strategies with one replica per process on a CUDA device, alone or with NCCL between workers.
+        """
+        n = self.num_local_replicas
+        if n > 1:
+            return (f"{type(self).__name__} runs {n} replicas in this process, on threads, and a CUDA graph "
+                    "holds one thread's kernels; one replica per process (distrib launch / torchrun, "
+                    "MultiWorkerMirroredStrategy over NCCL) can be captured")
+        device = self._devices[0]
+        if device is not None and device.type != "cuda":
+            return f"{type(self).__name__} computes on {device}, and CUDA graphs need a CUDA device"
+        backend = self._communicator.backend
+        if self.num_workers > 1 and backend != "nccl":
+            return (f"the workers' collectives run over {backend}, on the host, and a CUDA graph captures only "
+                    "NCCL's (MultiWorkerMirroredStrategy(communication_options=CommunicationOptions("
+                    "implementation='NCCL')))")
+        return None
+
     # ------------------------------------------------------------------ topology
     @property
     def num_replicas_in_sync(self) -> int:
@@ -224,6 +246,8 @@ class Strategy(abc.ABC):
         if context.current_replica() is not None:
             raise RuntimeError("strategy.run() was called inside a replica function; call it from the training loop")
         context.refuse_mixing(self, "run")
+        if context.run_observers:
+            context.note_run(self)
         if self._capture:
             self.claim_modules()
         return self.call_for_each_replica(fn, tuple(args), kwargs or {}, options or _NO_OPTIONS)

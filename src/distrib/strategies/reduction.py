@@ -74,7 +74,8 @@ def reduce_local_values(strategy: "Strategy", op: ReduceOp, values: Sequence[Any
             total = tensors[0].clone()  # all_reduce works in place: never on the replica's own tensor
         else:  # one replica of one worker: the (detached) value itself, no kernel launched per step
             total = tensors[0]
-        count = None if op is ReduceOp.SUM else torch.tensor(float(strategy.num_replicas_in_sync))
+        count = None if op is ReduceOp.SUM else torch.full((), float(strategy.num_replicas_in_sync),
+                                                            device=total.device)  # a fill: ds.function captures it
     else:
         dims = _axes(axis, tensors[0].dim())
         total = tensors[0].sum(dim=dims) if dims else tensors[0].clone()

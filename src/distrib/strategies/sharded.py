@@ -140,6 +140,16 @@ class ShardedStrategy(Strategy):
         return self._gradients if self.num_workers > 1 else None
 
     @property
+    def graph_capture_blocker(self) -> Optional[str]:
+        """With several workers FSDP2 gathers and frees parameters between its hooks, deciding on the host, and
+        its process group may be gloo: ``ds.function`` runs such a step eagerly. With one worker nothing is
+        sharded and the step is captured as under ``OneDeviceStrategy``."""
+        if self.num_workers > 1:
+            return ("ShardedStrategy's FSDP2 all-gathers and frees the parameters around every unit from Python "
+                    "hooks on the host, which a CUDA graph does not replay")
+        return super().graph_capture_blocker
+
+    @property
     def sharding_policy(self) -> ShardingPolicy:
         """Which blocks become units."""
         return self._policy

@@ -1,0 +1,179 @@
+"""Where does a hand-made CUDA graph of a distrib step crash? (issue 28's segmentation fault, found out)
+
+    python3 benchmarks/capture_probe.py --scenario all [--steps 300] [--json out.json]
+
+Two steps train the seeds' CNN (batch 64, Adam(capturable=True), data on the GPU): ``A`` a plain PyTorch step,
+``B`` the same step through ``OneDeviceStrategy("cuda:0").run`` with distrib's accuracy metric. Each scenario
+runs in a process of its own; ``all`` reports how each ended (exit code, signal) and the largest difference
+of each model's parameters from the same steps run eagerly (cuDNN deterministic):
+
+* ``hand``: A and B captured by hand (PyTorch's recipe: 3 warm-up steps on a side stream, ``torch.cuda.graph``),
+  then replayed in turn, as the issue's benchmark alternated its loops;
+* ``hand_cleared``: the same, with cuBLAS's cached workspaces dropped right before and after each capture
+  (``distrib.torch_patches.clear_cublas_workspaces``, what ``ds.function`` does);
+* ``function``: A and B decorated with ``@ds.function``, called in turn;
+* ``hand_host_tensor``: B captured by hand with ``torch.tensor(64.0, device="cuda")`` in the step (what the
+  accuracy metric did before issue 28): torch refuses the copy from pageable memory while capturing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import distrib as ds
+from distrib import torch_patches
+from distrib.app import models
+from distrib.graphs.capturable import make_capturable
+
+SCENARIOS = ("hand", "hand_cleared", "function", "hand_host_tensor")
+OPTIMIZERS: dict[torch.nn.Module, torch.optim.Optimizer] = {}  # each step's optimizer, by its model
+BATCH = 64
+Step = Callable[..., Any]
+
+
+def data(device: torch.device, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.rand(BATCH, 1, 28, 28, generator=g).to(device), torch.randint(0, 10, (BATCH,), generator=g)
+             .to(device)) for _ in range(n)]
+
+
+def make_step(through_run: bool, device: torch.device, host_tensor: bool = False) -> tuple[Step, torch.nn.Module]:
+    """Step A (``through_run=False``: plain PyTorch) or B (through ``OneDeviceStrategy.run``, with a metric)."""
+    strategy = ds.OneDeviceStrategy(str(device)) if through_run else None
+    torch.manual_seed(0)
+    with (strategy.scope() if strategy is not None else ds.get_strategy().scope()):
+        model = models.fashion_mnist_cnn().to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+        acc = ds.metrics.SparseCategoricalAccuracy() if through_run else None
+    OPTIMIZERS[model] = opt
+
+    def replica_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x)
+        loss = ds.compute_average_loss(F.cross_entropy(logits, y, reduction="none"), global_batch_size=BATCH)
+        if host_tensor:
+            loss = loss * (torch.tensor(64.0, device=x.device) / 64.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if acc is not None:
+            acc.update_state(y, logits)
+        return loss
+
+    if strategy is None:
+        return replica_step, model
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return strategy.reduce("sum", strategy.run(replica_step, args=(x, y)), axis=None)
+
+    return step, model
+
+
+def hand_capture(step: Step, batches: list, cleared: bool) -> Callable[[int], None]:
+    """PyTorch's whole-network recipe (steps 0-2 eager on a side stream, then capture); returns replay(i)."""
+    sx, sy = batches[0][0].clone(), batches[0][1].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(3):
+            step(*batches[i % len(batches)])
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    if cleared:
+        torch_patches.clear_cublas_workspaces()
+    with torch.cuda.graph(g):
+        step(sx, sy)
+    if cleared:
+        torch_patches.clear_cublas_workspaces()
+
+    def replay(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        sx.copy_(x)
+        sy.copy_(y)
+        g.replay()
+
+    return replay
+
+
+def largest(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def scenario(name: str, steps: int) -> dict[str, Any]:
+    torch.backends.cudnn.deterministic = True
+    device = torch.device("cuda", 0)
+    batches = data(device)
+    out: dict[str, Any] = {"scenario": name}
+    (a, model_a), (b, model_b) = make_step(False, device), make_step(True, device, name == "hand_host_tensor")
+    if name in ("hand", "hand_cleared", "hand_host_tensor"):
+        replay_a = hand_capture(a, batches, name == "hand_cleared")
+        replay_b = hand_capture(b, batches, name == "hand_cleared")
+        for i in range(3, steps):  # in turn, as a benchmark's alternating rounds
+            replay_a(i)
+            replay_b(i)
+    else:
+        fa, fb = ds.function(a), ds.function(b)
+        for i in range(steps):
+            fa(*batches[i % len(batches)])
+            fb(*batches[i % len(batches)])
+        out["paths"] = {**fa.paths(), **fb.paths()}
+    torch.cuda.synchronize()
+    (ra, ref_a), (rb, ref_b) = make_step(False, device), make_step(True, device)
+    if name == "function":  # the same optimizer settings as ds.function's: the learning rate as a device tensor
+        for model in (ref_a, ref_b):
+            make_capturable(OPTIMIZERS[model])
+    for i in range(steps):
+        ra(*batches[i % len(batches)])
+        rb(*batches[i % len(batches)])
+    torch.cuda.synchronize()
+    out["max_difference_to_eager"] = max(largest(model_a, ref_a), largest(model_b, ref_b))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", default="all", choices=("all",) + SCENARIOS)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.scenario != "all":
+        faulthandler.enable()
+        print(json.dumps(scenario(args.scenario, args.steps)), flush=True)
+        return
+    results = []
+    for name in SCENARIOS:
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, __file__, "--scenario", name, "--steps", str(args.steps)],
+                               capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired as e:
+            results.append({"scenario": name, "ended": "timed out (120 s)", "stderr_tail": str(e.stderr)[-1500:]})
+            continue
+        ended = (f"signal {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}")
+        row: dict[str, Any] = {"scenario": name, "ended": ended, "seconds": round(time.perf_counter() - t0, 1)}
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if lines:
+            row.update(json.loads(lines[-1]))
+        if p.returncode != 0:
+            row["stderr_tail"] = p.stderr[-1500:]
+        results.append(row)
+        print(f"{name:24s} {ended:16s} max diff to eager: {row.get('max_difference_to_eager', '-')}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    for row in results:
+        if "stderr_tail" in row:
+            print(f"--- {row['scenario']} stderr ---\n{row['stderr_tail']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""``ds.function`` against the eager loops (issue 28): examples/s of the main job's step, medians of alternating rounds.
+
+    PYTHONPATH=src python3 benchmarks/function_step.py [--device cuda|cpu] [--rounds 7] [--json out.json]
+
+Loops at the seed's batch (64), data already on the device, fp32 (``benchmarks/gpu.py``'s builders):
+
+* ``plain_eager``: the textbook PyTorch loop; ``plain_same_step``: the main job's step without a strategy;
+* ``one_device``: the main job's ``strategy.reduce(strategy.run(train_step))`` under ``OneDeviceStrategy``, eager;
+* ``one_device_function``: the same call decorated with ``@ds.function``;
+* ``hand_graph``: the main job's step captured by hand (PyTorch's whole-network recipe, capturable Adam): the
+  ceiling ``ds.function`` is held to (>= 0.97x). It runs in a process of its own (with ``plain_eager`` beside
+  it, whose ratio carries its figure over): replayed after later captures in one process, a hand-made graph
+  ended in an illegal memory access on an H100 and stopped every loop;
+* ``compiled_model``: ``torch.compile`` of the model under ``one_device`` (``--compile``; minutes of compiling).
+
+Then ``one_device`` against ``one_device_function`` at ``--large-batch`` (4096) and on a GPT-style decoder in bf16
+(``--gpt``: layers, width, sequence, batch). On a CPU ``ds.function`` runs the step eagerly (it says so once), and
+the figure to read is its ratio to ``one_device``. Output: a table and ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distrib as ds
+from distrib import torch_patches
+from distrib.app import models
+from distrib.app.train import make_steps
+from distrib.graphs.capturable import make_capturable
+from gpu import Forever, Variant, main_job, plain_eager, sync  # benchmarks/ is on sys.path
+from single_process import load_data
+
+Step = Callable[[Any], None]
+
+
+def function_job(device: torch.device, batch: int) -> tuple[Step, ds.Strategy]:
+    """The main job's OneDevice step under ``@ds.function``."""
+    strategy = ds.OneDeviceStrategy(str(device))
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = models.fashion_mnist_cnn()
+        opt = models.fashion_mnist_optimizer(model.parameters())
+        metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
+    train_step, _ = make_steps(model, opt, batch, *metrics)
+    total = torch.zeros((), device=device)
+
+    @ds.function
+    def distributed_train_step(b: Any) -> torch.Tensor:
+        return strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(b,)), axis=None)
+
+    def step(b: Any) -> None:
+        total.add_(distributed_train_step(b))
+
+    step.function = distributed_train_step  # type: ignore[attr-defined]
+    return step, strategy
+
+
+def hand_graph(device: torch.device, batch: int, first: tuple[torch.Tensor, torch.Tensor]) -> Step:
+    """The main job's step (no strategy) captured by hand: 3 warm-up steps on a side stream, then replays (with
+    cuBLAS's workspaces cleared around the capture, as ``ds.function`` does)."""
+    torch.manual_seed(0)
+    model = models.fashion_mnist_cnn().to(device)
+    opt = models.fashion_mnist_optimizer(model.parameters())
+    make_capturable(opt)
+    metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
+    train_step, _ = make_steps(model, opt, batch, *metrics)
+    total = torch.zeros((), device=device)
+    sx, sy = first[0].clone(), first[1].clone()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step((sx, sy))
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    torch_patches.clear_cublas_workspaces()  # without it, this graph's matmul workspace is freed under it by the
+    with torch.cuda.graph(graph):            # next capture: an illegal memory access (benchmarks/capture_probe.py)
+        loss = train_step((sx, sy)).detach()
+    torch_patches.clear_cublas_workspaces()
+
+    def step(b: Any) -> None:
+        sx.copy_(b[0], non_blocking=True)
+        sy.copy_(b[1], non_blocking=True)
+        graph.replay()
+        total.add_(loss)
+
+    return step
+
+
+class Decoder(nn.Module):
+    """A GPT-style decoder: token and position embeddings, pre-norm causal blocks, a tied head."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True,
+                                           activation="gelu")
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos.weight[: ids.shape[1]]
+        h = self.blocks(h, mask=self.mask[: ids.shape[1], : ids.shape[1]], is_causal=True)
+        return self.norm(h) @ self.tok.weight.T
+
+
+def gpt_job(device: torch.device, spec: tuple[int, int, int, int], use_function: bool) -> tuple[Step, ds.Strategy]:
+    layers, width, seq, batch = spec
+    strategy = ds.OneDeviceStrategy(str(device))
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = Decoder(8192, width, layers, max(1, width // 64), seq)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    total = torch.zeros((), device=device)
+
+    def replica(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(ids[:, :-1])
+            per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                        reduction="none").view(ids.shape[0], -1).mean(1)
+        loss = ds.compute_average_loss(per_token, global_batch_size=batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def dist(ids: torch.Tensor) -> torch.Tensor:
+        return strategy.reduce("sum", strategy.run(replica, args=(ids,)), axis=None)
+
+    call = ds.function(dist) if use_function else dist
+
+    def step(b: Any) -> None:
+        total.add_(call(b))
+
+    return step, strategy
+
+
+def hand_graph_apart(args: argparse.Namespace) -> dict[str, Any]:
+    """``--only hand_graph`` in a process of its own; its rate is scaled by the two processes' plain_eager."""
+    import subprocess
+    import tempfile
+
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [sys.executable, __file__, "--only", "hand_graph", "--device", args.device, "--rounds", str(args.rounds),
+           "--steps", str(args.steps), "--batch", str(args.batch), "--large-batch", "0", "--gpt", "", "--json", out]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        with open(out) as f:
+            result: dict[str, Any] = json.load(f)
+        return {"examples_per_s_median": result["examples_per_s_median"], "failed": result["failed"],
+                "exit": proc.returncode}
+    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=300, help="timed steps per loop per round at batch 64")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--large-batch", type=int, default=4096)
+    p.add_argument("--large-steps", type=int, default=20)
+    p.add_argument("--gpt", default="12,768,1024,8", help="layers,width,sequence,batch of the decoder; '' to skip")
+    p.add_argument("--gpt-steps", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="also torch.compile of the model (slow to compile)")
+    p.add_argument("--only", default=None, choices=["hand_graph"],
+                   help="run the hand-made graph (and plain_eager, its anchor) alone: the main run does so in a "
+                        "process of its own, since a hand-made graph replayed after later captures can end in an "
+                        "illegal memory access that would stop every loop (benchmarks/capture_probe.py)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/function_step.py: CUDA is not available; --device cpu runs the CPU comparison")
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    cuda = device.type == "cuda"
+    started = time.perf_counter()
+    images, labels, source = load_data(None)
+    images, labels = images.to(device), labels.to(device)
+
+    def data(batch: int) -> Forever:
+        n = len(labels) // batch * batch
+        return Forever([(images[i:i + batch], labels[i:i + batch]) for i in range(0, n, batch)])
+
+    small, large = args.batch, args.large_batch
+    builders: dict[str, tuple[Callable[[], tuple[Step, Optional[ds.Strategy]]], int, int]] = {
+        "plain_eager": (lambda: (plain_eager(device, "fp32", None, small), None), small, args.steps),
+        "plain_same_step": (lambda: main_job("plain_same_step", device, "fp32", None, small), small, args.steps),
+        "one_device": (lambda: main_job("one_device", device, "fp32", None, small), small, args.steps),
+        "one_device_function": (lambda: function_job(device, small), small, args.steps),
+    }
+    if cuda and args.only != "hand_graph":
+        if args.compile:
+            builders["compiled_model"] = (lambda: main_job("one_device", device, "fp32", "inductor", small),
+                                          small, args.steps)
+    if large:
+        builders[f"one_device/b{large}"] = (lambda: main_job("one_device", device, "fp32", None, large), large,
+                                            args.large_steps)
+        builders[f"one_device_function/b{large}"] = (lambda: function_job(device, large), large, args.large_steps)
+    gpt = tuple(int(v) for v in args.gpt.split(",")) if args.gpt else None
+    gpt_data: Optional[Forever] = None
+    if gpt is not None:
+        assert len(gpt) == 4, "--gpt layers,width,sequence,batch"
+        g = torch.Generator().manual_seed(0)
+        gpt_data = Forever([torch.randint(0, 8192, (gpt[3], gpt[2] + 1), generator=g).to(device) for _ in range(4)])
+        builders["gpt_bf16/one_device"] = (lambda: gpt_job(device, gpt, False), gpt[3], args.gpt_steps)
+        builders["gpt_bf16/one_device_function"] = (lambda: gpt_job(device, gpt, True), gpt[3], args.gpt_steps)
+    if args.only == "hand_graph":  # its own process: see --only
+        first = data(small).batches[0]
+        builders = {"plain_eager": builders["plain_eager"],
+                    "hand_graph": (lambda: (hand_graph(device, small, first), None), small, args.steps)}
+    variants: dict[str, Variant] = {}
+    steps: dict[str, int] = {}
+    for name, (build, batch, n) in builders.items():
+        source_data = gpt_data if name.startswith("gpt") and gpt_data is not None else data(batch)
+        variants[name] = Variant(name, build, source_data, batch, warmup=4)
+        steps[name] = n
+        print(f"ready {name} ({variants[name].warmup_s:.1f}s){' FAILED' if variants[name].error else ''}",
+              flush=True)
+    for r in range(args.rounds):
+        for name, v in variants.items():
+            v.measure(steps[name], device)
+        print(f"round {r + 1}/{args.rounds} done at {time.perf_counter() - started:.0f}s", flush=True)
+    med = {k: statistics.median(v.rates) for k, v in variants.items() if not v.error and v.rates}
+    hand: dict[str, Any] = {}
+    if cuda and not args.only:
+        hand = hand_graph_apart(args)
+        if "hand_graph" in hand.get("examples_per_s_median", {}) and "plain_eager" in med:
+            anchor = hand["examples_per_s_median"]["plain_eager"]
+            med["hand_graph"] = hand["examples_per_s_median"]["hand_graph"] * med["plain_eager"] / anchor
+
+    def ratio(a: str, b: str) -> Optional[float]:
+        return med[a] / med[b] if a in med and b in med else None
+
+    ratios = {
+        "function_vs_eager_loop(plain_eager)": ratio("one_device_function", "plain_eager"),
+        "function_vs_one_device_eager": ratio("one_device_function", "one_device"),
+        "function_vs_plain_same_step": ratio("one_device_function", "plain_same_step"),
+        "function_vs_hand_graph": ratio("one_device_function", "hand_graph"),
+        "function_vs_compiled_model": ratio("one_device_function", "compiled_model"),
+        f"function_vs_eager_b{large}": ratio(f"one_device_function/b{large}", f"one_device/b{large}"),
+        "gpt_bf16_function_vs_eager": ratio("gpt_bf16/one_device_function", "gpt_bf16/one_device"),
+    }
+    paths = {k: v.step.function.paths() for k, v in variants.items()  # type: ignore[attr-defined]
+             if not v.error and hasattr(v.step, "function")}
+    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+              "data": source, "rounds": args.rounds, "steps_per_round": steps, "gpt": gpt,
+              "examples_per_s_median": med, "ratios": {k: v for k, v in ratios.items() if v is not None},
+              "paths": paths, "failed": {k: v.error for k, v in variants.items() if v.error},
+              "hand_graph_process": hand,
+              "examples_per_s_all": {k: v.rates for k, v in variants.items() if v.rates},
+              "total_s": time.perf_counter() - started}
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(f"\n{result['device']}, torch {torch.__version__}, data: {source}, medians of {args.rounds} rounds")
+    print(f"{'loop':<36}{'examples/s':>12}")
+    for name, v in variants.items():
+        print(f"{name:<36}{med[name]:>12.0f}" if name in med else f"{name:<36}{'FAILED':>12}  {(v.error or '')[:80]}")
+    print()
+    for k, v in result["ratios"].items():
+        print(f"{k:<44}{v:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

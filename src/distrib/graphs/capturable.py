@@ -1,0 +1,123 @@
+"""Optimizers inside a captured step: made capturable, their hyperparameters watched, their state's replacement seen.
+
+A CUDA graph replays the kernels it recorded with the values it recorded. Three things of an optimizer
+would therefore be frozen at capture, and each is handled here:
+
+* **the step count**: torch's Adam family keeps ``state["step"]`` on the CPU unless ``capturable=True``,
+  so its bias correction would stay that of the captured step. :func:`make_capturable` sets
+  ``capturable=True`` (the optimizer's own, documented option) and moves existing step counts to the
+  parameters' device;
+* **the learning rate**: a float is baked into the kernels. Where the optimizer takes a tensor rate
+  (the capturable Adam family), it becomes a one-element tensor on the device, which torch's schedulers
+  fill in place; a float written into ``group["lr"]`` afterwards (a hand-written schedule, Keras'
+  callbacks) is copied into that tensor before the next replay (:meth:`OptimizerWatch.sync`). Every other
+  hyperparameter (and the rate of an optimizer that takes no tensor) is part of the graph's guard: a
+  change is a new capture, as a new Python argument retraces a tf.function;
+* **the state tensors**: ``load_state_dict`` (a checkpoint restore) replaces them with the tensors read,
+  and the graph would go on updating the old ones. A load post-hook (torch's public
+  ``register_load_state_dict_post_hook``) counts the loads; a graph captured before a load is dropped and
+  captured again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Hashable, Optional
+
+import torch
+
+__all__ = ["make_capturable", "OptimizerWatch", "state_version"]
+
+_versions: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def state_version(optimizer: torch.optim.Optimizer) -> int:
+    """How many times ``optimizer.load_state_dict`` has replaced its state since distrib started watching it."""
+    return _versions.get(optimizer, 0)
+
+
+def _count_load(optimizer: torch.optim.Optimizer) -> None:
+    _versions[optimizer] = _versions.get(optimizer, 0) + 1
+    make_capturable(optimizer)  # the state read may hold CPU step counts and a CPU rate
+
+
+def _watch_loads(optimizer: torch.optim.Optimizer) -> None:
+    if optimizer not in _hooked:
+        optimizer.register_load_state_dict_post_hook(_count_load)
+        _hooked.add(optimizer)
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> Optional[torch.device]:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return None
+
+
+def make_capturable(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Prepare ``optimizer`` for a CUDA graph; returns what was changed, in words (for the log).
+
+    ``capturable=True`` where the optimizer has that option; existing ``step`` counts moved to the
+    parameters' device; the learning rate a device tensor where the optimizer then takes one.
+    """
+    changed: list[str] = []
+    _watch_loads(optimizer)
+    device = _device_of(optimizer)
+    if device is None or device.type != "cuda" or "capturable" not in optimizer.defaults:
+        return changed  # CUDA graphs only: elsewhere the optimizer stays as it was built
+    name = type(optimizer).__name__
+    if not all(group.get("capturable") for group in optimizer.param_groups):
+        changed.append(f"{name}(capturable=True)")
+    optimizer.defaults["capturable"] = True
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):  # the fused kernels take a device rate too
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+            if f"{name}: lr as a device tensor" not in changed:
+                changed.append(f"{name}: lr as a device tensor")
+        elif group["lr"].device != device:  # a rate read from a checkpoint onto the CPU
+            group["lr"] = group["lr"].to(device, torch.float32)
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
+    return changed
+
+
+def _frozen(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str, type(None))) or (
+        isinstance(value, tuple) and all(_frozen(v) for v in value))
+
+
+class OptimizerWatch:
+    """The optimizers one graph steps: their tensor rates kept in sync, their other hyperparameters guarded."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._optimizers = [weakref.ref(o) for o in optimizers]
+        self._rates: list[tuple[dict[str, Any], torch.Tensor]] = [
+            (group, group["lr"]) for o in optimizers for group in o.param_groups
+            if isinstance(group["lr"], torch.Tensor)]
+        self.guard = self.current_guard()
+
+    def sync(self) -> None:
+        """Copy a float written into ``group["lr"]`` since the last call into the captured rate tensor."""
+        for group, rate in self._rates:
+            value = group["lr"]
+            if value is not rate:
+                rate.fill_(float(value))
+                group["lr"] = rate
+
+    def current_guard(self) -> Hashable:
+        """What the graph baked in: each optimizer's state version, its groups' non-tensor hyperparameters."""
+        parts: list[Any] = []
+        for ref in self._optimizers:
+            o = ref()
+            if o is None:
+                parts.append(None)
+                continue
+            parts.append(state_version(o))
+            for group in o.param_groups:
+                parts.append(tuple(sorted((k, v) for k, v in group.items()
+                                          if k != "params" and _frozen(v))))
+        return tuple(parts)

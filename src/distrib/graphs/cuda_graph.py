@@ -1,0 +1,163 @@
+"""One captured CUDA graph of a ``ds.function`` signature: its buffers, its capture, its replay.
+
+PyTorch's whole-network capture (``torch.cuda.graph``), done for the user, with what makes a replay the
+same as an eager call:
+
+* **inputs** are copied into static buffers on the device before every replay (a CPU batch too: the
+  graph reads the buffer, never a host address);
+* **outputs** are the graph's own tensors, overwritten by the next replay: each call returns copies,
+  so a loss kept from step 3 is still step 3's (as a tf.function returns new tensors);
+* **gradients**: a graph bakes in the addresses of the ``.grad`` tensors it reads and leaves behind. The
+  Python side is put back after each replay (``param.grad`` is what the capture left), and a graph replays
+  only when every tracked parameter's ``.grad`` is in the state it was captured in (None, or the same
+  tensor): gradient accumulation over several calls, or a ``zero_grad()`` between calls, picks (or
+  captures) the graph made for that state instead of replaying a wrong one;
+* **no frozen host work**: while capturing, a dispatch mode refuses a copy from a CPU tensor to the
+  device (its host address would be read at every replay, long after the CPU tensor is gone: the
+  segmentation fault a hand-made capture can end in) and an in-place write to a CPU tensor (it would
+  happen once, at capture, and never again). Either is a :class:`CaptureError` naming the op, and the
+  signature runs eagerly instead;
+* **a private memory pool per graph**: tensors the graph allocates stay reserved for it while it lives, cuBLAS's
+  workspace included (``torch_patches.clear_cublas_workspaces`` around the capture): a graph captured with a
+  workspace from outside its pool writes into freed memory once a later capture empties the cache, which is the
+  illegal memory access (or segmentation fault) that two hand-made graphs replayed in turn end in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from distrib import torch_patches
+from distrib.graphs.signature import Inputs
+
+__all__ = ["CaptureError", "CapturedGraph", "HostWorkGuard"]
+
+
+class CaptureError(RuntimeError):
+    """The step could not be captured as a CUDA graph (the message says which op and why)."""
+
+
+class HostWorkGuard(torch_patches.TorchDispatchMode):
+    """While capturing: refuse the ops whose effect a replay would not repeat (see the module docstring)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = str(func)
+        if name.startswith(("aten._to_copy", "aten.copy_", "aten.to.", "aten._copy_from")):
+            self._check_copy(name, args, kwargs)
+        schema = torch_patches.op_schema(func)
+        for arg, value in zip(schema.arguments, args):
+            if (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor)
+                    and value.device.type == "cpu"):
+                raise CaptureError(
+                    f"{name} writes a CPU tensor inside the step: a CUDA graph would do it once, at capture, "
+                    "and never again. Keep that state on the device (e.g. torch.zeros(..., device='cuda')) "
+                    "or update it outside the ds.function")
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _check_copy(name: str, args: tuple, kwargs: dict) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:
+            return
+        if name.startswith("aten.copy_") and len(tensors) >= 2:
+            dst, src = tensors[0], tensors[1]
+            if src.device.type == "cpu" and dst.device.type == "cuda" and src.numel() > 0:
+                raise _host_copy_error(name, src)
+            return
+        src = tensors[0]
+        device = kwargs.get("device")
+        if src.device.type == "cpu" and device is not None and torch.device(device).type == "cuda":
+            raise _host_copy_error(name, src)
+
+
+def _host_copy_error(name: str, src: torch.Tensor) -> CaptureError:
+    return CaptureError(
+        f"{name} copies a CPU tensor of shape {list(src.shape)} to the GPU inside the step: a CUDA graph would "
+        "read its host memory again at every replay, after the CPU tensor is gone. Make it on the device "
+        "(torch.full((), value, device='cuda') instead of torch.tensor(value, device='cuda')), or pass it as an "
+        "argument of the ds.function (arguments are copied into the graph's buffers at each call)")
+
+
+def _clone_output(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+class CapturedGraph:
+    """One CUDA graph of one signature, in one ``.grad`` state of the tracked parameters.
+
+    Made by :meth:`capture`, which also runs the call (a capture records kernels without running them,
+    so the graph is replayed once at its end).
+    """
+
+    def __init__(self, graph: "torch.cuda.CUDAGraph", static_leaves: list[Any], inputs: Inputs,
+                 params: Sequence[torch.Tensor], entry_grads: list[Optional[torch.Tensor]],
+                 exit_grads: list[Optional[torch.Tensor]], output: Any) -> None:
+        self._graph = graph
+        self._static_leaves = static_leaves
+        self._positions = inputs.tensor_positions
+        self._static_inputs = [static_leaves[i] for i in inputs.tensor_positions]
+        self._params = list(params)
+        self._entry = entry_grads
+        self._exit = exit_grads
+        self._out_leaves, self._out_spec = pytree.tree_flatten(output)
+
+    @classmethod
+    def capture(cls, fn: Callable[..., Any], inputs: Inputs, device: torch.device,
+                params: Sequence[torch.Tensor]) -> tuple["CapturedGraph", Any]:
+        """Capture ``fn`` on ``inputs`` (copied into static buffers on ``device``); returns the graph and this
+        call's result. Raises :class:`CaptureError` (the step's ``.grad`` state put back) when it cannot."""
+        static_leaves = list(inputs.leaves)
+        for i in inputs.tensor_positions:
+            static_leaves[i] = inputs.leaves[i].detach().to(device, copy=True)
+        args, kwargs = pytree.tree_unflatten(static_leaves, inputs.spec)
+        entry = [p.grad for p in params]
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.device(device):
+                torch_patches.clear_cublas_workspaces()  # the graph's matmuls get a workspace of its own pool
+                try:
+                    with torch.cuda.graph(graph):
+                        with HostWorkGuard():
+                            output = fn(*args, **kwargs)
+                finally:
+                    torch_patches.clear_cublas_workspaces()  # and no eager matmul shares it afterwards
+        except Exception as e:  # noqa: BLE001 - every failure to capture becomes the eager path, with its reason
+            for p, g in zip(params, entry):
+                p.grad = g
+            torch.cuda.synchronize(device)
+            if isinstance(e, CaptureError):
+                raise
+            raise CaptureError(f"{type(e).__name__}: {e}") from e
+        exit_grads = [p.grad for p in params]
+        captured = cls(graph, static_leaves, inputs, params, entry, exit_grads, output)
+        graph.replay()
+        return captured, captured._outputs()
+
+    def matches(self) -> bool:
+        """Whether every tracked parameter's ``.grad`` is in the state this graph was captured in."""
+        for p, entry, left in zip(self._params, self._entry, self._exit):
+            grad = p.grad
+            if grad is None:
+                if entry is not None:
+                    return False
+            elif entry is None or (grad is not entry and grad is not left):
+                return False
+        return True
+
+    def replay(self, inputs: Inputs) -> Any:
+        """Copy ``inputs`` into the buffers, replay, put the ``.grad`` state back; a copy of the outputs."""
+        for static, i in zip(self._static_inputs, self._positions):
+            static.copy_(inputs.leaves[i], non_blocking=True)
+        self._graph.replay()
+        for p, left in zip(self._params, self._exit):
+            if p.grad is not left:
+                p.grad = left
+        return self._outputs()
+
+    def _outputs(self) -> Any:
+        return pytree.tree_unflatten([_clone_output(v) for v in self._out_leaves], self._out_spec)

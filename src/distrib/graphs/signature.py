@@ -1,0 +1,80 @@
+"""What makes two calls of a ``ds.function`` the same: its input signature (tf.function's ``input_signature``).
+
+Tensors count by shape, dtype, device and ``requires_grad`` (their values are copied into the captured
+buffers at each call); every other argument counts by its value, as tf.function treats a Python argument:
+a new value is a new capture (``training=True`` then ``training=False`` are two graphs). A value that cannot
+be hashed counts by identity. The structure (which tuple, list, dict) counts too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+import torch.utils._pytree as pytree
+
+from distrib.values import PerReplica
+
+__all__ = ["Inputs", "flatten_inputs", "describe"]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A call's arguments taken apart: the tensor leaves (in order), the rest, and the key of the signature."""
+
+    leaves: list[Any]
+    spec: pytree.TreeSpec
+    tensor_positions: tuple[int, ...]
+    key: Hashable
+    has_per_replica: bool
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensor arguments, in order."""
+        return [self.leaves[i] for i in self.tensor_positions]
+
+
+def _leaf_key(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, leaf.layout)
+    if isinstance(leaf, PerReplica):
+        return ("per_replica", tuple(_leaf_key(v) for v in leaf.values))
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("object", type(leaf), id(leaf))
+    return ("value", type(leaf), leaf)
+
+
+def flatten_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Inputs:
+    """``args`` and ``kwargs`` as leaves and a key: equal keys mean a captured graph can replay the call.
+
+    Example::
+
+        >>> a = flatten_inputs((torch.zeros(2, 3), 5), {})
+        >>> a.key == flatten_inputs((torch.ones(2, 3), 5), {}).key     # other values, same signature
+        True
+        >>> a.key == flatten_inputs((torch.zeros(1, 3), 5), {}).key    # a shorter batch: a new signature
+        False
+        >>> a.key == flatten_inputs((torch.zeros(2, 3), 6), {}).key    # a Python argument counts by value
+        False
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, PerReplica))
+    positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    key = (spec, tuple(_leaf_key(leaf) for leaf in leaves))
+    return Inputs(leaves, spec, positions, key, any(isinstance(leaf, PerReplica) for leaf in leaves))
+
+
+def describe(inputs: Inputs) -> str:
+    """The signature in words, for messages: ``(Tensor[64, 1, 28, 28] float32 cuda:0, Tensor[64] int64 cuda:0)``."""
+    parts = []
+    for leaf in inputs.leaves:
+        if isinstance(leaf, torch.Tensor):
+            dtype = str(leaf.dtype).replace("torch.", "")
+            parts.append(f"Tensor{list(leaf.shape)} {dtype} {leaf.device}")
+        elif isinstance(leaf, PerReplica):
+            parts.append(f"PerReplica({len(leaf.values)} values)")
+        else:
+            parts.append(repr(leaf) if len(repr(leaf)) < 40 else type(leaf).__name__)
+    return "(" + ", ".join(parts) + ")"

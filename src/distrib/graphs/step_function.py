@@ -1,0 +1,324 @@
+"""``ds.function``: tf.function's counterpart. The whole step (forward, backward, the gradients' reduction, the
+optimizer's update, metric updates, ``strategy.reduce``) is captured once as a CUDA graph and replayed.
+
+As the seeds write it::
+
+    @ds.function
+    def distributed_train_step(batch):
+        per_replica = strategy.run(train_step, args=(batch,))
+        return strategy.reduce("sum", per_replica, axis=None)
+
+What happens at each call (tf.function's words in brackets):
+
+* the arguments' **signature** decides (:mod:`~distrib.graphs.signature`): tensors by shape, dtype and device,
+  other arguments by value. A new signature is a new graph [a retrace]: the last, shorter batch of an epoch
+  gets its own;
+* a signature's first ``warmup_steps`` calls run **eagerly**, as real steps (they create the optimizer's
+  state and let cuDNN and cuBLAS settle, as PyTorch's capture recipe asks). The next call is **captured**
+  [traced] and replayed; every later call copies its tensors into the graph's buffers and **replays** it;
+* **Python side effects** (``print``, appending to a list, a counter) run at the warm-up calls and at the
+  capture, then never again [TF: "Python side effects only happen once, when the function is traced"];
+  tensors are recomputed at every call. Python values the step reads (a float attribute, ``len(list)``)
+  are those of the capture [TF: captured Python values are constants]. Module ``train()``/``eval()``
+  modes, the ``.grad`` state, optimizer hyperparameters and the loads of optimizer state are watched:
+  a change picks or makes another graph; learning rates stay live (:mod:`~distrib.graphs.capturable`);
+* where a graph cannot be captured (CPU, gloo, several replicas in one process, a host sync in the step)
+  the signature runs **eagerly**, and the first call logs why once (:mod:`~distrib.graphs.paths`).
+  ``max_captures`` bounds the graphs of one function; past it, new signatures run eagerly, with
+  a warning [TF warns about frequent retracing]. ``reduce_retracing=True`` captures one graph per
+  structure and dtypes: other shapes (the last batch) run eagerly.
+
+Inside ``strategy.run`` (``ds.function`` on the replica function, as TF allows) or inside another
+``ds.function`` the function is simply called: it is part of the outer step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any, Callable, Hashable, Optional, TypeVar, Union, overload
+
+import torch
+
+from distrib import context
+from distrib.graphs import capturable, paths
+from distrib.graphs.cuda_graph import CaptureError, CapturedGraph
+from distrib.graphs.signature import Inputs, describe, flatten_inputs
+
+__all__ = ["Function", "function"]
+
+log = logging.getLogger("distrib.function")
+F = TypeVar("F", bound=Callable[..., Any])
+_tracing = [0]  # >0 while a ds.function warms up or captures on this process: nested ones are called as they are
+
+
+class _Seen:
+    """What a step's warm-up calls touched: strategies, optimizers stepped, modules run (weakly held)."""
+
+    def __init__(self) -> None:
+        self.strategies: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self.modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call ``fn``, noting what it touches through torch's public global hooks."""
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        hooks = [register_optimizer_step_pre_hook(self._optimizer_stepped),
+                 register_module_forward_pre_hook(self._module_ran)]
+        context.run_observers.append(self.strategies.add)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            context.run_observers.remove(self.strategies.add)
+            for h in hooks:
+                h.remove()
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer not in self.optimizers:
+            self.optimizers.add(optimizer)
+            changed = capturable.make_capturable(optimizer)
+            if changed:
+                log.info("ds.function: %s, so that its step can be captured", ", ".join(changed))
+
+    def _module_ran(self, module: torch.nn.Module, args: Any) -> None:
+        self.modules.add(module)
+
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter of the optimizers and modules seen (each once): the ``.grad`` states a graph tracks."""
+        found: dict[int, torch.Tensor] = {}
+        for o in self.optimizers:
+            for group in o.param_groups:
+                for p in group["params"]:
+                    found.setdefault(id(p), p)
+        for m in self.modules:
+            for p in m.parameters(recurse=False):
+                found.setdefault(id(p), p)
+        return list(found.values())
+
+
+class _Signature:
+    """One input signature of a :class:`Function` (tf.function's concrete function): its path and graphs."""
+
+    def __init__(self, owner: "Function", inputs: Inputs) -> None:
+        self.owner = owner
+        self.description = describe(inputs)
+        self.warmups_left = owner.warmup_steps
+        self.eager_reason: Optional[str] = paths.input_blocker(inputs) if owner.mode != "eager" else "mode='eager'"
+        self.graphs: list[tuple[tuple[Hashable, Hashable, bool], CapturedGraph]] = []
+        self.seen = _Seen()
+        self.device: Optional[torch.device] = None
+        self.watch: Optional[capturable.OptimizerWatch] = None
+        self.modules: list[torch.nn.Module] = []
+        self.params: list[torch.Tensor] = []
+
+    def call(self, inputs: Inputs) -> Any:
+        if self.eager_reason is not None:
+            return self.owner.eager(inputs)
+        if self.warmups_left > 0:
+            return self._warm_up(inputs)
+        return self._graph_call(inputs)
+
+    def _warm_up(self, inputs: Inputs) -> Any:
+        self.warmups_left -= 1
+        device = (paths.capture_device(inputs, self.seen.strategies, self.seen.params())
+                  if torch.cuda.is_available() else None)
+        syncs: list[str] = []
+        _tracing[0] += 1
+        try:
+            if device is None:
+                result = self.seen.run(self.owner.python_function, *inputs_args(inputs))
+            else:  # PyTorch's recipe: warm up on a side stream, so that lazy set-up is not on the captured one
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream), paths.host_syncs(syncs, watch=self.warmups_left == 0):
+                    result = self.seen.run(self.owner.python_function, *inputs_args(inputs))
+                torch.cuda.current_stream(device).wait_stream(stream)
+        finally:
+            _tracing[0] -= 1
+        reason = paths.strategy_blocker(inputs, self.seen.strategies, self.seen.params()) or paths.sync_blocker(syncs)
+        if reason is not None:  # known at the first call: say it then
+            self._run_eagerly(reason)
+            if not torch.cuda.is_available():
+                self.owner.always_eager = True
+        elif self.warmups_left == 0:
+            self._prepare_capture(inputs)
+        return result
+
+    def _prepare_capture(self, inputs: Inputs) -> None:
+        self.device = paths.capture_device(inputs, self.seen.strategies, self.seen.params())
+        self.watch = capturable.OptimizerWatch(list(self.seen.optimizers))
+        self.modules = list(self.seen.modules)
+        self.params = self.seen.params()
+
+    def _run_eagerly(self, reason: str) -> None:
+        if self.owner.mode == "cuda_graph":
+            raise CaptureError(f"ds.function({self.owner.name}, mode='cuda_graph'): cannot capture the signature "
+                               f"{self.description}: {reason}")
+        self.eager_reason = reason
+        self.owner.say_once(f"ds.function({self.owner.name}): runs eagerly for {self.description}: {reason}")
+
+    def _guard(self) -> tuple[Hashable, Hashable, bool]:
+        assert self.watch is not None
+        self.watch.sync()
+        return (tuple(m.training for m in self.modules), self.watch.current_guard(), torch.is_grad_enabled())
+
+    def _graph_call(self, inputs: Inputs) -> Any:
+        guard = self._guard()
+        for graph_guard, graph in self.graphs:
+            if graph_guard == guard and graph.matches():
+                return graph.replay(inputs)
+        if not self.owner.may_capture(inputs):
+            return self.owner.eager(inputs)
+        return self._capture(inputs, guard)
+
+    def _capture(self, inputs: Inputs, guard: tuple[Hashable, Hashable, bool]) -> Any:
+        assert self.device is not None
+        # graphs of other optimizer states (a load_state_dict since, other hyperparameters) are dropped
+        self.graphs = [(g, graph) for g, graph in self.graphs if g[1] == guard[1]]
+        _tracing[0] += 1
+        try:
+            graph, result = CapturedGraph.capture(self.owner.python_function, inputs, self.device, self.params)
+        except CaptureError as e:
+            self._run_eagerly(f"the step could not be captured as a CUDA graph: {e}")
+            return self.owner.eager(inputs)
+        finally:
+            _tracing[0] -= 1
+        self.owner.captures += 1
+        self.graphs.append((guard, graph))
+        if self.owner.captures == 1:
+            log.info("ds.function(%s): the step is captured as a CUDA graph for %s and replayed from now on",
+                     self.owner.name, self.description)
+        return result
+
+
+def inputs_args(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's ``(args, kwargs)`` back from its leaves."""
+    import torch.utils._pytree as pytree
+
+    args, kwargs = pytree.tree_unflatten(inputs.leaves, inputs.spec)
+    return tuple(args), dict(kwargs)
+
+
+class Function:
+    """A step decorated with :func:`function`: call it as the function itself (see the module docstring).
+
+    ``warmup_steps``: eager calls of a new signature before its capture; ``max_captures``: graphs this
+    function may hold; ``reduce_retracing``: one graph per structure and dtypes, other shapes eager;
+    ``mode``: ``"auto"``, ``"eager"`` (never capture) or ``"cuda_graph"`` (a failure to capture raises).
+    """
+
+    def __init__(self, python_function: Callable[..., Any], *, warmup_steps: int = 2, max_captures: int = 8,
+                 reduce_retracing: bool = False, mode: str = "auto") -> None:
+        if mode not in paths.MODES:
+            raise ValueError(f"ds.function(mode={mode!r}): use one of {', '.join(map(repr, paths.MODES))}")
+        if warmup_steps < 1:
+            raise ValueError(f"ds.function(warmup_steps={warmup_steps}): at least 1 eager call must come before a "
+                             "capture (it creates the optimizer's state)")
+        if max_captures < 1:
+            raise ValueError(f"ds.function(max_captures={max_captures}): must be at least 1 (mode='eager' "
+                             "captures nothing)")
+        self.python_function = python_function
+        self.warmup_steps = warmup_steps
+        self.max_captures = max_captures
+        self.reduce_retracing = reduce_retracing
+        self.mode = mode
+        self.captures = 0
+        self.name = getattr(python_function, "__qualname__", repr(python_function))
+        self._signatures: dict[Hashable, _Signature] = {}
+        self._first_captured: dict[Hashable, Hashable] = {}
+        #: True once a call has found that no graph can be captured in this process (no CUDA): calls go straight
+        #: to the Python function, without taking their arguments apart
+        self.always_eager = False
+        self._said: set[str] = set()
+        functools.update_wrapper(self, python_function)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.always_eager or _tracing[0] or context.current_replica() is not None:
+            return self.python_function(*args, **kwargs)  # no CUDA here, or part of an outer step
+        inputs = flatten_inputs(args, kwargs)
+        signature = self._signatures.get(inputs.key)
+        if signature is None:
+            signature = self._signatures[inputs.key] = _Signature(self, inputs)
+        return signature.call(inputs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        return functools.partial(self.__call__, instance)
+
+    def eager(self, inputs: Inputs) -> Any:
+        """Run the call as it is."""
+        args, kwargs = inputs_args(inputs)
+        return self.python_function(*args, **kwargs)
+
+    def may_capture(self, inputs: Inputs) -> bool:
+        """Whether another graph may be captured for ``inputs`` (``max_captures``, ``reduce_retracing``)."""
+        if self.captures >= self.max_captures:
+            self.say_once(f"ds.function({self.name}) has captured {self.captures} graphs (max_captures="
+                          f"{self.max_captures}); new signatures run eagerly. Frequent new signatures come from "
+                          "changing shapes (pad the batches, drop the last one) or Python arguments that change "
+                          "at each call (pass them as tensors) [TF: 'triggered tf.function retracing']")
+            return False
+        if self.reduce_retracing:
+            shapeless = (inputs.spec, tuple((t.dtype, t.device) for t in inputs.tensors))
+            first = self._first_captured.setdefault(shapeless, inputs.key)
+            if first != inputs.key:
+                self.say_once(f"ds.function({self.name}, reduce_retracing=True): other shapes than the captured "
+                              "signature's run eagerly")
+                return False
+        return True
+
+    def say_once(self, message: str) -> None:
+        """Log ``message`` as a warning the first time only."""
+        if message not in self._said:
+            self._said.add(message)
+            log.warning(message)
+
+    def paths(self) -> dict[str, str]:
+        """Each signature seen and its path: ``"cuda_graph (N graphs)"``, ``"warming up"`` or ``"eager: why"``."""
+        out = {}
+        for s in self._signatures.values():
+            if s.eager_reason is not None:
+                out[s.description] = f"eager: {s.eager_reason}"
+            elif s.graphs:
+                out[s.description] = f"cuda_graph ({len(s.graphs)} graph{'s' if len(s.graphs) > 1 else ''})"
+            else:
+                out[s.description] = "warming up"
+        return out
+
+
+@overload
+def function(python_function: F, *, warmup_steps: int = ..., max_captures: int = ...,
+             reduce_retracing: bool = ..., mode: str = ...) -> F: ...
+
+
+@overload
+def function(python_function: None = None, *, warmup_steps: int = ..., max_captures: int = ...,
+             reduce_retracing: bool = ..., mode: str = ...) -> Callable[[F], F]: ...
+
+
+def function(python_function: Optional[Callable[..., Any]] = None, *, warmup_steps: int = 2, max_captures: int = 8,
+             reduce_retracing: bool = False, mode: str = "auto") -> Union[Callable[..., Any], Callable[[F], F]]:
+    """Capture the decorated step once per signature as a CUDA graph and replay it (``tf.function``).
+
+    See :mod:`distrib.graphs.step_function` for what a call does. On a CPU the step runs eagerly, and the
+    first call says so once:
+
+        >>> import distrib as ds, torch
+        >>> @ds.function
+        ... def double(x):
+        ...     return x * 2
+        >>> double(torch.tensor([1.0, 2.0]))
+        tensor([2., 4.])
+        >>> import torch
+        >>> list(double.paths().values())[0] if not torch.cuda.is_available() else "eager: CUDA is not available"
+        'eager: CUDA is not available here, and CUDA graphs need a CUDA device'
+    """
+    def wrap(fn: Callable[..., Any]) -> Any:
+        return Function(fn, warmup_steps=warmup_steps, max_captures=max_captures,
+                        reduce_retracing=reduce_retracing, mode=mode)
+
+    return wrap(python_function) if python_function is not None else wrap
