@@ -54,7 +54,8 @@ def make_strategy(kind: str, device: torch.device) -> Optional[ds.Strategy]:
 
 def run_case(device: torch.device, strategy_kind: str, feature: str, use_function: bool,
              steps: int = STEPS, capturable: bool = False) -> dict[str, Any]:
-    """Train (``capturable``: the optimizer set up as ``ds.function`` sets it, for an eager run); return ``{"params": [...], "state": [...], "accuracy": float, "losses": [...], "paths": {...}}``."""
+    """Train (``capturable``: an eager run whose optimizer is set up as ``ds.function`` sets it, at the step where
+    it does: its first capture, after 2 warm-up calls, the 3rd step, or the 3rd apply call with ``accumulate``); return ``{"params": [...], "state": [...], "accuracy": float, "losses": [...], "paths": {...}}``."""
     strategy = make_strategy(strategy_kind, device)
     scope = strategy.scope() if strategy is not None else _nullcontext()
     torch.manual_seed(0)
@@ -63,8 +64,7 @@ def run_case(device: torch.device, strategy_kind: str, feature: str, use_functio
         fused = feature == "fp16_fused"
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True if fused else None)
         accuracy = ds.metrics.SparseCategoricalAccuracy()
-    if capturable:
-        make_capturable(optimizer)
+    capturable_from = (5 if feature == "accumulate" else 2) if capturable else None
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 8) if feature.startswith("fp16") else None
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5) if feature == "schedule" else None
     run = strategy.run if strategy is not None else (lambda fn, args=(): fn(*args))
@@ -119,6 +119,8 @@ def run_case(device: torch.device, strategy_kind: str, feature: str, use_functio
     checkpoint = ds.Checkpoint(model=model, optimizer=optimizer) if feature == "checkpoint" else None
     save_at, restore_at = int(steps * 0.4) - 1, int(steps * 0.6) - 1  # steps 20 and 30 of 50
     for i in range(steps):
+        if i == capturable_from:
+            make_capturable(optimizer)
         x, y = data[i % len(data)]
         if feature.startswith("fp16") and i == 7:
             x = torch.full_like(x, float("inf"))  # a poisoned batch: the scaler must skip this step

@@ -268,3 +268,37 @@ def test_the_custom_loop_and_fit_are_one_job_and_both_return_the_history(idx_dir
     for name in fitted:
         assert fitted[name] == pytest.approx(custom[name], rel=1e-5), name
     assert runs[False]["restored_accuracy"] == runs[True]["restored_accuracy"]
+
+
+@pytest.mark.parametrize("fit", [False, True])
+def test_function_gives_the_same_history_and_says_once_where_it_runs_eagerly(idx_dir, tmp_path, caplog, fit):
+    """`--function` (issue 28): the seed's @tf.function as @ds.function. On a CPU no graph can be captured: the steps
+    run eagerly, the run is the one without it, and the log says why, once per step function."""
+    import logging
+
+    from distrib.app.train import TrainConfig, train, use_function
+
+    runs = {}
+    for function in (False, True):
+        config = TrainConfig(strategy="default", epochs=2, batch_size_per_replica=64, progress=False, fit=fit,
+                             data_dir=str(idx_dir), checkpoint_dir=str(tmp_path / f"f{function}"), log_every=0,
+                             function=function)
+        with caplog.at_level(logging.WARNING, logger="distrib.function"):
+            runs[function] = train(config)["history"]
+    for name, values in runs[False].items():
+        if name != "examples_per_sec":
+            assert runs[True][name] == pytest.approx(values, rel=1e-6), name
+    said = [r.getMessage() for r in caplog.records if r.name == "distrib.function"]
+    assert said and all("runs eagerly" in m for m in said) and len(said) == len(set(said)), said
+    # the default: on where a strategy computes on a GPU, so not here
+    import distrib as ds
+    assert use_function(TrainConfig(), ds.OneDeviceStrategy("cpu")) is False
+    assert use_function(TrainConfig(function=True), ds.OneDeviceStrategy("cpu")) is True
+
+
+def test_compile_and_function_together_are_refused(idx_dir, tmp_path):
+    from distrib.app.train import TrainConfig, train
+
+    with pytest.raises(ValueError, match="--compile and --function"):
+        train(TrainConfig(strategy="default", epochs=1, data_dir=str(idx_dir), checkpoint_dir=str(tmp_path),
+                          compile=True, function=True, progress=False))

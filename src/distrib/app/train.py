@@ -58,6 +58,7 @@ class TrainConfig:
     metrics_file: Optional[str] = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
     log_every: int = 50  # also a line (and TensorBoard scalars) every N training steps; 0: epochs only
     precision: str = "32"  # Lightning's names: "32", "bf16-mixed", "16-mixed" (see distrib.precision.Precision)
+    function: Optional[bool] = None  # each step under @ds.function (a CUDA graph); None: where it pays (a GPU)
 
 
 class TensorBatches:
@@ -177,6 +178,9 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         model = models.fashion_mnist_cnn()
         optimizer = models.fashion_mnist_optimizer(model.parameters())  # Keras' Adam defaults, fused kernel
         checkpoint = ds.Checkpoint(optimizer=optimizer, model=model)
+    if config.compile and config.function:
+        raise ValueError("--compile and --function each replace the eager step: choose one (on a GPU, --function "
+                         "measured 6x the eager loop, torch.compile of the model 0.94x; docs/performance.md)")
     forward = models.maybe_compile(model, config.compile)
     reporters = _reporters(config, strategy, checkpoint)
     if not strategy.should_use_with_coordinator:  # parameter servers: fit's steps finish out of a callback's sight
@@ -184,8 +188,9 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
     # the seed's loop calls strategy.run itself; where steps are scheduled on workers (TF's
     # should_use_with_coordinator: parameter servers), fit drives them, as it does with --fit
     scheduled = strategy.should_use_with_coordinator
+    graphs = use_function(config, strategy)
     job = _Job(config, strategy, model, forward, optimizer, reporters, train_split, test_split, global_batch_size,
-               scheduled)
+               scheduled, graphs)
     history = _fit(job) if config.fit or scheduled else _custom_loop(job)
     return _finish(config, chief, global_batch_size, test_split, history)
 
@@ -204,6 +209,16 @@ class _Job:
     test_split: Any
     global_batch_size: int
     scheduled: bool  # steps run on workers that read their own data (parameter servers)
+    graphs: bool  # each step under @ds.function (fit: jit_compile)
+
+
+def use_function(config: TrainConfig, strategy: ds.Strategy) -> bool:
+    """``--function``/``--no-function``, else on where it pays: a strategy that computes on a GPU and can be captured
+    (on a CPU a ds.function runs eagerly anyway), unless ``--compile`` was asked for."""
+    if config.function is not None:
+        return config.function
+    on_gpu = any(d is not None and d.type == "cuda" for d in strategy.local_devices)
+    return on_gpu and not config.compile and strategy.graph_capture_blocker is None
 
 
 def _custom_loop(job: _Job) -> dict[str, list[float]]:
@@ -220,6 +235,16 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
         test_accuracy = ds.metrics.SparseCategoricalAccuracy(name="test_accuracy")
     train_step, test_step = make_steps(job.forward, job.optimizer, job.global_batch_size, train_accuracy, test_loss,
                                        test_accuracy, config.precision)
+
+    def distributed_train_step(x: Any) -> torch.Tensor:  # the seed's @tf.function, as @ds.function with --function
+        return strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(x,)), axis=None)
+
+    def distributed_test_step(x: Any) -> None:
+        strategy.run(test_step, args=(x,))
+
+    if job.graphs:
+        distributed_train_step = ds.function(distributed_train_step)
+        distributed_test_step = ds.function(distributed_test_step)
     history = History()
     callbacks = CallbackList([*job.reporters, history])  # History last, as fit's
     loop = Loop(job.model, job.optimizer, strategy)
@@ -233,7 +258,8 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
     for epoch in range(int(loop.epoch), config.epochs):
         train_batches.set_epoch(epoch)
         callbacks.on_epoch_begin(epoch)
-        total_loss, num_batches = torch.zeros(()), 0
+        total_loss: Any = 0.0  # a tensor on the step's device after the first step: read only when shown
+        num_batches = 0
         start = time.perf_counter()
         bar = Progbar(data_length(train_dist_dataset), verbose, style="tqdm", desc=f"epoch {epoch + 1}/{config.epochs}",
                       postfix=_postfix)
@@ -242,7 +268,7 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
             if index < skip:
                 continue
             callbacks.on_train_batch_begin(index)
-            total_loss += strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(x,)), axis=None).cpu()
+            total_loss = total_loss + distributed_train_step(x)  # no .cpu() per step: the GPU runs ahead
             loop.step_in_epoch += 1
             num_batches += 1
             global_step += 1
@@ -256,10 +282,10 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
             callbacks.on_train_batch_end(index, step_logs)
         bar.update(num_batches, finalize=True)
         seconds = time.perf_counter() - start
-        train_loss = total_loss / num_batches
+        train_loss = float(total_loss) / num_batches
         with torch.no_grad():
             for x in test_dist_dataset:
-                strategy.run(test_step, args=(x,))
+                distributed_test_step(x)
         row = {
             "epoch": epoch + 1, "loss": float(train_loss), "accuracy": float(train_accuracy.result() * 100),
             "test_loss": float(test_loss.result()), "test_accuracy": float(test_accuracy.result() * 100),
@@ -382,7 +408,7 @@ def _fit(job: _Job) -> dict[str, list[float]]:
     history = ds.fit(model, train_data, optimizer=job.optimizer, loss="cross_entropy", epochs=config.epochs,
                      steps_per_epoch=steps, metrics=["accuracy"], validation_data=test_data,
                      validation_steps=validation_steps, verbose=_verbose(config) if strategy.is_chief else 0,
-                     callbacks=job.reporters, precision=config.precision)
+                     callbacks=job.reporters, precision=config.precision, jit_compile=job.graphs)
     return history.history
 
 

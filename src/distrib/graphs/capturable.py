@@ -26,9 +26,11 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-__all__ = ["make_capturable", "OptimizerWatch", "state_version"]
+__all__ = ["make_capturable", "undo_capturable", "OptimizerWatch", "state_version"]
 
 _versions: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+#: what make_capturable changed, per optimizer: each group's (capturable, learning rate) as they were
+_originals: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[bool, Any]]]" = weakref.WeakKeyDictionary()
 _hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
@@ -67,6 +69,7 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> list[str]:
     if device is None or device.type != "cuda" or "capturable" not in optimizer.defaults:
         return changed  # CUDA graphs only: elsewhere the optimizer stays as it was built
     name = type(optimizer).__name__
+    _originals.setdefault(optimizer, [(bool(g.get("capturable")), g["lr"]) for g in optimizer.param_groups])
     if not all(group.get("capturable") for group in optimizer.param_groups):
         changed.append(f"{name}(capturable=True)")
     optimizer.defaults["capturable"] = True
@@ -83,6 +86,26 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> list[str]:
             if isinstance(step, torch.Tensor) and step.device != p.device:
                 optimizer.state[p]["step"] = step.to(p.device, torch.float32)
     return changed
+
+
+def undo_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Put back what :func:`make_capturable` changed (a capture that failed: the step runs eagerly, as it was built):
+    ``capturable`` as it was, the learning rate a float again (the one given, unless a schedule changed it since)."""
+    originals = _originals.pop(optimizer, None)
+    if originals is None or len(originals) != len(optimizer.param_groups):
+        return
+    for group, (was_capturable, lr) in zip(optimizer.param_groups, originals):
+        group["capturable"] = was_capturable
+        rate = group["lr"]
+        if isinstance(rate, torch.Tensor) and not isinstance(lr, torch.Tensor):
+            value = float(rate)
+            group["lr"] = lr if value == float(torch.tensor(float(lr), dtype=torch.float32)) else value
+        if not was_capturable and not group.get("fused"):
+            for p in group["params"]:
+                step = optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                    optimizer.state[p]["step"] = step.cpu()
+    optimizer.defaults["capturable"] = all(was for was, _ in originals)
 
 
 def _frozen(value: Any) -> bool:

@@ -75,6 +75,8 @@ def describe(inputs: Inputs) -> str:
             parts.append(f"Tensor{list(leaf.shape)} {dtype} {leaf.device}")
         elif isinstance(leaf, PerReplica):
             parts.append(f"PerReplica({len(leaf.values)} values)")
+        elif callable(leaf):
+            parts.append(getattr(leaf, "__qualname__", type(leaf).__name__))
         else:
             parts.append(repr(leaf) if len(repr(leaf)) < 40 else type(leaf).__name__)
     return "(" + ", ".join(parts) + ")"

@@ -50,6 +50,7 @@ __all__ = ["Function", "function"]
 
 log = logging.getLogger("distrib.function")
 F = TypeVar("F", bound=Callable[..., Any])
+_said: set[str] = set()  # the messages logged so far (each once per process)
 _tracing = [0]  # >0 while a ds.function warms up or captures on this process: nested ones are called as they are
 
 
@@ -77,11 +78,7 @@ class _Seen:
                 h.remove()
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer not in self.optimizers:
-            self.optimizers.add(optimizer)
-            changed = capturable.make_capturable(optimizer)
-            if changed:
-                log.info("ds.function: %s, so that its step can be captured", ", ".join(changed))
+        self.optimizers.add(optimizer)
 
     def _module_ran(self, module: torch.nn.Module, args: Any) -> None:
         self.modules.add(module)
@@ -107,7 +104,8 @@ class _Signature:
         self.description = describe(inputs)
         self.warmups_left = owner.warmup_steps
         self.eager_reason: Optional[str] = paths.input_blocker(inputs) if owner.mode != "eager" else "mode='eager'"
-        self.graphs: list[tuple[tuple[Hashable, Hashable, bool], CapturedGraph]] = []
+        #: (guard at entry, the graph, the modules' train/eval modes it leaves)
+        self.graphs: list[tuple[tuple[Hashable, Hashable, bool], CapturedGraph, tuple[bool, ...]]] = []
         self.seen = _Seen()
         self.device: Optional[torch.device] = None
         self.watch: Optional[capturable.OptimizerWatch] = None
@@ -148,6 +146,11 @@ class _Signature:
         return result
 
     def _prepare_capture(self, inputs: Inputs) -> None:
+        # the warm-up calls stepped the optimizers as built; from the capture on they count on the device
+        for optimizer in self.seen.optimizers:
+            changed = capturable.make_capturable(optimizer)
+            if changed:
+                log.info("ds.function: %s, so that its step can be captured", ", ".join(changed))
         self.device = paths.capture_device(inputs, self.seen.strategies, self.seen.params())
         self.watch = capturable.OptimizerWatch(list(self.seen.optimizers))
         self.modules = list(self.seen.modules)
@@ -159,6 +162,9 @@ class _Signature:
                                f"{self.description}: {reason}")
         self.eager_reason = reason
         self.owner.say_once(f"ds.function({self.owner.name}): runs eagerly for {self.description}: {reason}")
+        if self.owner.captures == 0:  # no graph of this function steps them: they train as they were built
+            for optimizer in self.seen.optimizers:
+                capturable.undo_capturable(optimizer)
 
     def _guard(self) -> tuple[Hashable, Hashable, bool]:
         assert self.watch is not None
@@ -167,9 +173,12 @@ class _Signature:
 
     def _graph_call(self, inputs: Inputs) -> Any:
         guard = self._guard()
-        for graph_guard, graph in self.graphs:
+        for graph_guard, graph, modes in self.graphs:
             if graph_guard == guard and graph.matches():
-                return graph.replay(inputs)
+                result = graph.replay(inputs)
+                for module, training in zip(self.modules, modes):  # a model.train() inside runs at capture only:
+                    module.training = training                      # its Python effect is put back, as .grad's
+                return result
         if not self.owner.may_capture(inputs):
             return self.owner.eager(inputs)
         return self._capture(inputs, guard)
@@ -177,7 +186,7 @@ class _Signature:
     def _capture(self, inputs: Inputs, guard: tuple[Hashable, Hashable, bool]) -> Any:
         assert self.device is not None
         # graphs of other optimizer states (a load_state_dict since, other hyperparameters) are dropped
-        self.graphs = [(g, graph) for g, graph in self.graphs if g[1] == guard[1]]
+        self.graphs = [entry for entry in self.graphs if entry[0][1] == guard[1]]
         _tracing[0] += 1
         try:
             graph, result = CapturedGraph.capture(self.owner.python_function, inputs, self.device, self.params)
@@ -187,7 +196,7 @@ class _Signature:
         finally:
             _tracing[0] -= 1
         self.owner.captures += 1
-        self.graphs.append((guard, graph))
+        self.graphs.append((guard, graph, tuple(m.training for m in self.modules)))
         if self.owner.captures == 1:
             log.info("ds.function(%s): the step is captured as a CUDA graph for %s and replayed from now on",
                      self.owner.name, self.description)
@@ -232,7 +241,6 @@ class Function:
         #: True once a call has found that no graph can be captured in this process (no CUDA): calls go straight
         #: to the Python function, without taking their arguments apart
         self.always_eager = False
-        self._said: set[str] = set()
         functools.update_wrapper(self, python_function)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -272,9 +280,10 @@ class Function:
         return True
 
     def say_once(self, message: str) -> None:
-        """Log ``message`` as a warning the first time only."""
-        if message not in self._said:
-            self._said.add(message)
+        """Log ``message`` as a warning the first time this process meets it (fit's validation makes a function per
+        epoch: its reason is said once, not every epoch)."""
+        if message not in _said:
+            _said.add(message)
             log.warning(message)
 
     def paths(self) -> dict[str, str]:

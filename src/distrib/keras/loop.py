@@ -212,6 +212,16 @@ def _check_batches(data: Any, what: str) -> None:
                          "default batches")
 
 
+def _graphs_wanted(jit_compile: Union[bool, str], strategy: Any, model: torch.nn.Module) -> bool:
+    """``jit_compile``: ``"auto"`` is True where the model's parameters are on a GPU and the strategy can be captured."""
+    if jit_compile == "auto":
+        on_gpu = any(p.is_cuda for p in model.parameters())
+        return on_gpu and strategy.graph_capture_blocker is None
+    if not isinstance(jit_compile, bool):
+        raise ValueError(f"jit_compile={jit_compile!r}: expected 'auto', True or False (Keras' name)")
+    return jit_compile
+
+
 def _verbosity(executor: StepExecutor, verbose: Union[str, int]) -> int:
     """Keras' ``verbose``: ``"auto"`` is 1 (a progress bar), 2 (a line per epoch) where steps are scheduled.
 
@@ -246,7 +256,8 @@ def _float(value: Any) -> Any:
 def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer, loss: LossLike,
         epochs: int = 1, steps_per_epoch: Optional[int] = None, validation_data: Optional[Data] = None,
         validation_steps: Optional[int] = None, metrics: Sequence[Any] = (), callbacks: Sequence[Callback] = (),
-        verbose: Union[str, int] = "auto", precision: Union[str, int] = "32") -> History:
+        verbose: Union[str, int] = "auto", precision: Union[str, int] = "32",
+        jit_compile: Union[bool, str] = "auto") -> History:
     """Train ``model`` on ``data`` (an iterable of global ``(x, y)`` batches); return the History.
 
     ``steps_per_epoch``: steps per epoch, reading ``data`` again from the start when it
@@ -267,12 +278,19 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     :mod:`distrib.keras.progress`), 2 one line per epoch; ``"auto"`` is 1, or 2 under
     ParameterServerStrategy. Every worker prints, as in tf.keras; pass
     ``verbose="auto" if strategy.is_chief else 0`` for the chief's output alone.
+
+    ``jit_compile`` (Keras' name): each step, validation's too, runs as under ``ds.function``: captured once as a
+    CUDA graph and replayed (:mod:`distrib.graphs`). ``"auto"`` does so where the model trains on a GPU and the
+    strategy can be captured; ``True`` also elsewhere (where no graph can be captured, the steps run eagerly
+    and the first one says why); ``False`` never.
     """
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
     _check_batches(validation_data, "validation_data")
     strategy = context.strategy_of(model, optimizer)
     executor = strategy.step_executor()
+    graphs = _graphs_wanted(jit_compile, strategy, model)
+    executor.use_graphs(graphs)
     devices = [d for d in strategy.local_devices if d is not None]
     scaler = mixed.grad_scaler(devices[0].type if devices else "cpu")
     slow = mixed.slow_here(devices[0].type if devices else "cpu")
@@ -344,6 +362,7 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
         logs = tracked.logs()
         if validation_data is not None:
             logs.update(_evaluate(model, validation_data, loss_fn, tracked, validation_steps, cbs, verbosity=0,
+                                  graphs=graphs,
                                   prefix="val_", what="the validation of fit", steps_name="validation_steps",
                                   stacklevel=3, precision=mixed))
         bar.update(int(loop.step_in_epoch), logs, finalize=True)
@@ -357,9 +376,10 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
 def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked, steps: Optional[int],
               cbs: CallbackList, verbosity: int, prefix: str = "", what: str = "evaluate",
               steps_name: str = "steps", stacklevel: int = 3,
-              precision: Precision = Precision.parse("32")) -> Logs:
+              precision: Precision = Precision.parse("32"), graphs: bool = False) -> Logs:
     """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras."""
     executor: StepExecutor = tracked.strategy.step_executor()
+    executor.use_graphs(graphs)
 
     def test_step(x: torch.Tensor, y: Any, n: int) -> Any:
         with torch.no_grad(), precision.autocast(_device_type(x, model)):
@@ -395,7 +415,8 @@ def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked
 
 def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optional[int] = None,
              metrics: Sequence[Any] = (), return_dict: bool = False, verbose: Union[str, int] = "auto",
-             callbacks: Sequence[Callback] = (), precision: Union[str, int] = "32") -> Any:
+             callbacks: Sequence[Callback] = (), precision: Union[str, int] = "32",
+             jit_compile: Union[bool, str] = "auto") -> Any:
     """The loss and metrics of ``model`` over ``data`` (``steps`` batches, or all), over every replica.
 
     Returns what Keras' ``Model.evaluate`` returns: by default the list ``[loss, *metrics]``
@@ -404,7 +425,8 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optio
     ``return_dict=True`` gives ``{"loss": ..., "<metric name>": ...}``. ``verbose`` as
     :func:`fit`'s (``"auto"``: a progress bar on every worker, as Keras). Under
     ParameterServerStrategy ``steps`` is required (workers cycle through their data). Data
-    that gives no batch is a ValueError. ``precision``: as :func:`fit`'s (autocast only).
+    that gives no batch is a ValueError. ``precision``: as :func:`fit`'s (autocast only); ``jit_compile``: as
+    :func:`fit`'s.
     """
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
@@ -412,7 +434,8 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optio
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
     logs = _evaluate(model, data, per_example_loss(loss), _Tracked(strategy, metrics, loss), steps, cbs,
-                     _verbosity(strategy.step_executor(), verbose), stacklevel=3, precision=mixed)
+                     _verbosity(strategy.step_executor(), verbose), stacklevel=3, precision=mixed,
+                     graphs=_graphs_wanted(jit_compile, strategy, model))
     if return_dict:
         return logs
     values = list(logs.values())

@@ -78,6 +78,11 @@ class StepExecutor(Protocol):
         """
         ...
 
+    def use_graphs(self, on: bool) -> None:
+        """Run each step as ``ds.function`` runs a step (captured once per signature, then replayed), or not:
+        ``fit(jit_compile=...)``, Keras' name. An executor whose steps cannot be captured ignores it."""
+        ...
+
 
 class SynchronousExecutor:
     """Steps of a synchronous strategy: each global batch split over the replicas, run at once.
@@ -91,6 +96,20 @@ class SynchronousExecutor:
     def __init__(self, strategy: "Strategy") -> None:
         self._strategy = strategy
         self._results: deque[Any] = deque()
+        self._graphed: Optional[Callable[[StepFn, Any], Any]] = None
+
+    def use_graphs(self, on: bool) -> None:
+        if not on:
+            self._graphed = None
+            return
+        from distrib.graphs import function
+
+        strategy = self._strategy
+
+        def fit_step(fn: StepFn, step_input: Any) -> Any:  # the step function and (x, y, global batch) as arguments
+            return strategy.run(fn, args=step_input)
+
+        self._graphed = function(fit_step)
 
     def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
              per_worker: bool = False) -> Iterable[Any]:
@@ -102,7 +121,10 @@ class SynchronousExecutor:
         return itertools.islice(batches, steps)
 
     def submit(self, fn: StepFn, step_input: Any) -> None:
-        self._results.append(self._strategy.run(fn, args=step_input))
+        if self._graphed is not None:
+            self._results.append(self._graphed(fn, step_input))
+        else:
+            self._results.append(self._strategy.run(fn, args=step_input))
 
     def completed(self, wait: bool) -> Iterator[Any]:
         while self._results:

@@ -84,6 +84,9 @@ class ScheduledExecutor:
         self._iterators: dict[int, "PerWorkerIterator"] = {}
         self._wrapped: dict[tuple[int, bool], Callable[..., Any]] = {}
 
+    def use_graphs(self, on: bool) -> None:
+        """Scheduled steps run on the workers, eagerly: nothing to capture here (``strategy.graph_capture_blocker``)."""
+
     def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
              per_worker: bool = False) -> Iterable[Any]:
         if not per_worker:
