@@ -28,7 +28,12 @@ parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--replicas", type=int, default=None)
 parser.add_argument("--data-dir", default=None)
 parser.add_argument("--checkpoint-dir", default="./training_checkpoints")
+parser.add_argument("--no-function", action="store_true",
+                    help="drop the @ds.function decorators (the seed's @tf.function): the eager run, to compare")
 args = parser.parse_args()
+# the seed decorates its steps with @tf.function; here @ds.function captures each step once as a CUDA graph and
+# replays it (on a CPU it runs the step as it is, and says so once). --no-function: the decorators do nothing
+function = (lambda f: f) if args.no_function else ds.function
 
 # --- Download the Fashion-MNIST dataset (here: read the IDX files) -------------------------
 (train_images, train_labels), (test_images, test_labels) = load_fashion_mnist(args.data_dir)
@@ -100,11 +105,13 @@ def test_step(inputs):
 
 
 # `run` replicates the provided computation and runs it with the distributed input.
+@function
 def distributed_train_step(dataset_inputs):
     per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
     return strategy.reduce(ds.ReduceOp.SUM, per_replica_losses, axis=None)
 
 
+@function
 def distributed_test_step(dataset_inputs):
     return strategy.run(test_step, args=(dataset_inputs,))
 
@@ -144,6 +151,7 @@ new_optimizer = torch.optim.Adam(new_model.parameters())
 test_dataset = TensorBatches(test_images, test_labels, batch_size=GLOBAL_BATCH_SIZE)
 
 
+@function
 @torch.no_grad()
 def eval_step(images, labels):
     predictions = new_model(images)
@@ -178,8 +186,10 @@ for _ in range(EPOCHS):
 
 
 # --- Iterating inside a function: a whole epoch in one call -------------------------------
-# TF wraps the epoch in tf.function; in PyTorch the loop is already ordinary Python, so
-# "one call per epoch" is just a function that iterates the distributed dataset.
+# TF wraps the epoch in tf.function, whose `for x in dataset` becomes a loop inside the graph. A CUDA graph
+# cannot read new batches, so @ds.function runs a function that takes a dataset as it is (and says why, once);
+# its steps are still ordinary calls of the same replica function.
+@function
 def distributed_train_epoch(dataset):
     total_loss = 0.0
     num_batches = 0

@@ -48,7 +48,19 @@ def input_blocker(inputs: Inputs) -> Optional[str]:
         return "an argument requires a gradient, which a graph's input buffer cannot carry"
     if any(t.is_sparse for t in inputs.tensors):
         return "an argument is a sparse tensor"
+    for leaf in inputs.leaves:
+        if _is_data_source(leaf):
+            return (f"an argument is a {type(leaf).__name__}: the batches the function reads from it would be the "
+                    "capture's at every replay (TF's `for x in dataset` inside a tf.function becomes a graph loop; "
+                    "a CUDA graph cannot read new data). Decorate the step that takes one batch instead")
     return None
+
+
+def _is_data_source(leaf: object) -> bool:
+    """An iterable or iterator that is not a tensor, a string or a module (a dataset, a DataLoader, an iterator)."""
+    if isinstance(leaf, (torch.Tensor, str, bytes, torch.nn.Module)):
+        return False
+    return hasattr(leaf, "__iter__") or hasattr(leaf, "__next__")
 
 
 def strategy_blocker(inputs: Inputs, strategies: Iterable["Strategy"],
