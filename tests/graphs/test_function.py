@@ -171,3 +171,23 @@ def test_strategies_say_why_they_cannot_be_captured():
         "OneDeviceStrategy computes on cpu, and CUDA graphs need a CUDA device")
     assert "runs 2 replicas" in ds.MirroredStrategy(["cpu:0", "cpu:1"]).graph_capture_blocker
     assert ds.get_strategy().graph_capture_blocker is None  # the default: wherever the tensors are
+
+
+def test_the_bound_on_captures_and_reduce_retracing(caplog):
+    """``max_captures`` and ``reduce_retracing`` decide whether another graph may be captured (checked without a
+    GPU through ``may_capture``, which a signature asks before each capture)."""
+    from distrib.graphs.signature import flatten_inputs
+
+    f = Function(lambda x: x, reduce_retracing=True)
+    full, ragged = flatten_inputs((torch.ones(64, 3),), {}), flatten_inputs((torch.ones(40, 3),), {})
+    assert f.may_capture(full) and f.may_capture(full)  # the first shape, again (e.g. after a state load)
+    with caplog.at_level(logging.WARNING, logger="distrib.function"):
+        assert not f.may_capture(ragged)  # another shape of the same structure and dtypes: eager
+        assert f.may_capture(flatten_inputs((torch.ones(64, 3, dtype=torch.float64),), {}))  # another dtype
+    assert any("reduce_retracing=True" in r.getMessage() for r in caplog.records)
+
+    bounded = Function(lambda x: x, max_captures=2)
+    bounded.captures = 2
+    with caplog.at_level(logging.WARNING, logger="distrib.function"):
+        assert not bounded.may_capture(full)
+    assert any("max_captures=2" in r.getMessage() and "retracing" in r.getMessage() for r in caplog.records)
