@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
@@ -21,7 +22,7 @@ from torch import nn
 
 import distrib as ds
 from distrib.strategies.deferred_init import DeferredInit, DeferredTensor
-from distrib.strategies.deferred_materialise import materialise_whole
+from distrib.strategies.deferred_materialise import plan_materialisation
 from helpers import SCRIPTS, launch
 
 
@@ -80,6 +81,15 @@ BUILDS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+def _materialise_whole(root: nn.Module) -> None:
+    """The sharded path's replay with one worker and no sharding: ``root``'s deferred parameters and buffers get
+    their values, whole, on the CPU (what a plain build gives them), to check the recorder against a plain build."""
+    plan = plan_materialisation(root)
+    assert plan is not None, "nothing was deferred"
+    plan.to_meta()
+    plan.materialise(torch.device("cpu"), SimpleNamespace(world_size=1))
+
+
 def _deferred(build: Callable[[], nn.Module]) -> tuple[nn.Module, int]:
     recorder = DeferredInit()
     recorder.open()
@@ -100,7 +110,7 @@ def test_a_deferred_build_replays_to_the_plain_build_bit_for_bit(name: str) -> N
     model, deferred = _deferred(BUILDS[name])
     assert torch.equal(torch.rand(5), plain_next)  # the generator moved on exactly as in the plain build
     assert deferred > 0  # the build did hold no data
-    materialise_whole(model)
+    _materialise_whole(model)
     assert not any(isinstance(t, DeferredTensor) for t in [*model.parameters(), *model.buffers()])
     want, got = plain.state_dict(), model.state_dict()
     assert list(want) == list(got)
@@ -124,7 +134,7 @@ def test_a_draw_overwritten_before_it_is_read_is_never_replayed() -> None:
 
     model, _ = _deferred(_redrawn)
     with Count():
-        materialise_whole(model)
+        _materialise_whole(model)
     # Linear's reset_parameters drew 4 uniforms (weights and biases); the weights' were redrawn by normal_
     assert ran.count(torch.ops.aten.uniform_.default) == 2 and ran.count(torch.ops.aten.normal_.default) == 2
 
@@ -186,8 +196,6 @@ def test_only_building_defers_not_a_forward_or_a_plain_strategys_scope() -> None
 
 
 def test_a_meta_tensor_beside_deferred_ones_is_an_error_naming_the_fix() -> None:
-    from distrib.strategies.deferred_materialise import plan_materialisation
-
     model, _ = _deferred(lambda: nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta")))
     with pytest.raises(ValueError, match=r"1.weight was built on the meta device.*drop the torch.device\('meta'\)"):
         plan_materialisation(model)

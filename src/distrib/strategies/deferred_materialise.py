@@ -25,7 +25,7 @@ from torch import nn
 from distrib.strategies.deferred_init import CPU, META, DeferredTensor, Session
 from distrib.strategies.deferred_log import Ref, replay, view_of
 
-__all__ = ["MaterialisePlan", "plan_materialisation", "materialise_whole"]
+__all__ = ["MaterialisePlan", "plan_materialisation"]
 
 log = logging.getLogger("distrib.strategies")
 
@@ -207,18 +207,3 @@ def plan_materialisation(root: nn.Module) -> Optional[MaterialisePlan]:
                  "worker until sharded", type(root).__name__, len(real), real[0][0])
     return MaterialisePlan(root, session, bindings, real)
 
-
-def materialise_whole(root: nn.Module) -> None:
-    """Give ``root``'s deferred parameters and buffers their values, whole, on the CPU (one process).
-
-    What a plain build would have given them; for a model built under a deferring scope but used without
-    sharding (and for checking the recorder against a plain build)."""
-    plan = plan_materialisation(root)
-    if plan is None:
-        return
-    plan.to_meta()
-    plan.materialise(CPU, _OneWorker())
-
-
-class _OneWorker:
-    world_size = 1
