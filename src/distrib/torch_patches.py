@@ -92,11 +92,6 @@ class StrategyPatches:
         self._handle: Optional[Any] = None
         self._saved: dict[str, Any] = {}
 
-    @property
-    def active(self) -> bool:
-        """Whether the patches are applied now (some lease is held)."""
-        return self._leases > 0
-
     def acquire(self) -> Callable[[], None]:
         """Take a lease (applying the patches if it is the first); call the result once to give it back."""
         with self._lock:

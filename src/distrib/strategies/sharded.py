@@ -128,7 +128,7 @@ class ShardedStrategy(Strategy):
         self._warned_unscaled = False
         self._gradients = _ShardedGradients(self)
         if self.num_workers > 1:  # a GradScaler's decision must be every worker's: amp.py's merge, leased
-            self._patch_lease = lease_torch_patches(self)
+            lease_torch_patches(self)  # given back when the strategy is collected (weakref.finalize keeps itself)
         log.info("ShardedStrategy: worker %d of %d, device %s, %s", self.worker_index, self.num_workers,
                  workers.device_names[0], "ZeRO-3" if reshard_after_forward else "ZeRO-2")
         allocator.warn_if_untuned(workers.devices[0].type, self.num_workers, self.is_chief)
