@@ -23,7 +23,6 @@ strategy's :class:`~distrib.strategies.extended.GradientMerge`, the seam ``strat
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
@@ -38,7 +37,7 @@ from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import MergeFn, ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import MirroredModules, optimizer_params
 from distrib.strategies.workers import take_chiefs_values
-from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
+from distrib.strategies.run_options import RunOptions, UnscaledLossCheck
 from distrib.values import regroup, select_replica
 
 if TYPE_CHECKING:
@@ -66,8 +65,7 @@ class ReplicaEngine:
         self._threads: Optional[ReplicaThreads] = None
         self._contexts = [ReplicaContext(strategy, k, self) for k in range(self._n)]
         self._comm_hook: CommHook = allreduce_hook
-        self._run_options = RunOptions()
-        self._warned_unscaled = False
+        self._unscaled_loss = UnscaledLossCheck()
         self._merging = 0  # merge functions running (with several replicas, their threads wait in it)
         # optimizers whose step() this engine merges, and those whose gradients a GradScaler call has already
         # summed this step (True while inside _apply_update, which refreshes the copies itself): see amp.py
@@ -134,7 +132,7 @@ class ReplicaEngine:
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             options: RunOptions) -> Any:
         """``fn`` once per local replica: in place with one replica, else on the replica threads."""
-        self._run_options = options
+        self._unscaled_loss.options = options
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         n = self._n
         if n == 1:
@@ -274,8 +272,4 @@ class ReplicaEngine:
 
     def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
         """Warn once when a step's loss was not scaled by distrib's helpers while several replicas are in sync."""
-        n = self._strategy.num_replicas_in_sync
-        if all(scaled) or n == 1 or self._warned_unscaled or self._run_options.loss_scaled_by_hand:
-            return
-        self._warned_unscaled = True
-        warnings.warn(unscaled_loss_message(n), UnscaledLossWarning, stacklevel=2)
+        self._unscaled_loss.warn_if_unscaled(scaled, self._strategy.num_replicas_in_sync, stacklevel=2)

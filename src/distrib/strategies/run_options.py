@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Sequence
 
-__all__ = ["RunOptions", "ValueContext", "UnscaledLossWarning", "unscaled_loss_message"]
+__all__ = ["RunOptions", "ValueContext", "UnscaledLossWarning", "unscaled_loss_message", "UnscaledLossCheck"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,29 @@ def unscaled_loss_message(num_replicas_in_sync: int) -> str:
             f"gradients {n} times too large. Fix: loss = ds.compute_average_loss("
             "F.cross_entropy(logits, labels, reduction='none'), global_batch_size=GLOBAL_BATCH). If you already "
             "divide by the global batch yourself, pass options=ds.RunOptions(loss_scaled_by_hand=True) to run.")
+
+
+class UnscaledLossCheck:
+    """One strategy's :class:`UnscaledLossWarning`: said once, and never for a run whose options say the loss is
+    scaled by hand. The replica engine and the sharded strategy each hold one and set :attr:`options` per run.
+
+    Example::
+
+        >>> check = UnscaledLossCheck()
+        >>> check.options = RunOptions(loss_scaled_by_hand=True)
+        >>> check.warn_if_unscaled([False, False], num_replicas_in_sync=2)  # scaled by hand: no warning
+    """
+
+    def __init__(self) -> None:
+        #: the options of the ``strategy.run`` call in progress (or the last one)
+        self.options = RunOptions()
+        self._warned = False
+
+    def warn_if_unscaled(self, scaled: Sequence[bool], num_replicas_in_sync: int, *, stacklevel: int = 1) -> None:
+        """Warn once when some replica's loss was not scaled (``scaled``: each replica's
+        ``ReplicaContext.scaled_loss_recorded``) while several replicas are in sync. ``stacklevel`` counts from
+        the caller, as ``warnings.warn``'s does from its own caller."""
+        if all(scaled) or num_replicas_in_sync == 1 or self._warned or self.options.loss_scaled_by_hand:
+            return
+        self._warned = True
+        warnings.warn(unscaled_loss_message(num_replicas_in_sync), UnscaledLossWarning, stacklevel=stacklevel + 1)

@@ -33,7 +33,6 @@ Example (run it with ``distrib launch --workers 2 script.py``)::
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, TypeVar
 
@@ -52,7 +51,7 @@ from distrib.strategies.extended import GradientMerge
 from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
 from distrib.strategies.replication import optimizer_params
-from distrib.strategies.run_options import RunOptions, UnscaledLossWarning, unscaled_loss_message
+from distrib.strategies.run_options import RunOptions, UnscaledLossCheck
 from distrib.strategies.sharding_policy import ShardingPolicy
 from distrib.strategies.workers import join_workers, take_chiefs_values
 
@@ -124,8 +123,7 @@ class ShardedStrategy(Strategy):
         # a parameter replaced by its shard -> (the old parameter, its module, its name): moves optimizers built
         # over the old ones onto the shards
         self._moved: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[nn.Module], str]] = {}
-        self._run_options = RunOptions()
-        self._warned_unscaled = False
+        self._unscaled_loss = UnscaledLossCheck()
         self._gradients = _ShardedGradients(self)
         if self.num_workers > 1:  # a GradScaler's decision must be every worker's: amp.py's merge, leased
             lease_torch_patches(self)  # given back when the strategy is collected (weakref.finalize keeps itself)
@@ -236,17 +234,13 @@ class ShardedStrategy(Strategy):
 
     def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
         """Warn once (``ds.UnscaledLossWarning``) when several workers step on a loss not scaled by the global batch."""
-        if all(scaled) or self.num_replicas_in_sync == 1 or self._warned_unscaled \
-                or self._run_options.loss_scaled_by_hand:
-            return
-        self._warned_unscaled = True
-        warnings.warn(unscaled_loss_message(self.num_replicas_in_sync), UnscaledLossWarning, stacklevel=4)
+        self._unscaled_loss.warn_if_unscaled(scaled, self.num_replicas_in_sync, stacklevel=4)
 
     # ------------------------------------------------------------------ run, input, fit
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                               options: RunOptions) -> Any:
         """``fn`` once, in place (one replica per worker); FSDP's collectives inside it fail as CollectiveError."""
-        self._run_options = options
+        self._unscaled_loss.options = options
         return self.communicator.guarded("a sharded step (FSDP's all-gather / reduce-scatter)",
                                          lambda: run_in_place(self._replica, fn, args, kwargs))
 
