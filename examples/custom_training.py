@@ -28,12 +28,15 @@ parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--replicas", type=int, default=None)
 parser.add_argument("--data-dir", default=None)
 parser.add_argument("--checkpoint-dir", default="./training_checkpoints")
+parser.add_argument("--seed", type=int, default=None, help="seed the model's initial weights (runs to compare)")
 parser.add_argument("--no-function", action="store_true",
                     help="drop the @ds.function decorators (the seed's @tf.function): the eager run, to compare")
 args = parser.parse_args()
 # the seed decorates its steps with @tf.function; here @ds.function captures each step once as a CUDA graph and
 # replays it (on a CPU it runs the step as it is, and says so once). --no-function: the decorators do nothing
 function = (lambda f: f) if args.no_function else ds.function
+if args.seed is not None:
+    torch.manual_seed(args.seed)
 
 # --- Download the Fashion-MNIST dataset (here: read the IDX files) -------------------------
 (train_images, train_labels), (test_images, test_labels) = load_fashion_mnist(args.data_dir)

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/venv.sh
 exec python3 -m pytest -q -s -p no:cacheprovider tests/faults -m "faults_full or not faults_full" "$@"

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Sets up everything distrib needs on a fresh machine. Safe to run again.
+#   0. a project virtual environment, .venv (DISTRIB_VENV elsewhere), so that the machine's own Python and a
+#      user's packages are never changed and pip never weighs packages the project does not use (PYTHON=... uses
+#      that interpreter as it is, for callers that made their own environment); enter it with
+#      `source .venv/bin/activate`,
 #   1. torch==2.13.0 first (its CPU wheel lies on these machines; an unpinned torch
 #      would pull a multi-GB CUDA build),
 #   2. every test and development dependency at the version in requirements/test.lock (the versions
@@ -13,8 +17,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+else
+  VENV=${DISTRIB_VENV:-.venv}
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+  fi
+  PY="$VENV/bin/python"
+fi
 
 LOCK=requirements/test.lock
 # pip's notes about this machine's empty local index folders are noise here

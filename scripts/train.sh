@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/venv.sh  # the project's environment, which setup.sh made
 exec distrib train "$@"
