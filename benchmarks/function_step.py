@@ -37,7 +37,7 @@ from distrib import torch_patches
 from distrib.app import models
 from distrib.app.train import make_steps
 from distrib.graphs.capturable import make_capturable
-from gpu import Forever, Variant, main_job, plain_eager, sync  # benchmarks/ is on sys.path
+from gpu import Forever, Variant, main_job, plain_eager, seeded_main_job_step, sync  # benchmarks/ is on sys.path
 from single_process import load_data
 
 Step = Callable[[Any], None]
@@ -46,12 +46,7 @@ Step = Callable[[Any], None]
 def function_job(device: torch.device, batch: int) -> tuple[Step, ds.Strategy]:
     """The main job's OneDevice step under ``@ds.function``."""
     strategy = ds.OneDeviceStrategy(str(device))
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = models.fashion_mnist_cnn()
-        opt = models.fashion_mnist_optimizer(model.parameters())
-        metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
-    train_step, _ = make_steps(model, opt, batch, *metrics)
+    train_step = seeded_main_job_step(strategy, batch)
     total = torch.zeros((), device=device)
 
     @ds.function

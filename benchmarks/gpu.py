@@ -215,6 +215,18 @@ def multi_worker(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     return out
 
 
+def seeded_main_job_step(strategy: ds.Strategy, global_batch: int) -> Callable[[Any], Any]:
+    """The main job's replica step (``make_steps``), its model, optimizer and metrics built in ``strategy``'s scope
+    from seed 0."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = models.fashion_mnist_cnn()
+        opt = models.fashion_mnist_optimizer(model.parameters())
+        metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
+    train_step, _ = make_steps(model, opt, global_batch, *metrics)
+    return train_step
+
+
 def mw_worker(result_file: str, device_type: str, steps: int, batch: int) -> None:
     """One worker of :func:`multi_worker` (run by ``distrib launch``)."""
     strategy = ds.MultiWorkerMirroredStrategy(devices=[f"{device_type}:0"],
@@ -227,12 +239,7 @@ def mw_worker(result_file: str, device_type: str, steps: int, batch: int) -> Non
     global_batch = batch * strategy.num_replicas_in_sync
     n = len(labels) // global_batch * global_batch
     batches = [(images[i:i + global_batch], labels[i:i + global_batch]) for i in range(0, n, global_batch)]
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = models.fashion_mnist_cnn()
-        opt = models.fashion_mnist_optimizer(model.parameters())
-        metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
-    train_step, _ = make_steps(model, opt, global_batch, *metrics)
+    train_step = seeded_main_job_step(strategy, global_batch)
     total = torch.zeros((), device=device)
     it = iter(strategy.experimental_distribute_dataset(Forever(batches)))
     rates = []

@@ -296,7 +296,7 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
             print(f"torch.compile: {'compiled' if compiled else 'fell back to eager'} on worker "
                   f"{strategy.worker_index}", flush=True)
         if chief:
-            print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
+            print(EPOCH_TEMPLATE.format(**row), flush=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
         callbacks.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
@@ -314,12 +314,15 @@ def metrics_path(config: TrainConfig) -> str:
     return config.metrics_file or os.path.join(config.checkpoint_dir, "metrics.jsonl")
 
 
-def _verbose(config: TrainConfig) -> int:
-    """``fit``'s verbosity: 1 (a bar on a terminal, bar lines on a pipe), 2 (a line per epoch) with --no-progress.
+def _fit_verbose(config: TrainConfig, is_chief: bool) -> int:
+    """The ``verbose`` argument ``distrib train`` gives ``ds.fit`` (which resolves it as Keras does: keras/loop.py's
+    ``_verbosity``): 1 (a bar on a terminal, bar lines on a pipe), 2 (a line per epoch) with --no-progress.
 
     ``distrib train`` shows the chief's progress alone (its epoch lines already cover every worker), so the
     other workers pass 0: ``fit`` itself prints on every worker, as Keras.
     """
+    if not is_chief:
+        return 0
     return 2 if config.progress is False else 1
 
 
