@@ -296,7 +296,7 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
             print(f"torch.compile: {'compiled' if compiled else 'fell back to eager'} on worker "
                   f"{strategy.worker_index}", flush=True)
         if chief:
-            print(EPOCH_TEMPLATE.format(**row), flush=True)
+            print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
         callbacks.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
@@ -410,7 +410,7 @@ def _fit(job: _Job) -> dict[str, list[float]]:
         steps = validation_steps = None
     history = ds.fit(model, train_data, optimizer=job.optimizer, loss="cross_entropy", epochs=config.epochs,
                      steps_per_epoch=steps, metrics=["accuracy"], validation_data=test_data,
-                     validation_steps=validation_steps, verbose=_verbose(config) if strategy.is_chief else 0,
+                     validation_steps=validation_steps, verbose=_fit_verbose(config, strategy.is_chief),
                      callbacks=job.reporters, precision=config.precision, jit_compile=job.graphs)
     return history.history
 
