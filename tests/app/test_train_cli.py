@@ -17,6 +17,16 @@ LINE = re.compile(r"Epoch (\d+), Loss: (\d+\.\d{4}), Accuracy: (\d+\.\d{2}), Tes
                   r"Test Accuracy: (\d+\.\d{2}), Examples/s: (\d+)$", re.MULTILINE)
 
 
+def test_the_epoch_line_is_formatted_by_field_name_whatever_the_rows_order() -> None:
+    from distrib.app.train import EPOCH_TEMPLATE
+
+    row = {"epoch": 1, "loss": 0.5080123, "accuracy": 81.5432, "test_loss": 0.38049, "test_accuracy": 86.2899,
+           "examples_per_sec": 169.4}
+    want = "Epoch 1, Loss: 0.5080, Accuracy: 81.54, Test Loss: 0.3805, Test Accuracy: 86.29, Examples/s: 169"
+    assert EPOCH_TEMPLATE.format(**row) == want and LINE.match(want)
+    assert EPOCH_TEMPLATE.format(**dict(reversed(row.items()))) == want
+
+
 def is_png(path: "os.PathLike[str]") -> bool:
     with open(path, "rb") as f:
         head = f.read(16)

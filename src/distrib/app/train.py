@@ -35,7 +35,9 @@ __all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "metri
 log = logging.getLogger("distrib.app.train")
 
 # seed 000's line, with readable precision (the seed prints float32 reprs: `Loss: 0.5044084787368774`)
-EPOCH_TEMPLATE = "Epoch {}, Loss: {:.4f}, Accuracy: {:.2f}, Test Loss: {:.4f}, Test Accuracy: {:.2f}, Examples/s: {:.0f}"
+# (fields by name, the keys of the epoch's row: its order cannot move a value into another's place)
+EPOCH_TEMPLATE = ("Epoch {epoch}, Loss: {loss:.4f}, Accuracy: {accuracy:.2f}, Test Loss: {test_loss:.4f}, "
+                  "Test Accuracy: {test_accuracy:.2f}, Examples/s: {examples_per_sec:.0f}")
 POSTFIX_EVERY = 10  # steps between two updates of the bar's loss and accuracy (values the loop already has)
 
 
@@ -296,7 +298,7 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
             print(f"torch.compile: {'compiled' if compiled else 'fell back to eager'} on worker "
                   f"{strategy.worker_index}", flush=True)
         if chief:
-            print(EPOCH_TEMPLATE.format(*row.values()), flush=True)
+            print(EPOCH_TEMPLATE.format(**row), flush=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
         callbacks.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
