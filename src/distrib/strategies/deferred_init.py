@@ -56,7 +56,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from distrib import context, torch_patches
 from distrib.strategies.deferred_log import Const, Entry, Node, Ref, Scratch, leaves, replay, view_of
 
-__all__ = ["DeferredTensor", "DeferredInit", "Session", "recorder_of", "paused"]
+__all__ = ["DeferredTensor", "DeferredInit", "Session", "recorder_of", "pause_recording"]
 
 log = logging.getLogger("distrib.strategies")
 
@@ -420,8 +420,9 @@ def recorder_of(strategy: Any) -> Optional[DeferredInit]:
 
 
 @contextlib.contextmanager
-def paused(strategy: Any) -> Iterator[None]:
-    """The strategy's recording paused in the block (nothing to pause: the block as is)."""
+def pause_recording(strategy: Any) -> Iterator[None]:
+    """The strategy's recording paused in the block (its recorder's :meth:`DeferredInit.paused`; nothing to
+    pause: the block as is)."""
     recorder = recorder_of(strategy)
     with recorder.paused() if recorder is not None else contextlib.nullcontext():
         yield

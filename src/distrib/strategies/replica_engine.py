@@ -101,7 +101,7 @@ class ReplicaEngine:
             take_chiefs_values(self._strategy.communicator, module)
             self._mirrored.refresh(module)
 
-    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def merge_steps_of(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` a merge point, when there is anything to merge."""
         context.set_owner(optimizer, self._strategy)
         if self._strategy.num_replicas_in_sync == 1 and not self._mirrored.central:

@@ -44,8 +44,7 @@ from distrib.cluster.resolver import ClusterResolver
 from distrib.comm import CommunicationOptions
 from distrib.strategies import allocator
 from distrib.strategies.base import Strategy
-from distrib.strategies.deferred_init import DeferredInit
-from distrib.strategies.deferred_init import paused as deferred_paused
+from distrib.strategies.deferred_init import DeferredInit, pause_recording
 from distrib.strategies.deferred_materialise import plan_materialisation
 from distrib.strategies.extended import GradientMerge
 from distrib.strategies.patch_lease import lease_torch_patches
@@ -171,7 +170,7 @@ class ShardedStrategy(Strategy):
             if device is not None:
                 module.to(device)
         else:
-            with deferred_paused(self):
+            with pause_recording(self):
                 self._shard(module, device)
         for sub in module.modules():
             context.set_owner(sub, self)
@@ -218,7 +217,7 @@ class ShardedStrategy(Strategy):
                 "parameter(s) that are not sharded (a module built outside the scope); build the model inside the "
                 "same strategy.scope() as the optimizer")
         optimizer.register_step_pre_hook(self._check_loss_scaled)
-        self._gradients.adopt(optimizer)
+        self._gradients.merge_steps_of(optimizer)
 
     def _shard_of(self, param: Any) -> Any:
         entry = self._moved.get(id(param))
@@ -304,7 +303,7 @@ class _ShardedGradients:
         self._strategy = weakref.ref(strategy)
         self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+    def merge_steps_of(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.add(optimizer)
 
     def merges_optimizer_steps(self, optimizer: Any) -> bool:

@@ -60,7 +60,7 @@ class SynchronousStrategy(Strategy):
         self._engine.distribute_module(module)
 
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._engine.adopt_optimizer(optimizer)
+        self._engine.merge_steps_of(optimizer)
 
     @property
     def gradient_merge(self) -> GradientMerge:
