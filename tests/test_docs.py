@@ -1,5 +1,6 @@
-"""The docs keep their promises: every TF name of the seed tutorials is in docs/migration.md, and
-relative links between the docs lead to files that exist."""
+"""The docs keep their promises: every TF name of the seed tutorials is in docs/migration.md,
+relative links between the docs lead to files that exist, and docs/architecture.md's layer listing
+names every module under src/distrib (and none that is gone)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,60 @@ def test_relative_links_lead_to_files(doc):
     broken = [target for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
               if "://" not in target and not target.startswith("mailto:") and not (path.parent / target).exists()]
     assert not broken, f"{doc} links to missing files: {broken}"
+
+
+# --------------------------------------------------------------------------- docs/architecture.md against the tree
+
+SRC = ROOT / "src" / "distrib"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ENTRY = re.compile(r"^( {2}| {4})(\S+)(?: +(.*))?$")  # a listing line naming a module or folder (deeper: continued)
+MODULE_NAME = re.compile(r"(?<![\w/.])(\w+\.py)\b")
+
+
+def layer_listing(text: str) -> dict[str, str]:
+    """architecture.md's tree under ``src/distrib/``: each entry's path (``strategies/``, ``context.py``) -> its text."""
+    block = text.split("```\nsrc/distrib/\n", 1)[1].split("```", 1)[0]
+    entries: dict[str, str] = {}
+    folder = {2: "", 4: ""}  # the folder an entry of each indentation sits in
+    current = ""
+    for line in block.splitlines():
+        match = ENTRY.match(line)
+        if match:
+            depth, name = len(match.group(1)), match.group(2)
+            current = folder[depth] + name
+            if depth == 2 and name.endswith("/"):
+                folder[4] = current
+            entries[current] = match.group(3) or ""
+        elif line.strip():
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def named_modules(entries: dict[str, str]) -> set[str]:
+    """The module files the listing names: a top-level entry itself, or ``x.py`` in a folder's text."""
+    named = set()
+    for path, text in entries.items():
+        if path.endswith(".py"):
+            named.add(path)
+        else:
+            named |= {path + name for name in MODULE_NAME.findall(text)}
+    return named
+
+
+def test_the_architecture_listing_names_every_module_and_only_modules_that_exist():
+    named = named_modules(layer_listing(ARCHITECTURE.read_text()))
+    modules = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")}
+    folders = {m for m in modules if m.endswith("/__init__.py")}  # a folder's __init__: the folder is named
+    missing = sorted(modules - folders - named)
+    assert not missing, f"docs/architecture.md's layer listing leaves out {missing}"
+    stale = sorted(named - modules)
+    assert not stale, f"docs/architecture.md's layer listing names modules that do not exist: {stale}"
+
+
+def test_the_listing_check_sees_a_left_out_module_and_a_stale_one():
+    text = ARCHITECTURE.read_text().replace("sharded_objects.py", "sharded_object.py")
+    named = named_modules(layer_listing(text))
+    assert "checkpoint/sharded_objects.py" not in named and "checkpoint/sharded_object.py" in named
+    assert {"context.py", "strategies/sharded.py", "parameter_server/client/dispatch.py",
+            "parameter_server/__main__.py"} <= named
+
