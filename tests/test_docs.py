@@ -1,6 +1,7 @@
 """The docs keep their promises: every TF name of the seed tutorials is in docs/migration.md,
-relative links between the docs lead to files that exist, and docs/architecture.md's layer listing
-names every module under src/distrib (and none that is gone)."""
+relative links between the docs lead to files that exist, docs/architecture.md's layer listing
+names every module under src/distrib (and none that is gone), and its patch table has a row for
+every patch of torch_patches.py's table (the list) and none other."""
 
 from __future__ import annotations
 
@@ -92,3 +93,43 @@ def test_the_listing_check_sees_a_left_out_module_and_a_stale_one():
     assert {"context.py", "strategies/sharded.py", "parameter_server/client/dispatch.py",
             "parameter_server/__main__.py"} <= named
 
+
+CODE = re.compile(r"``([^`]+)``|`([^`]+)`")  # reStructuredText's literal or Markdown's
+
+
+def _code(cell: str) -> list[str]:
+    return [rst or md for rst, md in CODE.findall(cell)]
+
+
+def torch_patches_table() -> set[str]:
+    """The code names in the patch column of torch_patches.py's docstring table (the list of patches)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((SRC / "torch_patches.py").read_text())) or ""
+    rules = [line for line in doc.splitlines() if re.fullmatch(r"=+( +=+)+", line)]
+    assert len(rules) == 3, "torch_patches.py's docstring has one table: a rule, the header, a rule, rows, a rule"
+    width = len(rules[0].split()[0])
+    body = doc.split(rules[0] + "\n", 3)[2]  # before, the header, the rows, after
+    return {name for line in body.splitlines() for name in _code(line[:width])}
+
+
+def architecture_patch_table(text: str) -> set[str]:
+    """The code names in the patch column of architecture.md's patch table."""
+    table = text.split("| patch | applied | removed | why no public hook |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.strip() for line in table.splitlines()[2:] if line.strip().startswith("|")]
+    return {name for row in rows for name in _code(row.split("|")[1])}
+
+
+def test_architecture_md_has_a_row_for_every_patch_of_torch_patches_and_none_other():
+    source, documented = torch_patches_table(), architecture_patch_table(ARCHITECTURE.read_text())
+    assert {"GradScaler.unscale_/step/update", "TorchDispatchMode", "optimizer.load_state_dict"} <= source  # parsed
+    assert source == documented, (f"torch_patches.py's table (the list of patches) and docs/architecture.md's "
+                                  f"differ: only in torch_patches.py {sorted(source - documented)}, only in "
+                                  f"architecture.md {sorted(documented - source)}")
+
+
+def test_the_patch_table_check_sees_a_missing_row():
+    text = ARCHITECTURE.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("  | a dispatch mode"))
+    assert "TorchDispatchMode" in architecture_patch_table(text)
+    assert "TorchDispatchMode" not in architecture_patch_table(text.replace(row + "\n", ""))

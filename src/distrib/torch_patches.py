@@ -1,7 +1,7 @@
 """Every change distrib makes to a torch object, and every torch private it reads: here and nowhere else.
 
 distrib prefers torch's public extension points: modules are captured in a scope by
-``torch.nn.modules.module.register_module_*_registration_hook`` (``replication.py``), a
+``torch.nn.modules.module.register_module_*_registration_hook`` (``strategies/capture.py``), a
 restored module refreshes its copies through ``register_load_state_dict_post_hook``, and the
 check that an optimizer stepped inside ``run`` belongs to the strategy is torch's global
 ``register_optimizer_step_pre_hook``. Where no public hook suffices, the patch is in this module,
@@ -18,8 +18,8 @@ process-wide)                             merges its first optimizer
 (class attribute)                         is entered                             over nested / threaded scopes)
 ``optimizer.step`` / ``zero_grad``        an optimizer is built in the scope     never: they live and die with
 (instance attributes, not the class;      of a strategy that merges its steps    that one optimizer instance
-and ``load_state_dict`` under parameter   (or of a parameter-server strategy)
-servers)
+and ``optimizer.load_state_dict`` under   (or of a parameter-server strategy)
+parameter servers)
 ``module.forward`` (instance attribute)   a module is distributed by a strategy  never: it lives and dies with
                                           with copies for other local replicas   that one module instance
 a dispatch mode (``TorchDispatchMode``,   a ``ShardedStrategy`` scope with       that scope closes
@@ -29,7 +29,8 @@ module forward pre/post hooks (public)    (``strategies/deferred_init.py``)
 
 ``import distrib`` applies none of them (``tests/test_torch_untouched.py``), and
 ``tests/test_torch_assumptions.py`` pins what each patch assumes of torch, so a torch
-upgrade that breaks one fails a named test.
+upgrade that breaks one fails a named test. This table is the list of patches: docs/architecture.md's
+table has a row for each, with why no public hook suffices (``tests/test_docs.py`` checks that they agree).
 """
 
 from __future__ import annotations
