@@ -112,6 +112,13 @@ def test_several_devices_per_process_are_refused() -> None:
         ds.ShardedStrategy(devices=["cpu:0", "cpu:1"])
 
 
+
+def test_a_mixed_precision_it_does_not_take_is_an_error_listing_every_one_it_does() -> None:
+    with pytest.raises(ValueError, match=r"give one of None, '32', 'bf16-mixed', '16-mixed'"):
+        ds.ShardedStrategy(devices=["cpu"], mixed_precision="bf16")
+    for accepted in (None, "32", "bf16-mixed", "16-mixed"):  # every value the message lists is taken
+        ds.ShardedStrategy(devices=["cpu"], mixed_precision=accepted)
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
 

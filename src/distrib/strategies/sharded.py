@@ -82,7 +82,7 @@ class ShardedStrategy(Strategy):
     ``reshard_after_forward``: True (ZeRO-3, the default) or False (ZeRO-2-like);
     ``mixed_precision``: ``"bf16-mixed"`` or ``"16-mixed"`` gathers parameters in that dtype for
     compute and reduces gradients in float32 (FSDP's ``MixedPrecisionPolicy``); the shards and the
-    optimizer stay float32. ``checkpoint_format``: ``"sharded"`` or ``"plain"`` (see :attr:`checkpoint_format`).
+    optimizer stay float32. None (the default) or ``"32"`` computes in float32. ``checkpoint_format``: ``"sharded"`` or ``"plain"`` (see :attr:`checkpoint_format`).
     ``deferred_init``: True (the default) builds modules in the scope without their data and initialises
     them shard by shard, never whole (the same values as a plain build with the same seed); False builds
     them whole on every worker and shards them when the scope closes.
@@ -99,8 +99,9 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"ShardedStrategy(checkpoint_format={checkpoint_format!r}): give 'sharded' (every worker "
                              "writes its own shards) or 'plain' (one file of whole tensors, gathered)")
         if mixed_precision not in _PARAM_DTYPES:
-            raise ValueError(f"ShardedStrategy(mixed_precision={mixed_precision!r}): give None, 'bf16-mixed' or "
-                             "'16-mixed' (Lightning's names)")
+            accepted = ", ".join(repr(name) for name in _PARAM_DTYPES)
+            raise ValueError(f"ShardedStrategy(mixed_precision={mixed_precision!r}): give one of {accepted} "
+                             "(Lightning's names; None and '32' keep float32)")
         workers = join_workers(cluster_resolver, communication_options or CommunicationOptions(), devices)
         if len(workers.devices) != 1:
             raise ValueError(f"ShardedStrategy runs one replica per worker process, but devices={workers.device_names}"
