@@ -11,7 +11,8 @@ from distrib.strategies import registry
 EVERY_OPTION = ["--strategy", "multi-worker", "--workers", "3", "--ps", "0", "--max-restarts", "2", "--epochs", "4",
                 "--batch-size-per-replica", "16", "--replicas", "2", "--device", "cpu", "--checkpoint-dir", "/c",
                 "--data-dir", "/d", "--seed", "7", "--compile", "--no-progress", "--fit", "--tensorboard", "/tb",
-                "--metrics-file", "/m.jsonl", "--log-every", "7", "--precision", "bf16-mixed", "--tls"]
+                "--metrics-file", "/m.jsonl", "--log-every", "7", "--precision", "bf16-mixed", "--tls",
+                "--no-function"]
 
 
 def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_own():
@@ -26,7 +27,7 @@ def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_ow
     # and every option of the parser is in EVERY_OPTION, so a new option cannot be left out of this test
     parser_options = {o for o in build_parser().parse_args(["train"]).__dict__} - {"command", "verbose"}
     assert parser_options == {o.lstrip("-").replace("-", "_") for o in EVERY_OPTION if o.startswith("--")
-                              and not o.startswith("--no-")} | {"progress"}
+                              and not o.startswith("--no-")} | {"progress", "function"}
 
 
 def test_defaults_are_not_forwarded_and_booleans_keep_their_sense():
