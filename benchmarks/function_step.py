@@ -37,8 +37,8 @@ from distrib import torch_patches
 from distrib.app import models
 from distrib.app.train import make_steps
 from distrib.graphs.capturable import make_capturable
-from gpu import Forever, Variant, main_job, plain_eager, seeded_main_job_step, sync  # benchmarks/ is on sys.path
-from single_process import load_data
+# benchmarks/ is on sys.path
+from gpu import Forever, Variant, device_batches, main_job, plain_eager, seeded_main_job_step, sync
 
 Step = Callable[[Any], None]
 
@@ -182,13 +182,7 @@ def main() -> None:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     started = time.perf_counter()
-    images, labels, source = load_data(None)
-    images, labels = images.to(device), labels.to(device)
-
-    def data(batch: int) -> Forever:
-        n = len(labels) // batch * batch
-        return Forever([(images[i:i + batch], labels[i:i + batch]) for i in range(0, n, batch)])
-
+    data, source = device_batches(device)
     small, large = args.batch, args.large_batch
     builders: dict[str, tuple[Callable[[], tuple[Step, Optional[ds.Strategy]]], int, int]] = {
         "plain_eager": (lambda: (plain_eager(device, "fp32", None, small), None), small, args.steps),

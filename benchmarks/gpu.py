@@ -215,6 +215,19 @@ def multi_worker(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     return out
 
 
+def device_batches(device: torch.device) -> tuple[Callable[[int], Forever], str]:
+    """The main job's data put on ``device`` once (every loop then measures the step, not the copy) and a function
+    of the batch size giving its whole batches, cycled; with where the data came from (``load_data``'s word)."""
+    images, labels, source = load_data(None)
+    images, labels = images.to(device), labels.to(device)
+
+    def data(batch: int) -> Forever:
+        n = len(labels) // batch * batch
+        return Forever([(images[i:i + batch], labels[i:i + batch]) for i in range(0, n, batch)])
+
+    return data, source
+
+
 def seeded_main_job_step(strategy: ds.Strategy, global_batch: int) -> Callable[[Any], Any]:
     """The main job's replica step (``make_steps``), its model, optimizer and metrics built in ``strategy``'s scope
     from seed 0."""
@@ -285,13 +298,7 @@ def main() -> None:
         sys.exit("benchmarks/gpu.py: CUDA is not available; --device cpu runs the same loops on the CPU")
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     started = time.perf_counter()
-    images, labels, source = load_data(None)
-    images, labels = images.to(device), labels.to(device)
-
-    def data(batch: int) -> Forever:
-        n = len(labels) // batch * batch
-        return Forever([(images[i:i + batch], labels[i:i + batch]) for i in range(0, n, batch)])
-
+    data, source = device_batches(device)
     compile_precisions = [c for c in args.compile_precisions.split(",") if c]
     small = args.batch
     eager_precisions = [c for c in args.precisions.split(",") if c]
