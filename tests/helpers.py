@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -77,3 +79,18 @@ def alive(pids: set[int]) -> set[int]:
         except OSError:
             pass
     return out
+
+
+@contextlib.contextmanager
+def in_process_coordinator(num_workers: int, num_ps: int) -> Iterator[Any]:
+    """A ``ClusterCoordinator`` over an in-process cluster of ``num_workers`` workers and ``num_ps`` ps tasks,
+    closed and its servers stopped afterwards (the coordinator fixtures of the parameter-server tests)."""
+    import distrib as ds
+
+    resolver = ds.testing.create_in_process_cluster(num_workers=num_workers, num_ps=num_ps)
+    coordinator = ds.coordinator.ClusterCoordinator(ds.ParameterServerStrategy(resolver))
+    try:
+        yield coordinator
+    finally:
+        coordinator.close()
+        ds.testing.stop_in_process_cluster(resolver)

@@ -31,7 +31,7 @@ SCANNED = ("tests", "scripts", "benchmarks", "examples")
 #: the helper that makes namespaces, and the subnets it gives them: ``Hosts(subnet=...)`` (default .11, .12, ...
 #: of a /24) and ``second_interface`` (``10.99.<i>.1/24``, a veth pair that reaches nothing)
 NAMESPACE_HELPERS = {"tests/cluster/netns.py"}
-NAMESPACE_SUBNETS = (ipaddress.ip_network("192.168.77.0/24"), ipaddress.ip_network("10.99.0.0/16"))
+NAMESPACE_SUBNETS = netns.NETWORKS
 USES_NAMESPACES = re.compile(r"^\s*(?:from cluster import netns|from cluster\.netns import|import cluster\.netns)\b",
                              re.M)
 
@@ -99,8 +99,8 @@ def _looks_like_ipv6(text: str, bracketed: bool) -> bool:
 
 
 def addresses_in(line: str) -> Iterator[str]:
-    """Literal IP addresses on ``line`` that are neither loopback nor a wildcard (invalid ones, 999.1.1.1, are
-    not addresses)."""
+    """Literal IP addresses on ``line`` that are neither loopback nor a wildcard (a dotted quad with an octet over
+    255 is not an address)."""
     taken: list[tuple[int, int]] = []
     found: list[tuple[int, str, ipaddress.IPv4Address | ipaddress.IPv6Address]] = []
     for m in _IPV6.finditer(line):
@@ -216,8 +216,10 @@ def test_every_allowance_is_still_needed():
 
 
 def test_the_namespace_subnets_are_the_helpers():
+    """The allowed subnets are the helper's own constants, and the helper addresses its hosts from them."""
     assert ipaddress.ip_address(f"{netns.Hosts.subnet}.11") in NAMESPACE_SUBNETS[0]
-    assert 'f"10.99.{host.index}.1/24"' in inspect.getsource(netns.Hosts.start)
+    assert 'f"{SIDE_PREFIX}.{host.index}.1/24"' in inspect.getsource(netns.Hosts.start)
+    assert ipaddress.ip_address(f"{netns.SIDE_PREFIX}.3.1") in NAMESPACE_SUBNETS[1]
 
 
 def test_the_scan_catches_planted_addresses(tmp_path):

@@ -24,6 +24,7 @@ Needs root and ``ip``/``unshare`` (iproute2, util-linux); see :func:`unavailable
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import re
@@ -126,6 +127,14 @@ def _kill_namespace(namespace: str) -> None:
             pass
 
 
+#: the networks namespace hosts are given: eth0 of ``Hosts`` (``<HOSTS_PREFIX>.11``, ``.12``, ...) and the
+#: ``second_interface`` veth (``<SIDE_PREFIX>.<i>.1/24``, which reaches nothing); tests/test_network_rule.py
+#: allows these (and only these) addresses in the files that make hosts
+HOSTS_PREFIX = "192.168.77"
+SIDE_PREFIX = "10.99"
+NETWORKS = (ipaddress.ip_network(f"{HOSTS_PREFIX}.0/24"), ipaddress.ip_network(f"{SIDE_PREFIX}.0.0/16"))
+
+
 @dataclass
 class Hosts:
     """``n`` hosts named ``host1..hostN`` at ``192.168.77.11..``; a context manager that cleans everything up."""
@@ -134,7 +143,7 @@ class Hosts:
     loopback_hostname: Sequence[int] = ()
     extra_hosts: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     second_interface: Sequence[int] = ()
-    subnet: str = "192.168.77"
+    subnet: str = HOSTS_PREFIX
     hosts: list[Host] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -177,7 +186,7 @@ class Hosts:
             _ip(*inside, "link", "set", "lo", "up")
             if host.index in self.second_interface:
                 _ip(*inside, "link", "add", "side0", "type", "veth", "peer", "name", "side1")
-                _ip(*inside, "addr", "add", f"10.99.{host.index}.1/24", "dev", "side0")
+                _ip(*inside, "addr", "add", f"{SIDE_PREFIX}.{host.index}.1/24", "dev", "side0")
                 _ip(*inside, "link", "set", "side0", "up")
                 _ip(*inside, "link", "set", "side1", "up")
             etc = _NETNS_ETC / host.namespace

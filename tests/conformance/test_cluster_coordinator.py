@@ -31,6 +31,7 @@ from torch import nn
 import distrib as ds
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
 from distrib.parameter_server.errors import ClosureCancelledError
+from helpers import in_process_coordinator
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
 
@@ -66,12 +67,8 @@ def read(module: nn.Module, name: str) -> float:
 @pytest.fixture(scope="module")
 def coordinator():
     """TF: make_coordinator(num_workers=5, num_ps=2) of cluster_coordinator_test.py."""
-    resolver = ds.testing.create_in_process_cluster(num_workers=5, num_ps=2)
-    strategy = ds.ParameterServerStrategy(resolver)
-    coordinator = ds.coordinator.ClusterCoordinator(strategy)
-    yield coordinator
-    coordinator.close()
-    ds.testing.stop_in_process_cluster(resolver)
+    with in_process_coordinator(num_workers=5, num_ps=2) as coordinator:
+        yield coordinator
 
 
 def test_worker_index_dataset_fn(coordinator):

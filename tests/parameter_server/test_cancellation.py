@@ -24,9 +24,9 @@ import time
 import cloudpickle
 import pytest
 
-import distrib as ds
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
 from distrib.parameter_server.errors import ClosureCancelledError
+from helpers import in_process_coordinator
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
 
@@ -73,12 +73,8 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
 
 @pytest.fixture
 def coordinator():
-    resolver = ds.testing.create_in_process_cluster(num_workers=3, num_ps=2)
-    strategy = ds.ParameterServerStrategy(resolver)
-    coordinator = ds.coordinator.ClusterCoordinator(strategy)
-    yield coordinator
-    coordinator.close()
-    ds.testing.stop_in_process_cluster(resolver)
+    with in_process_coordinator(num_workers=3, num_ps=2) as coordinator:
+        yield coordinator
 
 
 def _start_events(log: str, trial: str) -> dict[str, float]:

@@ -219,8 +219,9 @@ def use_function(config: TrainConfig, strategy: ds.Strategy) -> bool:
     (on a CPU a ds.function runs eagerly anyway), unless ``--compile`` was asked for."""
     if config.function is not None:
         return config.function
-    on_gpu = any(d is not None and d.type == "cuda" for d in strategy.local_devices)
-    return on_gpu and not config.compile and strategy.graph_capture_blocker is None
+    from distrib.graphs.paths import pays_here
+
+    return not config.compile and pays_here(strategy)
 
 
 def _custom_loop(job: _Job) -> dict[str, list[float]]:

@@ -141,6 +141,5 @@ class OptimizerWatch:
                 continue
             parts.append(state_version(o))
             for group in o.param_groups:
-                parts.append(tuple(sorted((k, v) for k, v in group.items()
-                                          if k != "params" and _frozen(v))))
+                parts.append(tuple((k, v) for k, v in group.items() if k != "params" and _frozen(v)))
         return tuple(parts)

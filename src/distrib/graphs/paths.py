@@ -19,7 +19,8 @@ from distrib.graphs.signature import Inputs
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["capture_device", "input_blocker", "strategy_blocker", "host_syncs", "sync_blocker", "MODES"]
+__all__ = ["capture_device", "input_blocker", "strategy_blocker", "host_syncs", "sync_blocker", "pays_here",
+           "MODES"]
 
 #: ``ds.function(mode=...)``: "auto" captures where it can; "eager" never does; "cuda_graph" makes a
 #: failure to capture an error instead of a fallback
@@ -37,6 +38,15 @@ def capture_device(inputs: Inputs, strategies: Iterable["Strategy"],
         return None
     device = devices.pop()
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pays_here(strategy: "Strategy", params: Iterable[torch.Tensor] = ()) -> bool:
+    """Whether a step under ``strategy`` (over ``params``) would be captured: it computes on a GPU (its strategy's
+    devices, else its parameters') and the strategy can be captured. The default of ``distrib train --function`` and
+    of ``fit(jit_compile="auto")``; elsewhere a ``ds.function`` would only run the step eagerly."""
+    on_gpu = any(d is not None and d.type == "cuda" for d in strategy.local_devices) or any(
+        p.is_cuda for p in params)
+    return on_gpu and torch.cuda.is_available() and strategy.graph_capture_blocker is None
 
 
 def input_blocker(inputs: Inputs) -> Optional[str]:

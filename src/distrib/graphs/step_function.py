@@ -40,6 +40,9 @@ import weakref
 from typing import Any, Callable, Hashable, Optional, TypeVar, Union, overload
 
 import torch
+import torch.utils._pytree as pytree
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distrib import context
 from distrib.graphs import capturable, paths
@@ -64,9 +67,6 @@ class _Seen:
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn``, noting what it touches through torch's public global hooks."""
-        from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         hooks = [register_optimizer_step_pre_hook(self._optimizer_stepped),
                  register_module_forward_pre_hook(self._module_ran)]
         context.run_observers.append(self.strategies.add)
@@ -136,25 +136,26 @@ class _Signature:
                 torch.cuda.current_stream(device).wait_stream(stream)
         finally:
             _tracing[0] -= 1
-        reason = paths.strategy_blocker(inputs, self.seen.strategies, self.seen.params()) or paths.sync_blocker(syncs)
+        params = self.seen.params()
+        reason = paths.strategy_blocker(inputs, self.seen.strategies, params) or paths.sync_blocker(syncs)
         if reason is not None:  # known at the first call: say it then
             self._run_eagerly(reason)
             if not torch.cuda.is_available():
                 self.owner.always_eager = True
         elif self.warmups_left == 0:
-            self._prepare_capture(inputs)
+            self._prepare_capture(inputs, params)
         return result
 
-    def _prepare_capture(self, inputs: Inputs) -> None:
+    def _prepare_capture(self, inputs: Inputs, params: list[torch.Tensor]) -> None:
         # the warm-up calls stepped the optimizers as built; from the capture on they count on the device
         for optimizer in self.seen.optimizers:
             changed = capturable.make_capturable(optimizer)
             if changed:
                 log.info("ds.function: %s, so that its step can be captured", ", ".join(changed))
-        self.device = paths.capture_device(inputs, self.seen.strategies, self.seen.params())
+        self.device = paths.capture_device(inputs, self.seen.strategies, params)
         self.watch = capturable.OptimizerWatch(list(self.seen.optimizers))
         self.modules = list(self.seen.modules)
-        self.params = self.seen.params()
+        self.params = params
 
     def _run_eagerly(self, reason: str) -> None:
         if self.owner.mode == "cuda_graph":
@@ -205,8 +206,6 @@ class _Signature:
 
 def inputs_args(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's ``(args, kwargs)`` back from its leaves."""
-    import torch.utils._pytree as pytree
-
     args, kwargs = pytree.tree_unflatten(inputs.leaves, inputs.spec)
     return tuple(args), dict(kwargs)
 

@@ -213,10 +213,11 @@ def _check_batches(data: Any, what: str) -> None:
 
 
 def _graphs_wanted(jit_compile: Union[bool, str], strategy: Any, model: torch.nn.Module) -> bool:
-    """``jit_compile``: ``"auto"`` is True where the model's parameters are on a GPU and the strategy can be captured."""
+    """``jit_compile``: ``"auto"`` is True where a graph would be captured (``graphs.paths.pays_here``)."""
     if jit_compile == "auto":
-        on_gpu = any(p.is_cuda for p in model.parameters())
-        return on_gpu and strategy.graph_capture_blocker is None
+        from distrib.graphs.paths import pays_here
+
+        return pays_here(strategy, model.parameters())
     if not isinstance(jit_compile, bool):
         raise ValueError(f"jit_compile={jit_compile!r}: expected 'auto', True or False (Keras' name)")
     return jit_compile

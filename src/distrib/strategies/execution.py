@@ -96,20 +96,16 @@ class SynchronousExecutor:
     def __init__(self, strategy: "Strategy") -> None:
         self._strategy = strategy
         self._results: deque[Any] = deque()
-        self._graphed: Optional[Callable[[StepFn, Any], Any]] = None
+        self._step: Callable[[StepFn, Any], Any] = self.fit_step
+
+    def fit_step(self, fn: StepFn, step_input: Any) -> Any:
+        """One step: ``fn`` on the replicas with ``step_input`` (``(x, y, global batch size)``)."""
+        return self._strategy.run(fn, args=step_input)
 
     def use_graphs(self, on: bool) -> None:
-        if not on:
-            self._graphed = None
-            return
         from distrib.graphs import function
 
-        strategy = self._strategy
-
-        def fit_step(fn: StepFn, step_input: Any) -> Any:  # the step function and (x, y, global batch) as arguments
-            return strategy.run(fn, args=step_input)
-
-        self._graphed = function(fit_step)
+        self._step = function(self.fit_step) if on else self.fit_step
 
     def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
              per_worker: bool = False) -> Iterable[Any]:
@@ -121,10 +117,7 @@ class SynchronousExecutor:
         return itertools.islice(batches, steps)
 
     def submit(self, fn: StepFn, step_input: Any) -> None:
-        if self._graphed is not None:
-            self._results.append(self._graphed(fn, step_input))
-        else:
-            self._results.append(self._strategy.run(fn, args=step_input))
+        self._results.append(self._step(fn, step_input))
 
     def completed(self, wait: bool) -> Iterator[Any]:
         while self._results:
