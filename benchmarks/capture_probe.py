@@ -25,7 +25,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +44,17 @@ Step = Callable[..., Any]
 
 def data(device: torch.device, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.rand(BATCH, 1, 28, 28, generator=g).to(device), torch.randint(0, 10, (BATCH,), generator=g)
-             .to(device)) for _ in range(n)]
+    return [
+        (torch.rand(BATCH, 1, 28, 28, generator=g).to(device), torch.randint(0, 10, (BATCH,), generator=g).to(device))
+        for _ in range(n)
+    ]
 
 
 def make_step(through_run: bool, device: torch.device, host_tensor: bool = False) -> tuple[Step, torch.nn.Module]:
     """Step A (``through_run=False``: plain PyTorch) or B (through ``OneDeviceStrategy.run``, with a metric)."""
     strategy = ds.OneDeviceStrategy(str(device)) if through_run else None
     torch.manual_seed(0)
-    with (strategy.scope() if strategy is not None else ds.get_strategy().scope()):
+    with strategy.scope() if strategy is not None else ds.get_strategy().scope():
         model = models.fashion_mnist_cnn().to(device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
         acc = ds.metrics.SparseCategoricalAccuracy() if through_run else None
@@ -153,12 +156,16 @@ def main() -> None:
     for name in SCENARIOS:
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, __file__, "--scenario", name, "--steps", str(args.steps)],
-                               capture_output=True, text=True, timeout=120)
+            p = subprocess.run(
+                [sys.executable, __file__, "--scenario", name, "--steps", str(args.steps)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         except subprocess.TimeoutExpired as e:
             results.append({"scenario": name, "ended": "timed out (120 s)", "stderr_tail": str(e.stderr)[-1500:]})
             continue
-        ended = (f"signal {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}")
+        ended = f"signal {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}"
         row: dict[str, Any] = {"scenario": name, "ended": ended, "seconds": round(time.perf_counter() - t0, 1)}
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if lines:

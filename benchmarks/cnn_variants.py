@@ -23,8 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,8 +89,15 @@ def make_step(model: nn.Module, fwd: Callable[..., torch.Tensor], adam: dict) ->
     return step
 
 
-def param_diff(variant: str, images: torch.Tensor, labels: torch.Tensor, seed: int,
-               dtype: torch.dtype = torch.float32, ref_dtype: torch.dtype | None = None, steps: int = 20) -> float:
+def param_diff(
+    variant: str,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    ref_dtype: torch.dtype | None = None,
+    steps: int = 20,
+) -> float:
     """Max abs parameter difference to the plain model after ``steps`` identical steps.
 
     Both start from the same Keras init (``seed``); the variant runs in ``dtype``,
@@ -103,9 +110,8 @@ def param_diff(variant: str, images: torch.Tensor, labels: torch.Tensor, seed: i
     model.to(dtype)
     for step_fn, dt in ((make_step(ref, ref, {}), ref_dtype or dtype), (make_step(model, fwd, adam), dtype)):
         for i in range(steps):
-            step_fn(images[i * BATCH:(i + 1) * BATCH].to(dt), labels[i * BATCH:(i + 1) * BATCH])
-    return max((a.double() - b.double()).abs().max().item()
-               for a, b in zip(ref.parameters(), model.parameters()))
+            step_fn(images[i * BATCH : (i + 1) * BATCH].to(dt), labels[i * BATCH : (i + 1) * BATCH])
+    return max((a.double() - b.double()).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
 
 
 def main() -> None:
@@ -121,8 +127,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    variants = ["plain", "plain+fused", "plain_channels_last", "pool_before_relu", "fast", "fast+fused",
-                "fast+foreach", "amax_pool+fused"]
+    variants = [
+        "plain",
+        "plain+fused",
+        "plain_channels_last",
+        "pool_before_relu",
+        "fast",
+        "fast+fused",
+        "fast+foreach",
+        "amax_pool+fused",
+    ]
     if args.compile:
         variants += ["plain+compile", "fast+fused+compile"]
     if args.variants:
@@ -150,13 +164,18 @@ def main() -> None:
         if "compile" in v:
             compile_s[v] = {"first_step_s": t1 - t0, "first_short_batch_step_s": t2 - t1}
         for i in range(5):  # warm-up
-            steps[v](images[i * BATCH:(i + 1) * BATCH], labels[i * BATCH:(i + 1) * BATCH])
+            steps[v](images[i * BATCH : (i + 1) * BATCH], labels[i * BATCH : (i + 1) * BATCH])
 
     rates: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:
-            batches = [(images[(k % full) * BATCH:(k % full + 1) * BATCH], labels[(k % full) * BATCH:(k % full + 1) * BATCH])
-                       for k in range(cursor[v], cursor[v] + args.steps)]
+            batches = [
+                (
+                    images[(k % full) * BATCH : (k % full + 1) * BATCH],
+                    labels[(k % full) * BATCH : (k % full + 1) * BATCH],
+                )
+                for k in range(cursor[v], cursor[v] + args.steps)
+            ]
             cursor[v] += args.steps
             t0 = time.perf_counter()
             for x, y in batches:
@@ -169,28 +188,50 @@ def main() -> None:
         med = statistics.median(rates[v])
         seeds = range(1 if "compile" in v else args.diff_seeds)  # each compile'd seed recompiles
         diffs = [param_diff(v, images, labels, seed) for seed in seeds]
-        results.append({"variant": v, "examples_per_s": round(med, 1), "ratio": round(med / base, 3),
-                        "min": round(min(rates[v]), 1), "max": round(max(rates[v]), 1),
-                        "rates": [round(r, 1) for r in rates[v]],
-                        "max_abs_param_diff_20_steps": statistics.median(diffs), "param_diff_per_seed": diffs,
-                        "max_abs_param_diff_20_steps_fp64": param_diff(v, images, labels, 0, torch.float64),
-                        **compile_s.get(v, {})})
-    fp64_vs_fp32 = [param_diff("plain", images, labels, seed, torch.float64, ref_dtype=torch.float32)
-                    for seed in range(args.diff_seeds)]  # the scale of float32 rounding effects
+        results.append(
+            {
+                "variant": v,
+                "examples_per_s": round(med, 1),
+                "ratio": round(med / base, 3),
+                "min": round(min(rates[v]), 1),
+                "max": round(max(rates[v]), 1),
+                "rates": [round(r, 1) for r in rates[v]],
+                "max_abs_param_diff_20_steps": statistics.median(diffs),
+                "param_diff_per_seed": diffs,
+                "max_abs_param_diff_20_steps_fp64": param_diff(v, images, labels, 0, torch.float64),
+                **compile_s.get(v, {}),
+            }
+        )
+    fp64_vs_fp32 = [
+        param_diff("plain", images, labels, seed, torch.float64, ref_dtype=torch.float32)
+        for seed in range(args.diff_seeds)
+    ]  # the scale of float32 rounding effects
     report = {
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "batch": BATCH,
-        "repeats": args.repeats, "steps_per_repeat": args.steps, "baseline": variants[0],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "batch": BATCH,
+        "repeats": args.repeats,
+        "steps_per_repeat": args.steps,
+        "baseline": variants[0],
         "plain_fp32_vs_fp64_param_diff_20_steps": fp64_vs_fp32,
         "results": results,
     }
-    print(f"{'variant':22s} {'ex/s (median)':>13s} {'ratio':>6s} {'min':>6s} {'max':>6s}"
-          f" {'max|dp| fp32':>12s} {'max|dp| fp64':>12s}")
+    print(
+        f"{'variant':22s} {'ex/s (median)':>13s} {'ratio':>6s} {'min':>6s} {'max':>6s}"
+        f" {'max|dp| fp32':>12s} {'max|dp| fp64':>12s}"
+    )
     for r in results:
-        extra = f"  compile {r['first_step_s']:.1f}s + {r['first_short_batch_step_s']:.1f}s" if "first_step_s" in r else ""
-        print(f"{r['variant']:22s} {r['examples_per_s']:13.0f} {r['ratio']:6.2f} {r['min']:6.0f} {r['max']:6.0f}"
-              f" {r['max_abs_param_diff_20_steps']:12.1e} {r['max_abs_param_diff_20_steps_fp64']:12.1e}{extra}")
-    print("plain float32 vs float64 after 20 steps, per seed:",
-          " ".join(f"{d:.1e}" for d in report["plain_fp32_vs_fp64_param_diff_20_steps"]))
+        extra = (
+            f"  compile {r['first_step_s']:.1f}s + {r['first_short_batch_step_s']:.1f}s" if "first_step_s" in r else ""
+        )
+        print(
+            f"{r['variant']:22s} {r['examples_per_s']:13.0f} {r['ratio']:6.2f} {r['min']:6.0f} {r['max']:6.0f}"
+            f" {r['max_abs_param_diff_20_steps']:12.1e} {r['max_abs_param_diff_20_steps_fp64']:12.1e}{extra}"
+        )
+    print(
+        "plain float32 vs float64 after 20 steps, per seed:",
+        " ".join(f"{d:.1e}" for d in report["plain_fp32_vs_fp64_param_diff_20_steps"]),
+    )
     print(json.dumps(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -45,8 +45,12 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     (x_train, y_train), (x_test, y_test) = load_fashion_mnist(args.data_dir)
     x_train, x_test = x_train.squeeze(1), x_test.squeeze(1)
-    settings: dict[str, Any] = {"none": None, "bf16": "bf16", "fp16": "fp16",
-                                "powersgd": ds.PowerSGD(rank=2, start_iter=10)}
+    settings: dict[str, Any] = {
+        "none": None,
+        "bf16": "bf16",
+        "fp16": "fp16",
+        "powersgd": ds.PowerSGD(rank=2, start_iter=10),
+    }
 
     def build() -> nn.Module:
         torch.manual_seed(args.seed)
@@ -56,22 +60,30 @@ def worker(args: argparse.Namespace) -> None:
         correct = 0
         with torch.no_grad():
             for i in range(0, len(x), 1000):
-                correct += int((model(x[i:i + 1000]).argmax(1) == y[i:i + 1000]).sum())
+                correct += int((model(x[i : i + 1000]).argmax(1) == y[i : i + 1000]).sum())
         return correct / len(x)
 
     results: dict[str, dict] = {}
     strategy = None
     for name in COMPRESSIONS:
         strategy = ds.MultiWorkerMirroredStrategy(
-            communication_options=ds.CommunicationOptions(compression=settings[name]))
+            communication_options=ds.CommunicationOptions(compression=settings[name])
+        )
         global_batch = 64 * strategy.num_workers
         datasets: list[TensorBatches] = []
 
         def make_dataset(ctx: ds.InputContext) -> TensorBatches:
-            x = x_train[ctx.input_pipeline_id::ctx.num_input_pipelines]
-            y = y_train[ctx.input_pipeline_id::ctx.num_input_pipelines]
-            datasets.append(TensorBatches(x, y, batch_size=ctx.get_per_replica_batch_size(global_batch),
-                                          shuffle=True, seed=ctx.input_pipeline_id + 1000 * args.seed))
+            x = x_train[ctx.input_pipeline_id :: ctx.num_input_pipelines]
+            y = y_train[ctx.input_pipeline_id :: ctx.num_input_pipelines]
+            datasets.append(
+                TensorBatches(
+                    x,
+                    y,
+                    batch_size=ctx.get_per_replica_batch_size(global_batch),
+                    shuffle=True,
+                    seed=ctx.input_pipeline_id + 1000 * args.seed,
+                )
+            )
             return datasets[-1]
 
         with strategy.scope():
@@ -83,8 +95,9 @@ def worker(args: argparse.Namespace) -> None:
         def step_fn(inputs: Any) -> Any:
             x, y = inputs
             predictions = model(x)
-            loss = ds.compute_average_loss(F.cross_entropy(predictions, y, reduction="none"),
-                                           global_batch_size=global_batch)
+            loss = ds.compute_average_loss(
+                F.cross_entropy(predictions, y, reduction="none"), global_batch_size=global_batch
+            )
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -101,10 +114,13 @@ def worker(args: argparse.Namespace) -> None:
             epochs.append(float(train_accuracy.result()))
             train_accuracy.reset_states()
         seconds = time.perf_counter() - start
-        results[name] = {"epoch_train_accuracy": epochs, "final_train_accuracy": epochs[-1],
-                         "seconds": seconds,
-                         "full_train_set_accuracy": accuracy(model, x_train, y_train) if strategy.is_chief else None,
-                         "test_accuracy": accuracy(model, x_test, y_test) if strategy.is_chief else None}
+        results[name] = {
+            "epoch_train_accuracy": epochs,
+            "final_train_accuracy": epochs[-1],
+            "seconds": seconds,
+            "full_train_set_accuracy": accuracy(model, x_train, y_train) if strategy.is_chief else None,
+            "test_accuracy": accuracy(model, x_test, y_test) if strategy.is_chief else None,
+        }
         if strategy.is_chief:
             print(f"{name}: epochs {[round(a, 4) for a in epochs]}, {seconds:.1f} s", flush=True)
     assert strategy is not None
@@ -126,8 +142,15 @@ def main() -> None:
     if args.worker:
         return worker(args)
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ["--epochs", str(args.epochs), "--seed", str(args.seed), "--steps-per-epoch", str(args.steps_per_epoch),
-                *(["--data-dir", args.data_dir] if args.data_dir else [])]
+        argv = [
+            "--epochs",
+            str(args.epochs),
+            "--seed",
+            str(args.seed),
+            "--steps-per-epoch",
+            str(args.steps_per_epoch),
+            *(["--data-dir", args.data_dir] if args.data_dir else []),
+        ]
         runs = run_tf_config_workers(HERE, argv, os.path.join(tmp, "accuracy.json"))
     base = runs["none"]["final_train_accuracy"]
     for name, run in runs.items():
@@ -135,17 +158,27 @@ def main() -> None:
         if name in TARGETS:
             run["target_gap"] = TARGETS[name]
             run["meets_target"] = abs(run["gap_vs_none"]) <= TARGETS[name]
-    result = {"workers": 2, "seed": args.seed, "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch,
-              "load_average": os.getloadavg()[0], "runs": runs}
+    result = {
+        "workers": 2,
+        "seed": args.seed,
+        "epochs": args.epochs,
+        "steps_per_epoch": args.steps_per_epoch,
+        "load_average": os.getloadavg()[0],
+        "runs": runs,
+    }
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    print(f"\n{'compression':<12}{'last-epoch train acc':>21}{'gap':>8}{'target':>8}{'full train':>11}{'test':>7}{'s':>6}")
+    print(
+        f"\n{'compression':<12}{'last-epoch train acc':>21}{'gap':>8}{'target':>8}{'full train':>11}{'test':>7}{'s':>6}"
+    )
     for name, run in runs.items():
         target = f"{TARGETS[name]:.2f}" if name in TARGETS else "-"
-        print(f"{name:<12}{run['final_train_accuracy']:>21.4f}{run['gap_vs_none']:>+8.4f}{target:>8}"
-              f"{run['full_train_set_accuracy']:>11.4f}{run['test_accuracy']:>7.4f}{run['seconds']:>6.0f}")
+        print(
+            f"{name:<12}{run['final_train_accuracy']:>21.4f}{run['gap_vs_none']:>+8.4f}{target:>8}"
+            f"{run['full_train_set_accuracy']:>11.4f}{run['test_accuracy']:>7.4f}{run['seconds']:>6.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,10 @@ def measure(steps: int) -> float:
     global_batch = BATCH * strategy.num_replicas_in_sync
     train_step, _ = make_steps(model, opt, global_batch, *metrics)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.rand(global_batch, 1, 28, 28, generator=g), torch.randint(0, 10, (global_batch,), generator=g))
-               for _ in range(8)]
+    batches = [
+        (torch.rand(global_batch, 1, 28, 28, generator=g), torch.randint(0, 10, (global_batch,), generator=g))
+        for _ in range(8)
+    ]
     data = iter(strategy.experimental_distribute_dataset(batches * (steps // 8 + 3)))
     total = torch.zeros(())
     for _ in range(10):  # warm-up
@@ -100,9 +102,11 @@ def run_version(src: pathlib.Path, setting: str, steps: int) -> float:
         cmd = [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", *me]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     # distrib launch prefixes each task's lines with "[worker i] "
-    rates = [json.loads(line[line.index('{"rate"'):])["rate"] for line in out.stdout.splitlines() if '{"rate"' in line]
+    rates = [json.loads(line[line.index('{"rate"') :])["rate"] for line in out.stdout.splitlines() if '{"rate"' in line]
     if out.returncode != 0 or not rates:
-        raise RuntimeError(f"{setting} with {src} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{setting} with {src} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        )
     return rates[0]
 
 
@@ -112,12 +116,19 @@ def main() -> None:
     p.add_argument("--after", default=None, help="a git revision for 'after' (default: this checkout's src)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--settings", default="main_job,multi_worker_2,run_dispatch",
-                   help="run_dispatch: strategy.run calls/s of an empty function (steps x 1000 calls)")
+    p.add_argument(
+        "--settings",
+        default="main_job,multi_worker_2,run_dispatch",
+        help="run_dispatch: strategy.run calls/s of an empty function (steps x 1000 calls)",
+    )
     p.add_argument("--json", default=None)
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: examples per second of this process's CPU time (a shared, noisy machine: other "
-                        "processes' load does not count; with 2 workers, worker 0's CPU time)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: examples per second of this process's CPU time (a shared, noisy machine: other "
+        "processes' load does not count; with 2 workers, worker 0's CPU time)",
+    )
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
@@ -130,11 +141,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"before": args.before, **({"after": args.after} if args.after else {})}
         for name, rev in trees.items():
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(pathlib.Path(tmp) / name), rev],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(pathlib.Path(tmp) / name), rev],
+                check=True,
+                capture_output=True,
+            )
         try:
-            versions = {"before": pathlib.Path(tmp) / "before" / "src",
-                        "after": pathlib.Path(tmp) / "after" / "src" if args.after else ROOT / "src"}
+            versions = {
+                "before": pathlib.Path(tmp) / "before" / "src",
+                "after": pathlib.Path(tmp) / "after" / "src" if args.after else ROOT / "src",
+            }
             settings = args.settings.split(",")
             rates: dict[str, dict[str, list[float]]] = {s: {v: [] for v in versions} for s in settings}
             for r in range(args.rounds):
@@ -145,17 +161,27 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             for name in trees:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(pathlib.Path(tmp) / name)],
-                               capture_output=True)
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(pathlib.Path(tmp) / name)],
+                    capture_output=True,
+                )
 
-    summary: dict[str, Any] = {"before": args.before, "after": args.after or "working tree", "rounds": args.rounds, "steps": args.steps, "clock": args.clock,
-                               "settings": {}}
+    summary: dict[str, Any] = {
+        "before": args.before,
+        "after": args.after or "working tree",
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "clock": args.clock,
+        "settings": {},
+    }
     for setting, by_version in rates.items():
         ratios = [a / b for a, b in zip(by_version["after"], by_version["before"])]
         summary["settings"][setting] = {
             "examples_per_s": {v: round(statistics.median(x), 1) for v, x in by_version.items()},
             "ratio_after_over_before": round(statistics.median(ratios), 3),
-            "ratios": [round(x, 3) for x in ratios], "raw": by_version}
+            "ratios": [round(x, 3) for x in ratios],
+            "raw": by_version,
+        }
     print(json.dumps(summary, indent=1))
     print(f"\n{'setting':<16} {'before ex/s':>12} {'after ex/s':>12} {'after/before':>13}")
     for setting, s in summary["settings"].items():

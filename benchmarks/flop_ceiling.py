@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from single_process import BATCH, load_data, main_job_loop, measure, plain_loop  # benchmarks/ is on sys.path
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from distrib.app import models
 from distrib.app.train import TensorBatches
-from single_process import BATCH, load_data, main_job_loop, measure, plain_loop  # benchmarks/ is on sys.path
 
 KERNELS = {  # profiler op -> FlopCounterMode op
     "aten::mkldnn_convolution": "convolution",
@@ -91,15 +91,17 @@ def main() -> None:
     images, labels, source = load_data(args.data_dir)
     data = TensorBatches(images, labels, batch_size=BATCH, shuffle=True, seed=0)
     main_step, strategy = main_job_loop(True, False)
-    loops = {"plain_eager": (plain_loop(models.plain_fashion_mnist_cnn), data),
-             "main_job": (main_step, strategy.experimental_distribute_dataset(data))}
+    loops = {
+        "plain_eager": (plain_loop(models.plain_fashion_mnist_cnn), data),
+        "main_job": (main_step, strategy.experimental_distribute_dataset(data)),
+    }
     rates: dict[str, list[float]] = {name: [] for name in loops}
     peaks: list[float] = []
     load_before = os.getloadavg()[0]
     peaks.append(matmul_peak())
     for r in range(args.rounds):
         data.set_epoch(r)
-        for name, (step, batches) in (loops.items() if r % 2 == 0 else reversed(loops.items())):
+        for name, (step, batches) in loops.items() if r % 2 == 0 else reversed(loops.items()):
             rates[name].append(measure(step, batches, args.steps))
     peaks.append(matmul_peak())  # before and after the loops: the machine's load may change in between
     kernels = kernel_times(main_step, strategy.experimental_distribute_dataset(data), args.steps)
@@ -108,9 +110,14 @@ def main() -> None:
     ceiling_rate = peak * 1e9 / total_flops * BATCH  # examples/s if every FLOP ran at the matmul peak
     kernel_ms = sum(v for k, v in kernels.items() if k in KERNELS)
     result: dict[str, Any] = {
-        "data": source, "threads": torch.get_num_threads(), "rounds": args.rounds, "steps_per_round": args.steps,
-        "step_mflop": total_flops / 1e6, "mflop_by_op": {k: v / 1e6 for k, v in flops.items()},
-        "matmul_peak_gflops": peak, "matmul_peak_gflops_all": peaks,
+        "data": source,
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "step_mflop": total_flops / 1e6,
+        "mflop_by_op": {k: v / 1e6 for k, v in flops.items()},
+        "matmul_peak_gflops": peak,
+        "matmul_peak_gflops_all": peaks,
         "examples_per_s_median": med,
         "gflops_reached": {k: v / BATCH * total_flops / 1e9 for k, v in med.items()},
         "ceiling_examples_per_s": ceiling_rate,
@@ -119,22 +126,29 @@ def main() -> None:
         "largest_ratio_at_the_ceiling": ceiling_rate / med["plain_eager"],
         "main_job_kernel_ms_per_step": kernels,
         "main_job_kernels_gflops": total_flops / 1e9 / (kernel_ms / 1e3),
-        "examples_per_s_all": rates, "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+        "examples_per_s_all": rates,
+        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
     }
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    print(f"\none step: {total_flops / 1e6:.0f} MFLOP; float32 matmul peak {peak:.0f} GFLOP/s "
-          f"({torch.get_num_threads()} threads) -> ceiling {ceiling_rate:.0f} examples/s")
+    print(
+        f"\none step: {total_flops / 1e6:.0f} MFLOP; float32 matmul peak {peak:.0f} GFLOP/s "
+        f"({torch.get_num_threads()} threads) -> ceiling {ceiling_rate:.0f} examples/s"
+    )
     print(f"{'loop':<14}{'examples/s':>12}{'GFLOP/s':>10}{'of peak':>9}")
     for name in loops:
         gf = result["gflops_reached"][name]
         print(f"{name:<14}{med[name]:>12.0f}{gf:>10.1f}{gf / peak:>9.2f}")
-    print(f"main job / plain eager = {result['main_job_vs_plain_eager']:.2f}; at the ceiling it could be at most "
-          f"{result['largest_ratio_at_the_ceiling']:.2f} (target 1.8)")
-    print(f"main job per step: convolution and matrix kernels {kernel_ms:.2f} ms "
-          f"({result['main_job_kernels_gflops']:.0f} GFLOP/s), everything else {kernels['everything else']:.2f} ms")
+    print(
+        f"main job / plain eager = {result['main_job_vs_plain_eager']:.2f}; at the ceiling it could be at most "
+        f"{result['largest_ratio_at_the_ceiling']:.2f} (target 1.8)"
+    )
+    print(
+        f"main job per step: convolution and matrix kernels {kernel_ms:.2f} ms "
+        f"({result['main_job_kernels_gflops']:.0f} GFLOP/s), everything else {kernels['everything else']:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

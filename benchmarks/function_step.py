@@ -26,10 +26,14 @@ import logging
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+# benchmarks/ is on sys.path
+from gpu import Forever, Variant, device_batches, main_job, plain_eager, seeded_main_job_step
 from torch import nn
 
 import distrib as ds
@@ -37,8 +41,6 @@ from distrib import torch_patches
 from distrib.app import models
 from distrib.app.train import make_steps
 from distrib.graphs.capturable import make_capturable
-# benchmarks/ is on sys.path
-from gpu import Forever, Variant, device_batches, main_job, plain_eager, seeded_main_job_step, sync
 
 Step = Callable[[Any], None]
 
@@ -79,7 +81,7 @@ def hand_graph(device: torch.device, batch: int, first: tuple[torch.Tensor, torc
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     torch_patches.clear_cublas_workspaces()  # without it, this graph's matmul workspace is freed under it by the
-    with torch.cuda.graph(graph):            # next capture: an illegal memory access (benchmarks/capture_probe.py)
+    with torch.cuda.graph(graph):  # next capture: an illegal memory access (benchmarks/capture_probe.py)
         loss = train_step((sx, sy)).detach()
     torch_patches.clear_cublas_workspaces()
 
@@ -98,8 +100,9 @@ class Decoder(nn.Module):
     def __init__(self, vocab: int, width: int, layers: int, heads: int, seq: int) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True,
-                                           activation="gelu")
+        block = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+        )
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
@@ -122,8 +125,11 @@ def gpt_job(device: torch.device, spec: tuple[int, int, int, int], use_function:
     def replica(ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(ids[:, :-1])
-            per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                        reduction="none").view(ids.shape[0], -1).mean(1)
+            per_token = (
+                F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+                .view(ids.shape[0], -1)
+                .mean(1)
+            )
         loss = ds.compute_average_loss(per_token, global_batch_size=batch)
         loss.backward()
         opt.step()
@@ -147,14 +153,35 @@ def hand_graph_apart(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     out = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, __file__, "--only", "hand_graph", "--device", args.device, "--rounds", str(args.rounds),
-           "--steps", str(args.steps), "--batch", str(args.batch), "--large-batch", "0", "--gpt", "", "--json", out]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--only",
+        "hand_graph",
+        "--device",
+        args.device,
+        "--rounds",
+        str(args.rounds),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--large-batch",
+        "0",
+        "--gpt",
+        "",
+        "--json",
+        out,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
-        return {"examples_per_s_median": result["examples_per_s_median"], "failed": result["failed"],
-                "exit": proc.returncode}
+        return {
+            "examples_per_s_median": result["examples_per_s_median"],
+            "failed": result["failed"],
+            "exit": proc.returncode,
+        }
     except (OSError, ValueError, subprocess.TimeoutExpired) as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -170,10 +197,14 @@ def main() -> None:
     p.add_argument("--gpt", default="12,768,1024,8", help="layers,width,sequence,batch of the decoder; '' to skip")
     p.add_argument("--gpt-steps", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="also torch.compile of the model (slow to compile)")
-    p.add_argument("--only", default=None, choices=["hand_graph"],
-                   help="run the hand-made graph (and plain_eager, its anchor) alone: the main run does so in a "
-                        "process of its own, since a hand-made graph replayed after later captures can end in an "
-                        "illegal memory access that would stop every loop (benchmarks/capture_probe.py)")
+    p.add_argument(
+        "--only",
+        default=None,
+        choices=["hand_graph"],
+        help="run the hand-made graph (and plain_eager, its anchor) alone: the main run does so in a "
+        "process of its own, since a hand-made graph replayed after later captures can end in an "
+        "illegal memory access that would stop every loop (benchmarks/capture_probe.py)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -184,7 +215,7 @@ def main() -> None:
     started = time.perf_counter()
     data, source = device_batches(device)
     small, large = args.batch, args.large_batch
-    builders: dict[str, tuple[Callable[[], tuple[Step, Optional[ds.Strategy]]], int, int]] = {
+    builders: dict[str, tuple[Callable[[], tuple[Step, ds.Strategy | None]], int, int]] = {
         "plain_eager": (lambda: (plain_eager(device, "fp32", None, small), None), small, args.steps),
         "plain_same_step": (lambda: main_job("plain_same_step", device, "fp32", None, small), small, args.steps),
         "one_device": (lambda: main_job("one_device", device, "fp32", None, small), small, args.steps),
@@ -192,14 +223,20 @@ def main() -> None:
     }
     if cuda and args.only != "hand_graph":
         if args.compile:
-            builders["compiled_model"] = (lambda: main_job("one_device", device, "fp32", "inductor", small),
-                                          small, args.steps)
+            builders["compiled_model"] = (
+                lambda: main_job("one_device", device, "fp32", "inductor", small),
+                small,
+                args.steps,
+            )
     if large:
-        builders[f"one_device/b{large}"] = (lambda: main_job("one_device", device, "fp32", None, large), large,
-                                            args.large_steps)
+        builders[f"one_device/b{large}"] = (
+            lambda: main_job("one_device", device, "fp32", None, large),
+            large,
+            args.large_steps,
+        )
         builders[f"one_device_function/b{large}"] = (lambda: function_job(device, large), large, args.large_steps)
     gpt = tuple(int(v) for v in args.gpt.split(",")) if args.gpt else None
-    gpt_data: Optional[Forever] = None
+    gpt_data: Forever | None = None
     if gpt is not None:
         assert len(gpt) == 4, "--gpt layers,width,sequence,batch"
         g = torch.Generator().manual_seed(0)
@@ -208,16 +245,17 @@ def main() -> None:
         builders["gpt_bf16/one_device_function"] = (lambda: gpt_job(device, gpt, True), gpt[3], args.gpt_steps)
     if args.only == "hand_graph":  # its own process: see --only
         first = data(small).batches[0]
-        builders = {"plain_eager": builders["plain_eager"],
-                    "hand_graph": (lambda: (hand_graph(device, small, first), None), small, args.steps)}
+        builders = {
+            "plain_eager": builders["plain_eager"],
+            "hand_graph": (lambda: (hand_graph(device, small, first), None), small, args.steps),
+        }
     variants: dict[str, Variant] = {}
     steps: dict[str, int] = {}
     for name, (build, batch, n) in builders.items():
         source_data = gpt_data if name.startswith("gpt") and gpt_data is not None else data(batch)
         variants[name] = Variant(name, build, source_data, batch, warmup=4)
         steps[name] = n
-        print(f"ready {name} ({variants[name].warmup_s:.1f}s){' FAILED' if variants[name].error else ''}",
-              flush=True)
+        print(f"ready {name} ({variants[name].warmup_s:.1f}s){' FAILED' if variants[name].error else ''}", flush=True)
     for r in range(args.rounds):
         for name, v in variants.items():
             v.measure(steps[name], device)
@@ -230,7 +268,7 @@ def main() -> None:
             anchor = hand["examples_per_s_median"]["plain_eager"]
             med["hand_graph"] = hand["examples_per_s_median"]["hand_graph"] * med["plain_eager"] / anchor
 
-    def ratio(a: str, b: str) -> Optional[float]:
+    def ratio(a: str, b: str) -> float | None:
         return med[a] / med[b] if a in med and b in med else None
 
     ratios = {
@@ -242,15 +280,26 @@ def main() -> None:
         f"function_vs_eager_b{large}": ratio(f"one_device_function/b{large}", f"one_device/b{large}"),
         "gpt_bf16_function_vs_eager": ratio("gpt_bf16/one_device_function", "gpt_bf16/one_device"),
     }
-    paths = {k: v.step.function.paths() for k, v in variants.items()  # type: ignore[attr-defined]
-             if not v.error and hasattr(v.step, "function")}
-    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "data": source, "rounds": args.rounds, "steps_per_round": steps, "gpt": gpt,
-              "examples_per_s_median": med, "ratios": {k: v for k, v in ratios.items() if v is not None},
-              "paths": paths, "failed": {k: v.error for k, v in variants.items() if v.error},
-              "hand_graph_process": hand,
-              "examples_per_s_all": {k: v.rates for k, v in variants.items() if v.rates},
-              "total_s": time.perf_counter() - started}
+    paths = {
+        k: v.step.function.paths()
+        for k, v in variants.items()  # type: ignore[attr-defined]
+        if not v.error and hasattr(v.step, "function")
+    }
+    result = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "data": source,
+        "rounds": args.rounds,
+        "steps_per_round": steps,
+        "gpt": gpt,
+        "examples_per_s_median": med,
+        "ratios": {k: v for k, v in ratios.items() if v is not None},
+        "paths": paths,
+        "failed": {k: v.error for k, v in variants.items() if v.error},
+        "hand_graph_process": hand,
+        "examples_per_s_all": {k: v.rates for k, v in variants.items() if v.rates},
+        "total_s": time.perf_counter() - started,
+    }
     text = json.dumps(result, indent=2, default=str)
     print(text)
     if args.json:

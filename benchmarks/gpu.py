@@ -35,15 +35,16 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from single_process import load_data  # benchmarks/ is on sys.path
 
 import distrib as ds
 from distrib.app import models
 from distrib.app.train import make_steps
-from single_process import load_data  # benchmarks/ is on sys.path
 
 BATCH = 64
 PRECISIONS = {"fp32": "32", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -71,7 +72,7 @@ def compiled(model: torch.nn.Module, backend: str) -> Any:
     return torch.compile(model, backend=backend)
 
 
-def plain_eager(device: torch.device, precision: str, compile_backend: Optional[str], batch: int) -> Step:
+def plain_eager(device: torch.device, precision: str, compile_backend: str | None, batch: int) -> Step:
     torch.manual_seed(0)
     model = models.plain_fashion_mnist_cnn().to(device)
     forward = compiled(model, compile_backend) if compile_backend else model
@@ -97,12 +98,15 @@ def plain_eager(device: torch.device, precision: str, compile_backend: Optional[
     return step
 
 
-def main_job(kind: str, device: torch.device, precision: str, compile_backend: Optional[str],
-             batch: int) -> tuple[Step, Optional[ds.Strategy]]:
+def main_job(
+    kind: str, device: torch.device, precision: str, compile_backend: str | None, batch: int
+) -> tuple[Step, ds.Strategy | None]:
     """The main job's step under ``kind`` (``plain_same_step``: no strategy); the strategy distributes the data."""
-    strategy: Optional[ds.Strategy] = {"default": lambda: ds.get_strategy(),
-                                       "one_device": lambda: ds.OneDeviceStrategy(str(device)),
-                                       "mirrored": lambda: ds.MirroredStrategy([str(device)])}.get(kind, lambda: None)()
+    strategy: ds.Strategy | None = {
+        "default": lambda: ds.get_strategy(),
+        "one_device": lambda: ds.OneDeviceStrategy(str(device)),
+        "mirrored": lambda: ds.MirroredStrategy([str(device)]),
+    }.get(kind, lambda: None)()
     torch.manual_seed(0)
     with (strategy or ds.get_strategy()).scope():
         model = models.fashion_mnist_cnn()
@@ -114,8 +118,10 @@ def main_job(kind: str, device: torch.device, precision: str, compile_backend: O
     train_step, _ = make_steps(forward, opt, batch, *metrics, precision=PRECISIONS[precision])
     total = torch.zeros((), device=device)
     if strategy is None:
+
         def step(b: Any) -> None:
             total.add_(train_step(b).detach())
+
         return step, None
     run_in = strategy
 
@@ -128,8 +134,9 @@ def main_job(kind: str, device: torch.device, precision: str, compile_backend: O
 class Variant:
     """One loop: its step, its data iterator, its rates per round (examples/s) or its failure."""
 
-    def __init__(self, name: str, build: Callable[[], tuple[Step, Optional[ds.Strategy]]], data: Forever,
-                 batch: int, warmup: int) -> None:
+    def __init__(
+        self, name: str, build: Callable[[], tuple[Step, ds.Strategy | None]], data: Forever, batch: int, warmup: int
+    ) -> None:
         self.name, self.batch, self.rates, self.error = name, batch, [], None
         self.warmup_s = 0.0
         self.notes: list[str] = []
@@ -173,8 +180,11 @@ def dispatch_overhead(device: torch.device, calls: int, rounds: int, batch: int)
     def fn(b: torch.Tensor) -> torch.Tensor:
         return b.sum()
 
-    strategies = {"default": ds.get_strategy(), "one_device": ds.OneDeviceStrategy(str(device)),
-                  "mirrored": ds.MirroredStrategy([str(device)])}
+    strategies = {
+        "default": ds.get_strategy(),
+        "one_device": ds.OneDeviceStrategy(str(device)),
+        "mirrored": ds.MirroredStrategy([str(device)]),
+    }
     loops: dict[str, Callable[[], Any]] = {"bare": lambda: fn(x)}
     for name, s in strategies.items():
         loops[name] = lambda s=s: s.reduce(ds.ReduceOp.SUM, s.run(fn, args=(x,)), axis=None)
@@ -191,17 +201,34 @@ def dispatch_overhead(device: torch.device, calls: int, rounds: int, batch: int)
             sync(device)
             times[name].append((time.perf_counter() - start) / calls * 1e6)
     bare = statistics.median(times["bare"])
-    return {"bare_us_per_call": bare,
-            "overhead_us_per_call": {k: statistics.median(times[k]) - bare for k in strategies},
-            "all_us_per_call": times, "calls_per_round": calls}
+    return {
+        "bare_us_per_call": bare,
+        "overhead_us_per_call": {k: statistics.median(times[k]) - bare for k in strategies},
+        "all_us_per_call": times,
+        "calls_per_round": calls,
+    }
 
 
 def multi_worker(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     """2 worker processes on the one device over gloo; the chief's examples/s (global batch 2 x --batch)."""
     result_file = os.path.join(out_dir, "mw_result.json")
-    cmd = [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", os.path.abspath(__file__),
-           "--mw-worker", result_file, "--device", args.device, "--mw-steps", str(args.mw_steps),
-           "--batch", str(args.batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distrib.app.cli",
+        "launch",
+        "--workers",
+        "2",
+        os.path.abspath(__file__),
+        "--mw-worker",
+        result_file,
+        "--device",
+        args.device,
+        "--mw-steps",
+        str(args.mw_steps),
+        "--batch",
+        str(args.batch),
+    ]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mw_timeout, start_new_session=True)
@@ -223,7 +250,7 @@ def device_batches(device: torch.device) -> tuple[Callable[[int], Forever], str]
 
     def data(batch: int) -> Forever:
         n = len(labels) // batch * batch
-        return Forever([(images[i:i + batch], labels[i:i + batch]) for i in range(0, n, batch)])
+        return Forever([(images[i : i + batch], labels[i : i + batch]) for i in range(0, n, batch)])
 
     return data, source
 
@@ -242,16 +269,17 @@ def seeded_main_job_step(strategy: ds.Strategy, global_batch: int) -> Callable[[
 
 def mw_worker(result_file: str, device_type: str, steps: int, batch: int) -> None:
     """One worker of :func:`multi_worker` (run by ``distrib launch``)."""
-    strategy = ds.MultiWorkerMirroredStrategy(devices=[f"{device_type}:0"],
-                                              communication_options=ds.CommunicationOptions(implementation="ring",
-                                                                                            timeout_seconds=60))
+    strategy = ds.MultiWorkerMirroredStrategy(
+        devices=[f"{device_type}:0"],
+        communication_options=ds.CommunicationOptions(implementation="ring", timeout_seconds=60),
+    )
     device = strategy.local_devices[0]
     assert device is not None
     images, labels, source = load_data(None)
     images, labels = images.to(device), labels.to(device)
     global_batch = batch * strategy.num_replicas_in_sync
     n = len(labels) // global_batch * global_batch
-    batches = [(images[i:i + global_batch], labels[i:i + global_batch]) for i in range(0, n, global_batch)]
+    batches = [(images[i : i + global_batch], labels[i : i + global_batch]) for i in range(0, n, global_batch)]
     train_step = seeded_main_job_step(strategy, global_batch)
     total = torch.zeros((), device=device)
     it = iter(strategy.experimental_distribute_dataset(Forever(batches)))
@@ -266,9 +294,18 @@ def mw_worker(result_file: str, device_type: str, steps: int, batch: int) -> Non
             rates.append(steps * global_batch / (time.perf_counter() - start))
     if strategy.is_chief:
         with open(result_file, "w") as f:
-            json.dump({"examples_per_s_median": statistics.median(rates), "examples_per_s_all": rates,
-                       "global_batch": global_batch, "backend": getattr(strategy.communicator, "backend", "?"),
-                       "devices": [str(device)] * 2, "data": source, "finite": bool(torch.isfinite(total))}, f)
+            json.dump(
+                {
+                    "examples_per_s_median": statistics.median(rates),
+                    "examples_per_s_all": rates,
+                    "global_batch": global_batch,
+                    "backend": getattr(strategy.communicator, "backend", "?"),
+                    "devices": [str(device)] * 2,
+                    "data": source,
+                    "finite": bool(torch.isfinite(total)),
+                },
+                f,
+            )
 
 
 def main() -> None:
@@ -284,8 +321,12 @@ def main() -> None:
     p.add_argument("--compile-precisions", default="fp32,bf16,fp16", help="comma-separated; '' for none")
     p.add_argument("--compile-backend", default="inductor", help="'eager' for a quick dry run of dynamo")
     p.add_argument("--budget-s", type=float, default=150.0, help="no new compiled variant after this many seconds")
-    p.add_argument("--dispatch-calls", type=int, default=5000,
-                   help="calls per round of the host-side overhead measurement; 0: skip it")
+    p.add_argument(
+        "--dispatch-calls",
+        type=int,
+        default=5000,
+        help="calls per round of the host-side overhead measurement; 0: skip it",
+    )
     p.add_argument("--mw-steps", type=int, default=100, help="steps per round of the 2-process run; 0: skip it")
     p.add_argument("--mw-timeout", type=float, default=120.0)
     p.add_argument("--mw-worker", default=None, help=argparse.SUPPRESS)
@@ -314,13 +355,18 @@ def main() -> None:
             continue
         backend = args.compile_backend if comp else None
         if kind == "plain_eager":
-            def build(kind: str = kind, prec: str = prec, backend: Optional[str] = backend,
-                      batch: int = batch) -> tuple[Step, Optional[ds.Strategy]]:
+
+            def build(
+                kind: str = kind, prec: str = prec, backend: str | None = backend, batch: int = batch
+            ) -> tuple[Step, ds.Strategy | None]:
                 return plain_eager(device, prec, backend, batch), None
         else:
-            def build(kind: str = kind, prec: str = prec, backend: Optional[str] = backend,
-                      batch: int = batch) -> tuple[Step, Optional[ds.Strategy]]:
+
+            def build(
+                kind: str = kind, prec: str = prec, backend: str | None = backend, batch: int = batch
+            ) -> tuple[Step, ds.Strategy | None]:
                 return main_job(kind, device, prec, backend, batch)
+
         variants[name] = Variant(name, build, data(batch), batch, warmup=args.warmup + 3 * comp)
         print(f"ready {name} ({variants[name].warmup_s:.1f}s){' FAILED' if variants[name].error else ''}", flush=True)
     for r in range(args.rounds):
@@ -330,14 +376,16 @@ def main() -> None:
     ok = {k: v for k, v in variants.items() if not v.error and v.rates}
     med = {k: statistics.median(v.rates) for k, v in ok.items()}
 
-    def overhead(kind: str, batch: int) -> Optional[float]:
+    def overhead(kind: str, batch: int) -> float | None:
         a, b = ok.get(f"{kind}/fp32/eager/b{batch}"), ok.get(f"plain_same_step/fp32/eager/b{batch}")
         if a is None or b is None:
             return None
         return statistics.median((batch / x - batch / y) * 1e6 for x, y in zip(a.rates, b.rates))
 
-    overheads = {f"{k}_b{b}": overhead(k, b) for k in ("default", "one_device", "mirrored")
-                 for b in (small, args.large_batch)}
+    overheads = {
+        f"{k}_b{b}": overhead(k, b) for k in ("default", "one_device", "mirrored") for b in (small, args.large_batch)
+    }
+
     def plain_of(name: str) -> str:
         _, prec, comp, batch = name.split("/")
         return f"plain_eager/{prec}/{comp}/{batch}"
@@ -347,14 +395,19 @@ def main() -> None:
     mw = multi_worker(args, os.path.dirname(os.path.abspath(args.json)) if args.json else ".") if args.mw_steps else {}
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "data": source, "rounds": args.rounds,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "data": source,
+        "rounds": args.rounds,
         "steps_per_round": {f"b{small}": args.steps, f"b{args.large_batch}": args.large_steps},
-        "compile_backend": args.compile_backend, "examples_per_s_median": med,
+        "compile_backend": args.compile_backend,
+        "examples_per_s_median": med,
         "vs_plain_eager_same_precision_and_compile": ratios,
         "overhead_us_per_step_vs_plain_same_step": overheads,
         "dispatch_overhead": dispatch,
         "multi_worker_2_processes_one_device": mw,
-        "failed": {k: v.error for k, v in variants.items() if v.error}, "skipped": skipped,
+        "failed": {k: v.error for k, v in variants.items() if v.error},
+        "skipped": skipped,
         "warnings": {k: v.notes for k, v in variants.items() if v.notes},
         "warmup_s": {k: round(v.warmup_s, 2) for k, v in variants.items()},
         "examples_per_s_all": {k: v.rates for k, v in ok.items()},
@@ -376,19 +429,28 @@ def main() -> None:
             print(f"{name:<44}{'FAILED':>12}  {(variants[name].error or 'no rate').splitlines()[0][:60]}")
     for name, why in skipped.items():
         print(f"{name:<44}{'skipped':>12}  {why}")
-    print("\ndistrib's overhead per step vs plain_same_step (us; target <= 50; the difference of two "
-          "noisy step times: see the host-side figure below):")
+    print(
+        "\ndistrib's overhead per step vs plain_same_step (us; target <= 50; the difference of two "
+        "noisy step times: see the host-side figure below):"
+    )
     for k, v in overheads.items():
         print(f"  {k:<24}{'n/a' if v is None else f'{v:8.1f}'}")
     if dispatch:
-        print(f"\ndistrib's host-side cost per strategy.run + reduce (us; one small kernel, bare call "
-              f"{dispatch['bare_us_per_call']:.1f} us):")
+        print(
+            f"\ndistrib's host-side cost per strategy.run + reduce (us; one small kernel, bare call "
+            f"{dispatch['bare_us_per_call']:.1f} us):"
+        )
         for k, v in dispatch["overhead_us_per_call"].items():
             print(f"  {k:<24}{v:8.1f}")
     if mw:
-        print(f"\n2-process MultiWorkerMirrored on one {args.device}: "
-              + (f"{mw['examples_per_s_median']:.0f} examples/s ({mw.get('backend')})" if "error" not in mw
-                 else f"FAILED: {mw['error']}"))
+        print(
+            f"\n2-process MultiWorkerMirrored on one {args.device}: "
+            + (
+                f"{mw['examples_per_s_median']:.0f} examples/s ({mw.get('backend')})"
+                if "error" not in mw
+                else f"FAILED: {mw['error']}"
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +99,8 @@ def worker(args: argparse.Namespace) -> None:
     def sharded(policy: Any) -> Callable[[int], Any]:
         loader = DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0), **extra)
         dist_data = strategy.experimental_distribute_dataset(
-            loader, ds.InputOptions(experimental_auto_shard_policy=policy))
+            loader, ds.InputOptions(experimental_auto_shard_policy=policy)
+        )
         return lambda r: dist_data
 
     def by_hand() -> Callable[[int], Any]:
@@ -114,6 +116,7 @@ def worker(args: argparse.Namespace) -> None:
         def epoch(r: int) -> Any:
             samplers[0].set_epoch(r)
             return dist_data
+
         return epoch
 
     def ddp() -> Callable[[int], float]:
@@ -134,6 +137,7 @@ def worker(args: argparse.Namespace) -> None:
         def run(r: int) -> float:
             sampler.set_epoch(r)
             return timed(loader, step)
+
         return run
 
     def timed(batches: Any, step: Callable[[Any], None]) -> float:
@@ -153,16 +157,20 @@ def worker(args: argparse.Namespace) -> None:
         return elapsed
 
     loaded, cpu_s = [0], [0.0]
-    runs = {"auto": distrib_variant(sharded(ds.AutoShardPolicy.AUTO)),
-            "off": distrib_variant(sharded(ds.AutoShardPolicy.OFF)),
-            "hand": distrib_variant(by_hand()), "ddp": ddp()}
+    runs = {
+        "auto": distrib_variant(sharded(ds.AutoShardPolicy.AUTO)),
+        "off": distrib_variant(sharded(ds.AutoShardPolicy.OFF)),
+        "hand": distrib_variant(by_hand()),
+        "ddp": ddp(),
+    }
     results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     for r in range(args.rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         for name in order:
             seconds = runs[name](r)
-            results[name].append({"seconds": seconds, "loaded_per_step": loaded[0] / args.steps,
-                                  "cpu_seconds": cpu_s[0]})
+            results[name].append(
+                {"seconds": seconds, "loaded_per_step": loaded[0] / args.steps, "cpu_seconds": cpu_s[0]}
+            )
     everyone = strategy.communicator.all_gather_object(results)
     if strategy.is_chief:
         with open(args.out, "w") as f:
@@ -176,19 +184,29 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
     def rate(name: str, r: int) -> float:
         return args.batch * args.steps / chief[name][r]["seconds"]
 
-    variants = {name: {"examples_per_s": statistics.median(rate(name, r) for r in rounds),
-                       "loaded_per_step_per_worker": [statistics.median(w[name][r]["loaded_per_step"] for r in rounds)
-                                                      for w in raw["workers"]]}
-                for name in VARIANTS}
+    variants = {
+        name: {
+            "examples_per_s": statistics.median(rate(name, r) for r in rounds),
+            "loaded_per_step_per_worker": [
+                statistics.median(w[name][r]["loaded_per_step"] for r in rounds) for w in raw["workers"]
+            ],
+        }
+        for name in VARIANTS
+    }
+
     def cpu_rate(name: str, r: int) -> float:  # what an idle machine with a core per worker would give
         return args.batch * args.steps / max(w[name][r]["cpu_seconds"] for w in raw["workers"])
 
     for name in VARIANTS:
         variants[name]["cpu_estimate_examples_per_s"] = statistics.median(cpu_rate(name, r) for r in rounds)
-    ratios = {f"auto_vs_{other}": statistics.median(rate("auto", r) / rate(other, r) for r in rounds)
-              for other in ("off", "hand", "ddp")}
-    cpu_ratios = {f"auto_vs_{other}": statistics.median(cpu_rate("auto", r) / cpu_rate(other, r) for r in rounds)
-                  for other in ("off", "hand", "ddp")}
+    ratios = {
+        f"auto_vs_{other}": statistics.median(rate("auto", r) / rate(other, r) for r in rounds)
+        for other in ("off", "hand", "ddp")
+    }
+    cpu_ratios = {
+        f"auto_vs_{other}": statistics.median(cpu_rate("auto", r) / cpu_rate(other, r) for r in rounds)
+        for other in ("off", "hand", "ddp")
+    }
     return {"variants": variants, "ratios": ratios, "cpu_time_estimate_ratios": cpu_ratios}
 
 
@@ -196,12 +214,16 @@ def print_table(result: dict) -> None:
     print(f"\n{'workers':<8}{'variant':<8}{'examples/s':>11}{'CPU-time est.':>14}{'loaded/step/worker':>20}")
     for workers, run in result["runs"].items():
         for name, v in run["variants"].items():
-            print(f"{workers:<8}{name:<8}{v['examples_per_s']:>11.0f}{v['cpu_estimate_examples_per_s']:>14.0f}"
-                  f"{str(v['loaded_per_step_per_worker']):>20}")
+            print(
+                f"{workers:<8}{name:<8}{v['examples_per_s']:>11.0f}{v['cpu_estimate_examples_per_s']:>14.0f}"
+                f"{str(v['loaded_per_step_per_worker']):>20}"
+            )
         print(f"{'':<8}ratios  " + ", ".join(f"{k} {v:.2f}" for k, v in run["ratios"].items()))
         print(f"{'':<8}CPU est " + ", ".join(f"{k} {v:.2f}" for k, v in run["cpu_time_estimate_ratios"].items()))
-    print(f"\n2-worker targets: auto/hand {result['runs']['2']['ratios']['auto_vs_hand']:.2f} (>= 0.95), "
-          f"auto/off {result['runs']['2']['ratios']['auto_vs_off']:.2f} (>= 1.6)")
+    print(
+        f"\n2-worker targets: auto/hand {result['runs']['2']['ratios']['auto_vs_hand']:.2f} (>= 0.95), "
+        f"auto/off {result['runs']['2']['ratios']['auto_vs_off']:.2f} (>= 1.6)"
+    )
 
 
 def main() -> None:
@@ -220,18 +242,33 @@ def main() -> None:
         return worker(args)
     from multi_worker import run_tf_config_workers
 
-    argv = ["--batch", str(args.batch), "--cost-ms", str(args.cost_ms), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--loader-workers", str(args.loader_workers)]
-    result: dict[str, Any] = {"machine": "", "runs": {}, "settings": {k: v for k, v in vars(args).items()
-                                                                      if k not in ("worker", "out", "json")}}
+    argv = [
+        "--batch",
+        str(args.batch),
+        "--cost-ms",
+        str(args.cost_ms),
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+        "--loader-workers",
+        str(args.loader_workers),
+    ]
+    result: dict[str, Any] = {
+        "machine": "",
+        "runs": {},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "json")},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for workers in (int(w) for w in args.workers.split(",")):
             raw = run_tf_config_workers(HERE, argv, os.path.join(tmp, f"{workers}.json"), workers=workers)
             result["runs"][str(workers)] = summarize(raw, args)
     result["machine"] = f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.2f}"
     if "1" in result["runs"] and "2" in result["runs"]:
-        result["auto_2_vs_1_worker"] = (result["runs"]["2"]["variants"]["auto"]["examples_per_s"]
-                                        / result["runs"]["1"]["variants"]["auto"]["examples_per_s"])
+        result["auto_2_vs_1_worker"] = (
+            result["runs"]["2"]["variants"]["auto"]["examples_per_s"]
+            / result["runs"]["1"]["variants"]["auto"]["examples_per_s"]
+        )
     print(json.dumps(result, indent=2))
     if "2" in result["runs"]:
         print_table(result)

@@ -31,14 +31,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from single_process import load_data, measure  # the same data as the fp32 benchmark (benchmarks/ is on sys.path)
 
 import distrib as ds
 from distrib.app import models
 from distrib.app.train import TensorBatches, make_steps
-from single_process import load_data, measure  # the same data as the fp32 benchmark (benchmarks/ is on sys.path)
 
 BATCH = 64
 
@@ -50,8 +51,11 @@ def main_job_loop(precision: str) -> tuple[Callable[[Any], None], ds.Strategy]:
     with strategy.scope():
         model = models.fashion_mnist_cnn()
         opt = models.fashion_mnist_optimizer(model.parameters())  # as distrib train
-        acc, loss_metric, test_acc = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(),
-                                      ds.metrics.SparseCategoricalAccuracy())
+        acc, loss_metric, test_acc = (
+            ds.metrics.SparseCategoricalAccuracy(),
+            ds.metrics.Mean(),
+            ds.metrics.SparseCategoricalAccuracy(),
+        )
     train_step, _ = make_steps(model, opt, BATCH, acc, loss_metric, test_acc, precision=precision)
     total = [torch.zeros(())]
 
@@ -72,21 +76,41 @@ def cpu_flags() -> dict[str, bool]:
 def train_accuracy(precision: str, epochs: int, data_dir: Any) -> dict[str, float]:
     """`distrib train --epochs N --precision P` in its own process: last epoch's figures and the restored accuracy."""
     with tempfile.TemporaryDirectory() as ckpt:
-        argv = [sys.executable, "-m", "distrib", "train", "--epochs", str(epochs), "--precision", precision,
-                "--checkpoint-dir", ckpt, "--no-progress"] + (["--data-dir", data_dir] if data_dir else [])
+        argv = [
+            sys.executable,
+            "-m",
+            "distrib",
+            "train",
+            "--epochs",
+            str(epochs),
+            "--precision",
+            precision,
+            "--checkpoint-dir",
+            ckpt,
+            "--no-progress",
+        ] + (["--data-dir", data_dir] if data_dir else [])
         start = time.perf_counter()
         out = subprocess.run(argv, capture_output=True, text=True, timeout=3600, env={**os.environ, "TF_CONFIG": ""})
         seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{out.stdout}\n{out.stderr}")
-    lines = re.findall(r"Epoch (\d+), Loss: ([\d.]+), Accuracy: ([\d.]+), Test Loss: ([\d.]+), "
-                       r"Test Accuracy: ([\d.]+), Examples/s: (\d+)", out.stdout)
+    lines = re.findall(
+        r"Epoch (\d+), Loss: ([\d.]+), Accuracy: ([\d.]+), Test Loss: ([\d.]+), "
+        r"Test Accuracy: ([\d.]+), Examples/s: (\d+)",
+        out.stdout,
+    )
     restored = re.search(r"restoring the saved model without strategy: ([\d.]+)", out.stdout)
     assert lines and restored, out.stdout
     last = lines[-1]
-    return {"epochs": int(last[0]), "train_accuracy": float(last[2]), "test_loss": float(last[3]),
-            "test_accuracy": float(last[4]), "restored_fp32_accuracy": float(restored.group(1)),
-            "examples_per_s_by_epoch": [int(line[5]) for line in lines], "wall_s": seconds}
+    return {
+        "epochs": int(last[0]),
+        "train_accuracy": float(last[2]),
+        "test_loss": float(last[3]),
+        "test_accuracy": float(last[4]),
+        "restored_fp32_accuracy": float(restored.group(1)),
+        "examples_per_s_by_epoch": [int(line[5]) for line in lines],
+        "wall_s": seconds,
+    }
 
 
 def main() -> None:
@@ -112,9 +136,14 @@ def main() -> None:
             rates[name].append(measure(step, dist_data[name], args.steps))
     med = {k: statistics.median(v) for k, v in rates.items()}
     result: dict[str, Any] = {
-        "data": source, "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(), "rounds": args.rounds,
-        "steps_per_round": args.steps, "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
-        "examples_per_s_median": med, "bf16_vs_fp32": med["bf16-mixed"] / med["32"],
+        "data": source,
+        "threads": torch.get_num_threads(),
+        "cpu_flags": cpu_flags(),
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+        "examples_per_s_median": med,
+        "bf16_vs_fp32": med["bf16-mixed"] / med["32"],
         # the ratio within each round (both precisions measured seconds apart), median over rounds: robust to load
         "bf16_vs_fp32_per_round_median": statistics.median(b / f for b, f in zip(rates["bf16-mixed"], rates["32"])),
         "examples_per_s_all": rates,
@@ -122,8 +151,9 @@ def main() -> None:
     if args.fp16:
         result["fp16_vs_fp32"] = med["16-mixed"] / med["32"]
     if args.accuracy_epochs:
-        result["accuracy"] = {name: train_accuracy(name, args.accuracy_epochs, args.data_dir)
-                              for name in ("32", "bf16-mixed")}
+        result["accuracy"] = {
+            name: train_accuracy(name, args.accuracy_epochs, args.data_dir) for name in ("32", "bf16-mixed")
+        }
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
@@ -133,8 +163,10 @@ def main() -> None:
     for name in loops:
         print(f"{name:<14}{med[name]:>12.0f}{med[name] / med['32']:>10.3f}")
     for name, acc in result.get("accuracy", {}).items():
-        print(f"distrib train --epochs {acc['epochs']} --precision {name}: test accuracy {acc['test_accuracy']:.2f} %, "
-              f"restored (fp32) {acc['restored_fp32_accuracy']:.2f} %")
+        print(
+            f"distrib train --epochs {acc['epochs']} --precision {name}: test accuracy {acc['test_accuracy']:.2f} %, "
+            f"restored (fp32) {acc['restored_fp32_accuracy']:.2f} %"
+        )
 
 
 if __name__ == "__main__":

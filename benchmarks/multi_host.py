@@ -40,13 +40,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.abspath(__file__)
 PREFIX = "dsmh"  # namespaces dsmh-<pid>-<tag>-{sw,h<i>}
@@ -97,7 +97,7 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def unavailable() -> Optional[str]:
+def unavailable() -> str | None:
     """Why this benchmark cannot run here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root: run it as root (sudo python benchmarks/multi_host.py)"
@@ -109,11 +109,42 @@ def _qdisc(ns: str, dev: str, rate: str, delay_ms: float, use_netem: bool) -> No
     """Shape ``dev``'s egress: a token bucket at ``rate`` (a burst of 1 ms of traffic), then netem's delay."""
     bits = _rate_bits(rate)
     burst = max(32 * 1024, int(bits / 8 / 1000))  # 1 ms at the rate; at least a few 9000-byte packets
-    _in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
-        "burst", str(burst), "latency", "20ms")
+    _in(
+        ns,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "handle",
+        "1:",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        str(burst),
+        "latency",
+        "20ms",
+    )
     if use_netem and delay_ms > 0:
-        _in(ns, "tc", "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
-            "delay", f"{delay_ms}ms", "limit", "100000")
+        _in(
+            ns,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "parent",
+            "1:1",
+            "handle",
+            "10:",
+            "netem",
+            "delay",
+            f"{delay_ms}ms",
+            "limit",
+            "100000",
+        )
 
 
 def _rate_bits(rate: str) -> float:
@@ -128,7 +159,9 @@ def netem_available() -> bool:
     try:
         _run("ip", "netns", "add", probe)
         _in(probe, "ip", "link", "add", "va", "type", "veth", "peer", "name", "vb")
-        return _in(probe, "tc", "qdisc", "add", "dev", "va", "root", "netem", "delay", "1ms", check=False).returncode == 0
+        return (
+            _in(probe, "tc", "qdisc", "add", "dev", "va", "root", "netem", "delay", "1ms", check=False).returncode == 0
+        )
     finally:
         _delete_namespace(probe)
 
@@ -148,7 +181,7 @@ class Network:
         self.made: list[str] = []
         self.procs: list[subprocess.Popen] = []
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         try:
             self._make()
         except BaseException:
@@ -179,30 +212,47 @@ class Network:
 
     def popen(self, i: int, argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen:
         """Run ``argv`` on host ``i`` (its namespace, its own hostname ``host<i+1>``), in its own process group."""
-        cmd = ["ip", "netns", "exec", self.hosts[i], "unshare", "--uts", "--", "sh", "-c",
-               'hostname "$0" && exec "$@"', f"host{i + 1}", *argv]
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.hosts[i],
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            f"host{i + 1}",
+            *argv,
+        ]
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         self.procs.append(proc)
         return proc
 
-    def ping_ms(self, count: int = 50) -> Optional[float]:
+    def ping_ms(self, count: int = 50) -> float | None:
         """Median TCP round trip host1 -> host2 -> host1 of one byte, in ms (a small Python echo)."""
         if self.n < 2:
             return None
-        echo = ("import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-                f"s.bind(('{self.addresses[1]}',{PORT + 2}));s.listen(1);c,_=s.accept()\n"
-                "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
-                "while True:\n b=c.recv(1)\n if not b: break\n c.sendall(b)")
-        client = ("import socket,time,statistics\nfor _ in range(100):\n try:\n"
-                  f"  c=socket.create_connection(('{self.addresses[1]}',{PORT + 2}));break\n"
-                  " except OSError: time.sleep(0.05)\n"
-                  "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1);t=[]\n"
-                  f"for _ in range({count}):\n a=time.perf_counter();c.sendall(b'x');c.recv(1);t.append(time.perf_counter()-a)\n"
-                  "print(statistics.median(t)*1e3)")
+        echo = (
+            "import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+            f"s.bind(('{self.addresses[1]}',{PORT + 2}));s.listen(1);c,_=s.accept()\n"
+            "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
+            "while True:\n b=c.recv(1)\n if not b: break\n c.sendall(b)"
+        )
+        client = (
+            "import socket,time,statistics\nfor _ in range(100):\n try:\n"
+            f"  c=socket.create_connection(('{self.addresses[1]}',{PORT + 2}));break\n"
+            " except OSError: time.sleep(0.05)\n"
+            "c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1);t=[]\n"
+            f"for _ in range({count}):\n a=time.perf_counter();c.sendall(b'x');c.recv(1);t.append(time.perf_counter()-a)\n"
+            "print(statistics.median(t)*1e3)"
+        )
         return self.exchange(echo, client, report="client")
 
-    def exchange(self, server: str, client: str, report: str) -> Optional[float]:
+    def exchange(self, server: str, client: str, report: str) -> float | None:
         """Run Python ``server`` on host 2 and ``client`` on host 1 (each ``python -c``), wait for both (60 s
         each), and return the number the ``report``-ing side ("server" or "client") printed last (None: none)."""
         with tempfile.TemporaryFile("w+") as log_s, tempfile.TemporaryFile("w+") as log_c:
@@ -247,13 +297,17 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    import distrib as ds
     from multi_worker import rmsprop, seed001_cnn  # benchmarks/ is on sys.path
 
+    import distrib as ds
+
     torch.set_num_threads(1)
-    settings: dict[str, Any] = {"none": None, "bf16": "bf16", "fp16": "fp16",
-                                "powersgd": ds.PowerSGD(rank=2, start_iter=10)}
+    settings: dict[str, Any] = {
+        "none": None,
+        "bf16": "bf16",
+        "fp16": "fp16",
+        "powersgd": ds.PowerSGD(rank=2, start_iter=10),
+    }
     base = ds.MultiWorkerMirroredStrategy()  # the group; every other strategy joins it
     rank, world = base.worker_index, base.num_workers
 
@@ -266,11 +320,13 @@ def worker(args: argparse.Namespace) -> None:
             F.cross_entropy(model(b[0]), b[1]).backward()
             opt.step()
             opt.zero_grad()
+
         return step
 
     def distributed(name: str) -> Callable[[Any], None]:
         strategy = ds.MultiWorkerMirroredStrategy(
-            communication_options=ds.CommunicationOptions(compression=settings[name]))
+            communication_options=ds.CommunicationOptions(compression=settings[name])
+        )
         with strategy.scope():
             torch.manual_seed(0)
             model = seed001_cnn()
@@ -278,20 +334,24 @@ def worker(args: argparse.Namespace) -> None:
 
         def step(inputs: Any) -> None:
             x, y = inputs
-            ds.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"),
-                                    global_batch_size=BATCH * world).backward()
+            ds.compute_average_loss(
+                F.cross_entropy(model(x), y, reduction="none"), global_batch_size=BATCH * world
+            ).backward()
             opt.step()
             opt.zero_grad()
+
         return lambda b: strategy.run(step, args=(b,))
 
     g = torch.Generator().manual_seed(rank)
-    data = [(torch.rand(BATCH, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(args.steps + 5)]
+    data = [
+        (torch.rand(BATCH, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        for _ in range(args.steps + 5)
+    ]
     loops = {"ceiling": plain(), **{name: distributed(name) for name in args.compressions}}
     solo = plain() if rank == 0 else None
     paired = ["ceiling", *args.compressions]
 
-    def window(step: Optional[Callable[[Any], None]]) -> float:
+    def window(step: Callable[[Any], None] | None) -> float:
         if step is not None:
             for b in data[:5]:
                 step(b)
@@ -306,7 +366,7 @@ def worker(args: argparse.Namespace) -> None:
     results: dict[str, list[float]] = {name: [] for name in ("solo", *paired)}
     for r in range(args.rounds):
         results["solo"].append(window(solo))
-        for name in paired[r % len(paired):] + paired[:r % len(paired)]:
+        for name in paired[r % len(paired) :] + paired[: r % len(paired)]:
             results[name].append(window(loops[name]))
     allreduce: dict[str, float] = {}
     for label, dtype in (("fp32_11MB", torch.float32), ("bf16_5.5MB", torch.bfloat16)):
@@ -324,19 +384,23 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ============================================================================ the driver
-def measure_link(net: Network, seconds: float = 1.0) -> Optional[float]:
+def measure_link(net: Network, seconds: float = 1.0) -> float | None:
     """Gbit/s of one TCP stream from host1 to host2 (a small Python sender and receiver)."""
     if net.n < 2:
         return None
-    receiver = ("import socket,sys,time\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-                f"s.bind(('{net.addresses[1]}',{PORT + 1}));s.listen(1);c,_=s.accept();n=0;t=None\n"
-                "while True:\n b=c.recv(1<<20)\n if not b: break\n"
-                " t=t or time.perf_counter();n+=len(b)\n"
-                "print(n*8/(time.perf_counter()-t)/1e9)")
-    sender = ("import socket,time\nfor _ in range(100):\n try:\n"
-              f"  c=socket.create_connection(('{net.addresses[1]}',{PORT + 1}));break\n except OSError: time.sleep(0.05)\n"
-              f"b=bytes(1<<20);end=time.perf_counter()+{seconds}\n"
-              "while time.perf_counter()<end: c.sendall(b)\nc.close()")
+    receiver = (
+        "import socket,sys,time\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+        f"s.bind(('{net.addresses[1]}',{PORT + 1}));s.listen(1);c,_=s.accept();n=0;t=None\n"
+        "while True:\n b=c.recv(1<<20)\n if not b: break\n"
+        " t=t or time.perf_counter();n+=len(b)\n"
+        "print(n*8/(time.perf_counter()-t)/1e9)"
+    )
+    sender = (
+        "import socket,time\nfor _ in range(100):\n try:\n"
+        f"  c=socket.create_connection(('{net.addresses[1]}',{PORT + 1}));break\n except OSError: time.sleep(0.05)\n"
+        f"b=bytes(1<<20);end=time.perf_counter()+{seconds}\n"
+        "while time.perf_counter()<end: c.sendall(b)\nc.close()"
+    )
     return net.exchange(receiver, sender, report="server")
 
 
@@ -350,13 +414,27 @@ def run_cluster(args: argparse.Namespace, workers: int, rate: str, use_netem: bo
         logs = [open(os.path.join(tmp, f"h{i}.log"), "w+") for i in range(workers)]
         procs = []
         for i in range(workers):
-            env = {**os.environ, "OMP_NUM_THREADS": "1",
-                   "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
-            cmd = [sys.executable, HERE, "--worker", "--out", out, "--steps", str(args.steps), "--rounds",
-                   str(args.rounds), "--compressions", *args.compressions]
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+            }
+            cmd = [
+                sys.executable,
+                HERE,
+                "--worker",
+                "--out",
+                out,
+                "--steps",
+                str(args.steps),
+                "--rounds",
+                str(args.rounds),
+                "--compressions",
+                *args.compressions,
+            ]
             procs.append(net.popen(i, cmd, env, logs[i]))
         deadline = time.monotonic() + args.timeout
-        codes: list[Optional[int]] = [None] * workers
+        codes: list[int | None] = [None] * workers
         while any(c is None for c in codes) and time.monotonic() < deadline:
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
@@ -366,8 +444,9 @@ def run_cluster(args: argparse.Namespace, workers: int, rate: str, use_netem: bo
             for log in logs:
                 log.seek(0)
             tails = "\n".join(f"--- host{i + 1}:\n" + log.read()[-3000:] for i, log in enumerate(logs))
-            raise SystemExit(f"{workers} workers at {rate}: exit codes {codes} (None: still running after "
-                             f"{args.timeout} s)\n{tails}")
+            raise SystemExit(
+                f"{workers} workers at {rate}: exit codes {codes} (None: still running after {args.timeout} s)\n{tails}"
+            )
         with open(out) as f:
             raw = json.load(f)
         for log in logs:
@@ -385,10 +464,12 @@ def summarize(raw: dict, compressions: list[str]) -> dict:
     out: dict[str, Any] = {}
     for name in ("solo", "ceiling", *compressions):
         examples = BATCH * (1 if name == "solo" else w)
-        out[name] = {"examples_per_s": med(lambda r: examples / steps[name][r]),
-                     "step_ms": med(lambda r: steps[name][r] * 1e3),
-                     "efficiency": med(lambda r: examples / steps[name][r] / (w * BATCH / steps["solo"][r])),
-                     "vs_ceiling": med(lambda r: examples / steps[name][r] / (w * BATCH / steps["ceiling"][r]))}
+        out[name] = {
+            "examples_per_s": med(lambda r: examples / steps[name][r]),
+            "step_ms": med(lambda r: steps[name][r] * 1e3),
+            "efficiency": med(lambda r: examples / steps[name][r] / (w * BATCH / steps["solo"][r])),
+            "vs_ceiling": med(lambda r: examples / steps[name][r] / (w * BATCH / steps["ceiling"][r])),
+        }
     return out
 
 
@@ -397,8 +478,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
     p.add_argument("--delay-ms", type=float, default=0.2)
-    p.add_argument("--compressions", nargs="+", default=["none", "bf16", "powersgd"],
-                   choices=["none", "bf16", "fp16", "powersgd"])
+    p.add_argument(
+        "--compressions", nargs="+", default=["none", "bf16", "powersgd"], choices=["none", "bf16", "fp16", "powersgd"]
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps per window (after 5 warm-up steps)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900, help="seconds one cluster may run")
@@ -428,24 +510,38 @@ def main() -> None:
             raw["settings"] = summarize(raw, args.compressions)
             clusters.append(raw)
             print(f"{w} workers at {rate}: done ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
-    left = [ns for ns in _run("ip", "netns", "list", check=False).stdout.split()
-            if ns.startswith(f"{PREFIX}-{os.getpid()}-")]
-    result = {"machine": f"{os.cpu_count()} CPUs; load average at the end {os.getloadavg()[0]:.2f}",
-              "delay": (f"netem {args.delay_ms} ms each way" if use_netem else
-                        "none added: this kernel has no netem qdisc; links have only the veths' own latency (rtt_ms)"),
-              "stale_namespaces_removed": stale, "namespaces_left": left, "clusters": clusters}
+    left = [
+        ns
+        for ns in _run("ip", "netns", "list", check=False).stdout.split()
+        if ns.startswith(f"{PREFIX}-{os.getpid()}-")
+    ]
+    result = {
+        "machine": f"{os.cpu_count()} CPUs; load average at the end {os.getloadavg()[0]:.2f}",
+        "delay": (
+            f"netem {args.delay_ms} ms each way"
+            if use_netem
+            else "none added: this kernel has no netem qdisc; links have only the veths' own latency (rtt_ms)"
+        ),
+        "stale_namespaces_removed": stale,
+        "namespaces_left": left,
+        "clusters": clusters,
+    }
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    print(f"\n{'W':>2} {'rate':>7} {'link Gb/s':>9} {'setting':<9}{'examples/s':>11}{'step ms':>9}"
-          f"{'efficiency':>11}{'vs ceiling':>11}")
+    print(
+        f"\n{'W':>2} {'rate':>7} {'link Gb/s':>9} {'setting':<9}{'examples/s':>11}{'step ms':>9}"
+        f"{'efficiency':>11}{'vs ceiling':>11}"
+    )
     for c in clusters:
         for name, s in c["settings"].items():
             link = f"{c['link_gbit_per_s']:.2f}" if c["link_gbit_per_s"] else "-"
-            ratios = (f"{s['efficiency']:>11.2f}{s['vs_ceiling']:>11.2f}" if name != "solo" else f"{'-':>11}{'-':>11}")
-            print(f"{c['workers']:>2} {c['rate']:>7} {link:>9} {name:<9}{s['examples_per_s']:>11.0f}"
-                  f"{s['step_ms']:>9.1f}{ratios}")
+            ratios = f"{s['efficiency']:>11.2f}{s['vs_ceiling']:>11.2f}" if name != "solo" else f"{'-':>11}{'-':>11}"
+            print(
+                f"{c['workers']:>2} {c['rate']:>7} {link:>9} {name:<9}{s['examples_per_s']:>11.0f}"
+                f"{s['step_ms']:>9.1f}{ratios}"
+            )
         ar = ", ".join(f"{k} {v:.1f}" for k, v in c["allreduce_ms"].items())
         rtt = f"{c['rtt_ms']:.3f} ms" if c["rtt_ms"] is not None else "-"
         print(f"   bare all-reduce ms: {ar}; TCP round trip {rtt}")

@@ -50,7 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +66,15 @@ now = time.perf_counter  # CLOCK_MONOTONIC: one clock for every process of this 
 
 def seed001_cnn() -> nn.Module:
     """The model of seed 001 (TF's multi-worker custom-training-loop tutorial), as examples/multi_worker_ctl.py."""
-    return nn.Sequential(nn.Unflatten(1, (1, 28)), nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(32 * 26 * 26, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 28)),
+        nn.Conv2d(1, 32, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 26 * 26, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
 
 
 def rmsprop(params: Any) -> torch.optim.Optimizer:
@@ -151,7 +159,7 @@ def plain_loop() -> Callable[[Any], None]:
     return step
 
 
-def ddp_loop(tally: Optional[Tally]) -> Callable[[Any], None]:
+def ddp_loop(tally: Tally | None) -> Callable[[Any], None]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -160,6 +168,7 @@ def ddp_loop(tally: Optional[Tally]) -> Callable[[Any], None]:
     opt = rmsprop(model.parameters())
     last_launch = [0.0]
     if tally is not None:
+
         def hook(state: Any, bucket: Any) -> Any:  # torch's default_hooks.allreduce_hook, timed
             start = now()
             tensor = bucket.buffer().div_(dist.get_world_size())
@@ -169,8 +178,11 @@ def ddp_loop(tally: Optional[Tally]) -> Callable[[Any], None]:
             return future.then(lambda f: f.value()[0])
 
         # DDP checks the annotations themselves (not strings, as ``from __future__ import annotations`` makes them)
-        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                                "return": torch.futures.Future[torch.Tensor]}
+        hook.__annotations__ = {
+            "state": object,
+            "bucket": dist.GradBucket,
+            "return": torch.futures.Future[torch.Tensor],
+        }
         model.register_comm_hook(None, hook)
 
     def step(b: Any) -> None:
@@ -207,7 +219,7 @@ def distrib_loop(compression: str, tally: Tally) -> Callable[[Any], None]:
     return lambda b: strategy.run(step, args=(b,))
 
 
-def _time(step: Callable[[Any], None], data: list, barrier: Callable[[], None], tally: Optional[Tally]) -> dict:
+def _time(step: Callable[[Any], None], data: list, barrier: Callable[[], None], tally: Tally | None) -> dict:
     """One timed window after 10 warm-up steps: seconds per step (both workers start and end together)
     and this worker's own seconds until its last step ended, with what the tally recorded meanwhile."""
     for b in data[:10]:
@@ -235,12 +247,16 @@ def worker(args: argparse.Namespace) -> None:
     import distrib as ds
 
     strategy = ds.MultiWorkerMirroredStrategy(
-        communication_options=ds.CommunicationOptions(bytes_per_pack=args.bytes_per_pack))
+        communication_options=ds.CommunicationOptions(bytes_per_pack=args.bytes_per_pack)
+    )
     import torch.distributed as dist
 
     tallies = {name: Tally() for name in ("ddp_timed", *COMPRESSIONS)}
-    loops: dict[str, Callable[[Any], None]] = {"pair": plain_loop(), "ddp": ddp_loop(None),
-                                               "ddp_timed": ddp_loop(tallies["ddp_timed"])}
+    loops: dict[str, Callable[[Any], None]] = {
+        "pair": plain_loop(),
+        "ddp": ddp_loop(None),
+        "ddp_timed": ddp_loop(tallies["ddp_timed"]),
+    }
     for name in COMPRESSIONS:
         loops[name] = distrib_loop(name, tallies[name])
     solo = plain_loop() if strategy.is_chief else None
@@ -250,7 +266,7 @@ def worker(args: argparse.Namespace) -> None:
         if solo is not None:
             results["solo"].append(_time(solo, data, lambda: None, None))
         strategy.barrier()
-        order = PAIRED[r % len(PAIRED):] + PAIRED[:r % len(PAIRED)]  # rotate: no setting always goes first
+        order = PAIRED[r % len(PAIRED) :] + PAIRED[: r % len(PAIRED)]  # rotate: no setting always goes first
         for name in order:
             results[name].append(_time(loops[name], data, dist.barrier, tallies.get(name)))
     throughput = _allreduce_throughput(strategy, args.rounds)
@@ -294,8 +310,11 @@ def _allreduce_throughput(strategy: Any, rounds: int) -> dict[str, float]:
         dist.all_reduce(flat)
         bare.append(now() - t)
     gb = numel * 4 / 1e9
-    return {"reducer_gb_per_s": gb / statistics.median(steady[1:]), "reducer_cold_gb_per_s": gb / statistics.median(cold[1:]),
-            "allreduce_gb_per_s": gb / statistics.median(bare[1:])}
+    return {
+        "reducer_gb_per_s": gb / statistics.median(steady[1:]),
+        "reducer_cold_gb_per_s": gb / statistics.median(cold[1:]),
+        "allreduce_gb_per_s": gb / statistics.median(bare[1:]),
+    }
 
 
 def breakdown(windows: list[dict], name: str) -> dict[str, float]:
@@ -308,7 +327,7 @@ def breakdown(windows: list[dict], name: str) -> dict[str, float]:
         rounds = [w[r] for w in windows]
         parts = {"compute": 0.0, "compression": 0.0, "wire": 0.0, "waiting": 0.0}
         for mine in rounds:
-            steps, own = mine["steps"], mine["own_step_s"] * mine["steps"]
+            own = mine["own_step_s"] * mine["steps"]
             if name == "ddp_timed":  # blocked: from the step's last launch to the end of backward
                 ends = [rd["ddp_steps"] for rd in rounds]
                 for i, (bwd_end, launched) in enumerate(mine["ddp_steps"]):
@@ -344,8 +363,11 @@ def run_tf_config_workers(script: str, argv: list[str], out: str, workers: int =
     cluster = make_cluster(workers, 0, False)
     procs = []
     for i in range(workers):
-        env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+            "OMP_NUM_THREADS": "1",
+        }
         procs.append(subprocess.Popen([sys.executable, script, "--worker", "--out", out, *argv], env=env))
     try:
         codes = [p.wait(timeout=3600) for p in procs]
@@ -381,39 +403,55 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             "vs_raw_ddp": per_round(lambda r: (examples / step[name][r]) / (2 * BATCH / step["ddp"][r])),
             "vs_twice_solo": per_round(lambda r: (examples / step[name][r]) / (2 * BATCH / solo[r])),
             "ms_per_step": breakdown([w[name] for w in workers] if name != "solo" else [chief[name]], name),
-            "cpu_ms_per_step": per_round(lambda r: max(w[name][r]["cpu_step_s"] for w in (
-                workers if name != "solo" else [chief])) * 1e3),
+            "cpu_ms_per_step": per_round(
+                lambda r: max(w[name][r]["cpu_step_s"] for w in (workers if name != "solo" else [chief])) * 1e3
+            ),
         }
     for name in settings:  # what the CPU time alone predicts (an idle machine, one core per worker)
-        settings[name]["cpu_vs_raw_ddp"] = per_round(lambda r: cpu(workers, chief, "ddp", r) / cpu(
-            workers, chief, name, r) * (1 if name != "solo" else 0.5))
-        settings[name]["cpu_vs_twice_solo"] = per_round(lambda r: cpu(workers, chief, "solo", r) / cpu(
-            workers, chief, name, r) * (1 if name != "solo" else 0.5))
+        settings[name]["cpu_vs_raw_ddp"] = per_round(
+            lambda r: cpu(workers, chief, "ddp", r) / cpu(workers, chief, name, r) * (1 if name != "solo" else 0.5)
+        )
+        settings[name]["cpu_vs_twice_solo"] = per_round(
+            lambda r: cpu(workers, chief, "solo", r) / cpu(workers, chief, name, r) * (1 if name != "solo" else 0.5)
+        )
     return {
         "machine": f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.2f}",
         "settings": settings,
         "targets": {
-            "bf16_vs_raw_ddp": {"median": settings["bf16"]["vs_raw_ddp"], "target": 1.25,
-                                "cpu_time_estimate": settings["bf16"]["cpu_vs_raw_ddp"]},
-            "powersgd_vs_twice_solo": {"median": settings["powersgd"]["vs_twice_solo"], "target": 0.9,
-                                       "cpu_time_estimate": settings["powersgd"]["cpu_vs_twice_solo"]},
+            "bf16_vs_raw_ddp": {
+                "median": settings["bf16"]["vs_raw_ddp"],
+                "target": 1.25,
+                "cpu_time_estimate": settings["bf16"]["cpu_vs_raw_ddp"],
+            },
+            "powersgd_vs_twice_solo": {
+                "median": settings["powersgd"]["vs_twice_solo"],
+                "target": 0.9,
+                "cpu_time_estimate": settings["powersgd"]["cpu_vs_twice_solo"],
+            },
         },
-        "allreduce": {**raw["allreduce"],
-                      "throughput_ratio": raw["allreduce"]["reducer_gb_per_s"] / raw["allreduce"]["allreduce_gb_per_s"]},
-        "rounds": args.rounds, "steps_per_round": args.steps,
+        "allreduce": {
+            **raw["allreduce"],
+            "throughput_ratio": raw["allreduce"]["reducer_gb_per_s"] / raw["allreduce"]["allreduce_gb_per_s"],
+        },
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
         "raw_step_s": {name: step[name] for name in step},
     }
 
 
 def print_tables(result: dict) -> None:
-    print(f"\n{'setting':<11}{'examples/s':>11}{'step ms':>9}{'/raw DDP':>9}{'/2x solo':>9}   "
-          f"{'compute':>8}{'compress':>9}{'wire':>7}{'waiting':>8}  (ms per step, mean of workers)"
-          f"{'CPU ms':>8}{'/DDP':>6}{'/2xsolo':>8} (CPU time)")
+    print(
+        f"\n{'setting':<11}{'examples/s':>11}{'step ms':>9}{'/raw DDP':>9}{'/2x solo':>9}   "
+        f"{'compute':>8}{'compress':>9}{'wire':>7}{'waiting':>8}  (ms per step, mean of workers)"
+        f"{'CPU ms':>8}{'/DDP':>6}{'/2xsolo':>8} (CPU time)"
+    )
     for name, s in result["settings"].items():
         b = s["ms_per_step"]
-        print(f"{name:<11}{s['examples_per_s']:>11.0f}{s['step_ms']:>9.1f}{s['vs_raw_ddp']:>9.2f}{s['vs_twice_solo']:>9.2f}   "
-              f"{b['compute']:>8.1f}{b['compression']:>9.1f}{b['wire']:>7.1f}{b['waiting']:>8.1f}"
-              f"{'':>32}{s['cpu_ms_per_step']:>8.1f}{s['cpu_vs_raw_ddp']:>6.2f}{s['cpu_vs_twice_solo']:>8.2f}")
+        print(
+            f"{name:<11}{s['examples_per_s']:>11.0f}{s['step_ms']:>9.1f}{s['vs_raw_ddp']:>9.2f}{s['vs_twice_solo']:>9.2f}   "
+            f"{b['compute']:>8.1f}{b['compression']:>9.1f}{b['wire']:>7.1f}{b['waiting']:>8.1f}"
+            f"{'':>32}{s['cpu_ms_per_step']:>8.1f}{s['cpu_vs_raw_ddp']:>6.2f}{s['cpu_vs_twice_solo']:>8.2f}"
+        )
     print(f"\n{'target':<40}{'median':>8}  target   CPU-time estimate")
     for name, t in result["targets"].items():
         print(f"{name:<40}{t['median']:>8.3f}  >= {t['target']:<5}  {t['cpu_time_estimate']:.3f}")
@@ -432,8 +470,11 @@ def main() -> None:
     if args.worker:
         return worker(args)
     with tempfile.TemporaryDirectory() as tmp:
-        raw = run_tf_config_workers(HERE, ["--steps", str(args.steps), "--rounds", str(args.rounds),
-                                           "--bytes-per-pack", str(args.bytes_per_pack)], os.path.join(tmp, "two.json"))
+        raw = run_tf_config_workers(
+            HERE,
+            ["--steps", str(args.steps), "--rounds", str(args.rounds), "--bytes-per-pack", str(args.bytes_per_pack)],
+            os.path.join(tmp, "two.json"),
+        )
     result = summarize(raw, args)
     print(json.dumps(result, indent=2))
     if args.json:

@@ -92,8 +92,12 @@ def train(cluster: ds.testing.LocalCluster, workers: int, rows: int, sparse: boo
     received = sum(a["ps_bytes_received"] - b["ps_bytes_received"] for a, b in zip(after, before))
     values = coordinator.fetch(losses)
     coordinator.close()
-    return {"steps_per_s": steps / seconds, "bytes_sent_per_step": sent / steps,
-            "bytes_received_per_step": received / steps, "last_loss": float(values[-1])}
+    return {
+        "steps_per_s": steps / seconds,
+        "bytes_sent_per_step": sent / steps,
+        "bytes_received_per_step": received / steps,
+        "last_loss": float(values[-1]),
+    }
 
 
 def noop() -> None:
@@ -151,13 +155,22 @@ def main() -> None:
             record("coordinator_ms_per_noop_function", over["ms_per_noop_function"])
             record("schedule_call_ms", over["schedule_call_ms"])
     result = {
-        "config": {"rows": args.rows, "dim": DIM, "fields": FIELDS, "batch": BATCH, "steps": args.steps,
-                   "rounds": args.rounds, "ps": 1, "torch_threads_per_task": 1},
+        "config": {
+            "rows": args.rows,
+            "dim": DIM,
+            "fields": FIELDS,
+            "batch": BATCH,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "ps": 1,
+            "torch_threads_per_task": 1,
+        },
         "median": {k: statistics.median(v) for k, v in rounds.items()},
         "rounds": rounds,
     }
-    result["median"]["sparse_vs_dense_bytes_sent"] = (result["median"]["sparse_bytes_sent_per_step"]
-                                                      / result["median"]["dense_bytes_sent_per_step"])
+    result["median"]["sparse_vs_dense_bytes_sent"] = (
+        result["median"]["sparse_bytes_sent_per_step"] / result["median"]["dense_bytes_sent_per_step"]
+    )
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "preempt_train.py"
@@ -48,8 +48,14 @@ def _launch(args: list[str], timeout: float = 240) -> tuple[int, str]:
     """``distrib launch`` in its own session, killed as a whole if it overruns (or whatever happens)."""
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "distrib.app.cli", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distrib.app.cli", "launch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=ROOT,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -79,22 +85,43 @@ def reference(workdir: Path, strategy: str = "mwms") -> list[Any]:
     import torch
 
     out_file = workdir / "reference.pt"
-    code, out = _launch(["--workers", "2", str(SCRIPT), "--out", str(out_file), "--checkpoint-dir",
-                         str(workdir / "reference-ckpt"), "--strategy", strategy])
+    code, out = _launch(
+        [
+            "--workers",
+            "2",
+            str(SCRIPT),
+            "--out",
+            str(out_file),
+            "--checkpoint-dir",
+            str(workdir / "reference-ckpt"),
+            "--strategy",
+            strategy,
+        ]
+    )
     if code != 0:
         raise RuntimeError(f"the uninterrupted run failed ({code}):\n{out}")
     return list(torch.load(out_file))
 
 
-def trial(workdir: Path, notice_at: int, via: str, expected: Optional[list[Any]] = None,
-          strategy: str = "mwms") -> dict[str, Any]:
+def trial(
+    workdir: Path, notice_at: int, via: str, expected: list[Any] | None = None, strategy: str = "mwms"
+) -> dict[str, Any]:
     """One preempted run at ``notice_at`` and its restart; the figures described in the module docstring."""
     import torch
 
     own = Path(tempfile.mkdtemp(prefix=f"{via}-{notice_at}-", dir=workdir))  # a trial's own files, never reused
     out_file, ckpt = own / "preempted.pt", own / "ckpt"
-    common = ["--workers", "2", str(SCRIPT), "--out", str(out_file), "--checkpoint-dir", str(ckpt),
-              "--strategy", strategy]
+    common = [
+        "--workers",
+        "2",
+        str(SCRIPT),
+        "--out",
+        str(out_file),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--strategy",
+        strategy,
+    ]
     if via == "launcher":
         # the launcher looks for signals every 50 ms: slower steps, so the notice lands mid-run. Its grace period
         # must cover the save and the process's exit: torch's own teardown at exit took 4-6 s on this 2-core
@@ -114,8 +141,12 @@ def trial(workdir: Path, notice_at: int, via: str, expected: Optional[list[Any]]
     first_exits = [e for kind, e in events if kind == "EXIT" and e["runs"] < 20]
     resumed = [int(e["run"]) for kind, e in events if kind == "START" and e["run"] > 0]
     result: dict[str, Any] = {
-        "notice_at": notice_at, "via": via, "launcher_exit_codes": codes, "saved_at": saved,
-        "runs_at_exit": sorted(int(e["runs"]) for e in first_exits), "resumed_at": sorted(set(resumed)),
+        "notice_at": notice_at,
+        "via": via,
+        "launcher_exit_codes": codes,
+        "saved_at": saved,
+        "runs_at_exit": sorted(int(e["runs"]) for e in first_exits),
+        "resumed_at": sorted(set(resumed)),
         "seconds": round(seconds, 2),
     }
     if notice is not None and first_exits:
@@ -125,8 +156,13 @@ def trial(workdir: Path, notice_at: int, via: str, expected: Optional[list[Any]]
     if expected is not None and out_file.exists():
         got = torch.load(out_file)
         result["params_equal"] = len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
-    result["ok"] = bool(len(saved) == 2 and len(set(saved.values())) == 1 and result.get("steps_lost") == 0
-                        and result.get("params_equal", True) and codes[-1] == 0)
+    result["ok"] = bool(
+        len(saved) == 2
+        and len(set(saved.values())) == 1
+        and result.get("steps_lost") == 0
+        and result.get("params_equal", True)
+        and codes[-1] == 0
+    )
     if not result["ok"]:
         result["output"] = out[-6000:]
     return result
@@ -141,7 +177,7 @@ def last_notice(via: str) -> int:
     return 18 if via == "self" else 14
 
 
-def run_trials(n: int, via: str, seed: int, workdir: Optional[Path] = None) -> dict[str, Any]:
+def run_trials(n: int, via: str, seed: int, workdir: Path | None = None) -> dict[str, Any]:
     """The reference run and ``n`` trials at random steps (1..18 of 20; 1..14 through the launcher)."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="preemption-") as tmp:
@@ -149,10 +185,16 @@ def run_trials(n: int, via: str, seed: int, workdir: Optional[Path] = None) -> d
         expected = reference(where)
         trials = [trial(where, rng.randint(1, last_notice(via)), via, expected) for _ in range(n)]
     times = [t["notice_to_exit_s"] for t in trials if "notice_to_exit_s" in t]
-    return {"via": via, "trials": trials, "all_ok": all(t["ok"] for t in trials),
-            "steps_lost": [t.get("steps_lost") for t in trials],
-            "notice_to_exit_s": {"median": statistics.median(times) if times else None,
-                                 "max": max(times) if times else None}}
+    return {
+        "via": via,
+        "trials": trials,
+        "all_ok": all(t["ok"] for t in trials),
+        "steps_lost": [t.get("steps_lost") for t in trials],
+        "notice_to_exit_s": {
+            "median": statistics.median(times) if times else None,
+            "max": max(times) if times else None,
+        },
+    }
 
 
 # ------------------------------------------------------------------ overhead (a worker of distrib launch)
@@ -187,16 +229,20 @@ def _overhead_worker(steps: int, rounds: int, out: str) -> None:
         strategy.communicator.all_reduce([flag])
         return result
 
-    handler = ds.experimental.PreemptionCheckpointHandler(strategy.cluster_resolver, ds.Checkpoint(model=model),
-                                                          tempfile.mkdtemp(prefix="preemption-overhead-"))
-    ways = {"plain": lambda: train_step(), "handler": lambda: handler.run(train_step),
-            "flag_allreduce": lambda: flagged_step()}
+    handler = ds.experimental.PreemptionCheckpointHandler(
+        strategy.cluster_resolver, ds.Checkpoint(model=model), tempfile.mkdtemp(prefix="preemption-overhead-")
+    )
+    ways = {
+        "plain": lambda: train_step(),
+        "handler": lambda: handler.run(train_step),
+        "flag_allreduce": lambda: flagged_step(),
+    }
     names = list(ways)
     for _ in range(20):
         train_step()
     per_round: list[dict[str, float]] = []
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         times: dict[str, float] = {}
         for name in order:
             strategy.barrier()
@@ -216,8 +262,9 @@ def _run_overhead_cost(calls: int = 200_000) -> float:
 
     import distrib as ds
 
-    handler = ds.experimental.PreemptionCheckpointHandler(None, ds.Checkpoint(t=torch.zeros(1)),
-                                                          tempfile.mkdtemp(prefix="preemption-cost-"))
+    handler = ds.experimental.PreemptionCheckpointHandler(
+        None, ds.Checkpoint(t=torch.zeros(1)), tempfile.mkdtemp(prefix="preemption-cost-")
+    )
 
     def nothing() -> None:
         return None
@@ -238,8 +285,21 @@ def _run_overhead_cost(calls: int = 200_000) -> float:
 def overhead(steps: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="preemption-overhead-") as tmp:
         out = Path(tmp) / "rounds.json"
-        code, text = _launch(["--workers", "2", str(Path(__file__).resolve()), "_overhead_worker", "--steps",
-                              str(steps), "--rounds", str(rounds), "--out", str(out)], timeout=600)
+        code, text = _launch(
+            [
+                "--workers",
+                "2",
+                str(Path(__file__).resolve()),
+                "_overhead_worker",
+                "--steps",
+                str(steps),
+                "--rounds",
+                str(rounds),
+                "--out",
+                str(out),
+            ],
+            timeout=600,
+        )
         if code != 0:
             raise RuntimeError(f"the overhead run failed ({code}):\n{text}")
         per_round = json.loads(out.read_text())
@@ -248,12 +308,19 @@ def overhead(steps: int, rounds: int) -> dict[str, Any]:
     ratios = {name: statistics.median(r[name] / r["plain"] for r in per_round) for name in names}
     cpu = {name: statistics.median(r[f"{name}_cpu"] for r in per_round) for name in names}
     cpu_ratios = {name: statistics.median(r[f"{name}_cpu"] / r["plain_cpu"] for r in per_round) for name in names}
-    return {"steps": steps, "rounds": rounds, "ms_per_step": medians, "ratio_to_plain": ratios,
-            "cpu_ms_per_step": cpu, "cpu_ratio_to_plain": cpu_ratios,
-            "run_call_cost_us": round(_run_overhead_cost(), 3), "per_round": per_round}
+    return {
+        "steps": steps,
+        "rounds": rounds,
+        "ms_per_step": medians,
+        "ratio_to_plain": ratios,
+        "cpu_ms_per_step": cpu,
+        "cpu_ratio_to_plain": cpu_ratios,
+        "run_call_cost_us": round(_run_overhead_cost(), 3),
+        "per_round": per_round,
+    }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("trials")
@@ -276,19 +343,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.what == "trials":
         result = run_trials(args.trials, args.via, args.seed)
         print(json.dumps(result, indent=1))
-        print(f"\n{'notice at':>9} {'saved at':>9} {'runs at exit':>13} {'resumed':>8} {'lost':>5} "
-              f"{'notice->exit s':>15} {'params equal':>13}")
+        print(
+            f"\n{'notice at':>9} {'saved at':>9} {'runs at exit':>13} {'resumed':>8} {'lost':>5} "
+            f"{'notice->exit s':>15} {'params equal':>13}"
+        )
         for r in result["trials"]:
-            print(f"{r['notice_at']:>9} {str(sorted(set(r['saved_at'].values()))):>9} {str(r['runs_at_exit']):>13} "
-                  f"{str(r['resumed_at']):>8} {str(r.get('steps_lost')):>5} {str(r.get('notice_to_exit_s')):>15} "
-                  f"{str(r.get('params_equal')):>13}")
+            print(
+                f"{r['notice_at']:>9} {str(sorted(set(r['saved_at'].values()))):>9} {str(r['runs_at_exit']):>13} "
+                f"{str(r['resumed_at']):>8} {str(r.get('steps_lost')):>5} {str(r.get('notice_to_exit_s')):>15} "
+                f"{str(r.get('params_equal')):>13}"
+            )
     else:
         result = overhead(args.steps, args.rounds)
         print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
         print(f"\n{'way':>15} {'ms/step':>9} {'ratio':>7} {'cpu ms':>8} {'cpu ratio':>10}")
         for name, ms in result["ms_per_step"].items():
-            print(f"{name:>15} {ms:>9.3f} {result['ratio_to_plain'][name]:>7.3f} "
-                  f"{result['cpu_ms_per_step'][name]:>8.3f} {result['cpu_ratio_to_plain'][name]:>10.3f}")
+            print(
+                f"{name:>15} {ms:>9.3f} {result['ratio_to_plain'][name]:>7.3f} "
+                f"{result['cpu_ms_per_step'][name]:>8.3f} {result['cpu_ratio_to_plain'][name]:>10.3f}"
+            )
         print(f"handler.run() around an empty function: {result['run_call_cost_us']:.3f} us per call")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -35,10 +35,8 @@ def worker(fmt: str, width: int, blocks: int, rounds: int, directory: str, out: 
 
     import distrib as ds
 
-    results: dict[str, list[float]] = {"save_s": [], "save_mb": [], "restore_s": [], "restore_mb": [],
-                                       "written_mb": []}
-    strategy = ds.ShardedStrategy(sharding_policy=ds.ShardingPolicy(module_classes=[sm.Block]),
-                                  checkpoint_format=fmt)
+    results: dict[str, list[float]] = {"save_s": [], "save_mb": [], "restore_s": [], "restore_mb": [], "written_mb": []}
+    strategy = ds.ShardedStrategy(sharding_policy=ds.ShardingPolicy(module_classes=[sm.Block]), checkpoint_format=fmt)
     with strategy.scope():
         model = sm.build_model(width, blocks)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -75,12 +73,15 @@ def worker(fmt: str, width: int, blocks: int, rounds: int, directory: str, out: 
 
 def _written(prefix: str, rank: int) -> int:
     if os.path.isdir(prefix + ".dcp"):
-        return sum(os.path.getsize(os.path.join(prefix + ".dcp", n)) for n in os.listdir(prefix + ".dcp")
-                   if n.startswith(f"__{rank}_"))
+        return sum(
+            os.path.getsize(os.path.join(prefix + ".dcp", n))
+            for n in os.listdir(prefix + ".dcp")
+            if n.startswith(f"__{rank}_")
+        )
     return os.path.getsize(prefix + ".pt") if rank == 0 and os.path.exists(prefix + ".pt") else 0
 
 
-def main(argv: "list[str] | None" = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--width", type=int, default=2048)
@@ -98,16 +99,37 @@ def main(argv: "list[str] | None" = None) -> dict:
         for fmt in ("sharded", "plain"):  # a fresh job per format: nothing of the other's allocations left
             out = os.path.join(tmp, f"{fmt}.json")
             env = {**os.environ, **sm.worker_env(args.malloc)}
-            cmd = [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", str(args.workers), __file__,
-                   "--width", str(args.width), "--blocks", str(args.blocks), "--rounds", str(args.rounds),
-                   "--_worker", fmt, tmp, out]
+            cmd = [
+                sys.executable,
+                "-m",
+                "distrib.app.cli",
+                "launch",
+                "--workers",
+                str(args.workers),
+                __file__,
+                "--width",
+                str(args.width),
+                "--blocks",
+                str(args.blocks),
+                "--rounds",
+                str(args.rounds),
+                "--_worker",
+                fmt,
+                tmp,
+                out,
+            ]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode != 0:
-                raise SystemExit(f"the {fmt} workers failed ({done.returncode}):\n{done.stdout[-4000:]}"
-                                 f"{done.stderr[-4000:]}")
+                raise SystemExit(
+                    f"the {fmt} workers failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-4000:]}"
+                )
             per_format[fmt] = json.loads(Path(out).read_text())
-    summary: dict = {"params": sm.params(args.width, args.blocks), "workers": args.workers, "rounds": args.rounds,
-                     "variants": {}}
+    summary: dict = {
+        "params": sm.params(args.width, args.blocks),
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "variants": {},
+    }
     for fmt, per_worker in per_format.items():
         row = {}
         for key in ("save_s", "restore_s"):
@@ -119,8 +141,10 @@ def main(argv: "list[str] | None" = None) -> dict:
     print(f"{summary['params'] / 1e6:.1f}M parameters, {args.workers} workers, medians of {args.rounds} rounds")
     print(f"{'format':<9} {'save s':>7} {'restore s':>9} {'save +MB':>9} {'restore +MB':>11}  written per worker MB")
     for fmt, row in summary["variants"].items():
-        print(f"{fmt:<9} {row['save_s']:>7} {row['restore_s']:>9} {row['save_mb']:>9} {row['restore_mb']:>11}  "
-              f"{row['written_mb_per_worker']}")
+        print(
+            f"{fmt:<9} {row['save_s']:>7} {row['restore_s']:>9} {row['save_mb']:>9} {row['restore_mb']:>11}  "
+            f"{row['written_mb_per_worker']}"
+        )
     print(json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

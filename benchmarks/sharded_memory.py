@@ -54,8 +54,20 @@ import subprocess
 import sys
 from typing import Any
 
-from sharded_model import (MALLOC_VARIABLES, after_step, allocator_env, batches, build_model, make_step,  # sys.path[0]
-                           make_strategy, params, reset_high_water_mark, vm_status, warm_up, worker_env)
+from sharded_model import (  # sys.path[0]
+    MALLOC_VARIABLES,
+    after_step,
+    allocator_env,
+    batches,
+    build_model,
+    make_step,
+    make_strategy,
+    params,
+    reset_high_water_mark,
+    vm_status,
+    warm_up,
+    worker_env,
+)
 
 STRATEGIES = ("mwms", "sharded")
 
@@ -94,37 +106,60 @@ def measure(strategy_name: str, width: int, blocks: int, steps: int, batch: int)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     mb = 1e6
     timed = slice(1, None) if len(wall) > 1 else slice(None)  # the first step also pays for first-use costs
-    return {"worker": strategy.worker_index, "local_params": local,
-            "baseline_rss_mb": round(base["VmRSS"] / mb, 1),
-            "build_mb": round((built["VmHWM"] - base["VmRSS"]) / mb, 1),
-            "steps_mb": round((trained["VmHWM"] - base["VmRSS"]) / mb, 1),
-            "peak_mb": round((max(built["VmHWM"], trained["VmHWM"]) - base["VmRSS"]) / mb, 1),
-            "after_build_rss_mb": round((built["VmRSS"] - base["VmRSS"]) / mb, 1),
-            "virtual_peak_mb": round((max(built["VmPeak"], trained["VmPeak"]) - base["VmSize"]) / mb, 1),
-            "step_wall_s": round(statistics.median(wall[timed]), 4),
-            "step_cpu_s": round(statistics.median(cpu[timed]), 4),
-            "allocator_env": {k: os.environ[k] for k in MALLOC_VARIABLES if k in os.environ}}
+    return {
+        "worker": strategy.worker_index,
+        "local_params": local,
+        "baseline_rss_mb": round(base["VmRSS"] / mb, 1),
+        "build_mb": round((built["VmHWM"] - base["VmRSS"]) / mb, 1),
+        "steps_mb": round((trained["VmHWM"] - base["VmRSS"]) / mb, 1),
+        "peak_mb": round((max(built["VmHWM"], trained["VmHWM"]) - base["VmRSS"]) / mb, 1),
+        "after_build_rss_mb": round((built["VmRSS"] - base["VmRSS"]) / mb, 1),
+        "virtual_peak_mb": round((max(built["VmPeak"], trained["VmPeak"]) - base["VmSize"]) / mb, 1),
+        "step_wall_s": round(statistics.median(wall[timed]), 4),
+        "step_cpu_s": round(statistics.median(cpu[timed]), 4),
+        "allocator_env": {k: os.environ[k] for k in MALLOC_VARIABLES if k in os.environ},
+    }
 
 
 def run(strategy_name: str, workers: int, malloc: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One configuration in fresh processes; every worker's figures."""
     env = worker_env(malloc)
-    cmd = [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", str(workers), str(pathlib.Path(__file__)),
-           "--measure", strategy_name, "--width", str(args.width), "--blocks", str(args.blocks), "--steps",
-           str(args.steps), "--batch", str(args.batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distrib.app.cli",
+        "launch",
+        "--workers",
+        str(workers),
+        str(pathlib.Path(__file__)),
+        "--measure",
+        strategy_name,
+        "--width",
+        str(args.width),
+        "--blocks",
+        str(args.blocks),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    rows = [json.loads(line[line.index('{"worker"'):]) for line in out.stdout.splitlines() if '"local_params"' in line]
+    rows = [json.loads(line[line.index('{"worker"') :]) for line in out.stdout.splitlines() if '"local_params"' in line]
     if out.returncode != 0 or len(rows) != workers:
-        raise RuntimeError(f"{strategy_name} N={workers} failed ({out.returncode}):\n{out.stdout[-3000:]}\n"
-                           f"{out.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{strategy_name} N={workers} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return sorted(rows, key=lambda r: r["worker"])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="1,2,4")
-    p.add_argument("--malloc", default="default,mmap",
-                   help="glibc allocator settings, comma-separated: default, mmap, mmap:4m, trim, ... (see above)")
+    p.add_argument(
+        "--malloc",
+        default="default,mmap",
+        help="glibc allocator settings, comma-separated: default, mmap, mmap:4m, trim, ... (see above)",
+    )
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--steps", type=int, default=3)
@@ -140,39 +175,54 @@ def main() -> None:
     for malloc in mallocs:
         allocator_env(malloc)  # a mistyped setting fails now, not after the first runs
     total = params(args.width, args.blocks)
-    summary: dict[str, Any] = {"params": total, "width": args.width, "blocks": args.blocks, "steps": args.steps,
-                               "batch_per_worker": args.batch, "runs": {}}
+    summary: dict[str, Any] = {
+        "params": total,
+        "width": args.width,
+        "blocks": args.blocks,
+        "steps": args.steps,
+        "batch_per_worker": args.batch,
+        "runs": {},
+    }
     for malloc in mallocs:
         for n in [int(w) for w in args.workers.split(",")]:
             entry: dict[str, Any] = {"env": allocator_env(malloc)}
             for name in STRATEGIES:
                 rows = run(name, n, malloc, args)
-                entry[name] = {"workers": rows, **{k: max(r[k] for r in rows) for k in
-                                                   ("build_mb", "steps_mb", "peak_mb", "virtual_peak_mb",
-                                                    "step_wall_s", "step_cpu_s")},
-                               "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in rows)}
+                entry[name] = {
+                    "workers": rows,
+                    **{
+                        k: max(r[k] for r in rows)
+                        for k in ("build_mb", "steps_mb", "peak_mb", "virtual_peak_mb", "step_wall_s", "step_cpu_s")
+                    },
+                    "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in rows),
+                }
                 print(f"{malloc} N={n} {name}: peak {entry[name]['peak_mb']} MB", file=sys.stderr, flush=True)
             entry["ratio_peak"] = round(entry["sharded"]["peak_mb"] / entry["mwms"]["peak_mb"], 3)
             entry["ratio_steps"] = round(entry["sharded"]["steps_mb"] / entry["mwms"]["steps_mb"], 3)
             default = summary["runs"].get(f"default/{n}")
             if default is not None:  # against MWMS as users get it (glibc's default), when that ran before
-                entry["ratio_peak_vs_mwms_default"] = round(entry["sharded"]["peak_mb"] / default["mwms"]["peak_mb"],
-                                                            3)
+                entry["ratio_peak_vs_mwms_default"] = round(entry["sharded"]["peak_mb"] / default["mwms"]["peak_mb"], 3)
             summary["runs"][f"{malloc}/{n}"] = entry
     print(json.dumps(summary, indent=1))
-    print(f"\n{total / 1e6:.1f}M parameters, fp32 Adam; MB above the process-group baseline, the largest worker; "
-          "step: median seconds of the slower worker (wall / CPU)")
+    print(
+        f"\n{total / 1e6:.1f}M parameters, fp32 Adam; MB above the process-group baseline, the largest worker; "
+        "step: median seconds of the slower worker (wall / CPU)"
+    )
     width = max(8, *(len(m) for m in mallocs))
-    print(f"{'malloc':<{width}} {'N':>2} {'strategy':<8} {'build':>7} {'steps':>7} {'peak':>7} {'virtual':>8} "
-          f"{'step wall/cpu':>14} {'peak ratio':>11} {'steps ratio':>12}")
+    print(
+        f"{'malloc':<{width}} {'N':>2} {'strategy':<8} {'build':>7} {'steps':>7} {'peak':>7} {'virtual':>8} "
+        f"{'step wall/cpu':>14} {'peak ratio':>11} {'steps ratio':>12}"
+    )
     for key, e in summary["runs"].items():
         malloc, n = key.rsplit("/", 1)
         for name in STRATEGIES:
             r = e[name]
-            ratio = (f"{e['ratio_peak']:>11} {e['ratio_steps']:>12}" if name == "sharded" else "")
+            ratio = f"{e['ratio_peak']:>11} {e['ratio_steps']:>12}" if name == "sharded" else ""
             step = f"{r['step_wall_s']:.3f}/{r['step_cpu_s']:.3f}"
-            print(f"{malloc:<{width}} {n:>2} {name:<8} {r['build_mb']:>7} {r['steps_mb']:>7} {r['peak_mb']:>7} "
-                  f"{r['virtual_peak_mb']:>8} {step:>14} {ratio}")
+            print(
+                f"{malloc:<{width}} {n:>2} {name:<8} {r['build_mb']:>7} {r['steps_mb']:>7} {r['peak_mb']:>7} "
+                f"{r['virtual_peak_mb']:>8} {step:>14} {ratio}"
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(summary, indent=1))
 

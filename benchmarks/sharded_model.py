@@ -25,9 +25,17 @@ from torch import nn
 #: set in a worker's environment by allocator_env("...+trim"): after_step() then calls glibc's malloc_trim(0)
 TRIM_VARIABLE = "DISTRIB_BENCH_MALLOC_TRIM"
 #: the glibc variables allocator_env sets; any of them inherited from the caller is removed first
-MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_",
-                    "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", TRIM_VARIABLE)
-_UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
+MALLOC_VARIABLES = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_ARENA_MAX",
+    "MALLOC_TOP_PAD_",
+    "GLIBC_TUNABLES",
+    "LD_PRELOAD",
+    "MALLOC_CONF",
+    TRIM_VARIABLE,
+)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
 
 class Block(nn.Module):
@@ -81,8 +89,9 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch: 
 def batches(n: int, global_batch: int, width: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` global batches (inputs, targets) of ``global_batch`` rows, from ``seed``."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(global_batch, width, generator=g), torch.randn(global_batch, width, generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(global_batch, width, generator=g), torch.randn(global_batch, width, generator=g)) for _ in range(n)
+    ]
 
 
 def vm_status() -> dict[str, int]:
@@ -116,7 +125,7 @@ def _size(text: str) -> int | None:
     text = text.strip().lower()
     unit = text[-1:] if text[-1:] in ("k", "m", "g") else ""
     try:
-        return int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
+        return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
     except ValueError:
         return None
 
@@ -158,8 +167,10 @@ def allocator_env(spec: str) -> dict[str, str]:
             if value:
                 env["MALLOC_CONF"] = f"dirty_decay_ms:{value},muzzy_decay_ms:{value}"
         else:
-            raise ValueError(f"unknown allocator setting {part!r} in {spec!r}: use default, mmap:SIZE, "
-                             "trimthr:SIZE, toppad:SIZE, arena:N, trim, thp, jemalloc or jemalloc:MS, joined by '+'")
+            raise ValueError(
+                f"unknown allocator setting {part!r} in {spec!r}: use default, mmap:SIZE, "
+                "trimthr:SIZE, toppad:SIZE, arena:N, trim, thp, jemalloc or jemalloc:MS, joined by '+'"
+            )
     return env
 
 

@@ -46,7 +46,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sharded_model import allocator_env, params, worker_env  # this directory is sys.path[0]
 
@@ -58,8 +59,10 @@ WARM_UP = 5
 #: nothing else in this step copies. The own time of FSDP's regions (``FSDP::all_gather``, ...) is mostly the
 #: main thread waiting for gloo's thread to finish the collective, plus FSDP's Python.
 KINDS: list[tuple[str, tuple[str, ...]]] = [
-    ("FSDP copy-in/copy-out", ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat", "aten::copy_",
-                               "aten::cat", "_foreach_copy")),
+    (
+        "FSDP copy-in/copy-out",
+        ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat", "aten::copy_", "aten::cat", "_foreach_copy"),
+    ),
     ("all-gather (gloo, main thread)", ("allgather", "all_gather_into", "_allgather_base")),
     ("reduce-scatter (gloo, main thread)", ("reduce_scatter",)),
     ("FSDP regions' own time (waits, Python)", ("fsdp::",)),
@@ -72,8 +75,6 @@ def measure(variant: str, width: int, blocks: int, batch: int, steps: int, profi
     """Time ``steps`` steps of ``variant`` (run in each worker)."""
     import torch
     import torch.distributed as dist
-    from torch import nn
-
     from sharded_model import after_step, batches, build_model, make_strategy
 
     torch.set_num_threads(1)
@@ -96,7 +97,7 @@ def measure(variant: str, width: int, blocks: int, batch: int, steps: int, profi
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         global_batch = batch * world
         data = batches(total, global_batch, width)
-        local = [(x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]) for x, y in data]
+        local = [(x[rank * batch : (rank + 1) * batch], y[rank * batch : (rank + 1) * batch]) for x, y in data]
 
         def one_step(x: torch.Tensor, y: torch.Tensor) -> None:
             ((model(x) - y).pow(2).mean(1).sum() / global_batch).backward()
@@ -105,7 +106,10 @@ def measure(variant: str, width: int, blocks: int, batch: int, steps: int, profi
             after_step()
 
         steps_iter = iter(local)
-        run_step: Callable[[], None] = lambda: one_step(*next(steps_iter))
+
+        def run_step() -> None:
+            one_step(*next(steps_iter))
+
         barrier: Callable[[], None] = dist.barrier
     else:
         import distrib as ds
@@ -151,8 +155,13 @@ def measure(variant: str, width: int, blocks: int, batch: int, steps: int, profi
         run_step()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     barrier()
-    out: dict[str, Any] = {"worker": rank, "variant": variant, "steps_per_s": steps / wall, "cpu_per_step": cpu / steps,
-                           "outside_fn_ms": 1e3 * (wall - in_fn[0]) / steps if variant != "direct" else None}
+    out: dict[str, Any] = {
+        "worker": rank,
+        "variant": variant,
+        "steps_per_s": steps / wall,
+        "cpu_per_step": cpu / steps,
+        "outside_fn_ms": 1e3 * (wall - in_fn[0]) / steps if variant != "direct" else None,
+    }
     if prof is not None:
         prof.__exit__(None, None, None)
         out["profile"] = summarize(prof, steps)
@@ -172,23 +181,42 @@ def summarize(prof: Any, steps: int) -> dict[str, Any]:
             regions[base] = regions.get(base, 0.0) + e.cpu_time_total / 1e3 / steps
         kind = next((k for k, pats in KINDS if any(p in name.lower() for p in pats)), "everything else")
         kinds[kind] += e.self_cpu_time_total / 1e3 / steps
-    return {"self_cpu_ms_per_step": {k: round(v, 2) for k, v in kinds.items()},
-            "profiled_step_ms": round(sum(kinds.values()), 2),
-            "fsdp_regions_ms_per_step": {k: round(v, 2) for k, v in sorted(regions.items(), key=lambda kv: -kv[1])},
-            "top_self_cpu_ms_per_step": {e.key: round(e.self_cpu_time_total / 1e3 / steps, 2) for e in top}}
+    return {
+        "self_cpu_ms_per_step": {k: round(v, 2) for k, v in kinds.items()},
+        "profiled_step_ms": round(sum(kinds.values()), 2),
+        "fsdp_regions_ms_per_step": {k: round(v, 2) for k, v in sorted(regions.items(), key=lambda kv: -kv[1])},
+        "top_self_cpu_ms_per_step": {e.key: round(e.self_cpu_time_total / 1e3 / steps, 2) for e in top},
+    }
 
 
 def run(variant: str, malloc: str, args: argparse.Namespace, profile: bool = False) -> list[dict[str, Any]]:
     """One run of ``variant`` on 2 fresh worker processes under the allocator setting ``malloc``; both workers'
     figures."""
-    cmd = [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", str(pathlib.Path(__file__)),
-           "--measure", variant, "--width", str(args.width), "--blocks", str(args.blocks), "--batch", str(args.batch),
-           "--steps", str(args.steps)] + (["--profile"] if profile else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "distrib.app.cli",
+        "launch",
+        "--workers",
+        "2",
+        str(pathlib.Path(__file__)),
+        "--measure",
+        variant,
+        "--width",
+        str(args.width),
+        "--blocks",
+        str(args.blocks),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+    ] + (["--profile"] if profile else [])
     out = subprocess.run(cmd, env=worker_env(malloc), capture_output=True, text=True, timeout=1200)
-    rows = [json.loads(line[line.index('{"worker"'):]) for line in out.stdout.splitlines() if '"steps_per_s"' in line]
+    rows = [json.loads(line[line.index('{"worker"') :]) for line in out.stdout.splitlines() if '"steps_per_s"' in line]
     if out.returncode != 0 or len(rows) != 2:
-        raise RuntimeError(f"{variant} ({malloc}) failed ({out.returncode}):\n{out.stdout[-3000:]}\n"
-                           f"{out.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{variant} ({malloc}) failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return sorted(rows, key=lambda r: r["worker"])
 
 
@@ -205,16 +233,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
-    p.add_argument("--malloc", default="default",
-                   help="glibc allocator settings, comma-separated (benchmarks/sharded_model.py's allocator_env: "
-                        "default, mmap:128k, mmap:4m+trim, ...); ratios against the first")
+    p.add_argument(
+        "--malloc",
+        default="default",
+        help="glibc allocator settings, comma-separated (benchmarks/sharded_model.py's allocator_env: "
+        "default, mmap:128k, mmap:4m+trim, ...); ratios against the first",
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--measure", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.width, args.blocks, args.batch, args.steps, args.profile)),
-              flush=True)
+        print(
+            json.dumps(measure(args.measure, args.width, args.blocks, args.batch, args.steps, args.profile)), flush=True
+        )
         return
 
     variants = [v for v in args.variants.split(",")]
@@ -229,14 +261,17 @@ def main() -> None:
     cpu: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
     outside: dict[str, list[float]] = {m: [] for m in mallocs}
     for r in range(args.rounds):
-        for variant, malloc in configs[r % len(configs):] + configs[:r % len(configs)]:  # the order rotates
+        for variant, malloc in configs[r % len(configs) :] + configs[: r % len(configs)]:  # the order rotates
             rows = run(variant, malloc, args)
             wall[variant, malloc].append(rows[0]["steps_per_s"])
             cpu[variant, malloc].append(1.0 / max(row["cpu_per_step"] for row in rows))
             if variant == "distrib":
                 outside[malloc].append(statistics.median(row["outside_fn_ms"] for row in rows))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{v}/{m} {wall[v, m][-1]:.2f}/s" for v, m in configs),
-              file=sys.stderr, flush=True)
+        print(
+            f"round {r + 1}/{args.rounds}: " + ", ".join(f"{v}/{m} {wall[v, m][-1]:.2f}/s" for v, m in configs),
+            file=sys.stderr,
+            flush=True,
+        )
 
     base = mallocs[0]
     by_malloc: dict[str, Any] = {}
@@ -245,10 +280,17 @@ def main() -> None:
             "env": allocator_env(m),
             "steps_per_s_wall": {v: round(statistics.median(wall[v, m]), 3) for v in variants},
             "steps_per_s_cpu_estimate": {v: round(statistics.median(cpu[v, m]), 3) for v in variants},
-            "ratios_wall": {f"distrib_vs_{o}": median_ratio(wall["distrib", m], wall[o, m])
-                            for o in variants if o != "distrib" and "distrib" in variants},
-            "ratios_cpu_estimate": {f"distrib_vs_{o}": median_ratio(cpu["distrib", m], cpu[o, m])
-                                    for o in variants if o != "distrib" and "distrib" in variants}}
+            "ratios_wall": {
+                f"distrib_vs_{o}": median_ratio(wall["distrib", m], wall[o, m])
+                for o in variants
+                if o != "distrib" and "distrib" in variants
+            },
+            "ratios_cpu_estimate": {
+                f"distrib_vs_{o}": median_ratio(cpu["distrib", m], cpu[o, m])
+                for o in variants
+                if o != "distrib" and "distrib" in variants
+            },
+        }
         if outside[m]:
             entry["distrib_outside_step_fn_ms"] = round(statistics.median(outside[m]), 2)
         if m != base:  # the same variant under this setting against the first setting, within each round
@@ -257,26 +299,42 @@ def main() -> None:
         by_malloc[m] = entry
     total = params(args.width, args.blocks)
     summary: dict[str, Any] = {
-        "params": total, "width": args.width, "blocks": args.blocks, "batch_per_worker": args.batch,
-        "steps": args.steps, "rounds": args.rounds, "workers": 2, "variants": variants, "malloc": by_malloc,
-        "raw": {f"{v}/{m}": {"wall": wall[v, m], "cpu_estimate": cpu[v, m]} for v, m in configs}}
+        "params": total,
+        "width": args.width,
+        "blocks": args.blocks,
+        "batch_per_worker": args.batch,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "workers": 2,
+        "variants": variants,
+        "malloc": by_malloc,
+        "raw": {f"{v}/{m}": {"wall": wall[v, m], "cpu_estimate": cpu[v, m]} for v, m in configs},
+    }
     if args.profile and "distrib" in variants:
         summary["profile_distrib_worker0"] = run("distrib", base, args, profile=True)[0]["profile"]
     print(json.dumps(summary, indent=1))
-    print(f"\n{total / 1e6:.1f}M parameters, fp32 Adam, 2 workers, batch {args.batch} per worker; medians of "
-          f"{args.rounds} rounds; ratios within a round, their median")
+    print(
+        f"\n{total / 1e6:.1f}M parameters, fp32 Adam, 2 workers, batch {args.batch} per worker; medians of "
+        f"{args.rounds} rounds; ratios within a round, their median"
+    )
     width = max(8, *(len(m) for m in mallocs))
-    print(f"{'malloc':<{width}} {'variant':<8} {'steps/s wall':>13} {'steps/s cpu est.':>17} "
-          f"{'vs ' + base + ' wall/cpu':>{width + 12}}")
+    print(
+        f"{'malloc':<{width}} {'variant':<8} {'steps/s wall':>13} {'steps/s cpu est.':>17} "
+        f"{'vs ' + base + ' wall/cpu':>{width + 12}}"
+    )
     for m in mallocs:
         e = by_malloc[m]
         for v in variants:
             vs = f"{e[f'vs_{base}_wall'][v]}/{e[f'vs_{base}_cpu_estimate'][v]}" if m != base else ""
-            print(f"{m:<{width}} {v:<8} {e['steps_per_s_wall'][v]:>13} {e['steps_per_s_cpu_estimate'][v]:>17} "
-                  f"{vs:>{width + 12}}")
+            print(
+                f"{m:<{width}} {v:<8} {e['steps_per_s_wall'][v]:>13} {e['steps_per_s_cpu_estimate'][v]:>17} "
+                f"{vs:>{width + 12}}"
+            )
         for name in e["ratios_wall"]:
-            print(f"{m:<{width}} {name:<18} wall {e['ratios_wall'][name]:>6}  cpu est. "
-                  f"{e['ratios_cpu_estimate'][name]:>6}")
+            print(
+                f"{m:<{width}} {name:<18} wall {e['ratios_wall'][name]:>6}  cpu est. "
+                f"{e['ratios_cpu_estimate'][name]:>6}"
+            )
         if "distrib_outside_step_fn_ms" in e:
             print(f"{m:<{width}} distrib's time outside the step function: {e['distrib_outside_step_fn_ms']} ms/step")
     if args.profile and "distrib" in variants:

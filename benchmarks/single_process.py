@@ -27,7 +27,8 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +66,9 @@ def plain_loop(model_fn: Callable[[], torch.nn.Module]) -> Callable[[Any], None]
     return step
 
 
-def main_job_loop(with_strategy: bool, compile_model: bool, fused_adam: bool = True) -> tuple[Callable[[Any], None], Any]:
+def main_job_loop(
+    with_strategy: bool, compile_model: bool, fused_adam: bool = True
+) -> tuple[Callable[[Any], None], Any]:
     strategy = ds.MirroredStrategy() if with_strategy else ds.get_strategy()
     torch.manual_seed(0)
     with strategy.scope():
@@ -74,16 +77,21 @@ def main_job_loop(with_strategy: bool, compile_model: bool, fused_adam: bool = T
             opt = models.fashion_mnist_optimizer(model.parameters())
         else:
             opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
-        acc, loss_metric, test_acc = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(),
-                                      ds.metrics.SparseCategoricalAccuracy())
+        acc, loss_metric, test_acc = (
+            ds.metrics.SparseCategoricalAccuracy(),
+            ds.metrics.Mean(),
+            ds.metrics.SparseCategoricalAccuracy(),
+        )
     forward = models.maybe_compile(model, compile_model)
     train_step, _ = make_steps(forward, opt, BATCH * strategy.num_replicas_in_sync, acc, loss_metric, test_acc)
     total = [torch.zeros(())]
 
     if with_strategy:
+
         def step(batch: Any) -> None:
             total[0] += strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(batch,)), axis=None).cpu()
     else:
+
         def step(batch: Any) -> None:
             total[0] += train_step(batch).detach()
 
@@ -120,8 +128,10 @@ def main() -> None:
         "main_job_default_adam": default_adam_main,
         "main_job": strategy_main,
     }
-    dist_data = {"main_job": strategy.experimental_distribute_dataset(data),
-                 "main_job_default_adam": default_adam_strategy.experimental_distribute_dataset(data)}
+    dist_data = {
+        "main_job": strategy.experimental_distribute_dataset(data),
+        "main_job_default_adam": default_adam_strategy.experimental_distribute_dataset(data),
+    }
     rates: dict[str, list[float]] = {k: [] for k in loops}
     load_before = os.getloadavg()[0]
     for r in range(args.rounds):
@@ -130,14 +140,19 @@ def main() -> None:
             rates[name].append(measure(step, dist_data.get(name, data), args.steps))
     med = {k: statistics.median(v) for k, v in rates.items()}
     result = {
-        "data": source, "threads": torch.get_num_threads(), "rounds": args.rounds, "steps_per_round": args.steps,
+        "data": source,
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
         "examples_per_s_median": med,
         "strategy_layer_ratio": med["main_job"] / med["main_job_without_distrib"],
         "main_job_vs_plain_eager": med["main_job"] / med["plain_eager"],
         # the ratio within each round, median over rounds: robust to load that comes and goes between rounds
         "main_job_vs_plain_eager_per_round_median": statistics.median(
-            m / p for m, p in zip(rates["main_job"], rates["plain_eager"])),
-        "examples_per_s_all": rates, "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+            m / p for m, p in zip(rates["main_job"], rates["plain_eager"])
+        ),
+        "examples_per_s_all": rates,
+        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
     }
     print(json.dumps(result, indent=2))
     if args.json:
@@ -146,9 +161,13 @@ def main() -> None:
     print(f"\n{'loop':<28}{'examples/s':>12}{'vs plain eager':>16}")
     for name in loops:
         print(f"{name:<28}{med[name]:>12.0f}{med[name] / med['plain_eager']:>16.3f}")
-    print(f"\nstrategy layer: main_job / main_job_without_distrib = {result['strategy_layer_ratio']:.3f} (target >= 0.97)")
-    print(f"main job / plain eager = {result['main_job_vs_plain_eager']:.3f} (target >= 1.8); within each round, "
-          f"median over rounds: {result['main_job_vs_plain_eager_per_round_median']:.3f}")
+    print(
+        f"\nstrategy layer: main_job / main_job_without_distrib = {result['strategy_layer_ratio']:.3f} (target >= 0.97)"
+    )
+    print(
+        f"main job / plain eager = {result['main_job_vs_plain_eager']:.3f} (target >= 1.8); within each round, "
+        f"median over rounds: {result['main_job_vs_plain_eager_per_round_median']:.3f}"
+    )
 
 
 if __name__ == "__main__":

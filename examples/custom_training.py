@@ -29,8 +29,11 @@ parser.add_argument("--replicas", type=int, default=None)
 parser.add_argument("--data-dir", default=None)
 parser.add_argument("--checkpoint-dir", default="./training_checkpoints")
 parser.add_argument("--seed", type=int, default=None, help="seed the model's initial weights (runs to compare)")
-parser.add_argument("--no-function", action="store_true",
-                    help="drop the @ds.function decorators (the seed's @tf.function): the eager run, to compare")
+parser.add_argument(
+    "--no-function",
+    action="store_true",
+    help="drop the @ds.function decorators (the seed's @tf.function): the eager run, to compare",
+)
 args = parser.parse_args()
 # the seed decorates its steps with @tf.function; here @ds.function captures each step once as a CUDA graph and
 # replays it (on a CPU it runs the step as it is, and says so once). --no-function: the decorators do nothing
@@ -46,7 +49,7 @@ if args.seed is not None:
 # If the list of devices is not specified, every local GPU (or the CPU) is used.
 devices = None if args.replicas is None else [f"cpu:{i}" for i in range(args.replicas)]
 strategy = ds.MirroredStrategy(devices)
-print("Number of devices: {}".format(strategy.num_replicas_in_sync))
+print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
 # --- Setup input pipeline ------------------------------------------------------------------
 BATCH_SIZE_PER_REPLICA = 64
@@ -69,9 +72,11 @@ checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
 # Sum the per-example losses and divide by the GLOBAL batch size: optimizer.step() sums
 # gradients over replicas, so that sum is the gradient of the mean over the global batch.
 with strategy.scope():
+
     def compute_loss(labels, predictions):
         per_example_loss = F.cross_entropy(predictions, labels, reduction="none")
         return ds.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH_SIZE)
+
 
 # --- Define the metrics to track loss and accuracy -----------------------------------------
 with strategy.scope():
@@ -137,8 +142,15 @@ for epoch in range(EPOCHS):
         checkpoint.save(checkpoint_prefix)
 
     template = "Epoch {}, Loss: {}, Accuracy: {}, Test Loss: {}, Test Accuracy: {}"
-    print(template.format(epoch + 1, float(train_loss), float(train_accuracy.result() * 100),
-                          float(test_loss.result()), float(test_accuracy.result() * 100)))
+    print(
+        template.format(
+            epoch + 1,
+            float(train_loss),
+            float(train_accuracy.result() * 100),
+            float(test_loss.result()),
+            float(test_accuracy.result() * 100),
+        )
+    )
 
     test_loss.reset_states()
     train_accuracy.reset_states()
@@ -167,8 +179,7 @@ checkpoint.restore(ds.latest_checkpoint(checkpoint_dir))
 for images, labels in test_dataset:
     eval_step(images, labels)
 
-print("Accuracy after restoring the saved model without strategy: {}".format(
-    float(eval_accuracy.result() * 100)))
+print(f"Accuracy after restoring the saved model without strategy: {float(eval_accuracy.result() * 100)}")
 
 # --- Alternate ways of iterating over a dataset: using iterators ---------------------------
 # To iterate over a given number of steps rather than the whole dataset, create an

@@ -36,8 +36,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import distrib as ds
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--replicas", type=int, default=2,
-                    help="logical CPU replicas of the MirroredStrategy used to train (when there are < 2 GPUs)")
+parser.add_argument(
+    "--replicas",
+    type=int,
+    default=2,
+    help="logical CPU replicas of the MirroredStrategy used to train (when there are < 2 GPUs)",
+)
 args = parser.parse_args()
 
 # GPUs when there are 2 or more (the guide's case), else logical CPU replicas (the input tutorial's virtual CPUs).
@@ -74,8 +78,9 @@ def make_model():
 
 def sgd(model, learning_rate=0.01):
     """``optimizer='sgd'`` (Keras' default learning rate 0.01), with the L2(1e-4) kernel regularizer as weight decay."""
-    return torch.optim.SGD([{"params": [model.weight], "weight_decay": 2 * model.l2},
-                            {"params": [model.bias]}], lr=learning_rate)
+    return torch.optim.SGD(
+        [{"params": [model.weight], "weight_decay": 2 * model.l2}, {"params": [model.bias]}], lr=learning_rate
+    )
 
 
 def ones_dataset(n, batch_size):
@@ -127,11 +132,19 @@ if not IN_PROCESS_CLUSTER:
 else:  # a notebook's in-process cluster: 2 workers and 1 ps on threads of this process
     cluster_resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=1)
 variable_partitioner = ds.partitioners.MinSizePartitioner(
-    min_shard_bytes=256 << 10, max_shards=cluster_resolver.cluster_spec().num_tasks("ps"))
+    min_shard_bytes=256 << 10, max_shards=cluster_resolver.cluster_spec().num_tasks("ps")
+)
 strategy = ds.ParameterServerStrategy(cluster_resolver, variable_partitioner=variable_partitioner)
 coordinator = ds.coordinator.ClusterCoordinator(strategy)
-print(type(strategy).__name__, "with", cluster_resolver.cluster_spec().num_tasks("worker"), "workers and",
-      cluster_resolver.cluster_spec().num_tasks("ps"), "ps;", type(coordinator).__name__)
+print(
+    type(strategy).__name__,
+    "with",
+    cluster_resolver.cluster_spec().num_tasks("worker"),
+    "workers and",
+    cluster_resolver.cluster_spec().num_tasks("ps"),
+    "ps;",
+    type(coordinator).__name__,
+)
 
 # ### CentralStorageStrategy
 # TF: tf.distribute.experimental.CentralStorageStrategy() (variables on the CPU, computation on every GPU).
@@ -150,7 +163,7 @@ print(default_strategy)
 # In optimizer or other library code
 # Get currently active strategy
 strategy = ds.get_strategy()
-print(strategy.reduce("SUM", 1., axis=None))  # reduce some values
+print(strategy.reduce("SUM", 1.0, axis=None))  # reduce some values
 
 if torch.cuda.is_available():
     strategy = ds.MirroredStrategy()
@@ -159,7 +172,7 @@ else:  # Use the Default Strategy
 
 with strategy.scope():
     # Do something interesting
-    print(nn.Parameter(torch.tensor(1.)))  # tf.Variable(1.)
+    print(nn.Parameter(torch.tensor(1.0)))  # tf.Variable(1.)
 
 # #### OneDeviceStrategy
 strategy = ds.OneDeviceStrategy(device="/gpu:0" if GPUS else "/cpu:0")
@@ -178,16 +191,22 @@ print(ds.evaluate(model, dataset, loss="mse"))  # model.evaluate(dataset): the l
 
 # NumPy arrays: ds.fit takes batches, so the arrays go through a DataLoader (model.fit's batch_size=10).
 inputs, targets = np.ones((100, 1)), np.ones((100, 1))
-ds.fit(model, DataLoader(TensorDataset(torch.as_tensor(inputs, dtype=torch.float32),
-                                       torch.as_tensor(targets, dtype=torch.float32)), batch_size=10),
-       optimizer=optimizer, loss="mse", epochs=2)
+ds.fit(
+    model,
+    DataLoader(
+        TensorDataset(torch.as_tensor(inputs, dtype=torch.float32), torch.as_tensor(targets, dtype=torch.float32)),
+        batch_size=10,
+    ),
+    optimizer=optimizer,
+    loss="mse",
+    epochs=2,
+)
 
 print(mirrored_strategy.num_replicas_in_sync)
 
 # Compute a global batch size using a number of replicas.
 BATCH_SIZE_PER_REPLICA = 5
-global_batch_size = (BATCH_SIZE_PER_REPLICA *
-                     mirrored_strategy.num_replicas_in_sync)
+global_batch_size = BATCH_SIZE_PER_REPLICA * mirrored_strategy.num_replicas_in_sync
 dataset = ones_dataset(100, global_batch_size)
 
 LEARNING_RATES_BY_BATCH_SIZE = {5: 0.1, 10: 0.15, 20: 0.175}
@@ -234,8 +253,7 @@ def train_step(inputs):
 
 def distributed_train_step(dist_inputs):
     per_replica_losses = mirrored_strategy.run(train_step, args=(dist_inputs,))
-    return mirrored_strategy.reduce(ds.ReduceOp.SUM, per_replica_losses,
-                                    axis=None)
+    return mirrored_strategy.reduce(ds.ReduceOp.SUM, per_replica_losses, axis=None)
 
 
 for dist_inputs in dist_dataset:
@@ -255,13 +273,12 @@ for _ in range(10):
 # ### Setting up the TF_CONFIG environment variable
 saved_tf_config = os.environ.get("TF_CONFIG")
 # (the guide writes "host1:port"; distrib checks every address when it reads TF_CONFIG, so real ports here)
-os.environ["TF_CONFIG"] = json.dumps({
-    "cluster": {
-        "worker": ["host1:2222", "host2:2222", "host3:2222"],
-        "ps": ["host4:2222", "host5:2222"]
-    },
-    "task": {"type": "worker", "index": 1}
-})
+os.environ["TF_CONFIG"] = json.dumps(
+    {
+        "cluster": {"worker": ["host1:2222", "host2:2222", "host3:2222"], "ps": ["host4:2222", "host5:2222"]},
+        "task": {"type": "worker", "index": 1},
+    }
+)
 resolver = ds.cluster_resolver.TFConfigClusterResolver()
 print(resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id)
 os.environ.pop("TF_CONFIG")

@@ -65,14 +65,18 @@ if ds.cluster_resolver.TFConfigClusterResolver.detect():
 else:
     cluster_resolver = ds.testing.create_in_process_cluster(num_workers=2, num_ps=2)
 
-strategy = ds.ParameterServerStrategy(cluster_resolver,
-                                      variable_partitioner=ds.partitioners.MaxSizePartitioner(max_shard_bytes=4 << 20))
+strategy = ds.ParameterServerStrategy(
+    cluster_resolver, variable_partitioner=ds.partitioners.MaxSizePartitioner(max_shard_bytes=4 << 20)
+)
 with strategy.scope():
     model = ClickThroughModel(args.rows, sparse=not args.dense)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
 shards = strategy.variable_placement(model)["embedding.weight"]
-print(f"embedding {args.rows} x {DIM} in {len(shards)} shard(s) on ps tasks {sorted({ps for ps, _, _ in shards})}: "
-      + ", ".join(f"rows {lo}:{hi} -> ps {ps}" for ps, lo, hi in shards[:4]) + (" ..." if len(shards) > 4 else ""))
+print(
+    f"embedding {args.rows} x {DIM} in {len(shards)} shard(s) on ps tasks {sorted({ps for ps, _, _ in shards})}: "
+    + ", ".join(f"rows {lo}:{hi} -> ps {ps}" for ps, lo, hi in shards[:4])
+    + (" ..." if len(shards) > 4 else "")
+)
 
 coordinator = ds.coordinator.ClusterCoordinator(strategy)
 
@@ -101,12 +105,16 @@ for first in range(0, args.steps, report):
     losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(min(report, args.steps - first))]
     coordinator.join()
     mean = sum(v.fetch().item() for v in losses) / len(losses)
-    print(f"steps {first + len(losses):>5}: loss {mean:.4f}  ({(first + len(losses)) / (time.perf_counter() - start):.1f} steps/s)")
+    print(
+        f"steps {first + len(losses):>5}: loss {mean:.4f}  ({(first + len(losses)) / (time.perf_counter() - start):.1f} steps/s)"
+    )
 
 stats = coordinator.worker_stats()
 sent = sum(s.get("ps_bytes_sent", 0) for s in stats)
-print(f"workers sent {sent / args.steps / 1e3:.1f} KB per step to the ps tasks "
-      f"({'dense' if args.dense else 'sparse'} embedding gradients; the table is {args.rows * DIM * 4 / 1e6:.1f} MB)")
+print(
+    f"workers sent {sent / args.steps / 1e3:.1f} KB per step to the ps tasks "
+    f"({'dense' if args.dense else 'sparse'} embedding gradients; the table is {args.rows * DIM * 4 / 1e6:.1f} MB)"
+)
 
 # Evaluate on the coordinator: calling the model reads the current parameters from the ps tasks.
 ids, dense, clicks = draw_batch(torch.Generator().manual_seed(7), 4096, args.rows)

@@ -35,8 +35,12 @@ from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 import distrib as ds
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--replicas", type=int, default=None,
-                    help="logical CPU replicas per process (default: 2 alone, 1 per worker under distrib launch)")
+parser.add_argument(
+    "--replicas",
+    type=int,
+    default=None,
+    help="logical CPU replicas per process (default: 2 alone, 1 per worker under distrib launch)",
+)
 args = parser.parse_args()
 
 IN_CLUSTER = ds.cluster_resolver.resolve() is not None
@@ -111,7 +115,9 @@ print(next(iter(dist_dataset)))
 for n, batch, replicas in ((6, 4, 2), (4, 4, 5), (8, 4, 3)):
     strategy = ds.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
     for step, x in enumerate(strategy.experimental_distribute_dataset(DataLoader(torch.arange(n), batch_size=batch))):
-        parts = ", ".join(f"Replica {r + 1}: {v.tolist()}" for r, v in enumerate(strategy.experimental_local_results(x)))
+        parts = ", ".join(
+            f"Replica {r + 1}: {v.tolist()}" for r, v in enumerate(strategy.experimental_local_results(x))
+        )
         print(f"range({n}).batch({batch}) over {replicas} replicas: Batch {step + 1}: {parts}")
 
 # ##### Sharding
@@ -123,9 +129,13 @@ mirrored_strategy = MirroredStrategy()
 worker = mirrored_strategy.worker_index
 data_sharded = mirrored_strategy.experimental_distribute_dataset(DataLoader(torch.arange(12), batch_size=4))
 for step, x in enumerate(data_sharded):
-    print(f"DATA: Worker {worker}: Batch {step + 1} = " + ", ".join(
-        f"Replica {worker * mirrored_strategy.num_local_replicas + r + 1}: {v.tolist()}"
-        for r, v in enumerate(mirrored_strategy.experimental_local_results(x))))
+    print(
+        f"DATA: Worker {worker}: Batch {step + 1} = "
+        + ", ".join(
+            f"Replica {worker * mirrored_strategy.num_local_replicas + r + 1}: {v.tolist()}"
+            for r, v in enumerate(mirrored_strategy.experimental_local_results(x))
+        )
+    )
 
 # FILE: 2 "files" over the workers, each worker reads its own files, batched per replica
 # (global batch 4). OFF: every worker reads everything.
@@ -134,7 +144,7 @@ files = [torch.arange(0, 6), torch.arange(6, 12)]
 
 def file_dataset_fn(input_context):
     batch_size = input_context.get_per_replica_batch_size(4)
-    mine = files[input_context.input_pipeline_id::input_context.num_input_pipelines]
+    mine = files[input_context.input_pipeline_id :: input_context.num_input_pipelines]
     return DataLoader(torch.cat(mine), batch_size=batch_size)
 
 
@@ -144,9 +154,13 @@ def off_dataset_fn(input_context):
 
 for policy, fn in (("FILE", file_dataset_fn), ("OFF", off_dataset_fn)):
     for step, x in enumerate(mirrored_strategy.distribute_datasets_from_function(fn)):
-        print(f"{policy}: Worker {worker}: Batch {step + 1} = " + ", ".join(
-            f"Replica {worker * mirrored_strategy.num_local_replicas + r + 1}: {v.tolist()}"
-            for r, v in enumerate(mirrored_strategy.experimental_local_results(x))))
+        print(
+            f"{policy}: Worker {worker}: Batch {step + 1} = "
+            + ", ".join(
+                f"Replica {worker * mirrored_strategy.num_local_replicas + r + 1}: {v.tolist()}"
+                for r, v in enumerate(mirrored_strategy.experimental_local_results(x))
+            )
+        )
 
 # ##### Prefetching
 # tf.distribute adds a prefetch; in PyTorch prefetching is the DataLoader's
@@ -161,15 +175,18 @@ mirrored_strategy = MirroredStrategy()
 
 def dataset_fn(input_context):
     batch_size = input_context.get_per_replica_batch_size(global_batch_size)
-    print(f"Worker {input_context.input_pipeline_id} of {input_context.num_input_pipelines}: "
-          f"per-replica batch size {batch_size} "
-          f"({input_context.num_replicas_in_sync} replicas in sync)")
-    dataset = TensorDataset(torch.ones(64, 1), torch.ones(64, 1))       # from_tensors(...).repeat(64)
+    print(
+        f"Worker {input_context.input_pipeline_id} of {input_context.num_input_pipelines}: "
+        f"per-replica batch size {batch_size} "
+        f"({input_context.num_replicas_in_sync} replicas in sync)"
+    )
+    dataset = TensorDataset(torch.ones(64, 1), torch.ones(64, 1))  # from_tensors(...).repeat(64)
     # (the tutorial also calls .batch(16) here, before .batch(batch_size): that nests the batches,
     # which it does not mean; left out)
-    dataset = Subset(dataset, range(input_context.input_pipeline_id, len(dataset),
-                                    input_context.num_input_pipelines))  # .shard(num_input_pipelines, id)
-    return DataLoader(dataset, batch_size=batch_size)                    # .batch(batch_size); .prefetch(2)
+    dataset = Subset(
+        dataset, range(input_context.input_pipeline_id, len(dataset), input_context.num_input_pipelines)
+    )  # .shard(num_input_pipelines, id)
+    return DataLoader(dataset, batch_size=batch_size)  # .batch(batch_size); .prefetch(2)
 
 
 dist_dataset = mirrored_strategy.distribute_datasets_from_function(dataset_fn)
@@ -323,8 +340,9 @@ def dataset_fn(input_context):
     global_batch_size = 4
     batch_size = input_context.get_per_replica_batch_size(global_batch_size)
     batches = DataLoader(dataset, batch_size=batch_size)  # .batch(batch_size): lists of strings
-    batches = itertools.islice(batches, input_context.input_pipeline_id, None,
-                               input_context.num_input_pipelines)  # .shard(num_input_pipelines, id)
+    batches = itertools.islice(
+        batches, input_context.input_pipeline_id, None, input_context.num_input_pipelines
+    )  # .shard(num_input_pipelines, id)
 
     # Apply the preprocessing layer(s) to the batches
     def preprocess_with_kpl(input):
@@ -349,21 +367,26 @@ mirrored_strategy = MirroredStrategy()
 
 
 def partial_dataset_fn(input_context):
-    mine = torch.arange(9)[input_context.input_pipeline_id::input_context.num_input_pipelines]
+    mine = torch.arange(9)[input_context.input_pipeline_id :: input_context.num_input_pipelines]
     return DataLoader(mine, batch_size=2)
 
 
 partial = [sizes(mirrored_strategy, x) for x in mirrored_strategy.distribute_datasets_from_function(partial_dataset_fn)]
 print(f"Partial batches: Worker {mirrored_strategy.worker_index}: per-replica batch sizes {partial}")
-partial = [sizes(mirrored_strategy, x) for x in mirrored_strategy.experimental_distribute_dataset(DataLoader(torch.arange(9), batch_size=4))]
+partial = [
+    sizes(mirrored_strategy, x)
+    for x in mirrored_strategy.experimental_distribute_dataset(DataLoader(torch.arange(9), batch_size=4))
+]
 print(f"Partial batches (global batch 4): Worker {mirrored_strategy.worker_index}: per-replica batch sizes {partial}")
 
 # ## Caveats
 mirrored_strategy = MirroredStrategy()
 dataset_size = 24
 batch_size = 6
-dataset = DataLoader(TensorDataset(torch.arange(dataset_size), torch.arange(dataset_size)),  # range(24).enumerate()
-                     batch_size=batch_size)
+dataset = DataLoader(
+    TensorDataset(torch.arange(dataset_size), torch.arange(dataset_size)),  # range(24).enumerate()
+    batch_size=batch_size,
+)
 dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
 
 

@@ -67,9 +67,9 @@ def train(args, strategy, model, train_loader, optimizer, epoch):
         loss = strategy.reduce("sum", strategy.run(step, args=(data, target)), axis=None)
         if batch_idx % args.log_interval == 0:
             if strategy.is_chief:  # (5)
-                print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
-                    epoch, batch_idx * args.batch_size, len(train_loader.dataset),
-                    100.0 * batch_idx / len(train_loader), loss.item()))
+                print(
+                    f"Train Epoch: {epoch} [{batch_idx * args.batch_size}/{len(train_loader.dataset)} ({100.0 * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss.item():.6f}"
+                )
             if args.dry_run:
                 break
 
@@ -89,8 +89,9 @@ def test(strategy, model, test_loader):
             correct += int(strategy.reduce("sum", right, axis=None).item())
     test_loss /= len(test_loader.dataset)
     if strategy.is_chief:
-        print("\nTest set: Average loss: {:.4f}, Accuracy: {}/{} ({:.0f}%)\n".format(
-            test_loss, correct, len(test_loader.dataset), 100.0 * correct / len(test_loader.dataset)))
+        print(
+            f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {correct}/{len(test_loader.dataset)} ({100.0 * correct / len(test_loader.dataset):.0f}%)\n"
+        )
     return test_loss, correct
 
 
@@ -102,8 +103,9 @@ def make_strategy(replicas):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="PyTorch MNIST Example, on distrib",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description="PyTorch MNIST Example, on distrib", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--batch-size", type=int, default=64, metavar="N", help="global batch for training (2)")
     parser.add_argument("--test-batch-size", type=int, default=1000, metavar="N", help="global batch for testing")
     parser.add_argument("--epochs", type=int, default=14, metavar="N", help="number of epochs to train")
@@ -112,8 +114,13 @@ def main(argv=None):
     parser.add_argument("--replicas", type=int, default=None, help="local replicas (default: every GPU, or the CPU)")
     parser.add_argument("--dry-run", action="store_true", help="quickly check a single pass")
     parser.add_argument("--seed", type=int, default=1, metavar="S", help="random seed")
-    parser.add_argument("--log-interval", type=int, default=10, metavar="N",
-                        help="how many batches to wait before logging training status")
+    parser.add_argument(
+        "--log-interval",
+        type=int,
+        default=10,
+        metavar="N",
+        help="how many batches to wait before logging training status",
+    )
     parser.add_argument("--save-model", action="store_true", help="save the trained model to mnist_cnn.pt")
     parser.add_argument("--data-dir", default=None, help="directory of the four IDX files")
     args = parser.parse_args(argv)
@@ -121,7 +128,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     strategy = make_strategy(args.replicas)
     if strategy.is_chief:
-        print("Replicas in sync: {}\n".format(strategy.num_replicas_in_sync))
+        print(f"Replicas in sync: {strategy.num_replicas_in_sync}\n")
 
     (train_x, train_y), (test_x, test_y) = load_fashion_mnist(args.data_dir)
     normalize = lambda x: (x - 0.1307) / 0.3081  # noqa: E731  transforms.Normalize((0.1307,), (0.3081,))

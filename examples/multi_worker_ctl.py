@@ -51,18 +51,20 @@ def dataset_fn(global_batch_size, input_context):
     batch_size = input_context.get_per_replica_batch_size(global_batch_size)
     x, y = mnist_dataset()
     # shard: this worker keeps every num_input_pipelines-th example
-    x = x[input_context.input_pipeline_id::input_context.num_input_pipelines]
-    y = y[input_context.input_pipeline_id::input_context.num_input_pipelines]
+    x = x[input_context.input_pipeline_id :: input_context.num_input_pipelines]
+    y = y[input_context.input_pipeline_id :: input_context.num_input_pipelines]
     # shuffled by (seed, epoch), so a restarted worker can find its place again
     return TensorBatches(x, y, batch_size=batch_size, shuffle=True, seed=input_context.input_pipeline_id)
 
 
 def build_cnn_model():
     return nn.Sequential(
-        nn.Unflatten(1, (1, 28)),            # Reshape(target_shape=(28, 28, 1)), channels first
-        nn.Conv2d(1, 32, 3), nn.ReLU(),
+        nn.Unflatten(1, (1, 28)),  # Reshape(target_shape=(28, 28, 1)), channels first
+        nn.Conv2d(1, 32, 3),
+        nn.ReLU(),
         nn.Flatten(),
-        nn.Linear(32 * 26 * 26, 128), nn.ReLU(),
+        nn.Linear(32 * 26 * 26, 128),
+        nn.ReLU(),
         nn.Linear(128, 10),
     )
 

@@ -50,8 +50,9 @@ class MyTrainDataset(Dataset):
 
 
 class Trainer:
-    def __init__(self, strategy, model, train_data, optimizer, save_every: int, snapshot_path: str,
-                 batch_size: int) -> None:
+    def __init__(
+        self, strategy, model, train_data, optimizer, save_every: int, snapshot_path: str, batch_size: int
+    ) -> None:
         self.strategy = strategy
         self.batch_size = batch_size
         self.model = model
@@ -79,8 +80,10 @@ class Trainer:
         return loss
 
     def _run_epoch(self, epoch: int) -> torch.Tensor:
-        print(f"[worker {self.strategy.worker_index}] Epoch {epoch} | Batchsize: {self.batch_size} | "
-              f"Steps: {len(self.train_data)}")
+        print(
+            f"[worker {self.strategy.worker_index}] Epoch {epoch} | Batchsize: {self.batch_size} | "
+            f"Steps: {len(self.train_data)}"
+        )
         total = torch.zeros(())
         for source, targets in self.train_data:
             loss = self.strategy.run(self._run_batch, args=(source, targets))

@@ -43,7 +43,8 @@ else:
 
 # --- The strategy; a partitioner would shard large parameters over the ps tasks -------------
 strategy = ds.ParameterServerStrategy(
-    cluster_resolver, variable_partitioner=ds.partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2))
+    cluster_resolver, variable_partitioner=ds.partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
+)
 print(f"ParameterServerStrategy with cluster_spec: {cluster_resolver.cluster_spec()}")
 
 # --- Model, optimizer and loss built under the scope: their variables live on the ps tasks ----
@@ -54,8 +55,9 @@ with strategy.scope():
 epoch = torch.tensor(0)
 manager = None
 if args.checkpoint_dir:
-    manager = ds.CheckpointManager(ds.Checkpoint(model=model, optimizer=optimizer, epoch=epoch),
-                                   args.checkpoint_dir, max_to_keep=2)
+    manager = ds.CheckpointManager(
+        ds.Checkpoint(model=model, optimizer=optimizer, epoch=epoch), args.checkpoint_dir, max_to_keep=2
+    )
     if manager.restore_or_initialize():
         print(f"Restored from {manager.latest_checkpoint} (epoch {int(epoch)})")
 
@@ -73,7 +75,7 @@ def dataset_fn(input_context):
 def eval_dataset_fn():
     while True:  # from_tensor_slices((eval_features, eval_labels)).repeat().batch(1)
         for i in range(len(eval_features)):
-            yield eval_features[i:i + 1], eval_labels[i:i + 1]
+            yield eval_features[i : i + 1], eval_labels[i : i + 1]
 
 
 per_worker_iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))

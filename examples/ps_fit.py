@@ -33,7 +33,7 @@ strategy = ds.ParameterServerStrategy(cluster_resolver)
 # dataset = from_tensor_slices((features, labels)).shuffle(10).repeat().batch(64): each worker cycles
 # through this list of batches; workers reshuffle with their own generator.
 dataset = [(features, labels)]
-eval_dataset = [(eval_features[i:i + 1], eval_labels[i:i + 1]) for i in range(3)]  # .repeat().batch(1)
+eval_dataset = [(eval_features[i : i + 1], eval_labels[i : i + 1]) for i in range(3)]  # .repeat().batch(1)
 
 with strategy.scope():
     model = torch.nn.Sequential(torch.nn.Linear(2, 1))

@@ -93,7 +93,7 @@ def batches(examples, batch_size, shuffle, repeat, seed):
     while True:
         order = torch.randperm(len(labels), generator=g) if shuffle else torch.arange(len(labels))
         for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
+            rows = order[start : start + batch_size]
             yield {"features": features[rows]}, labels[rows]
         if not repeat:
             return
@@ -214,8 +214,10 @@ for _ in range(eval_steps_per_epoch):
     coordinator.schedule(eval_step, args=(per_worker_eval_iterator,))
 coordinator.join()
 print("Evaluation accuracy: %f" % eval_accuracy.result())
-print(f"(the distributed evaluation counted {eval_steps_per_epoch} steps x 8 examples = "
-      f"{int(eval_accuracy.state_dict()['count'])} examples, each completed step once)")
+print(
+    f"(the distributed evaluation counted {eval_steps_per_epoch} steps x 8 examples = "
+    f"{int(eval_accuracy.state_dict()['count'])} examples, each completed step once)"
+)
 
 coordinator.close()
 if not ds.cluster_resolver.TFConfigClusterResolver.detect():

@@ -25,7 +25,7 @@ def make_idx_dir(directory: Path, n_train: int = 512, n_test: int = 256, seed: i
         labels = rng.integers(0, 10, n)
         images = rng.integers(0, 60, (n, 28, 28))
         for i, label in enumerate(labels):
-            images[i, 2 * label:2 * label + 3, :] += 180
+            images[i, 2 * label : 2 * label + 3, :] += 180
         write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", images)
         write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
     return directory
@@ -34,6 +34,7 @@ def make_idx_dir(directory: Path, n_train: int = 512, n_test: int = 256, seed: i
 @pytest.fixture
 def idx_dir(tmp_path: Path) -> Path:
     return make_idx_dir(tmp_path / "fashion")
+
 
 # helper scripts run as their own processes; never import them as test modules
 collect_ignore = ["scripts", "helpers.py"]
@@ -53,9 +54,14 @@ def _environment_restored():
 # Files that start a Slurm cluster or network-namespace hosts: one test process runs them one after another (each
 # starts daemons and namespaces that take the machine's CPUs; two at once only slow both down)
 SERIAL_SCOPE = "slurm-and-hosts"
-SERIAL_FILES = {"tests/cluster/test_slurm.py", "tests/preemption/test_slurm.py", "tests/cluster/test_two_hosts.py",
-                "tests/faults/test_hosts.py", "tests/faults/test_rendezvous.py",
-                "tests/parameter_server/test_bind_address.py"}
+SERIAL_FILES = {
+    "tests/cluster/test_slurm.py",
+    "tests/preemption/test_slurm.py",
+    "tests/cluster/test_two_hosts.py",
+    "tests/faults/test_hosts.py",
+    "tests/faults/test_rendezvous.py",
+    "tests/parameter_server/test_bind_address.py",
+}
 
 
 def scope_of(nodeid: str) -> str:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +39,13 @@ STRATEGIES = ("default", "one_device", "mirrored")
 def batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     sizes = [BATCH] * 9 + [40]  # a ragged last batch: its own signature
-    return [(torch.rand(n, 1, 28, 28, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device))
-            for n in sizes]
+    return [
+        (torch.rand(n, 1, 28, 28, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device))
+        for n in sizes
+    ]
 
 
-def make_strategy(kind: str, device: torch.device) -> Optional[ds.Strategy]:
+def make_strategy(kind: str, device: torch.device) -> ds.Strategy | None:
     if kind == "default":
         return None
     if kind == "one_device":
@@ -52,8 +55,14 @@ def make_strategy(kind: str, device: torch.device) -> Optional[ds.Strategy]:
     raise ValueError(kind)
 
 
-def run_case(device: torch.device, strategy_kind: str, feature: str, use_function: bool,
-             steps: int = STEPS, capturable: bool = False) -> dict[str, Any]:
+def run_case(
+    device: torch.device,
+    strategy_kind: str,
+    feature: str,
+    use_function: bool,
+    steps: int = STEPS,
+    capturable: bool = False,
+) -> dict[str, Any]:
     """Train (``capturable``: an eager run whose optimizer is set up as ``ds.function`` sets it, at the step where
     it does: its first capture, after 2 warm-up calls, the 3rd step, or the 3rd apply call with ``accumulate``); return ``{"params": [...], "state": [...], "accuracy": float, "losses": [...], "paths": {...}}``."""
     strategy = make_strategy(strategy_kind, device)
@@ -65,10 +74,10 @@ def run_case(device: torch.device, strategy_kind: str, feature: str, use_functio
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True if fused else None)
         accuracy = ds.metrics.SparseCategoricalAccuracy()
     capturable_from = (5 if feature == "accumulate" else 2) if capturable else None
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 8) if feature.startswith("fp16") else None
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**8) if feature.startswith("fp16") else None
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5) if feature == "schedule" else None
     run = strategy.run if strategy is not None else (lambda fn, args=(): fn(*args))
-    reduce = ((lambda v: strategy.reduce("sum", v, axis=None)) if strategy is not None else (lambda v: v.detach()))
+    reduce = (lambda v: strategy.reduce("sum", v, axis=None)) if strategy is not None else (lambda v: v.detach())
 
     def forward_loss(x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.bfloat16 if feature == "bf16" else torch.float16
@@ -139,24 +148,38 @@ def run_case(device: torch.device, strategy_kind: str, feature: str, use_functio
             saved = checkpoint.save(os.path.join(tmp, "ckpt"))
         if checkpoint is not None and i == restore_at:
             checkpoint.restore(saved)
-    state = [v.detach().float().cpu() for s in optimizer.state.values() for _, v in sorted(s.items())
-             if isinstance(v, torch.Tensor)]
+    state = [
+        v.detach().float().cpu()
+        for s in optimizer.state.values()
+        for _, v in sorted(s.items())
+        if isinstance(v, torch.Tensor)
+    ]
     paths: dict[str, str] = {}
     for f in (step, accumulate, apply):
         paths.update(getattr(f, "paths", lambda: {})())
-    return {"params": [p.detach().float().cpu() for p in model.parameters()], "state": state,
-            "accuracy": float(accuracy.result()), "losses": [float(v) for v in losses], "paths": paths,
-            "scale": float(scaler.get_scale()) if scaler is not None else None}
+    return {
+        "params": [p.detach().float().cpu() for p in model.parameters()],
+        "state": state,
+        "accuracy": float(accuracy.result()),
+        "losses": [float(v) for v in losses],
+        "paths": paths,
+        "scale": float(scaler.get_scale()) if scaler is not None else None,
+    }
 
 
 def largest_difference(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     """The largest absolute difference of parameters, optimizer state, accuracy and losses between two runs."""
+
     def most(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
         assert len(xs) == len(ys), (len(xs), len(ys))
         return max(float((x - y).abs().max()) for x, y in zip(xs, ys))
-    return {"params": most(a["params"], b["params"]), "state": most(a["state"], b["state"]),
-            "accuracy": abs(a["accuracy"] - b["accuracy"]),
-            "losses": max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))}
+
+    return {
+        "params": most(a["params"], b["params"]),
+        "state": most(a["state"], b["state"]),
+        "accuracy": abs(a["accuracy"] - b["accuracy"]),
+        "losses": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+    }
 
 
 class _nullcontext:

@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -17,13 +18,15 @@ import torch
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def run_bounded(cmd: list[str], timeout: float = 120, cwd: "str | Path | None" = None,
-                env: "dict[str, str] | None" = None) -> tuple[int, str, float]:
+def run_bounded(
+    cmd: list[str], timeout: float = 120, cwd: str | Path | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str, float]:
     """Run ``cmd`` in its own process group, stdout and stderr together; kill the whole group if it
     overruns (the test fails, showing the output) and, in any case, when it ends."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=cwd, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd, env=env
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

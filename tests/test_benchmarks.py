@@ -34,8 +34,25 @@ def test_the_input_benchmark_runs_and_each_sharded_worker_loads_half(tmp_path):
 
     out = tmp_path / "input.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "input_sharding.py"
-    code, log, _ = run_bounded([sys.executable, str(bench), "--workers", "2", "--batch", "8", "--cost-ms", "0.05",
-                                "--steps", "2", "--rounds", "1", "--json", str(out)], timeout=120)
+    code, log, _ = run_bounded(
+        [
+            sys.executable,
+            str(bench),
+            "--workers",
+            "2",
+            "--batch",
+            "8",
+            "--cost-ms",
+            "0.05",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        timeout=120,
+    )
     assert code == 0, log
     run = json.loads(out.read_text())["runs"]["2"]
     loaded = {name: v["loaded_per_step_per_worker"] for name, v in run["variants"].items()}
@@ -50,12 +67,19 @@ def test_the_sharded_benchmarks_allocator_settings_become_the_workers_environmen
 
     assert allocator_env("default") == {}
     assert allocator_env("mmap") == {"MALLOC_MMAP_THRESHOLD_": "131072"}
-    assert allocator_env("mmap:4m+trim+arena:2") == {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), TRIM_VARIABLE: "1",
-                                                     "MALLOC_ARENA_MAX": "2"}
-    assert allocator_env("trimthr:512k+toppad:1m") == {"MALLOC_TRIM_THRESHOLD_": "524288",
-                                                       "MALLOC_TOP_PAD_": str(1 << 20)}
-    assert allocator_env("mmap:128k+thp") == {"MALLOC_MMAP_THRESHOLD_": "131072",
-                                              "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert allocator_env("mmap:4m+trim+arena:2") == {
+        "MALLOC_MMAP_THRESHOLD_": str(4 << 20),
+        TRIM_VARIABLE: "1",
+        "MALLOC_ARENA_MAX": "2",
+    }
+    assert allocator_env("trimthr:512k+toppad:1m") == {
+        "MALLOC_TRIM_THRESHOLD_": "524288",
+        "MALLOC_TOP_PAD_": str(1 << 20),
+    }
+    assert allocator_env("mmap:128k+thp") == {
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+    }
     for bad in ("mmap:lots", "arena", "tcmalloc", "trim:1", "jemalloc:soon"):
         with pytest.raises(ValueError, match="unknown allocator setting"):
             allocator_env(bad)
@@ -77,8 +101,27 @@ def test_the_sharded_memory_benchmark_runs_both_strategies_and_shards_the_model(
 
     out = tmp_path / "memory.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_memory.py"
-    code, log, _ = run_bounded([sys.executable, str(bench), "--workers", "2", "--malloc", "mmap", "--width", "256",
-                                "--blocks", "4", "--steps", "2", "--batch", "4", "--json", str(out)], timeout=120)
+    code, log, _ = run_bounded(
+        [
+            sys.executable,
+            str(bench),
+            "--workers",
+            "2",
+            "--malloc",
+            "mmap",
+            "--width",
+            "256",
+            "--blocks",
+            "4",
+            "--steps",
+            "2",
+            "--batch",
+            "4",
+            "--json",
+            str(out),
+        ],
+        timeout=120,
+    )
     assert code == 0, log
     summary = json.loads(out.read_text())
     total = params(256, 4)
@@ -104,8 +147,25 @@ def test_the_sharded_speed_benchmark_times_every_variant(tmp_path):
 
     out = tmp_path / "speed.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_speed.py"
-    code, log, _ = run_bounded([sys.executable, str(bench), "--width", "64", "--blocks", "2", "--batch", "4",
-                                "--steps", "2", "--rounds", "1", "--json", str(out)], timeout=120)
+    code, log, _ = run_bounded(
+        [
+            sys.executable,
+            str(bench),
+            "--width",
+            "64",
+            "--blocks",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        timeout=120,
+    )
     assert code == 0, log
     summary = json.loads(out.read_text())
     assert summary["variants"] == ["distrib", "direct", "mwms"] and set(summary["malloc"]) == {"default"}
@@ -131,8 +191,9 @@ def test_the_sharded_checkpoint_benchmark_compares_both_formats(tmp_path):
 
     out = tmp_path / "ckpt.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_checkpoint.py"
-    code, log, _ = run_bounded([sys.executable, str(bench), "--width", "64", "--blocks", "2", "--rounds", "1",
-                                "--json", str(out)], timeout=120)
+    code, log, _ = run_bounded(
+        [sys.executable, str(bench), "--width", "64", "--blocks", "2", "--rounds", "1", "--json", str(out)], timeout=120
+    )
     assert code == 0, log
     summary = json.loads(out.read_text())
     assert summary["params"] == 2 * (64 * 64 + 64) and set(summary["variants"]) == {"sharded", "plain"}

@@ -120,8 +120,9 @@ def test_save_as_is_the_one_write_of_a_save_and_the_manager_uses_it(tmp_path, mo
     w = torch.tensor([1.0, 2.0])
     ckpt = Checkpoint(w=w)
     seen: list[bool] = []
-    assert ckpt.save_as(tmp_path / "exact", on_written=lambda: seen.append((tmp_path / "exact.pt").is_file())) \
-        == str(tmp_path / "exact")
+    assert ckpt.save_as(tmp_path / "exact", on_written=lambda: seen.append((tmp_path / "exact.pt").is_file())) == str(
+        tmp_path / "exact"
+    )
     assert seen == [True] and ckpt.save_counter == 1 and latest_checkpoint(tmp_path) is None  # no index unless asked
     fresh = Checkpoint(w=torch.zeros(2))
     fresh.restore(tmp_path / "exact")
@@ -299,8 +300,11 @@ def test_wrong_optimizer_groups_change_no_object(tmp_path):
     target, _ = _fresh()
     two_groups = torch.optim.Adam([{"params": [target.weight]}, {"params": [target.bias], "lr": 0.1}], lr=0.5)
     before = _snapshot(target, two_groups)
-    with pytest.raises(CheckpointError, match=r"'optimizer': the file holds 1 parameter group\(s\) but the optimizer "
-                                              r"has 2"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'optimizer': the file holds 1 parameter group\(s\) but the optimizer "
+        r"has 2",
+    ):
         Checkpoint(model=target, optimizer=two_groups).restore(path)
     assert all(_same(a, b) for a, b in zip(before, _snapshot(target, two_groups)))
     one_param = torch.optim.Adam([target.weight], lr=0.5)
@@ -420,8 +424,10 @@ def test_a_changed_setting_outside_the_tensors_is_refused(tmp_path):
 
 def test_version_1_files_load_with_a_note_and_unknown_versions_are_refused(tmp_path, caplog):
     v1 = tmp_path / "old-1.pt"
-    torch.save({"format": "distrib-checkpoint", "version": 1, "save_counter": 4,
-                "objects": {"w": torch.tensor([1.0, 2.0])}}, v1)
+    torch.save(
+        {"format": "distrib-checkpoint", "version": 1, "save_counter": 4, "objects": {"w": torch.tensor([1.0, 2.0])}},
+        v1,
+    )
     w = torch.zeros(2)
     ckpt = Checkpoint(w=w)
     with caplog.at_level(logging.WARNING, logger="distrib.checkpoint"):
@@ -436,8 +442,12 @@ def test_version_1_files_load_with_a_note_and_unknown_versions_are_refused(tmp_p
 def test_checksums_cover_every_kind_of_state(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).to(torch.float64)
     model[0].weight.data = model[0].weight.data.t()  # a non-contiguous parameter
-    objects = dict(model=model, half=torch.ones(2, dtype=torch.bfloat16), flag=torch.tensor(True),
-                   sched=torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 2))
+    objects = dict(
+        model=model,
+        half=torch.ones(2, dtype=torch.bfloat16),
+        flag=torch.tensor(True),
+        sched=torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 2),
+    )
     path = Checkpoint(**objects).save(tmp_path / "c")
     fmt.load(path + ".pt")  # verifies
     Checkpoint(**objects).restore(path).assert_consumed()
@@ -455,8 +465,7 @@ class Evil:
 def test_pickled_payload_is_refused_without_running_it(tmp_path):
     pwned = tmp_path / "pwned"
     bad = tmp_path / "ckpt-1.pt"
-    torch.save({"format": "distrib-checkpoint", "version": 1,
-                "objects": {"x": Evil(str(pwned))}}, bad)
+    torch.save({"format": "distrib-checkpoint", "version": 1, "objects": {"x": Evil(str(pwned))}}, bad)
     with pytest.raises(CheckpointError) as info:
         Checkpoint(x=torch.zeros(1)).restore(tmp_path / "ckpt-1")
     msg = str(info.value)

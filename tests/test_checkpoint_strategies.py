@@ -12,14 +12,13 @@ import warnings
 
 import pytest
 import torch
+from helpers import launch
 from torch import nn
 
 import distrib as ds
 from distrib import context
 from distrib.checkpoint import checkpoint_timeout, checkpoints_iterator
 from distrib.strategies import DefaultStrategy
-
-from helpers import launch
 
 
 def make_model() -> nn.Module:
@@ -181,13 +180,19 @@ def test_a_failed_restore_leaves_every_mirrored_replica_as_it_was(tmp_path):
     plain = make_model()
     train_a_little(ds.get_strategy(), plain, torch.optim.SGD(plain.parameters(), lr=0.1))
     path = ds.Checkpoint(model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1), flaky=Flaky(99)).save(
-        str(tmp_path / "ckpt"))
+        str(tmp_path / "ckpt")
+    )
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
         torch.manual_seed(99)
         model = make_model()
-        two_groups = torch.optim.SGD([{"params": list(model[0].parameters())},
-                                      {"params": list(model[1].parameters()) + list(model[3].parameters())}], lr=0.1)
+        two_groups = torch.optim.SGD(
+            [
+                {"params": list(model[0].parameters())},
+                {"params": list(model[1].parameters()) + list(model[3].parameters())},
+            ],
+            lr=0.1,
+        )
         one_group = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 4)
     model.eval()
@@ -248,8 +253,8 @@ def _two_workers(tmp_path, mode: str) -> tuple[int, dict[str, str]]:
     lines = {}
     for line in out.splitlines():
         for worker in ("[worker 0] ", "[worker 1] "):
-            if line.startswith(worker) and line[len(worker):].startswith(("SAVED", "CheckpointError", "Collective")):
-                lines[worker.strip()] = line[len(worker):]
+            if line.startswith(worker) and line[len(worker) :].startswith(("SAVED", "CheckpointError", "Collective")):
+                lines[worker.strip()] = line[len(worker) :]
     return code, lines
 
 
@@ -272,7 +277,9 @@ def test_a_chief_that_cannot_write_fails_the_save_on_every_worker(tmp_path, monk
     monkeypatch.delenv("DISTRIB_CHECKPOINT_TIMEOUT", raising=False)
     code, lines = _two_workers(tmp_path, "full")
     assert code != 0
-    assert lines["[worker 0]"].startswith("CheckpointError: Writing checkpoint file") and "ENOSPC" in lines["[worker 0]"]
+    assert (
+        lines["[worker 0]"].startswith("CheckpointError: Writing checkpoint file") and "ENOSPC" in lines["[worker 0]"]
+    )
     assert lines["[worker 1]"].startswith("CheckpointError: The chief could not write the checkpoint: Writing")
     assert ds.latest_checkpoint(tmp_path / "ckpts") is None
 
@@ -281,9 +288,13 @@ def test_a_worker_that_cannot_write_its_own_copy_fails_the_save_on_every_worker(
     monkeypatch.delenv("DISTRIB_CHECKPOINT_TIMEOUT", raising=False)
     code, lines = _two_workers(tmp_path, "worker_full")
     assert code != 0
-    assert lines["[worker 1]"].startswith("CheckpointError: Writing checkpoint file") and "ENOSPC" in lines["[worker 1]"]
-    assert lines["[worker 0]"].startswith("CheckpointError: Worker 1 could not write its own copy of the checkpoint "
-                                          "(it was given a path other than the chief's): Writing checkpoint file")
+    assert (
+        lines["[worker 1]"].startswith("CheckpointError: Writing checkpoint file") and "ENOSPC" in lines["[worker 1]"]
+    )
+    assert lines["[worker 0]"].startswith(
+        "CheckpointError: Worker 1 could not write its own copy of the checkpoint "
+        "(it was given a path other than the chief's): Writing checkpoint file"
+    )
     assert ds.latest_checkpoint(tmp_path / "ckpts") == str(tmp_path / "ckpts" / "ckpt-1")  # the chief's is written
 
 
@@ -306,7 +317,10 @@ def test_a_side_car_evaluator_follows_a_training_process(tmp_path):
     """TF's side-car evaluation: checkpoints_iterator + read(...).expect_partial() of the model alone."""
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    done = lambda: (tmp_path / "DONE").exists() or writer.poll() is not None or time.monotonic() > deadline
+
+    def done() -> bool:
+        return (tmp_path / "DONE").exists() or writer.poll() is not None or time.monotonic() > deadline
+
     model, evaluated = torch.nn.Linear(2, 1), []
     try:
         with warnings.catch_warnings():

@@ -24,13 +24,11 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from helpers import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +37,9 @@ TIMEOUT = 120  # seconds for one block; each takes a few (most of it importing t
 
 IMPORTS = "import torch\nimport torch.nn.functional as F\nimport distrib as ds\n"
 
-SETUP = IMPORTS + '''
+SETUP = (
+    IMPORTS
+    + """
 from torch.utils.data import DataLoader, TensorDataset
 
 strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])  # 2 replicas: the docs' code meets a real split
@@ -60,7 +60,8 @@ with strategy.scope():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 logits, labels = model(_x[:8]), _y[:8]
-'''
+"""
+)
 
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 MARK = re.compile(r"^<!--\s*(fragment|setup|launch|tested):(.*?)-->\s*$")
@@ -99,9 +100,12 @@ BLOCKS = blocks()
 def block_env() -> dict[str, str]:
     """This environment with ``src`` importable and no cluster variables: a block that finds no cluster
     runs as one process (and ``distrib launch`` sets its own), whatever ran the tests."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                          "MASTER_PORT")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key
+        not in ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
     return env
 

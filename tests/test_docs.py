@@ -33,8 +33,11 @@ def test_every_tf_name_of_the_seed_tutorials_is_in_migration_md():
 def test_relative_links_lead_to_files(doc):
     path = (ROOT / "docs" / doc).resolve()
     text = path.read_text()
-    broken = [target for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-              if "://" not in target and not target.startswith("mailto:") and not (path.parent / target).exists()]
+    broken = [
+        target
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+        if "://" not in target and not target.startswith("mailto:") and not (path.parent / target).exists()
+    ]
     assert not broken, f"{doc} links to missing files: {broken}"
 
 
@@ -90,8 +93,12 @@ def test_the_listing_check_sees_a_left_out_module_and_a_stale_one():
     text = ARCHITECTURE.read_text().replace("sharded_objects.py", "sharded_object.py")
     named = named_modules(layer_listing(text))
     assert "checkpoint/sharded_objects.py" not in named and "checkpoint/sharded_object.py" in named
-    assert {"context.py", "strategies/sharded.py", "parameter_server/client/dispatch.py",
-            "parameter_server/__main__.py"} <= named
+    assert {
+        "context.py",
+        "strategies/sharded.py",
+        "parameter_server/client/dispatch.py",
+        "parameter_server/__main__.py",
+    } <= named
 
 
 CODE = re.compile(r"``([^`]+)``|`([^`]+)`")  # reStructuredText's literal or Markdown's
@@ -123,9 +130,11 @@ def architecture_patch_table(text: str) -> set[str]:
 def test_architecture_md_has_a_row_for_every_patch_of_torch_patches_and_none_other():
     source, documented = torch_patches_table(), architecture_patch_table(ARCHITECTURE.read_text())
     assert {"GradScaler.unscale_/step/update", "TorchDispatchMode", "optimizer.load_state_dict"} <= source  # parsed
-    assert source == documented, (f"torch_patches.py's table (the list of patches) and docs/architecture.md's "
-                                  f"differ: only in torch_patches.py {sorted(source - documented)}, only in "
-                                  f"architecture.md {sorted(documented - source)}")
+    assert source == documented, (
+        f"torch_patches.py's table (the list of patches) and docs/architecture.md's "
+        f"differ: only in torch_patches.py {sorted(source - documented)}, only in "
+        f"architecture.md {sorted(documented - source)}"
+    )
 
 
 def test_the_patch_table_check_sees_a_missing_row():

@@ -16,9 +16,23 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def test_custom_training_seed_000(tmp_path):
     data = make_idx_dir(tmp_path / "data", n_train=1280)  # the iterator section takes 10 steps of 128
-    result = subprocess.run([sys.executable, str(EXAMPLES / "custom_training.py"), "--replicas", "2", "--epochs", "1",
-                             "--data-dir", str(data), "--checkpoint-dir", str(tmp_path / "ckpt")],
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "custom_training.py"),
+            "--replicas",
+            "2",
+            "--epochs",
+            "1",
+            "--data-dir",
+            str(data),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Number of devices: 2" in result.stdout
     assert len(re.findall(r"Epoch 1, Loss: [\d.]+, Accuracy: [\d.]+", result.stdout)) == 3
@@ -27,8 +41,19 @@ def test_custom_training_seed_000(tmp_path):
 
 def test_multi_worker_ctl_seed_001_on_two_workers(tmp_path):
     data = make_idx_dir(tmp_path / "data")
-    code, out, _ = launch("--workers", "2", str(EXAMPLES / "multi_worker_ctl.py"), "--data-dir", str(data),
-                          "--epochs", "2", "--steps-per-epoch", "3", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        str(EXAMPLES / "multi_worker_ctl.py"),
+        "--data-dir",
+        str(data),
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "3",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    )
     assert code == 0, out
     for worker in (0, 1):
         assert f"[worker {worker}] Epoch: 1, accuracy:" in out
@@ -42,5 +67,6 @@ def test_ps_fit_seed_003_in_process():
     losses = lines[:5]
     # the example's data is random (as the tutorial's): a run may converge within two epochs, and then the bar's
     # four decimals tie (0.0003, 0.0003, ...): each epoch no higher than the one before, the last below the first
-    assert len(losses) == 5 and all(b <= a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0], \
+    assert len(losses) == 5 and all(b <= a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0], (
         result.stdout
+    )

@@ -65,8 +65,9 @@ def private_reads(root: pathlib.Path, package: str = "distrib") -> list[tuple[st
                 folder = target if target.is_dir() else target.parent
                 for alias in node.names:
                     if alias.name.startswith("_") and not alias.name.startswith("__") and folder != path.parent:
-                        found.append((path.relative_to(root).as_posix(), node.lineno,
-                                      f"from {node.module} import {alias.name}"))
+                        found.append(
+                            (path.relative_to(root).as_posix(), node.lineno, f"from {node.module} import {alias.name}")
+                        )
     return found
 
 
@@ -98,19 +99,27 @@ def _class_tests(tree: ast.AST, classes: set[str]) -> list[ast.AST]:
     """isinstance/issubclass against one of ``classes``; ``type(x) is C``; ``type(x).__name__ == "C"``."""
     hits: list[ast.AST] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass") \
-                and len(node.args) == 2:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("isinstance", "issubclass")
+            and len(node.args) == 2
+        ):
             named = [n for n in ast.walk(node.args[1]) if isinstance(n, (ast.Name, ast.Attribute))]
             if any((n.id if isinstance(n, ast.Name) else n.attr) in classes for n in named):
                 hits.append(node)
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            is_type = any(isinstance(s, ast.Call) and isinstance(s.func, ast.Name) and s.func.id == "type" for s in sides)
+            is_type = any(
+                isinstance(s, ast.Call) and isinstance(s.func, ast.Name) and s.func.id == "type" for s in sides
+            )
             names_class = any(isinstance(s, ast.Name) and s.id in classes for s in sides)
             type_name = any(isinstance(s, ast.Attribute) and s.attr == "__name__" for s in sides)
             names_string = any(isinstance(s, ast.Constant) and s.value in classes for s in sides) or any(
-                isinstance(s, (ast.Tuple, ast.List, ast.Set)) and any(isinstance(e, ast.Constant) and e.value in classes
-                                                                     for e in s.elts) for s in sides)
+                isinstance(s, (ast.Tuple, ast.List, ast.Set))
+                and any(isinstance(e, ast.Constant) and e.value in classes for e in s.elts)
+                for s in sides
+            )
             if (is_type and names_class) or (type_name and names_string):
                 hits.append(node)
     return hits
@@ -135,12 +144,15 @@ def test_the_private_scan_finds_planted_reads(tmp_path: pathlib.Path) -> None:
     (tmp_path / "distrib" / "strategies").mkdir(parents=True)
     (tmp_path / "distrib" / "keras").mkdir()
     (tmp_path / "distrib" / "strategies" / "base.py").write_text(
-        "class Strategy:\n    def __init__(self):\n        self._engine = 1\n    def _merge(self):\n        pass\n")
+        "class Strategy:\n    def __init__(self):\n        self._engine = 1\n    def _merge(self):\n        pass\n"
+    )
     (tmp_path / "distrib" / "strategies" / "engine.py").write_text(
-        "def f(strategy):\n    return strategy._engine  # same folder: allowed\n")
+        "def f(strategy):\n    return strategy._engine  # same folder: allowed\n"
+    )
     (tmp_path / "distrib" / "keras" / "loop.py").write_text(
         "from distrib.strategies.base import _helper\n"
-        "def fit(strategy):\n    strategy._merge()\n    return strategy._engine, self._own, os._exit\n")
+        "def fit(strategy):\n    strategy._merge()\n    return strategy._engine, self._own, os._exit\n"
+    )
     found = sorted(expr for _, _, expr in private_reads(tmp_path / "distrib"))
     assert found == ["from distrib.strategies.base import _helper", "strategy._engine", "strategy._merge"], found
 
@@ -156,13 +168,15 @@ def test_the_class_branching_scan_finds_planted_branches(tmp_path: pathlib.Path)
     (tmp_path / "strategies" / "base.py").write_text("class Strategy:\n    pass\n")
     (tmp_path / "strategies" / "mine.py").write_text(
         "class MineStrategy(Strategy):\n    pass\n"
-        "def f(resolver):\n    return isinstance(resolver, TorchrunClusterResolver)\n")
+        "def f(resolver):\n    return isinstance(resolver, TorchrunClusterResolver)\n"
+    )
     (tmp_path / "cluster" / "torchrun.py").write_text("class TorchrunClusterResolver:\n    pass\n")
     (tmp_path / "keras" / "loop.py").write_text(
         "def fit(s, data):\n"
         "    if isinstance(s, (ds.MineStrategy, int)):\n        pass\n"
         "    if type(s).__name__ in ('MineStrategy', 'Other'):\n        pass\n"
         "    if type(s) is MineStrategy:\n        pass\n"
-        "    if isinstance(data, list) or s.num_workers > 1:  # not a strategy class: fine\n        pass\n")
+        "    if isinstance(data, list) or s.num_workers > 1:  # not a strategy class: fine\n        pass\n"
+    )
     found = sorted((file, line) for file, line, _ in class_branching(tmp_path))
     assert found == [("keras/loop.py", 2), ("keras/loop.py", 4), ("keras/loop.py", 6), ("strategies/mine.py", 4)], found

@@ -79,10 +79,17 @@ def _inputs(n: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(n, 5, generator=g)
     labels = torch.randint(0, 5, (n,), generator=g)
-    return {"scores": scores, "labels": labels, "one_hot": torch.nn.functional.one_hot(labels, 5),
-            "exact": torch.randint(0, 3, (n, 1), generator=g), "guess": torch.randint(0, 3, (n, 1), generator=g),
-            "binary": (torch.rand(n, 1, generator=g) > 0.5).float(), "prob": torch.rand(n, 1, generator=g),
-            "values": torch.randn(n, generator=g), "weights": torch.rand(n, generator=g)}
+    return {
+        "scores": scores,
+        "labels": labels,
+        "one_hot": torch.nn.functional.one_hot(labels, 5),
+        "exact": torch.randint(0, 3, (n, 1), generator=g),
+        "guess": torch.randint(0, 3, (n, 1), generator=g),
+        "binary": (torch.rand(n, 1, generator=g) > 0.5).float(),
+        "prob": torch.rand(n, 1, generator=g),
+        "values": torch.randn(n, generator=g),
+        "weights": torch.rand(n, generator=g),
+    }
 
 
 CASES = {  # metric factory, the inputs it takes from a batch
@@ -128,8 +135,13 @@ def test_every_metric_over_four_replicas_equals_the_metric_over_whole_batches(na
 
 
 def test_keras_names_and_default_names():
-    for name in ("binary_accuracy", "categorical_accuracy", "sparse_categorical_accuracy", "top_k_categorical_accuracy",
-                 "sparse_top_k_categorical_accuracy"):
+    for name in (
+        "binary_accuracy",
+        "categorical_accuracy",
+        "sparse_categorical_accuracy",
+        "top_k_categorical_accuracy",
+        "sparse_top_k_categorical_accuracy",
+    ):
         metric = M.get(name)
         assert metric.name == name and type(metric).__name__.lower().replace("_", "") == name.replace("_", "")
     assert M.get("top_k_categorical_accuracy").k == 5 and M.get("sparse_top_k_categorical_accuracy").k == 5
@@ -144,12 +156,12 @@ def test_keras_names_and_default_names():
 def test_accuracy_by_name_follows_the_shapes_as_keras_compile_does():
     scores = torch.tensor([[0.1, 0.9], [0.8, 0.2]])
     acc = M.get("accuracy")
-    assert float(acc(torch.tensor([1, 1]), scores)) == 0.5                          # integer labels: sparse
+    assert float(acc(torch.tensor([1, 1]), scores)) == 0.5  # integer labels: sparse
     acc.reset_state()
-    assert float(acc(torch.tensor([[0, 1], [0, 1]]), scores)) == 0.5                # one-hot labels: categorical
+    assert float(acc(torch.tensor([[0, 1], [0, 1]]), scores)) == 0.5  # one-hot labels: categorical
     acc.reset_state()
     assert float(acc(torch.tensor([[1.0], [0.0]]), torch.tensor([[0.7], [0.6]]))) == 0.5  # one output: binary
-    logits = M.get("accuracy", binary_threshold=0.0)                                # fit gives 0 for logit losses
+    logits = M.get("accuracy", binary_threshold=0.0)  # fit gives 0 for logit losses
     assert float(logits(torch.tensor([1.0, 0.0]), torch.tensor([0.2, -0.3]))) == 1.0
 
 

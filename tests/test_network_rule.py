@@ -19,9 +19,9 @@ import ast
 import inspect
 import ipaddress
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 from cluster import netns
 
@@ -32,45 +32,72 @@ SCANNED = ("tests", "scripts", "benchmarks", "examples")
 #: of a /24) and ``second_interface`` (``10.99.<i>.1/24``, a veth pair that reaches nothing)
 NAMESPACE_HELPERS = {"tests/cluster/netns.py"}
 NAMESPACE_SUBNETS = netns.NETWORKS
-USES_NAMESPACES = re.compile(r"^\s*(?:from cluster import netns|from cluster\.netns import|import cluster\.netns)\b",
-                             re.M)
+USES_NAMESPACES = re.compile(
+    r"^\s*(?:from cluster import netns|from cluster\.netns import|import cluster\.netns)\b", re.M
+)
 
 #: (file, function or module constant) where a literal address is allowed, and why nothing is sent to it.
 ALLOWED: dict[tuple[str, str], str] = {
     # pure functions: the addresses are data, no socket is opened
-    ("tests/cluster/test_interfaces.py", "IFACES"):
-        "made-up interfaces handed to choose_interface, a pure function (resolve, route and interfaces injected)",
-    ("tests/cluster/test_interfaces.py", "test_the_interface_that_routes_to_the_chief_is_chosen"):
-        "choose_interface with an injected resolver and router: no socket",
-    ("tests/cluster/test_interfaces.py", "test_on_the_chiefs_debian_host_the_route_to_another_worker_chooses"):
-        "choose_interface with an injected resolver and router: no socket",
-    ("tests/cluster/test_interfaces.py", "test_loopback_only_across_hosts_with_a_single_other_interface_takes_it"):
-        "choose_interface with an injected resolver, router and interfaces: no socket",
-    ("tests/cluster/test_interfaces.py",
-     "test_a_route_by_an_address_of_no_listed_interface_falls_through_to_the_next_host"):
-        "choose_interface with an injected resolver and router: no socket",
-    ("tests/cluster/test_interfaces.py", "test_ipv6_routes_choose_their_interface"):
-        "choose_interface with an injected resolver, router and interfaces: no socket",
-    ("tests/faults/test_tf_config.py", "BASES"):
-        "TF_CONFIG strings for the parser fuzz (TFConfigClusterResolver parses; no socket, no lookup)",
-    ("tests/faults/test_tf_config.py", "HOST_EDITS"):
-        "host edits for the parser fuzz: an unbracketed IPv6 address the parser must refuse",
-    ("tests/cluster/test_resolvers.py", "test_malformed_tf_config_is_a_tf_config_error_naming_the_field"):
-        "TFConfigClusterResolver must refuse an unbracketed IPv6 address: it parses, no socket",
-    ("tests/cluster/test_resolvers.py",
-     "test_tf_config_accepts_cloud_keys_sparse_jobs_and_an_evaluator_outside_the_cluster"):
-        "TFConfigClusterResolver parses a link-local address with a zone: no socket",
-    ("tests/cluster/test_torchrun.py", "test_a_bare_ipv6_master_addr_is_bracketed"):
-        "TorchrunClusterResolver brackets MASTER_ADDR: it formats addresses, no socket",
+    (
+        "tests/cluster/test_interfaces.py",
+        "IFACES",
+    ): "made-up interfaces handed to choose_interface, a pure function (resolve, route and interfaces injected)",
+    (
+        "tests/cluster/test_interfaces.py",
+        "test_the_interface_that_routes_to_the_chief_is_chosen",
+    ): "choose_interface with an injected resolver and router: no socket",
+    (
+        "tests/cluster/test_interfaces.py",
+        "test_on_the_chiefs_debian_host_the_route_to_another_worker_chooses",
+    ): "choose_interface with an injected resolver and router: no socket",
+    (
+        "tests/cluster/test_interfaces.py",
+        "test_loopback_only_across_hosts_with_a_single_other_interface_takes_it",
+    ): "choose_interface with an injected resolver, router and interfaces: no socket",
+    (
+        "tests/cluster/test_interfaces.py",
+        "test_a_route_by_an_address_of_no_listed_interface_falls_through_to_the_next_host",
+    ): "choose_interface with an injected resolver and router: no socket",
+    (
+        "tests/cluster/test_interfaces.py",
+        "test_ipv6_routes_choose_their_interface",
+    ): "choose_interface with an injected resolver, router and interfaces: no socket",
+    (
+        "tests/faults/test_tf_config.py",
+        "BASES",
+    ): "TF_CONFIG strings for the parser fuzz (TFConfigClusterResolver parses; no socket, no lookup)",
+    (
+        "tests/faults/test_tf_config.py",
+        "HOST_EDITS",
+    ): "host edits for the parser fuzz: an unbracketed IPv6 address the parser must refuse",
+    (
+        "tests/cluster/test_resolvers.py",
+        "test_malformed_tf_config_is_a_tf_config_error_naming_the_field",
+    ): "TFConfigClusterResolver must refuse an unbracketed IPv6 address: it parses, no socket",
+    (
+        "tests/cluster/test_resolvers.py",
+        "test_tf_config_accepts_cloud_keys_sparse_jobs_and_an_evaluator_outside_the_cluster",
+    ): "TFConfigClusterResolver parses a link-local address with a zone: no socket",
+    (
+        "tests/cluster/test_torchrun.py",
+        "test_a_bare_ipv6_master_addr_is_bracketed",
+    ): "TorchrunClusterResolver brackets MASTER_ADDR: it formats addresses, no socket",
     # bind() only: an address this machine does not have fails with EADDRNOTAVAIL before any packet
-    ("tests/parameter_server/test_ps_units.py", "test_server_refuses_to_start_without_a_token_or_on_a_foreign_address"):
-        "the server's listen on a foreign address must fail; it binds, it never connects",
-    ("tests/parameter_server/test_bind_address.py", "test_an_address_not_of_this_host_is_refused_naming_bind_address"):
-        "the server's listen on a foreign address must fail; it binds, it never connects",
+    (
+        "tests/parameter_server/test_ps_units.py",
+        "test_server_refuses_to_start_without_a_token_or_on_a_foreign_address",
+    ): "the server's listen on a foreign address must fail; it binds, it never connects",
+    (
+        "tests/parameter_server/test_bind_address.py",
+        "test_an_address_not_of_this_host_is_refused_naming_bind_address",
+    ): "the server's listen on a foreign address must fail; it binds, it never connects",
     # inside namespaces, outside their subnet
-    ("tests/cluster/test_two_hosts.py", "_SERVICES"):
-        "Service addresses in a namespace host's /etc/hosts: the ps there listens on it and fails (bind only); "
-        "the namespaces have no route to it",
+    (
+        "tests/cluster/test_two_hosts.py",
+        "_SERVICES",
+    ): "Service addresses in a namespace host's /etc/hosts: the ps there listens on it and fails (bind only); "
+    "the namespaces have no route to it",
 }
 
 
@@ -86,8 +113,10 @@ class Finding:
 
 
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?!\w|\.\d)")
-_IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:(?:\d{1,3}\.){3}\d{1,3}|[0-9A-Fa-f]{0,4})"
-                   r"(?:%[\w.-]+)?(?![\w:]|\.\d)")
+_IPV6 = re.compile(
+    r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:(?:\d{1,3}\.){3}\d{1,3}|[0-9A-Fa-f]{0,4})"
+    r"(?:%[\w.-]+)?(?![\w:]|\.\d)"
+)
 
 
 def _looks_like_ipv6(text: str, bracketed: bool) -> bool:
@@ -109,7 +138,9 @@ def addresses_in(line: str) -> Iterator[str]:
             address = ipaddress.IPv6Address(text)
         except ValueError:
             continue
-        bracketed = line[m.start() - 1:m.start()] == "[" and re.match(r"\]:\d", line[m.end():m.end() + 3]) is not None
+        bracketed = (
+            line[m.start() - 1 : m.start()] == "[" and re.match(r"\]:\d", line[m.end() : m.end() + 3]) is not None
+        )
         if _looks_like_ipv6(text, bracketed):
             taken.append(m.span())
             found.append((m.start(), text, address.ipv4_mapped or address))
@@ -145,8 +176,13 @@ def _scopes(text: str) -> list[tuple[int, int, str]]:
                 visit(child, prefix)
 
     for statement in tree.body:
-        targets = statement.targets if isinstance(statement, ast.Assign) else \
-            [statement.target] if isinstance(statement, ast.AnnAssign) else []
+        targets = (
+            statement.targets
+            if isinstance(statement, ast.Assign)
+            else [statement.target]
+            if isinstance(statement, ast.AnnAssign)
+            else []
+        )
         if len(targets) == 1 and isinstance(targets[0], ast.Name):
             spans.append((statement.lineno, statement.end_lineno or statement.lineno, targets[0].id))
     visit(tree, "")
@@ -166,8 +202,11 @@ def scan_file(path: Path, root: Path = ROOT) -> list[Finding]:
         return []
     rel = path.relative_to(root).as_posix()
     spans = _scopes(text) if path.suffix == ".py" else []
-    return [Finding(rel, number, scope_at(spans, number), address)
-            for number, line in enumerate(text.splitlines(), 1) for address in addresses_in(line)]
+    return [
+        Finding(rel, number, scope_at(spans, number), address)
+        for number, line in enumerate(text.splitlines(), 1)
+        for address in addresses_in(line)
+    ]
 
 
 def scan(root: Path = ROOT, folders: tuple[str, ...] = SCANNED) -> tuple[list[Finding], set[str]]:
@@ -193,19 +232,24 @@ def in_namespace_subnets(address: str) -> bool:
     return any(ipaddress.ip_address(address.split("%")[0]) in net for net in NAMESPACE_SUBNETS)
 
 
-def violations(findings: list[Finding], namespace_files: set[str],
-               allowed: Optional[dict[tuple[str, str], str]] = None) -> list[Finding]:
+def violations(
+    findings: list[Finding], namespace_files: set[str], allowed: dict[tuple[str, str], str] | None = None
+) -> list[Finding]:
     allowed = ALLOWED if allowed is None else allowed
-    return [f for f in findings if (f.file, f.scope) not in allowed
-            and not (f.file in namespace_files and in_namespace_subnets(f.address))]
+    return [
+        f
+        for f in findings
+        if (f.file, f.scope) not in allowed and not (f.file in namespace_files and in_namespace_subnets(f.address))
+    ]
 
 
 def test_tests_scripts_benchmarks_and_examples_name_no_address_off_this_machine():
     findings, namespace_files = scan()
     bad = violations(findings, namespace_files)
-    assert not bad, ("literal addresses outside loopback (issue 30: traffic only to loopback or to namespaces the "
-                     "test makes; use cluster.netns, or list a pure function in ALLOWED with why):\n"
-                     + "\n".join(map(str, bad)))
+    assert not bad, (
+        "literal addresses outside loopback (issue 30: traffic only to loopback or to namespaces the "
+        "test makes; use cluster.netns, or list a pure function in ALLOWED with why):\n" + "\n".join(map(str, bad))
+    )
     assert findings  # the scan sees the namespace subnets and the allowed ones: it is looking
 
 
@@ -224,8 +268,11 @@ def test_the_namespace_subnets_are_the_helpers():
 
 def test_the_scan_catches_planted_addresses(tmp_path):
     # built from parts so that this file names none of them
-    v4, v6, mapped = ".".join(["198", "51", "100", "23"]), ":".join(["2001", "db8", "", "7"]), "::ffff:" + ".".join(
-        ["203", "0", "113", "9"])
+    v4, v6, mapped = (
+        ".".join(["198", "51", "100", "23"]),
+        ":".join(["2001", "db8", "", "7"]),
+        "::ffff:" + ".".join(["203", "0", "113", "9"]),
+    )
     inside = ".".join(["192", "168", "77", "99"])  # a namespace subnet's
     (tmp_path / "tests" / "cluster").mkdir(parents=True)
     planted = tmp_path / "tests" / "test_planted.py"
@@ -256,14 +303,16 @@ class TestNested:
     findings, namespace_files = scan(tmp_path, ("tests",))
     flagged = sorted(map(str, violations(findings, namespace_files)))
     print("planted, flagged:\n" + "\n".join(flagged))
-    assert flagged == sorted([
-        f"tests/test_planted.py:1 in <module>: {v4}",
-        f"tests/test_planted.py:4 in CHIEF: {v4}",
-        f"tests/test_planted.py:8 in test_connects: {v4}",
-        f"tests/test_planted.py:16 in TestNested.test_v6: {v6}",
-        f"tests/test_planted.py:16 in TestNested.test_v6: {mapped}",
-        f"tests/test_planted.py:16 in TestNested.test_v6: {inside}",  # a subnet of namespaces, in a file with none
-        f"tests/ping.sh:2 in <module>: {v4}",
-        f"tests/test_hosts_planted.py:3 in THEIRS: {v4}",  # a namespace file, outside the subnets
-        f"tests/cluster/test_interfaces.py:5 in test_new: {v4}",  # the IFACES line is allowed, test_new is not
-    ])
+    assert flagged == sorted(
+        [
+            f"tests/test_planted.py:1 in <module>: {v4}",
+            f"tests/test_planted.py:4 in CHIEF: {v4}",
+            f"tests/test_planted.py:8 in test_connects: {v4}",
+            f"tests/test_planted.py:16 in TestNested.test_v6: {v6}",
+            f"tests/test_planted.py:16 in TestNested.test_v6: {mapped}",
+            f"tests/test_planted.py:16 in TestNested.test_v6: {inside}",  # a subnet of namespaces, in a file with none
+            f"tests/ping.sh:2 in <module>: {v4}",
+            f"tests/test_hosts_planted.py:3 in THEIRS: {v4}",  # a namespace file, outside the subnets
+            f"tests/cluster/test_interfaces.py:5 in test_new: {v4}",  # the IFACES line is allowed, test_new is not
+        ]
+    )

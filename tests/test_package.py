@@ -31,9 +31,11 @@ def test_import_distrib_and_distrib_launch_load_no_torch(tmp_path):
     its tasks, which import torch themselves) starts without torch: about 0.1 s instead of 1.5 s on every launch."""
     script = tmp_path / "task.py"
     script.write_text("import os; print('task', os.environ['TF_CONFIG'] != '')\n")
-    code = ("import sys\nfrom distrib.app.cli import main\n"
-            f"code = main(['launch', '--workers', '2', {str(script)!r}])\n"
-            "print('exit', code, sorted({'torch', 'grpc', 'cloudpickle'} & set(sys.modules)))")
+    code = (
+        "import sys\nfrom distrib.app.cli import main\n"
+        f"code = main(['launch', '--workers', '2', {str(script)!r}])\n"
+        "print('exit', code, sorted({'torch', 'grpc', 'cloudpickle'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.count("task True") == 2 and "exit 0 []" in out, out
     code = "import distrib as ds, sys; ds.MirroredStrategy; print('torch' in sys.modules)"
@@ -52,9 +54,11 @@ sys.meta_path.insert(0, NoNumpy())
 
 
 def test_distrib_runs_without_numpy_and_torch_s_numpy_warning_is_not_shown():
-    code = NO_NUMPY + ("import distrib as ds, torch\n"
-                       "s = ds.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
-                       "print(s.reduce('sum', s.run(lambda: torch.ones(2)), axis=None).tolist(), 'numpy' in sys.modules)")
+    code = NO_NUMPY + (
+        "import distrib as ds, torch\n"
+        "s = ds.MirroredStrategy(['cpu:0', 'cpu:1'])\n"
+        "print(s.reduce('sum', s.run(lambda: torch.ones(2)), axis=None).tolist(), 'numpy' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["[2.0,", "2.0]", "False"]
@@ -65,8 +69,9 @@ def test_distrib_runs_without_numpy_and_torch_s_numpy_warning_is_not_shown():
 
 @pytest.mark.skipif(not CYCLES_TOOL.is_file(), reason="the shared import-cycle tool is not beside this checkout")
 def test_no_runtime_import_cycle_inside_the_package():
-    result = subprocess.run([sys.executable, str(CYCLES_TOOL), str(ROOT / "src"), "distrib"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, str(CYCLES_TOOL), str(ROOT / "src"), "distrib"], capture_output=True, text=True
+    )
     assert '"cycles": []' in result.stdout, result.stdout[-2000:]
 
 
@@ -86,8 +91,12 @@ def test_distributing_sets_no_attribute_on_the_user_s_objects(make):
 
 
 def test_every_strategy_has_a_public_topology():
-    for strategy in (ds.get_strategy(), ds.OneDeviceStrategy("cpu"), ds.MirroredStrategy(["cpu:0", "cpu:1"]),
-                     ds.MultiWorkerMirroredStrategy(devices=["cpu:0"])):
+    for strategy in (
+        ds.get_strategy(),
+        ds.OneDeviceStrategy("cpu"),
+        ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        ds.MultiWorkerMirroredStrategy(devices=["cpu:0"]),
+    ):
         assert (strategy.worker_index, strategy.num_workers, strategy.is_chief) == (0, 1, True)
         assert strategy.num_local_replicas * strategy.num_workers == strategy.num_replicas_in_sync
         assert len(strategy.local_devices) == strategy.num_local_replicas
@@ -137,13 +146,16 @@ def test_mypy_s_result_does_not_depend_on_which_optional_packages_are_installed(
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     root = Path(__file__).resolve().parents[1]
     config = tomllib.loads((root / "pyproject.toml").read_text())
-    base = {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("-", "_")
-            for req in config["project"]["dependencies"]}
+    base = {
+        re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("-", "_")
+        for req in config["project"]["dependencies"]
+    }
     patterns = [p for o in config["tool"]["mypy"]["overrides"] if o.get("ignore_missing_imports") for p in o["module"]]
 
     def covered(module: str) -> bool:  # mypy's "a.*" matches a and its submodules
         return module.split(".")[0] in base or any(
-            module == p or (p.endswith(".*") and (module == p[:-2] or module.startswith(p[:-1]))) for p in patterns)
+            module == p or (p.endswith(".*") and (module == p[:-2] or module.startswith(p[:-1]))) for p in patterns
+        )
 
     imports = _third_party_imports(root / "src" / "distrib")
     assert {"torch", "cloudpickle", "grpc", "cryptography"} <= {m.split(".")[0] for m in imports}  # the walk works

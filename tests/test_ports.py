@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import make_idx_dir
 from helpers import launch, run_bounded
 
@@ -29,9 +28,25 @@ def _module(name: str):
 
 def test_mnist_port_learns_on_two_replicas_and_saves_the_model_it_tested(tmp_path):
     data = make_idx_dir(tmp_path / "data", n_train=640, n_test=200)
-    code, out, _ = run_bounded([sys.executable, str(EXAMPLES / "mnist.py"), "--data-dir", str(data), "--replicas", "2",
-                                "--epochs", "2", "--log-interval", "4", "--test-batch-size", "64", "--save-model"],
-                               timeout=240, cwd=tmp_path)
+    code, out, _ = run_bounded(
+        [
+            sys.executable,
+            str(EXAMPLES / "mnist.py"),
+            "--data-dir",
+            str(data),
+            "--replicas",
+            "2",
+            "--epochs",
+            "2",
+            "--log-interval",
+            "4",
+            "--test-batch-size",
+            "64",
+            "--save-model",
+        ],
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert code == 0, out
     assert "Replicas in sync: 2" in out
     losses = [float(x) for x in re.findall(r"Train Epoch: \d \[\d+/640 \(\d+%\)\]\tLoss: ([\d.]+)", out)]
@@ -55,8 +70,20 @@ def test_mnist_port_learns_on_two_replicas_and_saves_the_model_it_tested(tmp_pat
 
 def test_mnist_port_on_two_workers_logs_once_from_the_chief(tmp_path):
     data = make_idx_dir(tmp_path / "data", n_train=256, n_test=128)
-    code, out, _ = launch("--workers", "2", str(EXAMPLES / "mnist.py"), "--data-dir", str(data), "--epochs", "1",
-                          "--log-interval", "2", "--test-batch-size", "64", timeout=180)
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        str(EXAMPLES / "mnist.py"),
+        "--data-dir",
+        str(data),
+        "--epochs",
+        "1",
+        "--log-interval",
+        "2",
+        "--test-batch-size",
+        "64",
+        timeout=180,
+    )
     assert code == 0, out
     assert out.count("Replicas in sync: 2") == 1, out
     assert len(re.findall(r"Train Epoch: 1 \[\d+/256", out)) == 2, out  # steps 0 and 2 of 4, printed once
@@ -64,9 +91,19 @@ def test_mnist_port_on_two_workers_logs_once_from_the_chief(tmp_path):
 
 
 def _torchrun(nproc: int, *args: str, cwd: Path) -> str:
-    code, out, _ = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc-per-node={nproc}", str(EXAMPLES / "multigpu_torchrun.py"), *args],
-                               timeout=180, cwd=cwd)
+    code, out, _ = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(EXAMPLES / "multigpu_torchrun.py"),
+            *args,
+        ],
+        timeout=180,
+        cwd=cwd,
+    )
     assert code == 0, out
     return out
 
@@ -80,8 +117,20 @@ def test_torchrun_port_on_two_processes_equals_one_process_with_the_global_batch
     assert out.count("Training snapshot saved") == 2, out  # the chief only, epochs 0 and 1
 
     one = tmp_path / "one.pt"
-    code, out1, _ = run_bounded([sys.executable, str(EXAMPLES / "multigpu_torchrun.py"), "2", "1",
-                                 "--batch_size", "64", "--snapshot_path", str(one)], timeout=120, cwd=tmp_path)
+    code, out1, _ = run_bounded(
+        [
+            sys.executable,
+            str(EXAMPLES / "multigpu_torchrun.py"),
+            "2",
+            "1",
+            "--batch_size",
+            "64",
+            "--snapshot_path",
+            str(one),
+        ],
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert code == 0, out1
     a, b = (torch.load(p, weights_only=True) for p in (two, one))
     assert a["EPOCHS_RUN"] == b["EPOCHS_RUN"] == 2

@@ -25,10 +25,14 @@ def _model_and_sgd() -> tuple[torch.nn.Linear, torch.optim.SGD]:
 
 # --------------------------------------------------------------------------- GradScaler (StrategyPatches)
 
+
 def test_grad_scaler_methods_are_plain_functions_with_the_wrapped_signatures() -> None:
     """StrategyPatches swaps these three class attributes and calls torch's own with these arguments."""
-    expected = {"unscale_": ["self", "optimizer"], "step": ["self", "optimizer", "args", "kwargs"],
-                "update": ["self", "new_scale"]}
+    expected = {
+        "unscale_": ["self", "optimizer"],
+        "step": ["self", "optimizer", "args", "kwargs"],
+        "update": ["self", "new_scale"],
+    }
     for name, params in expected.items():
         fn = GradScaler.__dict__[name]
         assert inspect.isfunction(fn), (name, fn)
@@ -83,7 +87,9 @@ def test_strategy_patches_are_counted_leases_that_restore_torch() -> None:
 
     patches = torch_patches.StrategyPatches({"update": update}, lambda opt, args, kwargs: None)
     first, second = patches.acquire(), patches.acquire()
-    assert GradScaler.__dict__["update"] is update and len(optimizer_module._global_optimizer_pre_hooks) == len(hooks) + 1
+    assert (
+        GradScaler.__dict__["update"] is update and len(optimizer_module._global_optimizer_pre_hooks) == len(hooks) + 1
+    )
     scaler = GradScaler("cpu", init_scale=2.0)
     model, sgd = _model_and_sgd()
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
@@ -91,13 +97,16 @@ def test_strategy_patches_are_counted_leases_that_restore_torch() -> None:
     scaler.update()  # through the patch, into torch's update: no recursion
     first()
     first()  # a second call of the same release is a no-op: the other lease still holds both
-    assert GradScaler.__dict__["update"] is update and len(optimizer_module._global_optimizer_pre_hooks) == len(hooks) + 1
+    assert (
+        GradScaler.__dict__["update"] is update and len(optimizer_module._global_optimizer_pre_hooks) == len(hooks) + 1
+    )
     second()
     assert GradScaler.__dict__["update"] is original
     assert dict(optimizer_module._global_optimizer_pre_hooks) == hooks
 
 
 # --------------------------------------------------------------------------- the global optimizer hook
+
 
 def test_global_optimizer_pre_hook_runs_for_the_class_step_and_its_handle_removes_it() -> None:
     """The owner check is torch's register_optimizer_step_pre_hook: its first argument is the optimizer."""
@@ -131,6 +140,7 @@ def test_an_error_in_the_global_pre_hook_stops_the_step() -> None:
 
 # --------------------------------------------------------------------------- Optimizer.__init__
 
+
 @pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])
 def test_optimizers_construct_through_the_base_class_init(cls: type) -> None:
     """patch_optimizer_init swaps ``Optimizer.__init__``: every optimizer must run it, param_groups already set."""
@@ -148,12 +158,16 @@ def test_optimizers_construct_through_the_base_class_init(cls: type) -> None:
 
 # --------------------------------------------------------------------------- one optimizer's step / zero_grad
 
+
 def test_an_instance_step_attribute_is_what_step_calls_and_lr_schedulers_accept_it() -> None:
     """wrap_optimizer sets bound methods on the instance; LRScheduler re-wraps ``optimizer.step.__func__``."""
     calls: list[str] = []
     model, sgd = _model_and_sgd()
-    torch_patches.wrap_optimizer(sgd, lambda opt, step, args, kwargs: (calls.append("step"), step(*args, **kwargs)),
-                                 lambda opt, zero_grad, set_to_none: (calls.append("zero"), zero_grad(set_to_none)))
+    torch_patches.wrap_optimizer(
+        sgd,
+        lambda opt, step, args, kwargs: (calls.append("step"), step(*args, **kwargs)),
+        lambda opt, zero_grad, set_to_none: (calls.append("zero"), zero_grad(set_to_none)),
+    )
     scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
     model(torch.ones(1, 2)).sum().backward()
     with warnings.catch_warnings():
@@ -167,6 +181,7 @@ def test_an_instance_step_attribute_is_what_step_calls_and_lr_schedulers_accept_
 
 
 # --------------------------------------------------------------------------- torchmetrics
+
 
 def test_torchmetrics_counts_updates_in_update_count() -> None:
     """mark_metric_updated bumps ``_update_count``, which torchmetrics' compute() checks before warning."""
@@ -183,6 +198,7 @@ def test_torchmetrics_counts_updates_in_update_count() -> None:
 
 
 # --------------------------------------------------------------------------- GradScaler state (parameter servers)
+
 
 def _stepped_scaler(poison: bool = False, **kwargs: float) -> tuple[GradScaler, torch.optim.SGD]:
     model, sgd = _model_and_sgd()
@@ -224,6 +240,7 @@ def test_a_scalers_enabled_flag_and_step_state_can_be_set_and_dropped() -> None:
 
 # --------------------------------------------------------------------------- optimizer state under parameter servers
 
+
 def test_a_state_dict_post_hook_gets_torchs_dict_and_its_result_is_returned() -> None:
     """ParameterServerStrategy fills in the servers' state through register_state_dict_post_hook."""
     model, sgd = _model_and_sgd()
@@ -248,6 +265,7 @@ def test_torchs_load_state_dict_replaces_the_group_dicts() -> None:
 
 
 # --------------------------------------------------------------------------- one module's forward
+
 
 def test_calling_a_module_runs_its_instance_forward_and_the_class_forward_stays_reachable() -> None:
     """route_forward sets ``module.forward`` on the instance: ``module(x)`` must call it (hooks still run)."""
@@ -276,6 +294,7 @@ def test_a_modules_load_state_dict_pre_hooks_are_seen() -> None:
 
 # --------------------------------------------------------------------------- autograd, process groups, sparse tensors
 
+
 def test_a_queued_backward_callback_runs_once_after_every_gradient_hook() -> None:
     """The overlapped reducer waits for its buckets in a callback queued from a gradient hook."""
     weight = torch.ones(3, requires_grad=True)
@@ -296,6 +315,7 @@ def test_a_queued_backward_callback_runs_once_after_every_gradient_hook() -> Non
 def test_a_groups_backend_object_is_reachable_and_gloo_has_set_timeout(tmp_path: pathlib.Path) -> None:
     """process_group's long barrier sets the timeout of the WORLD group's gloo backend (torch >= 2.5)."""
     import datetime
+
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -329,6 +349,7 @@ def test_a_fake_tensor_skeleton_saves_without_data_and_its_records_are_in_pickle
     from distrib.checkpoint.sharded_export import _record_offsets
     from distrib.tensor_bytes import byte_view
     from distrib.torch_patches import fake_tensor_mode
+
     with fake_tensor_mode():
         fakes = {"w": torch.empty(100, 3), "b": torch.empty(5, dtype=torch.float64), "n": torch.empty(100, 3)}
     assert fakes["w"].untyped_storage().nbytes() == 1200
@@ -337,8 +358,11 @@ def test_a_fake_tensor_skeleton_saves_without_data_and_its_records_are_in_pickle
         torch.save({"objects": {"m": fakes}, "note": 3}, path)
     offsets = _record_offsets(path, {f"m/{k}": k for k in fakes}, fakes)  # raises if a tensor has no record
     assert len(set(offsets.values())) == 3
-    values = {"w": torch.arange(300.0).reshape(100, 3), "b": torch.arange(5.0, dtype=torch.float64) / 7,
-              "n": -torch.arange(300.0).reshape(100, 3)}
+    values = {
+        "w": torch.arange(300.0).reshape(100, 3),
+        "b": torch.arange(5.0, dtype=torch.float64) / 7,
+        "n": -torch.arange(300.0).reshape(100, 3),
+    }
     with open(path, "r+b") as f:
         for name, value in values.items():
             os.pwrite(f.fileno(), byte_view(value), offsets[name])
@@ -392,6 +416,7 @@ def test_what_deferred_initialisation_reads_of_torch() -> None:
 
 # --------------------------------------------------------------------------- Optimizer.load_state_dict (restore)
 
+
 def test_an_optimizer_load_adopts_the_tensors_given_and_leaves_the_old_state_as_it_was() -> None:
     """checkpoint/restore.py keeps an optimizer's old state tensors, not a copy, as the rollback of a restore."""
     model = torch.nn.Linear(3, 2)
@@ -401,8 +426,10 @@ def test_an_optimizer_load_adopts_the_tensors_given_and_leaves_the_old_state_as_
     old = adam.state_dict()
     old_tensors = {(i, k): v for i, s in old["state"].items() for k, v in s.items()}
     kept = {key: v.clone() for key, v in old_tensors.items()}
-    new = {"state": {i: {k: torch.full_like(v, 7.0) for k, v in s.items()} for i, s in old["state"].items()},
-           "param_groups": old["param_groups"]}
+    new = {
+        "state": {i: {k: torch.full_like(v, 7.0) for k, v in s.items()} for i, s in old["state"].items()},
+        "param_groups": old["param_groups"],
+    }
     assert torch_patches.optimizer_load_replaces_state(adam)
     adam.load_state_dict(new)
     for (i, k), v in old_tensors.items():

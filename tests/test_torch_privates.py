@@ -20,10 +20,15 @@ PENDING: dict[tuple[str, str], str] = {}
 
 
 def _private_names() -> set[str]:
-    objects: list[object] = [torch.amp.GradScaler("cpu"), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1),
-                             torch.nn.Linear(1, 1), torch.zeros(1)]
+    objects: list[object] = [
+        torch.amp.GradScaler("cpu"),
+        torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1),
+        torch.nn.Linear(1, 1),
+        torch.zeros(1),
+    ]
     try:
         import torchmetrics
+
         objects.append(torchmetrics.MeanMetric())
     except ImportError:  # pragma: no cover - torchmetrics is a test extra
         pass
@@ -50,7 +55,9 @@ def violations(root: pathlib.Path, names: set[str]) -> list[tuple[str, int, str]
             if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
                 continue
             on_torch = _root_name(node) in TORCH_ROOTS  # torch._x, torch.nn.modules.loss._Loss, dist.group._x
-            on_object = node.attr in names and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            on_object = node.attr in names and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            )
             if on_torch or on_object:
                 found.append((path.relative_to(root).as_posix(), node.lineno, ast.unparse(node)))
     return found
@@ -62,12 +69,20 @@ def test_no_torch_private_outside_the_patch_module() -> None:
 
 
 def test_the_scan_finds_a_planted_violation(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "planted.py").write_text("def f(scaler, metric, opt):\n    scaler._scale.fill_(1)\n"
-                                         "    metric._update_count += 1\n    torch._amp_update_scale_()\n"
-                                         "    return self._scale, opt._optimizer_step_code\n"
-                                         "def g(t):\n    torch.autograd.Variable._execution_engine.queue_callback(t)\n"
-                                         "    return t._indices(), dist.group.WORLD._get_backend(t)\n")
+    (tmp_path / "planted.py").write_text(
+        "def f(scaler, metric, opt):\n    scaler._scale.fill_(1)\n"
+        "    metric._update_count += 1\n    torch._amp_update_scale_()\n"
+        "    return self._scale, opt._optimizer_step_code\n"
+        "def g(t):\n    torch.autograd.Variable._execution_engine.queue_callback(t)\n"
+        "    return t._indices(), dist.group.WORLD._get_backend(t)\n"
+    )
     found = violations(tmp_path, _private_names())
     assert sorted(expr for _, _, expr in found) == [
-        "dist.group.WORLD._get_backend", "metric._update_count", "opt._optimizer_step_code", "scaler._scale",
-        "t._indices", "torch._amp_update_scale_", "torch.autograd.Variable._execution_engine"], found
+        "dist.group.WORLD._get_backend",
+        "metric._update_count",
+        "opt._optimizer_step_code",
+        "scaler._scale",
+        "t._indices",
+        "torch._amp_update_scale_",
+        "torch.autograd.Variable._execution_engine",
+    ], found

@@ -43,8 +43,9 @@ SNAPSHOT = textwrap.dedent("""
 
 def _run(body: str) -> str:
     """Run ``SNAPSHOT + body`` in a fresh interpreter; its stdout (a failure shows its stderr)."""
-    proc = subprocess.run([sys.executable, "-c", SNAPSHOT + textwrap.dedent(body)], capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT + textwrap.dedent(body)], capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import launch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -33,7 +32,7 @@ def run(script: Path, *args: str, timeout: float = 180) -> str:
 
 def worker_lines(out: str, worker: int) -> list[str]:
     prefix = f"[worker {worker}] "
-    return [line[len(prefix):] for line in out.splitlines() if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in out.splitlines() if line.startswith(prefix)]
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +59,18 @@ def test_input_tutorial_one_process_two_replicas(input_single):
     assert lines[1:4] == ["Available devices:", "0) cpu:0", "1) cpu:1"]
     # Batching: the tutorial's three examples, split as evenly as possible
     assert "range(6).batch(4) over 2 replicas: Batch 2: Replica 1: [4], Replica 2: [5]" in lines
-    assert ("range(4).batch(4) over 5 replicas: Batch 1: Replica 1: [0], Replica 2: [1], Replica 3: [2], "
-            "Replica 4: [3], Replica 5: []") in lines
+    assert (
+        "range(4).batch(4) over 5 replicas: Batch 1: Replica 1: [0], Replica 2: [1], Replica 3: [2], "
+        "Replica 4: [3], Replica 5: []"
+    ) in lines
     assert "range(8).batch(4) over 3 replicas: Batch 2: Replica 1: [4, 5], Replica 2: [6], Replica 3: [7]" in lines
     # one worker: every policy reads everything
     for policy in ("DATA", "FILE", "OFF"):
         assert [line for line in lines if line.startswith(f"{policy}:")] == [
             f"{policy}: Worker 0: Batch 1 = Replica 1: [0, 1], Replica 2: [2, 3]",
             f"{policy}: Worker 0: Batch 2 = Replica 1: [4, 5], Replica 2: [6, 7]",
-            f"{policy}: Worker 0: Batch 3 = Replica 1: [8, 9], Replica 2: [10, 11]"]
+            f"{policy}: Worker 0: Batch 3 = Replica 1: [8, 9], Replica 2: [10, 11]",
+        ]
     # distribute_datasets_from_function: 64 examples, per-replica batch 16 / 2 = 8, 2 local replicas a step
     assert "Worker 0 of 1: per-replica batch size 8 (2 replicas in sync)" in lines
     assert "Worker 0: 4 steps, per-replica batch sizes [[8, 8], [8, 8], [8, 8], [8, 8]]" in lines
@@ -77,8 +79,10 @@ def test_input_tutorial_one_process_two_replicas(input_single):
     assert "OutOfRangeError: End of sequence" in lines
     # get_next_as_optional over range(9).batch(4): 3 steps, the last one partial
     assert [line for line in lines if line.startswith("(tensor(")] == [
-        "(tensor([0, 1]), tensor([2, 3]))", "(tensor([4, 5]), tensor([6, 7]))",
-        "(tensor([8]), tensor([], dtype=torch.int64))"]
+        "(tensor([0, 1]), tensor([2, 3]))",
+        "(tensor([4, 5]), tensor([6, 7]))",
+        "(tensor([8]), tensor([], dtype=torch.int64))",
+    ]
     spec = "[TensorSpec(shape=(None, 1), dtype=torch.float32), TensorSpec(shape=(None, 1), dtype=torch.float32)]"
     assert f"element_spec: {spec}" in lines and f"iterator element_spec: {spec}" in lines
     # StringLookup over a, c, e, a, ... (e is out of vocabulary: 0), per-replica batches of 2
@@ -102,31 +106,52 @@ def test_input_tutorial_two_workers(input_two_workers, input_single):
         assert f"Worker {k}: 4 steps, per-replica batch sizes [[8], [8], [8], [8]]" in lines
         assert sum(line.startswith("Loss is ") for line in lines) == 7 + 50
         assert [line for line in lines if line.startswith("OFF:")] == [
-            f"OFF: Worker {k}: Batch {b + 1} = Replica {k + 1}: [{2 * b}, {2 * b + 1}]" for b in range(6)]
+            f"OFF: Worker {k}: Batch {b + 1} = Replica {k + 1}: [{2 * b}, {2 * b + 1}]" for b in range(6)
+        ]
     # DATA: each worker keeps its replica's half of every global batch of 4
     assert [line for line in w0 if line.startswith("DATA:")] == [
-        "DATA: Worker 0: Batch 1 = Replica 1: [0, 1]", "DATA: Worker 0: Batch 2 = Replica 1: [4, 5]",
-        "DATA: Worker 0: Batch 3 = Replica 1: [8, 9]"]
+        "DATA: Worker 0: Batch 1 = Replica 1: [0, 1]",
+        "DATA: Worker 0: Batch 2 = Replica 1: [4, 5]",
+        "DATA: Worker 0: Batch 3 = Replica 1: [8, 9]",
+    ]
     assert [line for line in w1 if line.startswith("DATA:")] == [
-        "DATA: Worker 1: Batch 1 = Replica 2: [2, 3]", "DATA: Worker 1: Batch 2 = Replica 2: [6, 7]",
-        "DATA: Worker 1: Batch 3 = Replica 2: [10, 11]"]
+        "DATA: Worker 1: Batch 1 = Replica 2: [2, 3]",
+        "DATA: Worker 1: Batch 2 = Replica 2: [6, 7]",
+        "DATA: Worker 1: Batch 3 = Replica 2: [10, 11]",
+    ]
     # FILE: each worker reads its own file
     assert [line for line in w0 if line.startswith("FILE:")] == [
-        "FILE: Worker 0: Batch 1 = Replica 1: [0, 1]", "FILE: Worker 0: Batch 2 = Replica 1: [2, 3]",
-        "FILE: Worker 0: Batch 3 = Replica 1: [4, 5]"]
+        "FILE: Worker 0: Batch 1 = Replica 1: [0, 1]",
+        "FILE: Worker 0: Batch 2 = Replica 1: [2, 3]",
+        "FILE: Worker 0: Batch 3 = Replica 1: [4, 5]",
+    ]
     assert [line for line in w1 if line.startswith("FILE:")] == [
-        "FILE: Worker 1: Batch 1 = Replica 2: [6, 7]", "FILE: Worker 1: Batch 2 = Replica 2: [8, 9]",
-        "FILE: Worker 1: Batch 3 = Replica 2: [10, 11]"]
+        "FILE: Worker 1: Batch 1 = Replica 2: [6, 7]",
+        "FILE: Worker 1: Batch 2 = Replica 2: [8, 9]",
+        "FILE: Worker 1: Batch 3 = Replica 2: [10, 11]",
+    ]
     # get_next_as_optional: the last global batch [8] leaves worker 1 an empty batch, and both stop together
     assert [line for line in w0 if line.startswith("(tensor(")] == [
-        "(tensor([0, 1]),)", "(tensor([4, 5]),)", "(tensor([8]),)"]
+        "(tensor([0, 1]),)",
+        "(tensor([4, 5]),)",
+        "(tensor([8]),)",
+    ]
     assert [line for line in w1 if line.startswith("(tensor(")] == [
-        "(tensor([2, 3]),)", "(tensor([6, 7]),)", "(tensor([], dtype=torch.int64),)"]
+        "(tensor([2, 3]),)",
+        "(tensor([6, 7]),)",
+        "(tensor([], dtype=torch.int64),)",
+    ]
     # StringLookup batches sharded over the 2 pipelines: worker 0 the even batches, worker 1 the odd ones
     assert [line for line in w0 if re.fullmatch(r"tensor\(\[\d, \d\]\)", line)] == [
-        "tensor([1, 3])", "tensor([3, 0])", "tensor([0, 1])"]
+        "tensor([1, 3])",
+        "tensor([3, 0])",
+        "tensor([0, 1])",
+    ]
     assert [line for line in w1 if re.fullmatch(r"tensor\(\[\d, \d\]\)", line)] == [
-        "tensor([0, 1])", "tensor([1, 3])", "tensor([3, 0])"]
+        "tensor([0, 1])",
+        "tensor([1, 3])",
+        "tensor([3, 0])",
+    ]
     # partial batches: worker 1's pipeline (4 examples) ends a step early; it feeds an empty batch
     assert "Partial batches: Worker 0: per-replica batch sizes [[2], [2], [1]]" in w0
     assert "Partial batches: Worker 1: per-replica batch sizes [[2], [2], [0]]" in w1
@@ -166,8 +191,9 @@ def test_distributed_training_guide(guide_runs):
     assert "OneDeviceStrategy(devices=['/cpu:0'], num_replicas_in_sync=1)" in lines
     assert "global_batch_size: 10 learning_rate: 0.15" in lines
     assert "global_batch_size: 5 learning_rate: 0.1" in guide_runs[1].splitlines()
-    assert ("{'worker': ['host1:2222', 'host2:2222', 'host3:2222'], 'ps': ['host4:2222', 'host5:2222']} worker 1"
-            in lines)
+    assert (
+        "{'worker': ['host1:2222', 'host2:2222', 'host3:2222'], 'ps': ['host4:2222', 'host5:2222']} worker 1" in lines
+    )
     # fit: 2 + 2 epochs (and evaluate) of 10 steps; the loss falls
     losses = [float(x) for x in fit_losses(out)]
     assert len(losses) == 5 and losses[0] > losses[1] > losses[2] and losses[3] > losses[4]

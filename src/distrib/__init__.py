@@ -52,6 +52,7 @@ import sys as _sys
 import warnings as _warnings
 from typing import TYPE_CHECKING, Any, Optional
 
+
 def _numpy_missing() -> bool:
     try:
         return _importlib_util.find_spec("numpy") is None
@@ -67,25 +68,53 @@ if "torch" not in _sys.modules and _numpy_missing():
 if TYPE_CHECKING:
     from distrib import cluster as cluster_resolver
     from distrib import experimental, metrics, parameter_server, testing
-    from distrib.checkpoint import (Checkpoint, CheckpointError, CheckpointManager, checkpoints_iterator,
-                                    latest_checkpoint)
+    from distrib.checkpoint import (
+        Checkpoint,
+        CheckpointError,
+        CheckpointManager,
+        checkpoints_iterator,
+        latest_checkpoint,
+    )
     from distrib.cluster import ClusterSpec
     from distrib.comm import CollectiveError, CommunicationImplementation, CommunicationOptions, PowerSGD
+    from distrib.context import (
+        get_cross_replica_context,
+        get_replica_context,
+        get_strategy,
+        has_strategy,
+        in_cross_replica_context,
+    )
     from distrib.graphs import function
-    from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
-                                 in_cross_replica_context)
-    from distrib.input import (AutoShardPolicy, InputContext, InputOptions, InputReplicationMode, OptionalValue,
-                               OutOfRangeError, TensorSpec)
+    from distrib.input import (
+        AutoShardPolicy,
+        InputContext,
+        InputOptions,
+        InputReplicationMode,
+        OptionalValue,
+        OutOfRangeError,
+        TensorSpec,
+    )
     from distrib.keras import callbacks
     from distrib.keras.loop import evaluate, fit, predict
     from distrib.losses import compute_average_loss, scale_regularization_loss
     from distrib.parameter_server import ParameterServerStrategy, Server, partitioners
     from distrib.parameter_server.client import coordinator
-    from distrib.strategies import (CentralStorageStrategy, MirroredStrategy, MultiWorkerMirroredStrategy,
-                                    OneDeviceStrategy, ShardedStrategy, ShardingPolicy, Strategy)
+    from distrib.strategies import (
+        CentralStorageStrategy,
+        MirroredStrategy,
+        MultiWorkerMirroredStrategy,
+        OneDeviceStrategy,
+        ShardedStrategy,
+        ShardingPolicy,
+        Strategy,
+    )
     from distrib.strategies.base import RunOptions, UnscaledLossWarning, ValueContext
-    from distrib.strategies.mirrored import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                             ReductionToOneDevice)
+    from distrib.strategies.mirrored import (
+        CrossDeviceOps,
+        HierarchicalCopyAllReduce,
+        NcclAllReduce,
+        ReductionToOneDevice,
+    )
     from distrib.strategies.replica import ReplicaContext
     from distrib.values import PerReplica, ReduceOp
 
@@ -94,30 +123,64 @@ __version__ = "0.1.0"
 # Every public name is loaded on first use (PEP 562), from the module that defines it: `import distrib` alone
 # imports no torch, so a process that only launches others (`distrib launch`, whose tasks import torch
 # themselves) starts in a tenth of the time. Names from distrib.parameter_server load it (and grpc) then.
-_LAZY: dict[str, tuple[str, Optional[str]]] = {
+_LAZY: dict[str, tuple[str, str | None]] = {
     "cluster_resolver": ("distrib.cluster", None),
     "ClusterSpec": ("distrib.cluster", "ClusterSpec"),
-    **{name: ("distrib.checkpoint", name) for name in ("Checkpoint", "CheckpointError", "CheckpointManager",
-                                                        "checkpoints_iterator", "latest_checkpoint")},
-    **{name: ("distrib.comm", name) for name in ("CollectiveError", "CommunicationImplementation",
-                                                  "CommunicationOptions", "PowerSGD")},
-    **{name: ("distrib.context", name) for name in ("get_cross_replica_context", "get_replica_context",
-                                                     "get_strategy", "has_strategy", "in_cross_replica_context")},
-    **{name: ("distrib.input", name) for name in ("AutoShardPolicy", "InputContext", "InputOptions",
-                                                   "InputReplicationMode", "OptionalValue", "OutOfRangeError",
-                                                   "TensorSpec")},
+    **{
+        name: ("distrib.checkpoint", name)
+        for name in ("Checkpoint", "CheckpointError", "CheckpointManager", "checkpoints_iterator", "latest_checkpoint")
+    },
+    **{
+        name: ("distrib.comm", name)
+        for name in ("CollectiveError", "CommunicationImplementation", "CommunicationOptions", "PowerSGD")
+    },
+    **{
+        name: ("distrib.context", name)
+        for name in (
+            "get_cross_replica_context",
+            "get_replica_context",
+            "get_strategy",
+            "has_strategy",
+            "in_cross_replica_context",
+        )
+    },
+    **{
+        name: ("distrib.input", name)
+        for name in (
+            "AutoShardPolicy",
+            "InputContext",
+            "InputOptions",
+            "InputReplicationMode",
+            "OptionalValue",
+            "OutOfRangeError",
+            "TensorSpec",
+        )
+    },
     "callbacks": ("distrib.keras", "callbacks"),
     "function": ("distrib.graphs", "function"),
     **{name: ("distrib.keras.loop", name) for name in ("evaluate", "fit", "predict")},
     **{name: ("distrib.losses", name) for name in ("compute_average_loss", "scale_regularization_loss")},
-    **{name: ("distrib.parameter_server", name) for name in ("ParameterServerStrategy", "Server", "coordinator",
-                                                              "partitioners")},
-    **{name: ("distrib.strategies", name) for name in ("CentralStorageStrategy", "MirroredStrategy",
-                                                        "MultiWorkerMirroredStrategy", "OneDeviceStrategy",
-                                                        "ShardedStrategy", "ShardingPolicy", "Strategy")},
+    **{
+        name: ("distrib.parameter_server", name)
+        for name in ("ParameterServerStrategy", "Server", "coordinator", "partitioners")
+    },
+    **{
+        name: ("distrib.strategies", name)
+        for name in (
+            "CentralStorageStrategy",
+            "MirroredStrategy",
+            "MultiWorkerMirroredStrategy",
+            "OneDeviceStrategy",
+            "ShardedStrategy",
+            "ShardingPolicy",
+            "Strategy",
+        )
+    },
     **{name: ("distrib.strategies.base", name) for name in ("RunOptions", "UnscaledLossWarning", "ValueContext")},
-    **{name: ("distrib.strategies.mirrored", name) for name in ("CrossDeviceOps", "HierarchicalCopyAllReduce",
-                                                                 "NcclAllReduce", "ReductionToOneDevice")},
+    **{
+        name: ("distrib.strategies.mirrored", name)
+        for name in ("CrossDeviceOps", "HierarchicalCopyAllReduce", "NcclAllReduce", "ReductionToOneDevice")
+    },
     "ReplicaContext": ("distrib.strategies.replica", "ReplicaContext"),
     **{name: ("distrib.values", name) for name in ("PerReplica", "ReduceOp")},
 }

@@ -26,34 +26,41 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
     from distrib.strategies.replica import ReplicaContext
 
-__all__ = ["get_strategy", "has_strategy", "get_replica_context", "get_cross_replica_context",
-           "in_cross_replica_context", "strategy_of"]
+__all__ = [
+    "get_strategy",
+    "has_strategy",
+    "get_replica_context",
+    "get_cross_replica_context",
+    "in_cross_replica_context",
+    "strategy_of",
+]
 
 _thread = threading.local()
 # Scopes nest per process, not per thread: replica threads must see the scope
 # that the user's main thread entered.
-_scope_stack: list["Strategy"] = []
-_default: Optional[tuple["Strategy", "ReplicaContext"]] = None
-_default_factory: Optional[Callable[[], tuple["Strategy", "ReplicaContext"]]] = None
+_scope_stack: list[Strategy] = []
+_default: tuple[Strategy, ReplicaContext] | None = None
+_default_factory: Callable[[], tuple[Strategy, ReplicaContext]] | None = None
 # The latest strategy of this process that spans several workers: checkpoints saved outside
 # any scope still write on its chief only.
-_cluster: Optional["weakref.ref[Strategy]"] = None
-_owners: "weakref.WeakKeyDictionary[Any, Strategy]" = weakref.WeakKeyDictionary()
+_cluster: weakref.ref[Strategy] | None = None
+_owners: weakref.WeakKeyDictionary[Any, Strategy] = weakref.WeakKeyDictionary()
 
 
-def install_default(factory: Callable[[], tuple["Strategy", "ReplicaContext"]]) -> None:
+def install_default(factory: Callable[[], tuple[Strategy, ReplicaContext]]) -> None:
     """Tell this module how to make the default strategy and its replica context (done once, by strategies)."""
     global _default_factory
     _default_factory = factory
 
 
-def _default_pair() -> tuple["Strategy", "ReplicaContext"]:
+def _default_pair() -> tuple[Strategy, ReplicaContext]:
     global _default
     if _default is None:
         if _default_factory is None:  # the strategies install it when imported: a part used before them
@@ -66,17 +73,17 @@ def _default_pair() -> tuple["Strategy", "ReplicaContext"]:
     return _default
 
 
-def default_strategy() -> "Strategy":
+def default_strategy() -> Strategy:
     """The process-wide default strategy: one replica, the current device, no placement."""
     return _default_pair()[0]
 
 
-def set_owner(obj: Any, strategy: "Strategy") -> None:
+def set_owner(obj: Any, strategy: Strategy) -> None:
     """Record that ``strategy`` distributes ``obj`` (a module, an optimizer)."""
     _owners[obj] = strategy
 
 
-def owner_of(obj: Any) -> Optional["Strategy"]:
+def owner_of(obj: Any) -> Strategy | None:
     """The strategy that distributes ``obj``, or None."""
     try:
         return _owners.get(obj)
@@ -84,7 +91,7 @@ def owner_of(obj: Any) -> Optional["Strategy"]:
         return None
 
 
-def strategy_of(*objects: Any) -> "Strategy":
+def strategy_of(*objects: Any) -> Strategy:
     """The strategy in charge of ``objects`` (modules, optimizers, tensors, ...): the one lookup of the package.
 
     In order: the strategy that distributes one of them, or a module inside one (a compiled
@@ -102,7 +109,7 @@ def strategy_of(*objects: Any) -> "Strategy":
     return cluster_strategy() or get_strategy()
 
 
-def distributor_of(*objects: Any) -> Optional["Strategy"]:
+def distributor_of(*objects: Any) -> Strategy | None:
     """The strategy that distributes one of ``objects`` (or a module inside one), or None: their state is then
     whole and plain, whatever strategy the process runs."""
     import torch
@@ -115,40 +122,40 @@ def distributor_of(*objects: Any) -> Optional["Strategy"]:
     return None
 
 
-def register_cluster_strategy(strategy: "Strategy") -> None:
+def register_cluster_strategy(strategy: Strategy) -> None:
     """Remember ``strategy`` as this process's multi-worker strategy (weakly)."""
     global _cluster
     _cluster = weakref.ref(strategy)
 
 
-def cluster_strategy() -> Optional["Strategy"]:
+def cluster_strategy() -> Strategy | None:
     """The latest multi-worker strategy made in this process (alive), or None."""
     return _cluster() if _cluster is not None else None
 
 
 #: who wants to know which strategies ``run`` steps (``ds.function`` while it warms up a step); empty otherwise
-run_observers: list[Callable[["Strategy"], None]] = []
+run_observers: list[Callable[[Strategy], None]] = []
 
 
-def note_run(strategy: "Strategy") -> None:
+def note_run(strategy: Strategy) -> None:
     """``strategy.run`` was called: tell the observers (``Strategy.run`` calls this only when there are some)."""
     for observe in list(run_observers):
         observe(strategy)
 
 
-def current_replica() -> Optional["ReplicaContext"]:
+def current_replica() -> ReplicaContext | None:
     """The replica context set on this thread by ``strategy.run``, or None."""
     return getattr(_thread, "replica", None)
 
 
-def set_current_replica(ctx: Optional["ReplicaContext"]) -> Optional["ReplicaContext"]:
+def set_current_replica(ctx: ReplicaContext | None) -> ReplicaContext | None:
     """Set this thread's replica context; returns the previous one (to restore it)."""
     previous = getattr(_thread, "replica", None)
     _thread.replica = ctx
     return previous
 
 
-def current_scope() -> Optional["Strategy"]:
+def current_scope() -> Strategy | None:
     """The strategy of the innermost open ``scope()``, or None (always None on a detached thread)."""
     if not _scope_stack or getattr(_thread, "detached", False):
         return None
@@ -171,7 +178,7 @@ def detached() -> Iterator[None]:
         _thread.detached = previous
 
 
-def get_strategy() -> "Strategy":
+def get_strategy() -> Strategy:
     """The current strategy: the replica's, else the innermost scope's, else the default one."""
     ctx = current_replica()
     if ctx is not None:
@@ -189,7 +196,7 @@ def in_cross_replica_context() -> bool:
     return current_replica() is None and current_scope() is not None
 
 
-def get_cross_replica_context() -> Optional["Strategy"]:
+def get_cross_replica_context() -> Strategy | None:
     """The current strategy in a cross-replica context (inside a scope, outside ``run``); None otherwise.
 
     As TF: exactly one of ``get_replica_context()`` and ``get_cross_replica_context()`` is
@@ -201,7 +208,7 @@ def get_cross_replica_context() -> Optional["Strategy"]:
     return current_scope()
 
 
-def get_replica_context() -> Optional["ReplicaContext"]:
+def get_replica_context() -> ReplicaContext | None:
     """The calling replica's context inside ``run``; None in a cross-replica context.
 
     Outside every scope this returns the default strategy's replica context, so that
@@ -228,12 +235,13 @@ def default_scope() -> Iterator[None]:
         _default_scopes[0] -= 1
 
 
-def push_scope(strategy: "Strategy") -> None:
+def push_scope(strategy: Strategy) -> None:
     """Enter ``strategy``'s scope; nested scopes must be of the same strategy."""
     if _default_scopes[0] and strategy is not default_strategy():
         raise RuntimeError(
             f"Mixing different strategies: cannot enter {type(strategy).__name__}.scope() inside the default "
-            "strategy's scope; leave that scope first")
+            "strategy's scope; leave that scope first"
+        )
     if _scope_stack and _scope_stack[-1] is not strategy:
         raise RuntimeError(
             f"Mixing different strategies: cannot enter {type(strategy).__name__}.scope() inside the scope of "
@@ -243,16 +251,18 @@ def push_scope(strategy: "Strategy") -> None:
     _scope_stack.append(strategy)
 
 
-def pop_scope(strategy: "Strategy") -> None:
+def pop_scope(strategy: Strategy) -> None:
     """Leave ``strategy``'s scope (the innermost one)."""
     if not _scope_stack or _scope_stack[-1] is not strategy:
         raise RuntimeError("strategy scopes were exited out of order")
     _scope_stack.pop()
 
 
-def refuse_mixing(strategy: "Strategy", api: str) -> None:
+def refuse_mixing(strategy: Strategy, api: str) -> None:
     """TF's rule: a strategy's cross-replica API is not called inside another strategy's scope."""
     scope = current_scope()
     if scope is not None and scope is not strategy:
-        raise RuntimeError(f"Mixing different strategies: {type(strategy).__name__}.{api} was called inside the "
-                           f"scope of {type(scope).__name__}; call it outside that scope, or use that strategy")
+        raise RuntimeError(
+            f"Mixing different strategies: {type(strategy).__name__}.{api} was called inside the "
+            f"scope of {type(scope).__name__}; call it outside that scope, or use that strategy"
+        )

@@ -14,18 +14,27 @@ Per-example loss functions by Keras name (``"mse"``, ``"sparse_categorical_cross
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from distrib import context
 
-__all__ = ["LogitsWarning", "compute_average_loss", "scale_regularization_loss", "per_example_loss", "LossLike", "PER_EXAMPLE_LOSSES",
-           "mean_squared_error", "mean_absolute_error"]
+__all__ = [
+    "LogitsWarning",
+    "compute_average_loss",
+    "scale_regularization_loss",
+    "per_example_loss",
+    "LossLike",
+    "PER_EXAMPLE_LOSSES",
+    "mean_squared_error",
+    "mean_absolute_error",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-LossLike = Union[str, torch.nn.Module, LossFn]
+LossLike = str | torch.nn.Module | LossFn
 
 
 def _replicas_in_sync(caller: str) -> int:
@@ -33,7 +42,8 @@ def _replicas_in_sync(caller: str) -> int:
     if context.in_cross_replica_context():
         raise RuntimeError(
             f"You are calling `{caller}` in cross replica context (inside strategy.scope() but outside "
-            f"strategy.run): it scales one replica's loss. Call it inside the function given to strategy.run")
+            f"strategy.run): it scales one replica's loss. Call it inside the function given to strategy.run"
+        )
     ctx = context.get_replica_context()
     assert ctx is not None, "outside a cross-replica context there is always a replica context"
     ctx.record_scaled_loss()
@@ -41,9 +51,9 @@ def _replicas_in_sync(caller: str) -> int:
 
 
 def compute_average_loss(
-    per_example_loss: Union[torch.Tensor, Sequence[float]],
-    sample_weight: Optional[Union[torch.Tensor, float, Sequence[float]]] = None,
-    global_batch_size: Optional[int] = None,
+    per_example_loss: torch.Tensor | Sequence[float],
+    sample_weight: torch.Tensor | float | Sequence[float] | None = None,
+    global_batch_size: int | None = None,
 ) -> torch.Tensor:
     """Sum of the (weighted) per-example losses divided by the global batch size.
 
@@ -64,15 +74,18 @@ def compute_average_loss(
     if per_example_loss.dim() == 0:
         raise ValueError(
             "Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1, got a scalar: "
-            "pass the per-example losses (e.g. cross_entropy(..., reduction='none')), not their mean")
+            "pass the per-example losses (e.g. cross_entropy(..., reduction='none')), not their mean"
+        )
     replicas = _replicas_in_sync("compute_average_loss")
     if sample_weight is not None:
         weight = torch.as_tensor(sample_weight, dtype=per_example_loss.dtype, device=per_example_loss.device)
         try:
             torch.broadcast_shapes(weight.shape, per_example_loss.shape)
         except RuntimeError:
-            raise ValueError(f"Incompatible shapes: sample_weight {list(weight.shape)} vs per_example_loss "
-                             f"{list(per_example_loss.shape)}: give one weight, or one per example") from None
+            raise ValueError(
+                f"Incompatible shapes: sample_weight {list(weight.shape)} vs per_example_loss "
+                f"{list(per_example_loss.shape)}: give one weight, or one per example"
+            ) from None
         per_example_loss = per_example_loss * weight
     if global_batch_size is None:
         global_batch_size = per_example_loss.shape[0] * replicas
@@ -99,7 +112,7 @@ def _check_global_batch_size(value: Any) -> int:
     return value
 
 
-def scale_regularization_loss(regularization_loss: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
+def scale_regularization_loss(regularization_loss: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """The sum of ``regularization_loss`` divided by ``num_replicas_in_sync``: summed over replicas, it counts once.
 
     A tensor of several losses, or a list of them, is summed first (as TF). Called in a
@@ -174,7 +187,10 @@ def _warn_if_probabilities(name: str, pred: torch.Tensor) -> None:
         f"loss {name!r} takes logits, as PyTorch's losses do, but the model's outputs look like probabilities "
         "(in [0, 1]" + ("" if name == "binary_crossentropy" else ", summing to 1") + "). Keras' loss of the same "
         "name takes probabilities by default: remove the final softmax/sigmoid from the model (or use a torch loss "
-        "on probabilities, e.g. F.nll_loss(torch.log(p), y, reduction='none')).", LogitsWarning, stacklevel=4)
+        "on probabilities, e.g. F.nll_loss(torch.log(p), y, reduction='none')).",
+        LogitsWarning,
+        stacklevel=4,
+    )
 
 
 def per_example_loss(loss: LossLike) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -196,8 +212,9 @@ def per_example_loss(loss: LossLike) -> Callable[[torch.Tensor, torch.Tensor], t
     if isinstance(loss, str):
         by_name = PER_EXAMPLE_LOSSES.get(loss.lower())
         if by_name is None:
-            raise ValueError(f"unknown loss {loss!r}: use one of {sorted(PER_EXAMPLE_LOSSES)}, a torch loss module "
-                             "or a function")
+            raise ValueError(
+                f"unknown loss {loss!r}: use one of {sorted(PER_EXAMPLE_LOSSES)}, a torch loss module or a function"
+            )
         fn = lambda p, y: by_name(y, p)  # noqa: E731 - Keras order (y_true, y_pred) inside
     elif isinstance(loss, torch.nn.Module) and isinstance(getattr(loss, "reduction", None), str):  # torch's losses
         module: Any = loss  # torch's _Loss base is private: a module with a `reduction` string is a loss
@@ -222,8 +239,10 @@ def per_example_loss(loss: LossLike) -> Callable[[torch.Tensor, torch.Tensor], t
             _warn_if_probabilities(str(loss), p)
         values = fn(p, y)
         if values.dim() == 0:
-            raise ValueError("the loss returned a scalar; fit needs per-example losses to scale them by the "
-                             "global batch (use reduction='none')")
+            raise ValueError(
+                "the loss returned a scalar; fit needs per-example losses to scale them by the "
+                "global batch (use reduction='none')"
+            )
         return _per_example(values)
 
     return checked

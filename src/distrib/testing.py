@@ -18,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
 from distrib.cluster.launch import free_ports
@@ -35,17 +36,22 @@ def pick_unused_port() -> int:
 
 def _cluster_dict(num_workers: int, num_ps: int, has_chief: bool) -> dict[str, list[str]]:
     if num_workers < 1 or num_ps < 1:
-        raise ValueError(f"a parameter-server cluster needs num_workers >= 1 and num_ps >= 1, got {num_workers}, {num_ps}")
+        raise ValueError(
+            f"a parameter-server cluster needs num_workers >= 1 and num_ps >= 1, got {num_workers}, {num_ps}"
+        )
     ports = iter(free_ports(num_workers + num_ps + int(has_chief)))  # distinct: all held open while picked
-    cluster = {"worker": [f"localhost:{next(ports)}" for _ in range(num_workers)],
-               "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)]}
+    cluster = {
+        "worker": [f"localhost:{next(ports)}" for _ in range(num_workers)],
+        "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)],
+    }
     if has_chief:
         cluster["chief"] = [f"localhost:{next(ports)}"]
     return cluster
 
 
-def create_in_process_cluster(num_workers: int, num_ps: int, has_chief: bool = True,
-                              token: Optional[str] = None) -> SimpleClusterResolver:
+def create_in_process_cluster(
+    num_workers: int, num_ps: int, has_chief: bool = True, token: str | None = None
+) -> SimpleClusterResolver:
     """Start ``num_ps`` ps and ``num_workers`` worker servers in this process; return the chief's resolver.
 
     ``DISTRIB_CLUSTER_TOKEN`` is set to ``token`` (or a fresh secret when neither is
@@ -60,8 +66,8 @@ def create_in_process_cluster(num_workers: int, num_ps: int, has_chief: bool = T
         (['chief', 'ps', 'worker'], 'chief')
         >>> ds.testing.stop_in_process_cluster(resolver)
     """
-    from distrib.parameter_server.transport.rpc import TOKEN_ENV
     from distrib.parameter_server.server.server import Server
+    from distrib.parameter_server.transport.rpc import TOKEN_ENV
 
     token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(32)
     os.environ[TOKEN_ENV] = token
@@ -96,9 +102,16 @@ class LocalCluster:
         ...     cluster.send_signal("worker", 0, signal.SIGSTOP)  # a hung worker
     """
 
-    def __init__(self, num_workers: int, num_ps: int, *, token: Optional[str] = None,
-                 env: Optional[Mapping[str, str]] = None, torch_threads: Optional[int] = 1,
-                 log_dir: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        num_ps: int,
+        *,
+        token: str | None = None,
+        env: Mapping[str, str] | None = None,
+        torch_threads: int | None = 1,
+        log_dir: str | None = None,
+    ) -> None:
         self.cluster = _cluster_dict(num_workers, num_ps, has_chief=True)
         self.token = token or secrets.token_hex(32)
         self._owns_log_dir = log_dir is None  # a directory we made is removed by stop()
@@ -134,8 +147,13 @@ class LocalCluster:
         env[TOKEN_ENV] = self.token
         log = open(os.path.join(self.log_dir, f"{job}-{index}.log"), "ab")
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "distrib.parameter_server"], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "distrib.parameter_server"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             log.close()
         self._procs[(job, index)] = proc
@@ -176,8 +194,8 @@ class LocalCluster:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Return once every task answers a health check; RuntimeError (with its log) if one died."""
-        from distrib.parameter_server.transport import wire
         from distrib.parameter_server.errors import PeerUnavailableError
+        from distrib.parameter_server.transport import wire
         from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE, Connection
 
         deadline = time.monotonic() + timeout
@@ -187,15 +205,18 @@ class LocalCluster:
             try:
                 while True:
                     if proc.poll() is not None:
-                        raise RuntimeError(f"/job:{job}/task:{index} exited with {proc.returncode}:\n"
-                                           f"{self.log(job, index)[-3000:]}")
+                        raise RuntimeError(
+                            f"/job:{job}/task:{index} exited with {proc.returncode}:\n{self.log(job, index)[-3000:]}"
+                        )
                     try:
                         conn.call("Health", wire.encode({}), timeout=1.0, wait_for_ready=True)
                         break
                     except PeerUnavailableError:
                         if time.monotonic() > deadline:
-                            raise TimeoutError(f"/job:{job}/task:{index} did not answer within {timeout}s:\n"
-                                               f"{self.log(job, index)[-3000:]}") from None
+                            raise TimeoutError(
+                                f"/job:{job}/task:{index} did not answer within {timeout}s:\n"
+                                f"{self.log(job, index)[-3000:]}"
+                            ) from None
             finally:
                 conn.close()
 
@@ -212,7 +233,7 @@ class LocalCluster:
         if self._owns_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:

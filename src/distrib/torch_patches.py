@@ -37,20 +37,47 @@ from __future__ import annotations
 
 import threading
 import types
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _python_dispatch
 
-__all__ = ["StrategyPatches", "patch_optimizer_init", "restore_optimizer_init", "wrap_optimizer",
-           "torch_unscale_", "torch_scaler_step", "torch_scaler_update", "scale_tensor", "found_inf_per_device",
-           "set_found_inf_per_device", "mark_metric_updated", "replay_scale_update", "set_scale", "all_found_inf",
-           "scaler_device", "set_enabled", "forget_step", "replace_load_state_dict", "route_forward",
-           "has_load_state_dict_pre_hooks", "queue_backward_callback", "group_backend", "sparse_parts",
-           "fake_tensor_mode", "DISABLED_TORCH_FUNCTION", "TorchDispatchMode", "wrapper_tensor",
-           "apply_inplace_view", "in_backward", "op_schema", "clear_cublas_workspaces"]
+__all__ = [
+    "StrategyPatches",
+    "patch_optimizer_init",
+    "restore_optimizer_init",
+    "wrap_optimizer",
+    "torch_unscale_",
+    "torch_scaler_step",
+    "torch_scaler_update",
+    "scale_tensor",
+    "found_inf_per_device",
+    "set_found_inf_per_device",
+    "mark_metric_updated",
+    "replay_scale_update",
+    "set_scale",
+    "all_found_inf",
+    "scaler_device",
+    "set_enabled",
+    "forget_step",
+    "replace_load_state_dict",
+    "route_forward",
+    "has_load_state_dict_pre_hooks",
+    "queue_backward_callback",
+    "group_backend",
+    "sparse_parts",
+    "fake_tensor_mode",
+    "DISABLED_TORCH_FUNCTION",
+    "TorchDispatchMode",
+    "wrapper_tensor",
+    "apply_inplace_view",
+    "in_backward",
+    "op_schema",
+    "clear_cublas_workspaces",
+]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
 _TORCH_UNSCALE = GradScaler.unscale_
@@ -62,6 +89,7 @@ OptimizerHook = Callable[[torch.optim.Optimizer, Any, Any], Any]
 
 
 # --------------------------------------------------------------------------- GradScaler + the global step hook
+
 
 class StrategyPatches:
     """``GradScaler``'s strategy-aware methods and the global optimizer pre-hook, leased by strategies.
@@ -90,7 +118,7 @@ class StrategyPatches:
         self._hook = step_pre_hook
         self._lock = threading.Lock()
         self._leases = 0
-        self._handle: Optional[Any] = None
+        self._handle: Any | None = None
         self._saved: dict[str, Any] = {}
 
     def acquire(self) -> Callable[[], None]:
@@ -135,7 +163,7 @@ def torch_scaler_step(scaler: GradScaler, optimizer: torch.optim.Optimizer, *arg
     return _TORCH_STEP(scaler, optimizer, *args, **kwargs)
 
 
-def torch_scaler_update(scaler: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None) -> None:
+def torch_scaler_update(scaler: GradScaler, new_scale: float | torch.Tensor | None = None) -> None:
     """torch's own ``GradScaler.update``."""
     _TORCH_UPDATE(scaler, new_scale)
 
@@ -143,7 +171,8 @@ def torch_scaler_update(scaler: GradScaler, new_scale: "Optional[float | torch.T
 # GradScaler privates. torch exposes no public view of a step's inf checks; the merged unscale_ must
 # sum them over the workers and write back the agreed flag before torch's step reads it.
 
-def scale_tensor(scaler: GradScaler) -> Optional[torch.Tensor]:
+
+def scale_tensor(scaler: GradScaler) -> torch.Tensor | None:
     """The scaler's scale as torch holds it (``_scale``: a tensor on the scaler's device, None before first use)."""
     return scaler._scale
 
@@ -153,13 +182,15 @@ def found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -
     return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
 
-def set_found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer,
-                             flags: dict[torch.device, torch.Tensor]) -> None:
+def set_found_inf_per_device(
+    scaler: GradScaler, optimizer: torch.optim.Optimizer, flags: dict[torch.device, torch.Tensor]
+) -> None:
     """Replace the inf flags torch's ``step``/``update`` will read for ``optimizer`` this step."""
     scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
 
 
 # --------------------------------------------------------------------------- Optimizer.__init__
+
 
 class _OptimizerInit:
     """``torch.optim.Optimizer.__init__`` wrapped while some scope is open (counted; nested scopes share it).
@@ -174,7 +205,7 @@ class _OptimizerInit:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.depth = 0
-        self.original: Optional[Callable[..., None]] = None
+        self.original: Callable[..., None] | None = None
 
 
 _optimizer_init = _OptimizerInit()
@@ -244,8 +275,9 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, step: StepFn, zero_grad: Ze
     optimizer.zero_grad = types.MethodType(distributed_zero_grad, optimizer)  # type: ignore[method-assign]
 
 
-def replace_load_state_dict(optimizer: torch.optim.Optimizer,
-                            load: Callable[[torch.optim.Optimizer, dict], None]) -> None:
+def replace_load_state_dict(
+    optimizer: torch.optim.Optimizer, load: Callable[[torch.optim.Optimizer, dict], None]
+) -> None:
     """Make ``optimizer.load_state_dict(sd)`` call ``load(optimizer, sd)`` instead (this instance only).
 
     Why a patch: under parameter servers the optimizer's state lives on the servers; a load must
@@ -259,6 +291,7 @@ def replace_load_state_dict(optimizer: torch.optim.Optimizer,
 
 
 # --------------------------------------------------------------------------- one module's forward
+
 
 def route_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
     """Make calls of ``module`` (and ``module.forward``) run ``forward(module, ...)`` (this instance only).
@@ -291,12 +324,15 @@ def optimizer_load_replaces_state(optimizer: torch.optim.Optimizer) -> bool:
     torch has no public view of an optimizer's load hooks (``tests/test_torch_assumptions.py`` pins this).
     """
     load = getattr(optimizer.load_state_dict, "__func__", None)  # this instance's: replace_load_state_dict's too
-    return (load is torch.optim.Optimizer.load_state_dict
-            and not getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True)
-            and not getattr(optimizer, "_optimizer_load_state_dict_post_hooks", True))
+    return (
+        load is torch.optim.Optimizer.load_state_dict
+        and not getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True)
+        and not getattr(optimizer, "_optimizer_load_state_dict_post_hooks", True)
+    )
 
 
 # --------------------------------------------------------------------------- torchmetrics privates
+
 
 def mark_metric_updated(metric: Any) -> None:
     """Count one update on a torchmetrics ``Metric`` whose state was set from elsewhere.
@@ -312,6 +348,7 @@ def mark_metric_updated(metric: Any) -> None:
 # A coordinator's scaler replays its workers' update() outcomes with torch's own arithmetic, and a worker's copy
 # starts each call from the coordinator's state; GradScaler offers no public setter for either.
 
+
 def replay_scale_update(scaler: GradScaler, found_inf: float) -> None:
     """One ``update()`` with an inf count of ``found_inf`` (0: clean), as torch computes it.
 
@@ -321,8 +358,9 @@ def replay_scale_update(scaler: GradScaler, found_inf: float) -> None:
     """
     scale, tracker = _scale_and_tracker(scaler)
     flag = torch.full((), found_inf, dtype=torch.float32, device=scale.device)
-    torch._amp_update_scale_(scale, tracker, flag, scaler._growth_factor, scaler._backoff_factor,
-                             scaler._growth_interval)
+    torch._amp_update_scale_(
+        scale, tracker, flag, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval
+    )
 
 
 def set_scale(scaler: GradScaler, value: float) -> None:
@@ -361,6 +399,7 @@ def forget_step(scaler: GradScaler) -> None:
 
 # --------------------------------------------------------------------------- autograd, process groups, sparse tensors
 
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward pass has finished (on the thread that ran it).
 
@@ -397,6 +436,7 @@ def fake_tensor_mode() -> Any:
     lives in the private ``torch._subclasses``.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     return FakeTensorMode()
 
 
@@ -419,9 +459,15 @@ def wrapper_tensor(cls: type, like: torch.Tensor, device: torch.device, requires
     ``__torch_dispatch__`` records the ops. ``Tensor._make_wrapper_subclass`` is how torch's own DTensor and
     FakeTensor are made.
     """
-    return torch.Tensor._make_wrapper_subclass(cls, like.size(), strides=like.stride(),
-                                               storage_offset=like.storage_offset(), dtype=like.dtype, device=device,
-                                               requires_grad=requires_grad)
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        like.size(),
+        strides=like.stride(),
+        storage_offset=like.storage_offset(),
+        dtype=like.dtype,
+        device=device,
+        requires_grad=requires_grad,
+    )
 
 
 def apply_inplace_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -451,6 +497,7 @@ def op_schema(func: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- CUDA graphs (ds.function)
+
 
 def clear_cublas_workspaces() -> None:
     """Drop cuBLAS's cached workspaces (torch keeps one per handle and stream, from the caching allocator).

@@ -8,7 +8,8 @@ replicas (and across workers) go through :class:`ReduceOp`.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Sequence, Optional
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,15 +24,16 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
 
-def parse_reduce_op(reduce_op: "ReduceOp | str") -> ReduceOp:
+def parse_reduce_op(reduce_op: ReduceOp | str) -> ReduceOp:
     """``ReduceOp`` from itself or its name in any case (``"sum"``, ``"MEAN"``)."""
     if isinstance(reduce_op, ReduceOp):
         return reduce_op
     try:
         return ReduceOp(str(reduce_op).upper())
     except ValueError:
-        raise ValueError(f"unknown reduce op {reduce_op!r}: use ds.ReduceOp.SUM or ds.ReduceOp.MEAN "
-                         "(or 'sum' / 'mean')") from None
+        raise ValueError(
+            f"unknown reduce op {reduce_op!r}: use ds.ReduceOp.SUM or ds.ReduceOp.MEAN (or 'sum' / 'mean')"
+        ) from None
 
 
 class PerReplica:
@@ -59,11 +61,14 @@ class PerReplica:
         # ported code reads len(x) as the batch size; here it would be the replica count: refuse
         raise TypeError(
             f"a PerReplica value has no len(): it holds one value per local replica ({len(self.values)} here), "
-            "not a batch. Use x.values (a tuple, one per replica), or take len() inside the replica function")
+            "not a batch. Use x.values (a tuple, one per replica), or take len() inside the replica function"
+        )
 
     def __iter__(self) -> Any:
-        raise TypeError("a PerReplica value is not iterable: use .values (a tuple, one per replica), or "
-                        "strategy.experimental_local_results(x)")
+        raise TypeError(
+            "a PerReplica value is not iterable: use .values (a tuple, one per replica), or "
+            "strategy.experimental_local_results(x)"
+        )
 
     def __repr__(self) -> str:
         inner = ",\n  ".join(f"{i}: {v!r}" for i, v in enumerate(self.values))
@@ -107,8 +112,7 @@ def local_values(value: Any, num_local_replicas: int) -> tuple[Any, ...]:
     if isinstance(value, PerReplica):
         if len(value.values) != num_local_replicas:
             raise ValueError(
-                f"PerReplica holds {len(value.values)} values but this strategy has "
-                f"{num_local_replicas} local replicas"
+                f"PerReplica holds {len(value.values)} values but this strategy has {num_local_replicas} local replicas"
             )
         return value.values
     return (value,)
@@ -126,7 +130,7 @@ def to_tensor(x: Any, device: torch.device | None = None) -> torch.Tensor:
     return x.to(device) if device is not None and x.device != device else x
 
 
-def to_device(structure: Any, device: Optional[torch.device]) -> Any:
+def to_device(structure: Any, device: torch.device | None) -> Any:
     """Every tensor leaf of ``structure`` on ``device`` (None: where it is)."""
     if device is None:
         return structure

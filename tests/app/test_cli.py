@@ -8,11 +8,43 @@ from distrib.app.cli import build_parser, forwarded_arguments
 from distrib.strategies import registry
 
 # a value other than the default for every option of `distrib train`
-EVERY_OPTION = ["--strategy", "multi-worker", "--workers", "3", "--ps", "0", "--max-restarts", "2", "--epochs", "4",
-                "--batch-size-per-replica", "16", "--replicas", "2", "--device", "cpu", "--checkpoint-dir", "/c",
-                "--data-dir", "/d", "--seed", "7", "--compile", "--no-progress", "--fit", "--tensorboard", "/tb",
-                "--metrics-file", "/m.jsonl", "--log-every", "7", "--precision", "bf16-mixed", "--tls",
-                "--no-function"]
+EVERY_OPTION = [
+    "--strategy",
+    "multi-worker",
+    "--workers",
+    "3",
+    "--ps",
+    "0",
+    "--max-restarts",
+    "2",
+    "--epochs",
+    "4",
+    "--batch-size-per-replica",
+    "16",
+    "--replicas",
+    "2",
+    "--device",
+    "cpu",
+    "--checkpoint-dir",
+    "/c",
+    "--data-dir",
+    "/d",
+    "--seed",
+    "7",
+    "--compile",
+    "--no-progress",
+    "--fit",
+    "--tensorboard",
+    "/tb",
+    "--metrics-file",
+    "/m.jsonl",
+    "--log-every",
+    "7",
+    "--precision",
+    "bf16-mixed",
+    "--tls",
+    "--no-function",
+]
 
 
 def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_own():
@@ -26,8 +58,9 @@ def test_every_train_option_is_forwarded_to_the_workers_except_the_launcher_s_ow
             assert getattr(again, name) == value, name
     # and every option of the parser is in EVERY_OPTION, so a new option cannot be left out of this test
     parser_options = {o for o in build_parser().parse_args(["train"]).__dict__} - {"command", "verbose"}
-    assert parser_options == {o.lstrip("-").replace("-", "_") for o in EVERY_OPTION if o.startswith("--")
-                              and not o.startswith("--no-")} | {"progress", "function"}
+    assert parser_options == {
+        o.lstrip("-").replace("-", "_") for o in EVERY_OPTION if o.startswith("--") and not o.startswith("--no-")
+    } | {"progress", "function"}
 
 
 def test_defaults_are_not_forwarded_and_booleans_keep_their_sense():
@@ -50,10 +83,18 @@ def test_a_strategy_that_cannot_run_on_workers_is_refused(capsys):
     assert "needs a multi-worker strategy" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["train", "--ps", "-1"], ["train", "--max-restarts", "-1"],
-                                  ["train", "--workers", "0"], ["train", "--epochs", "-3"],
-                                  ["launch", "--ps", "-1", "x.py"], ["launch", "--max-restarts", "-2", "x.py"],
-                                  ["train", "--workers", "two"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--ps", "-1"],
+        ["train", "--max-restarts", "-1"],
+        ["train", "--workers", "0"],
+        ["train", "--epochs", "-3"],
+        ["launch", "--ps", "-1", "x.py"],
+        ["launch", "--max-restarts", "-2", "x.py"],
+        ["train", "--workers", "two"],
+    ],
+)
 def test_bad_counts_are_an_argparse_error_not_a_traceback(argv, capsys):
     from distrib.app.cli import main
 
@@ -90,8 +131,12 @@ def test_every_help_shows_every_meaningful_default(command, capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     shown = 0
     for action in parser._actions:
-        if action.option_strings and action.default is not None and not isinstance(action.default, bool) \
-                and action.default != argparse.SUPPRESS:
+        if (
+            action.option_strings
+            and action.default is not None
+            and not isinstance(action.default, bool)
+            and action.default != argparse.SUPPRESS
+        ):
             assert f"default: {action.default}" in text, (command, action.option_strings)
             shown += 1
     assert shown >= {None: 0, "train": 8, "launch": 3, "plot": 0}[command]

@@ -7,8 +7,6 @@ import struct
 import sys
 from pathlib import Path
 
-import pytest
-
 from distrib.app.cli import main
 from distrib.app.plot import Curves, draw_run
 
@@ -24,11 +22,27 @@ def write_run(run: Path, epochs: int = 3, steps: int = 8, every: int = 2) -> Pat
         for _ in range(steps):
             step += 1
             if step % every == 0:
-                rows.append({"step": step, "epoch": epoch, "loss": 2.0 / (step + 1), "accuracy": 1 - 1.0 / (step + 1),
-                             "seconds": step * 0.1})
-        rows.append({"epoch": epoch, "loss": 2.0 / (step + 1), "accuracy": 1 - 1.0 / (step + 1),
-                     "val_loss": 2.2 / (step + 1), "val_accuracy": 0.9 - 1.0 / (step + 1), "examples_per_sec": 100.0,
-                     "seconds": step * 0.1, "steps": step})
+                rows.append(
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": 2.0 / (step + 1),
+                        "accuracy": 1 - 1.0 / (step + 1),
+                        "seconds": step * 0.1,
+                    }
+                )
+        rows.append(
+            {
+                "epoch": epoch,
+                "loss": 2.0 / (step + 1),
+                "accuracy": 1 - 1.0 / (step + 1),
+                "val_loss": 2.2 / (step + 1),
+                "val_accuracy": 0.9 - 1.0 / (step + 1),
+                "examples_per_sec": 100.0,
+                "seconds": step * 0.1,
+                "steps": step,
+            }
+        )
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run / "metrics.jsonl"
 
@@ -51,13 +65,17 @@ def check_png(path: Path) -> tuple[int, int]:
 
 
 def test_steps_are_placed_within_their_epoch_and_epochs_at_their_end():
-    curves = Curves.from_rows([
-        {"step": 2, "epoch": 1, "loss": 1.0}, {"step": 4, "epoch": 1, "loss": 0.9},
-        {"epoch": 1, "loss": 0.9, "val_loss": 1.1, "steps": 4},
-        {"step": 6, "epoch": 2, "loss": 0.8}, {"step": 8, "epoch": 2, "loss": 0.7},
-        {"epoch": 2, "loss": 0.7, "val_loss": 1.0, "steps": 8},
-        {"step": 10, "epoch": 3, "loss": 0.6},  # an epoch in progress: as long as the last one
-    ])
+    curves = Curves.from_rows(
+        [
+            {"step": 2, "epoch": 1, "loss": 1.0},
+            {"step": 4, "epoch": 1, "loss": 0.9},
+            {"epoch": 1, "loss": 0.9, "val_loss": 1.1, "steps": 4},
+            {"step": 6, "epoch": 2, "loss": 0.8},
+            {"step": 8, "epoch": 2, "loss": 0.7},
+            {"epoch": 2, "loss": 0.7, "val_loss": 1.0, "steps": 8},
+            {"step": 10, "epoch": 3, "loss": 0.6},  # an epoch in progress: as long as the last one
+        ]
+    )
     assert [x for x, _ in curves.step["loss"]] == [0.5, 1.0, 1.5, 2.0, 2.5]
     # running means become the mean over each interval: (0.9 * 4 - 1.0 * 2) / 2 = 0.8, ...
     assert [round(y, 6) for _, y in curves.step["loss"]] == [1.0, 0.8, 0.8, 0.6, 0.6]

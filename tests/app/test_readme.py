@@ -17,8 +17,14 @@ def test_the_quickstart_runs_as_printed(tmp_path):
     assert quickstart < README.index("## Working on this repository")
     code = re.search(r"```python\n(.*?)```", README[quickstart:], re.DOTALL).group(1)
     (tmp_path / "quickstart.py").write_text(code)
-    result = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300, env={"PATH": "/usr/bin:/bin", "TF_CONFIG": "", "HOME": str(tmp_path)})
+    result = subprocess.run(
+        [sys.executable, "quickstart.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "TF_CONFIG": "", "HOME": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stderr
     epochs = re.findall(r"^Epoch (\d), Loss: (\d\.\d{4}), Accuracy: (\d+\.\d\d)$", result.stdout, re.MULTILINE)
     assert [e[0] for e in epochs] == ["1", "2", "3"], result.stdout

@@ -13,46 +13,73 @@ from distrib.app.cli import main
 from distrib.app.datasets import DatasetNotFoundError, load_fashion_mnist, read_idx
 
 # seed 000's fields, with readable precision: 4 decimals for losses, 2 for accuracies (percent, as the seed)
-LINE = re.compile(r"Epoch (\d+), Loss: (\d+\.\d{4}), Accuracy: (\d+\.\d{2}), Test Loss: (\d+\.\d{4}), "
-                  r"Test Accuracy: (\d+\.\d{2}), Examples/s: (\d+)$", re.MULTILINE)
+LINE = re.compile(
+    r"Epoch (\d+), Loss: (\d+\.\d{4}), Accuracy: (\d+\.\d{2}), Test Loss: (\d+\.\d{4}), "
+    r"Test Accuracy: (\d+\.\d{2}), Examples/s: (\d+)$",
+    re.MULTILINE,
+)
 
 
 def test_the_epoch_line_is_formatted_by_field_name_whatever_the_rows_order() -> None:
     from distrib.app.train import EPOCH_TEMPLATE
 
-    row = {"epoch": 1, "loss": 0.5080123, "accuracy": 81.5432, "test_loss": 0.38049, "test_accuracy": 86.2899,
-           "examples_per_sec": 169.4}
+    row = {
+        "epoch": 1,
+        "loss": 0.5080123,
+        "accuracy": 81.5432,
+        "test_loss": 0.38049,
+        "test_accuracy": 86.2899,
+        "examples_per_sec": 169.4,
+    }
     want = "Epoch 1, Loss: 0.5080, Accuracy: 81.54, Test Loss: 0.3805, Test Accuracy: 86.29, Examples/s: 169"
     assert EPOCH_TEMPLATE.format(**row) == want and LINE.match(want)
     assert EPOCH_TEMPLATE.format(**dict(reversed(row.items()))) == want
 
 
-def is_png(path: "os.PathLike[str]") -> bool:
+def is_png(path: os.PathLike[str]) -> bool:
     with open(path, "rb") as f:
         head = f.read(16)
     return head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"  # tests/app/test_plot.py checks more
 
 
-@pytest.mark.parametrize("strategy_args", [["--strategy", "mirrored", "--replicas", "2"], ["--strategy", "default"],
-                                           ["--workers", "2"]])
-def test_train_prints_an_epoch_line_checkpoints_every_two_epochs_and_restores(idx_dir, tmp_path, capsys, monkeypatch,
-                                                                              strategy_args):
+@pytest.mark.parametrize(
+    "strategy_args", [["--strategy", "mirrored", "--replicas", "2"], ["--strategy", "default"], ["--workers", "2"]]
+)
+def test_train_prints_an_epoch_line_checkpoints_every_two_epochs_and_restores(
+    idx_dir, tmp_path, capsys, monkeypatch, strategy_args
+):
     ckpt = tmp_path / "ckpt"
     workers = "--workers" in strategy_args
     if workers:  # a progress line at every step, so a short test epoch shows them
         monkeypatch.setenv("DISTRIB_PROGRESS_INTERVAL", "0")
     if strategy_args[-1] == "default":  # hide matplotlib: the run ends with a note, not a picture
         monkeypatch.setitem(sys.modules, "matplotlib", None)
-    code = main(["train", *strategy_args, "--epochs", "3", "--batch-size-per-replica", "32", "--log-every", "3",
-                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt), *([] if workers else ["--no-progress"])])
+    code = main(
+        [
+            "train",
+            *strategy_args,
+            "--epochs",
+            "3",
+            "--batch-size-per-replica",
+            "32",
+            "--log-every",
+            "3",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(ckpt),
+            *([] if workers else ["--no-progress"]),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     if workers:  # the chief alone prints, through the launcher's prefix, its progress included
         assert "[worker 0] Epoch 3" in out and "[worker 1] Epoch" not in out
         progress = re.findall(r"^\[worker 0\] epoch 2/3: +\d+%\|.*\| (\d+)/8 \[.*\]$", out, re.MULTILINE)
         assert progress == [str(n) for n in range(1, 9)], out  # 512 examples / (32 x 2 workers): 8 steps
-        assert re.search(r"^\[worker 0\] epoch 2/3: 100%.* 8/8 .*loss=\d\.\d{4}, accuracy=\d+\.\d{2}\]$", out,
-                         re.MULTILINE)
+        assert re.search(
+            r"^\[worker 0\] epoch 2/3: 100%.* 8/8 .*loss=\d\.\d{4}, accuracy=\d+\.\d{2}\]$", out, re.MULTILINE
+        )
         assert "[worker 1] epoch" not in out
         out = re.sub(r"^\[worker 0\] ", "", out, flags=re.MULTILINE)
     else:
@@ -71,8 +98,12 @@ def test_train_prints_an_epoch_line_checkpoints_every_two_epochs_and_restores(id
     epoch_rows = [r for r in rows if "step" not in r]
     assert [f"{r['loss']:.4f}" for r in epoch_rows] == [e[1] for e in epochs]  # the file holds what was printed
     if strategy_args[-1] == "default":
-        assert re.search(r"^training picture not drawn: matplotlib is missing; pip install 'distrib\[plot\]', "
-                         rf"then: distrib plot {re.escape(str(ckpt))}$", out, re.MULTILINE)
+        assert re.search(
+            r"^training picture not drawn: matplotlib is missing; pip install 'distrib\[plot\]', "
+            rf"then: distrib plot {re.escape(str(ckpt))}$",
+            out,
+            re.MULTILINE,
+        )
         assert not (ckpt / "training.png").exists()
     else:
         assert f"Training picture: {ckpt / 'training.png'}" in out and is_png(ckpt / "training.png")
@@ -105,9 +136,29 @@ def test_train_through_fit_writes_tensorboard_scalars_and_a_metrics_jsonl(idx_di
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
-    code = main(["train", "--fit", "--strategy", "mirrored", "--replicas", "2", "--epochs", "2",
-                 "--batch-size-per-replica", "32", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt),
-                 "--tensorboard", str(tb), "--log-every", "4", "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--fit",
+            "--strategy",
+            "mirrored",
+            "--replicas",
+            "2",
+            "--epochs",
+            "2",
+            "--batch-size-per-replica",
+            "32",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--tensorboard",
+            str(tb),
+            "--log-every",
+            "4",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "Epoch 2/2" in out and " - val_accuracy: " in out
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
@@ -127,9 +178,26 @@ def test_custom_loop_step_scalars_reach_tensorboard(idx_dir, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = tmp_path / "tb"
-    code = main(["train", "--strategy", "default", "--epochs", "1", "--batch-size-per-replica", "64",
-                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--tensorboard", str(tb),
-                 "--log-every", "2", "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--strategy",
+            "default",
+            "--epochs",
+            "1",
+            "--batch-size-per-replica",
+            "64",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--tensorboard",
+            str(tb),
+            "--log-every",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     scalars = EventAccumulator(str(tb / "train")).Reload()
     assert [e.step for e in scalars.Scalars("batch_loss")] == [2, 4, 6, 8]
@@ -138,13 +206,30 @@ def test_custom_loop_step_scalars_reach_tensorboard(idx_dir, tmp_path, capsys):
     assert [e.value for e in scalars.Scalars("batch_loss")] == pytest.approx([r["loss"] for r in rows if "step" in r])
 
 
-def test_train_sharded_writes_each_workers_shards_and_the_chief_restores_them_without_strategy(idx_dir, tmp_path,
-                                                                                                capsys):
+def test_train_sharded_writes_each_workers_shards_and_the_chief_restores_them_without_strategy(
+    idx_dir, tmp_path, capsys
+):
     """`--strategy sharded --workers 2`: checkpoints are the sharded format (a shard file per worker); the chief
     alone restores the last one into a plain model, reading it whole (no collective the other worker would miss)."""
     ckpt = tmp_path / "ckpt"
-    code = main(["train", "--strategy", "sharded", "--workers", "2", "--epochs", "1", "--batch-size-per-replica", "32",
-                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt), "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--strategy",
+            "sharded",
+            "--workers",
+            "2",
+            "--epochs",
+            "1",
+            "--batch-size-per-replica",
+            "32",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     epochs = [m.groups() for m in LINE.finditer(re.sub(r"^\[worker 0\] ", "", out, flags=re.MULTILINE))]
@@ -156,9 +241,27 @@ def test_train_sharded_writes_each_workers_shards_and_the_chief_restores_them_wi
 
 def test_train_on_parameter_servers_through_launch(idx_dir, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
-    code = main(["train", "--strategy", "parameter-server", "--workers", "2", "--ps", "1", "--epochs", "1",
-                 "--batch-size-per-replica", "64", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt),
-                 "--log-every", "4"])
+    code = main(
+        [
+            "train",
+            "--strategy",
+            "parameter-server",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            "--epochs",
+            "1",
+            "--batch-size-per-replica",
+            "64",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--log-every",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "[chief 0] Epoch 1/1" in out and "[chief 0] 8/8 - " in out  # 512 examples / 64
@@ -176,8 +279,25 @@ def test_train_16_mixed_on_parameter_servers(idx_dir, tmp_path, capsys):
     """float16 with a GradScaler under ParameterServerStrategy: each scheduled step scales on its worker,
     the coordinator's scaler replays the outcomes (distrib/parameter_server/scaler.py)."""
     ckpt = tmp_path / "ckpt"
-    code = main(["train", "--ps", "1", "--workers", "2", "--precision", "16-mixed", "--epochs", "1",
-                 "--batch-size-per-replica", "64", "--data-dir", str(idx_dir), "--checkpoint-dir", str(ckpt)])
+    code = main(
+        [
+            "train",
+            "--ps",
+            "1",
+            "--workers",
+            "2",
+            "--precision",
+            "16-mixed",
+            "--epochs",
+            "1",
+            "--batch-size-per-replica",
+            "64",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(ckpt),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Using float16 Automatic Mixed Precision (AMP)" in out and "[chief 0] 8/8 - " in out
@@ -192,8 +312,22 @@ def test_train_16_mixed_on_parameter_servers(idx_dir, tmp_path, capsys):
 
 
 def test_compile_reaches_every_worker_process(idx_dir, tmp_path, capsys):
-    code = main(["train", "--workers", "2", "--compile", "--epochs", "1", "--batch-size-per-replica", "64",
-                 "--data-dir", str(idx_dir), "--checkpoint-dir", str(tmp_path / "ckpt")])
+    code = main(
+        [
+            "train",
+            "--workers",
+            "2",
+            "--compile",
+            "--epochs",
+            "1",
+            "--batch-size-per-replica",
+            "64",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     for worker in (0, 1):  # `compiled` here; `fell back to eager` where this machine cannot compile
@@ -214,8 +348,7 @@ def run_in_terminal(argv: list[str], timeout: float = 240) -> str:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
     env = {**os.environ, "TQDM_MININTERVAL": "0", "TF_CONFIG": ""}  # tqdm redraws at every step: no timing in the test
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env, start_new_session=True)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
     try:
@@ -247,15 +380,34 @@ def run_in_terminal(argv: list[str], timeout: float = 240) -> str:
 def test_on_a_terminal_the_bar_shows_the_running_loss_and_accuracy(idx_dir, tmp_path, fit):
     """At a terminal `distrib train` draws tqdm's bar with the loss and accuracy beside it, and
     `distrib train --fit` Keras' bar (issue 13: it printed nothing until the epoch ended)."""
-    out = run_in_terminal([sys.executable, "-m", "distrib", "train", "--strategy", "default", "--epochs", "1",
-                           "--batch-size-per-replica", "16", "--data-dir", str(idx_dir), "--checkpoint-dir",
-                           str(tmp_path / "ckpt"), *(["--fit"] if fit else [])])
+    out = run_in_terminal(
+        [
+            sys.executable,
+            "-m",
+            "distrib",
+            "train",
+            "--strategy",
+            "default",
+            "--epochs",
+            "1",
+            "--batch-size-per-replica",
+            "16",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            *(["--fit"] if fit else []),
+        ]
+    )
     if fit:  # redrawn in place ("\r"), with an ETA and the running logs, then the epoch's summary
         assert re.search(r"\r\s*\d+/32 \[=*>\.*\] - ETA: \d+s - loss: \d\.\d{4} - accuracy: \d\.\d{4}", out), out
         assert re.search(r"\r32/32 \[=+\] - \d+s \d+m?s/step - loss: \d\.\d{4} - accuracy: \d\.\d{4} - val_loss: ", out)
     else:  # 512 examples / 16: 32 steps; the postfix appears after POSTFIX_EVERY (10) steps
-        bars = re.findall(r"\repoch 1/1: +\d+%\|[^\r\n]*\| (\d+)/32 \[[^\]]*?(?:, loss=(\d\.\d{4}), "
-                          r"accuracy=(\d+\.\d{2}))?\]", out)
+        bars = re.findall(
+            r"\repoch 1/1: +\d+%\|[^\r\n]*\| (\d+)/32 \[[^\]]*?(?:, loss=(\d\.\d{4}), "
+            r"accuracy=(\d+\.\d{2}))?\]",
+            out,
+        )
         assert [int(n) for n, _, _ in bars][-1] == 32 and len(bars) >= 20, out
         assert all(loss for n, loss, _ in bars if int(n) > 10) and not any(loss for n, loss, _ in bars if int(n) < 10)
         assert re.search(r"\rEpoch 1, Loss: \d\.\d{4}, .*\r\n", out)  # after the bar, which is cleared
@@ -268,12 +420,24 @@ def test_the_custom_loop_and_fit_are_one_job_and_both_return_the_history(idx_dir
 
     runs = {}
     for fit in (False, True):
-        config = TrainConfig(strategy="mirrored", replicas=2, epochs=2, batch_size_per_replica=32, progress=False,
-                             data_dir=str(idx_dir), checkpoint_dir=str(tmp_path / f"fit{fit}"), fit=fit, log_every=0)
+        config = TrainConfig(
+            strategy="mirrored",
+            replicas=2,
+            epochs=2,
+            batch_size_per_replica=32,
+            progress=False,
+            data_dir=str(idx_dir),
+            checkpoint_dir=str(tmp_path / f"fit{fit}"),
+            fit=fit,
+            log_every=0,
+        )
         runs[fit] = train(config)
         assert sorted(p.name for p in (tmp_path / f"fit{fit}").glob("ckpt-*.pt")) == ["ckpt-1.pt"]  # after epoch 1
     custom, fitted = runs[False]["history"], runs[True]["history"]
-    assert set(fitted) == {"loss", "accuracy", "val_loss", "val_accuracy"} and set(custom) == {*fitted, "examples_per_sec"}
+    assert set(fitted) == {"loss", "accuracy", "val_loss", "val_accuracy"} and set(custom) == {
+        *fitted,
+        "examples_per_sec",
+    }
     assert len(custom["loss"]) == 2 and custom["loss"][1] < custom["loss"][0]
     for name in fitted:
         assert fitted[name] == pytest.approx(custom[name], rel=1e-5), name
@@ -290,9 +454,17 @@ def test_function_gives_the_same_history_and_says_once_where_it_runs_eagerly(idx
 
     runs = {}
     for function in (False, True):
-        config = TrainConfig(strategy="default", epochs=2, batch_size_per_replica=64, progress=False, fit=fit,
-                             data_dir=str(idx_dir), checkpoint_dir=str(tmp_path / f"f{function}"), log_every=0,
-                             function=function)
+        config = TrainConfig(
+            strategy="default",
+            epochs=2,
+            batch_size_per_replica=64,
+            progress=False,
+            fit=fit,
+            data_dir=str(idx_dir),
+            checkpoint_dir=str(tmp_path / f"f{function}"),
+            log_every=0,
+            function=function,
+        )
         with caplog.at_level(logging.WARNING, logger="distrib.function"):
             runs[function] = train(config)["history"]
     for name, values in runs[False].items():
@@ -302,6 +474,7 @@ def test_function_gives_the_same_history_and_says_once_where_it_runs_eagerly(idx
     assert said and all("runs eagerly" in m for m in said) and len(said) == len(set(said)), said
     # the default: on where a strategy computes on a GPU, so not here
     import distrib as ds
+
     assert use_function(TrainConfig(), ds.OneDeviceStrategy("cpu")) is False
     assert use_function(TrainConfig(function=True), ds.OneDeviceStrategy("cpu")) is True
 
@@ -310,5 +483,14 @@ def test_compile_and_function_together_are_refused(idx_dir, tmp_path):
     from distrib.app.train import TrainConfig, train
 
     with pytest.raises(ValueError, match="--compile and --function"):
-        train(TrainConfig(strategy="default", epochs=1, data_dir=str(idx_dir), checkpoint_dir=str(tmp_path),
-                          compile=True, function=True, progress=False))
+        train(
+            TrainConfig(
+                strategy="default",
+                epochs=1,
+                data_dir=str(idx_dir),
+                checkpoint_dir=str(tmp_path),
+                compile=True,
+                function=True,
+                progress=False,
+            )
+        )

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SCRIPTS, launch, run_bounded
 
 import distrib as ds
 from distrib.checkpoint import sharded_format
-from helpers import SCRIPTS, launch, run_bounded
 
 sys.path.insert(0, str(SCRIPTS))
 from checkpoint_matrix import GLOBAL, batches, build  # noqa: E402
@@ -31,7 +31,7 @@ LAUNCHED = [("sharded", 2), ("sharded", 4), ("mwms", 2)]
 NAMES = ["plain-1", "one_device-1", "mirrored-1", "sharded-1", "sharded-2", "sharded-4", "mwms-2"]
 
 
-def _run(mode: str, directory: Path, kind: "str | None" = None, workers: int = 1) -> str:
+def _run(mode: str, directory: Path, kind: str | None = None, workers: int = 1) -> str:
     script = [str(SCRIPTS / "checkpoint_matrix.py"), mode, str(directory)]
     if workers == 1:
         code, out, _ = run_bounded([sys.executable, *script, *SINGLE], timeout=180)
@@ -102,8 +102,9 @@ def test_a_sharded_checkpoint_loads_in_plain_pytorch_and_names_nothing_of_distri
     assert max((model.state_dict()[k] - v).abs().max().item() for k, v in after_3.items()) < 1e-5
 
 
-def test_a_sharded_checkpoint_consolidates_into_one_file_that_restores_as_the_directory(matrix: Path,
-                                                                                       tmp_path: Path) -> None:
+def test_a_sharded_checkpoint_consolidates_into_one_file_that_restores_as_the_directory(
+    matrix: Path, tmp_path: Path
+) -> None:
     from distrib.checkpoint.sharded_export import consolidate
 
     consolidate(matrix / "sharded-4" / "ckpt-1.dcp", tmp_path / "one.pt")
@@ -122,8 +123,7 @@ def test_a_sharded_checkpoint_consolidates_into_one_file_that_restores_as_the_di
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest_and_loadable(tmp_path: Path) -> None:
-    code, out, _ = launch("--workers", "2", str(SCRIPTS / "checkpoint_matrix.py"), "crash", str(tmp_path),
-                          timeout=180)
+    code, out, _ = launch("--workers", "2", str(SCRIPTS / "checkpoint_matrix.py"), "crash", str(tmp_path), timeout=180)
     assert "worker 1 failed with exit code 137" in out, out  # killed while writing its shards of ckpt-2
     if "SAVE FAILED on worker 0" in out:  # unless the launcher stopped the chief first, on worker 1's death
         assert "CheckpointError: Writing the sharded checkpoint" in out, out

@@ -31,13 +31,21 @@ from distrib.checkpoint.sharded_export import consolidate
 WORKER = Path(__file__).resolve().parents[1] / "scripts" / "sharded_ckpt_worker.py"
 
 
-def run_workers(mode: str, world: int, workdir: Path, *extra: str, timeout: float = 120,
-                expect_killed: int | None = None) -> list[str]:
+def run_workers(
+    mode: str, world: int, workdir: Path, *extra: str, timeout: float = 120, expect_killed: int | None = None
+) -> list[str]:
     """Start ``world`` workers (each its own session), wait at most ``timeout`` s, kill whatever is left."""
     store = workdir / f"store-{mode}-{world}-{os.urandom(4).hex()}"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(r), str(world), str(store), str(workdir), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(r), str(world), str(store), str(workdir), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world)
+    ]
     outs: list[str] = []
     try:
         for p in procs:
@@ -61,8 +69,9 @@ def run_workers(mode: str, world: int, workdir: Path, *extra: str, timeout: floa
 
 def plain_model(seed: int = 11) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                               torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)
+    )
 
 
 def assert_state_equal(a: Any, b: Any, where: str = "") -> None:
@@ -129,6 +138,7 @@ def test_consolidated_file_is_the_full_state_and_restores_under_checkpoint(saved
     assert_state_equal(ref["model"], data["objects"]["model"], "model")
     assert_state_equal(ref["optim"], data["objects"]["optim"], "optim")
     import distrib as ds
+
     model = plain_model()
     ckpt = ds.Checkpoint(model=model)
     ckpt.restore(str(tmp_path / "whole")).expect_partial()
@@ -137,6 +147,7 @@ def test_consolidated_file_is_the_full_state_and_restores_under_checkpoint(saved
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(saved: Path, tmp_path: Path) -> None:
     import shutil
+
     previous = torch.load(saved / "ref.pt", weights_only=True)
     workdir = tmp_path / "w"
     shutil.copytree(saved / "ckpt", workdir / "ckpt")
@@ -164,6 +175,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(saved: Path, tmp_pa
 
 def test_a_failed_write_on_one_worker_is_an_error_on_every_worker(saved: Path, tmp_path: Path) -> None:
     import shutil
+
     workdir = tmp_path / "w"
     shutil.copytree(saved / "ckpt", workdir / "ckpt")
     outs = run_workers("fail1", 2, workdir)
@@ -180,8 +192,10 @@ def small(tmp_path: Path) -> Path:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     model(torch.randn(2, 16)).sum().backward()
     opt.step()
-    save_sharded(tmp_path / "c", {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
-                                  "epoch": torch.tensor(7)})
+    save_sharded(
+        tmp_path / "c",
+        {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt), "epoch": torch.tensor(7)},
+    )
     return tmp_path / "c"
 
 
@@ -256,12 +270,13 @@ def test_a_hostile_value_with_matching_checksums_never_runs(small: Path, tmp_pat
     manifest = json.loads((small / sf.MANIFEST).read_text())
     fqn, entry = next(iter(manifest["objects"].items()))  # a non-tensor value (an Adam hyperparameter)
     import io
+
     evil = io.BytesIO()
     torch.save(_Evil(marker), evil)
     payload = evil.getvalue()
     shard = small / entry["file"]
     raw = shard.read_bytes()
-    shard.write_bytes(raw[:entry["offset"]] + payload + raw[entry["offset"] + entry["length"]:])
+    shard.write_bytes(raw[: entry["offset"]] + payload + raw[entry["offset"] + entry["length"] :])
     delta = len(payload) - entry["length"]
     for item in [*manifest["objects"].values(), *(c for t in manifest["tensors"].values() for c in t["chunks"])]:
         if item["file"] == entry["file"] and item["offset"] > entry["offset"]:
@@ -286,6 +301,7 @@ def test_a_hostile_value_with_matching_checksums_never_runs(small: Path, tmp_pat
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_plain_dcp_directory_loads_through_the_restricted_unpickler(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
+
     model = plain_model()
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     sd = target()
@@ -303,12 +319,14 @@ def test_not_a_checkpoint_and_missing_keys_are_errors(small: Path, tmp_path: Pat
         load_sharded(small, {"model": plain_model().state_dict(), "extra": torch.zeros(1)})
 
 
-def test_consolidate_holds_one_whole_tensor_at_a_time(small: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_consolidate_holds_one_whole_tensor_at_a_time(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The export never gathers the model: each whole tensor is gone before the next is assembled."""
     import weakref
 
     import distrib.checkpoint.sharded_export as export
+
     held: list[weakref.ref[torch.Tensor]] = []
     real = export.fill_tensor
 
@@ -325,10 +343,12 @@ def test_consolidate_holds_one_whole_tensor_at_a_time(small: Path, tmp_path: Pat
 
 
 @pytest.mark.parametrize("atomic_exchange", [True, False])
-def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    atomic_exchange: bool) -> None:
+def test_saving_over_a_checkpoint_replaces_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, atomic_exchange: bool
+) -> None:
     """Linux swaps the directories in one renameat2; elsewhere two renames. Either way: the new one, no leftovers."""
     import distrib.checkpoint.sharded as sharded
+
     if not atomic_exchange:
         monkeypatch.setattr(sharded, "_exchange", lambda a, b: False)
     first, second = plain_model(seed=1), plain_model(seed=2)
@@ -344,6 +364,7 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path: Path, monkeypatch:
 def test_plain_pytorch_loads_a_distrib_sharded_checkpoint(small: Path) -> None:
     """Without distrib: torch's own dcp.load reads the directory (DCP's .metadata is kept for it)."""
     import torch.distributed.checkpoint as dcp
+
     saved = target()
     load_sharded(small, saved)
     sd = target()

@@ -32,16 +32,29 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
 
 _counter = itertools.count()
 _PREFIX = "dsn"  # namespaces dsn-<pid>-<n>-h<i>, bridges dsb<pid hex>g<n hex>, veths dsv<pid hex>g<n hex>x<i>
 _NETNS_ETC = Path("/etc/netns")
-_LAUNCHER_VARS = {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                  "GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-                  "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "DISTRIB_BIND_ADDRESS"}
+_LAUNCHER_VARS = {
+    "TF_CONFIG",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "DISTRIB_BIND_ADDRESS",
+}
 
 
 @dataclass
@@ -56,22 +69,45 @@ class Host:
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run on this host: in its namespace, with its hostname and its /etc/hosts."""
-        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.name, *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespace,
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.name,
+            *argv,
+        ]
 
     def command_keeping_mounts(self, argv: Sequence[str]) -> list[str]:
         """As :meth:`command`, but with this machine's other mounts: ``ip netns exec`` remounts ``/sys``,
         which hides ``/sys/fs/cgroup`` (slurmd will not start without it)."""
-        return ["nsenter", f"--net=/run/netns/{self.namespace}", "unshare", "--mount", "--uts", "--", "sh", "-c",
-                'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"', self.name,
-                str(_NETNS_ETC / self.namespace / "hosts"), *argv]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.namespace}",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"',
+            self.name,
+            str(_NETNS_ETC / self.namespace / "hosts"),
+            *argv,
+        ]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
 
 
-def unavailable() -> Optional[str]:
+def unavailable() -> str | None:
     """Why namespaces cannot be made here (a skip reason), or None."""
     if os.geteuid() != 0:
         return "network namespaces need root (ip netns add, veth, bridge): run the tests as root"
@@ -83,8 +119,9 @@ def unavailable() -> Optional[str]:
         made = _ip("netns", "add", probe, check=False)
         if made.returncode:
             return f"cannot create a network namespace here: {made.stderr.strip()}"
-        run = subprocess.run(["ip", "netns", "exec", probe, "unshare", "--uts", "--", "true"], capture_output=True,
-                             text=True, timeout=30)
+        run = subprocess.run(
+            ["ip", "netns", "exec", probe, "unshare", "--uts", "--", "true"], capture_output=True, text=True, timeout=30
+        )
         if run.returncode:
             return f"cannot run in a namespace with its own hostname here: {run.stderr.strip()}"
     finally:
@@ -154,10 +191,13 @@ class Hosts:
         self._procs: list[subprocess.Popen] = []
         self._logs = Path(tempfile.mkdtemp(prefix="distrib-hosts-"))
         for i in range(self.n):
-            self.hosts.append(Host(i, f"host{i + 1}", f"{self.subnet}.{11 + i}", f"{_PREFIX}-{self._tag}-h{i}",
-                                   f"dsv{pid:x}g{n:x}x{i}"))
+            self.hosts.append(
+                Host(
+                    i, f"host{i + 1}", f"{self.subnet}.{11 + i}", f"{_PREFIX}-{self._tag}-h{i}", f"dsv{pid:x}g{n:x}x{i}"
+                )
+            )
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         try:
             self.start()
         except BaseException:
@@ -202,14 +242,20 @@ class Hosts:
         lines += [f"{address} {name}" for name, address in self.extra_hosts.get(index, {}).items()]
         return "\n".join(lines) + "\n"
 
-    def popen(self, index: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
+    def popen(self, index: int, argv: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
         """Start ``argv`` on host ``index`` (own process group, output to a file); stopped by ``close()``."""
         log = open(self._logs / f"h{index}-{len(self._procs)}.log", "w+")
         # the launcher variables of the test's own process describe no cluster of these hosts
         full_env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM")}
         full_env.update(env or {})
-        proc = subprocess.Popen(self.hosts[index].command(argv), env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            self.hosts[index].command(argv),
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         proc.log = log  # type: ignore[attr-defined]
         self._procs.append(proc)
         return proc
@@ -266,7 +312,8 @@ def leftovers() -> list[str]:
     """This process's namespaces, bridges, veths and /etc/netns entries that still exist (for tests)."""
     pid = os.getpid()
     names = [n for n in _ip("netns", "list", check=False).stdout.split() if n.startswith(f"{_PREFIX}-{pid}-")]
-    links = re.findall(rf"^\d+: (ds[bv]{pid:x}g[0-9a-f]+(?:x\d+)?)[@:]", _ip("-o", "link", "show", check=False).stdout,
-                       re.M)
+    links = re.findall(
+        rf"^\d+: (ds[bv]{pid:x}g[0-9a-f]+(?:x\d+)?)[@:]", _ip("-o", "link", "show", check=False).stdout, re.M
+    )
     etc = [p.name for p in _NETNS_ETC.glob(f"{_PREFIX}-{pid}-*")] if _NETNS_ETC.exists() else []
     return names + links + etc

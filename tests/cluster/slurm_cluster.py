@@ -22,16 +22,28 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cluster.netns import Hosts
 
 MARKER = "DISTRIB_TEST_SLURM"
-_NOT_PASSED = {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-               "DISTRIB_BIND_ADDRESS"}
+_NOT_PASSED = {
+    "TF_CONFIG",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "DISTRIB_BIND_ADDRESS",
+}
 _BINARIES = ("munged", "munge", "slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "sinfo")
 
 
@@ -47,7 +59,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def node_name() -> Optional[str]:
+def node_name() -> str | None:
     """This host's short name if it resolves (the cluster spec uses node names as hosts), else None."""
     name = socket.gethostname().split(".")[0]
     try:
@@ -66,8 +78,15 @@ class SlurmCluster:
     here: its socket is a file, which every namespace sees.
     """
 
-    def __init__(self, cpus: int = 8, hosts: Optional["Hosts"] = None, *, requeue_exit: Sequence[int] = (),
-                 cred_expire: Optional[int] = None, sched_interval: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        cpus: int = 8,
+        hosts: Hosts | None = None,
+        *,
+        requeue_exit: Sequence[int] = (),
+        cred_expire: int | None = None,
+        sched_interval: int | None = None,
+    ) -> None:
         """``requeue_exit``: slurm.conf's ``RequeueExit`` (slurmctld requeues a batch job that exits with one of
         these codes). ``cred_expire``: ``AuthInfo=cred_expire=`` (at least 5), the credential lifetime, which is
         also how long a requeued job waits before it may start again (Slurm's default 120 s). ``sched_interval``:
@@ -81,27 +100,31 @@ class SlurmCluster:
         self.cred_expire = cred_expire
         self.sched_interval = sched_interval
         self.dir = Path(tempfile.mkdtemp(prefix="distrib-slurm-"))
-        self.nodes = [(h.name, h.address) for h in hosts.hosts] if hosts else [(node_name() or "localhost", "127.0.0.1")]
+        self.nodes = (
+            [(h.name, h.address) for h in hosts.hosts] if hosts else [(node_name() or "localhost", "127.0.0.1")]
+        )
         self.node = self.nodes[0][0]
         self.conf = self.dir / "slurm.conf"
         self._daemons: list[subprocess.Popen] = []
         self._started: list[subprocess.Popen] = []
 
     @staticmethod
-    def unavailable() -> Optional[str]:
+    def unavailable() -> str | None:
         """Why a cluster cannot be started here (a skip reason), or None."""
         if os.geteuid() != 0:
             return "a Slurm cluster needs root (slurmd starts tasks as their user): run the tests as root"
         missing = [b for b in _BINARIES if shutil.which(b) is None]
         if missing:
-            return (f"Slurm/munge binaries missing ({', '.join(missing)}): install Debian's slurm-wlm and munge "
-                    "(scripts/setup.sh does, as root)")
+            return (
+                f"Slurm/munge binaries missing ({', '.join(missing)}): install Debian's slurm-wlm and munge "
+                "(scripts/setup.sh does, as root)"
+            )
         if node_name() is None:
             return f"this host's name {socket.gethostname()!r} does not resolve; Slurm's node names must"
         return None
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         try:
             self.start()
         except BaseException:
@@ -112,7 +135,7 @@ class SlurmCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def env(self, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """This process's environment, pointed at this cluster (and marked, for the final sweep)."""
         # srun passes the caller's environment on to the tasks: leave out Slurm's own variables and what an
         # earlier in-process test may have set for its own cluster (gloo's interface, a launcher's rank)
@@ -131,29 +154,61 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
         ctld_port, slurmd_port = _free_ports(2)
-        node_lines = "\n".join(f"NodeName={name} NodeAddr={address} CPUs={self.cpus} State=UNKNOWN"
-                               for name, address in self.nodes)
+        node_lines = "\n".join(
+            f"NodeName={name} NodeAddr={address} CPUs={self.cpus} State=UNKNOWN" for name, address in self.nodes
+        )
         auth_extra = f",cred_expire={self.cred_expire}" if self.cred_expire is not None else ""
-        extra = "".join([f"RequeueExit={','.join(map(str, self.requeue_exit))}\n" if self.requeue_exit else "",
-                         f"SchedulerParameters=sched_interval={self.sched_interval}\n"
-                         if self.sched_interval is not None else ""])
-        self.conf.write_text(_CONF.format(dir=d, node=self.node, address=self.nodes[0][1], nodes=node_lines,
-                                          names=",".join(name for name, _ in self.nodes), ctld_port=ctld_port,
-                                          slurmd_port=slurmd_port, auth_extra=auth_extra, extra=extra))
+        extra = "".join(
+            [
+                f"RequeueExit={','.join(map(str, self.requeue_exit))}\n" if self.requeue_exit else "",
+                f"SchedulerParameters=sched_interval={self.sched_interval}\n"
+                if self.sched_interval is not None
+                else "",
+            ]
+        )
+        self.conf.write_text(
+            _CONF.format(
+                dir=d,
+                node=self.node,
+                address=self.nodes[0][1],
+                nodes=node_lines,
+                names=",".join(name for name, _ in self.nodes),
+                ctld_port=ctld_port,
+                slurmd_port=slurmd_port,
+                auth_extra=auth_extra,
+                extra=extra,
+            )
+        )
         socket_path = d / "munge" / "munge.socket"
-        self._daemon(["munged", "--force", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
-                      f"--pid-file={d / 'munge' / 'munged.pid'}", f"--log-file={d / 'log' / 'munged.log'}",
-                      f"--seed-file={d / 'munge' / 'seed'}"], "munged")
+        self._daemon(
+            [
+                "munged",
+                "--force",
+                "--foreground",
+                f"--socket={socket_path}",
+                f"--key-file={key}",
+                f"--pid-file={d / 'munge' / 'munged.pid'}",
+                f"--log-file={d / 'log' / 'munged.log'}",
+                f"--seed-file={d / 'munge' / 'seed'}",
+            ],
+            "munged",
+        )
         self._wait(lambda: socket_path.exists(), timeout, "munged did not create its socket")
         self._daemon(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld", host=0 if self.hosts else None)
         for i, (name, _) in enumerate(self.nodes):
             (d / "spool" / name).mkdir()
-            self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}",
-                         host=i if self.hosts else None)
+            self._daemon(
+                ["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}", host=i if self.hosts else None
+            )
 
         def idle() -> bool:
-            out = subprocess.run(self._client(["sinfo", "-h", "-N", "-o", "%T"]), env=self.env(), capture_output=True,
-                                 text=True, timeout=20).stdout.split()
+            out = subprocess.run(
+                self._client(["sinfo", "-h", "-N", "-o", "%T"]),
+                env=self.env(),
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.split()
             return out == ["idle"] * len(self.nodes)
 
         self._wait(idle, timeout, "the node did not become idle")
@@ -162,11 +217,17 @@ class SlurmCluster:
         """``argv`` as run on host ``host`` (on this host without ``hosts``)."""
         return self.hosts[host].command_keeping_mounts(argv) if self.hosts else list(argv)
 
-    def _daemon(self, argv: Sequence[str], name: str, host: Optional[int] = None) -> None:
+    def _daemon(self, argv: Sequence[str], name: str, host: int | None = None) -> None:
         log = open(self.dir / "log" / f"{name}.out", "wb")
         argv = self._client(argv, host) if host is not None else list(argv)
-        proc = subprocess.Popen(list(argv), env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            list(argv),
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         self._daemons.append(proc)
 
@@ -175,8 +236,9 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             dead = [p for p in self._daemons if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"a Slurm daemon exited ({dead[0].args[0]}, status {dead[0].returncode}):\n"
-                                   + self.logs())
+                raise RuntimeError(
+                    f"a Slurm daemon exited ({dead[0].args[0]}, status {dead[0].returncode}):\n" + self.logs()
+                )
             if ready():
                 return
             time.sleep(0.2)
@@ -194,12 +256,21 @@ class SlurmCluster:
         """Cancel every job, stop the daemons, kill whatever carries the marker, remove the directory."""
         if self._daemons and all(p.poll() is None for p in self._daemons):
             try:
-                subprocess.run(self._client(["scancel", "--full", "--quiet", "--user", "root"]), env=self.env(),
-                               timeout=15, capture_output=True)
+                subprocess.run(
+                    self._client(["scancel", "--full", "--quiet", "--user", "root"]),
+                    env=self.env(),
+                    timeout=15,
+                    capture_output=True,
+                )
                 deadline = time.monotonic() + 15
                 while time.monotonic() < deadline:
-                    out = subprocess.run(self._client(["squeue", "-h", "-o", "%i"]), env=self.env(),
-                                         capture_output=True, text=True, timeout=15).stdout.strip()
+                    out = subprocess.run(
+                        self._client(["squeue", "-h", "-o", "%i"]),
+                        env=self.env(),
+                        capture_output=True,
+                        text=True,
+                        timeout=15,
+                    ).stdout.strip()
                     if not out:
                         break
                     time.sleep(0.3)
@@ -221,30 +292,41 @@ class SlurmCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ jobs
-    def popen(self, argv: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,
-              cwd: Optional[str] = None) -> subprocess.Popen:
+    def popen(
+        self, argv: Sequence[str], extra_env: Mapping[str, str] | None = None, cwd: str | None = None
+    ) -> subprocess.Popen:
         """Start a client command (``srun``, ``sbatch``...) in its own process group; stopped by ``stop()``."""
-        proc = subprocess.Popen(self._client(argv), env=self.env(extra_env), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
-                                cwd=cwd)
+        proc = subprocess.Popen(
+            self._client(argv),
+            env=self.env(extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+            cwd=cwd,
+        )
         self._started.append(proc)
         return proc
 
-    def run(self, argv: Sequence[str], timeout: float, extra_env: Optional[Mapping[str, str]] = None,
-            cwd: Optional[str] = None) -> tuple[int, str]:
+    def run(
+        self, argv: Sequence[str], timeout: float, extra_env: Mapping[str, str] | None = None, cwd: str | None = None
+    ) -> tuple[int, str]:
         """Run a client command bounded in time: ``(exit status, output)``; on overrun its group is killed
         and the status is -9."""
         return wait(self.popen(argv, extra_env, cwd), timeout)
 
-    def sbatch(self, script: str, timeout: float, args: Sequence[str] = (),
-               extra_env: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
+    def sbatch(
+        self, script: str, timeout: float, args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+    ) -> tuple[int, str]:
         """Submit ``script`` with ``sbatch --wait ARGS`` and return its exit status and the job's output."""
         jobs = self.dir / "jobs"
         path = Path(tempfile.mkstemp(prefix="job-", suffix=".sh", dir=jobs)[1])
         path.write_text(script)
         out = path.with_suffix(".out")
-        code, submitted = self.run(["sbatch", "--wait", "-o", str(out), *args, str(path)], timeout, extra_env,
-                                   cwd=str(jobs))
+        code, submitted = self.run(
+            ["sbatch", "--wait", "-o", str(out), *args, str(path)], timeout, extra_env, cwd=str(jobs)
+        )
         text = out.read_text(errors="replace") if out.exists() else ""
         return code, f"{submitted}\n{text}"
 

@@ -13,33 +13,36 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import alive, launch, process_tree
 
 
 def test_launch_returns_the_first_failures_exit_code(tmp_path):
     script = tmp_path / "fail.py"
-    script.write_text("import json, os, sys, time\n"
-                      "t = json.loads(os.environ['TF_CONFIG'])['task']\n"
-                      "sys.exit(7) if t['index'] == 1 else time.sleep(60)\n")
+    script.write_text(
+        "import json, os, sys, time\n"
+        "t = json.loads(os.environ['TF_CONFIG'])['task']\n"
+        "sys.exit(7) if t['index'] == 1 else time.sleep(60)\n"
+    )
     code, out, elapsed = launch("--workers", "2", str(script), timeout=60)
     assert code == 7 and "worker 1 failed with exit code 7" in out
     assert elapsed < 30  # the sleeping worker was stopped, not waited for
-
 
 
 def test_a_stopped_task_is_continued_to_take_the_polite_signal_and_does_not_hold_the_launcher(tmp_path):
     """Worker 0 stops itself (SIGSTOP, as a hung or debugged process), worker 1 fails: the launcher's SIGTERM is
     followed by SIGCONT, so the stopped worker ends at once, not when the 60 s grace period runs out."""
     script = tmp_path / "stopped.py"
-    script.write_text("import json, os, signal, sys, time\n"
-                      "t = json.loads(os.environ['TF_CONFIG'])['task']\n"
-                      "if t['index'] == 0:\n"
-                      "    print('stopping', flush=True); os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)\n"
-                      "time.sleep(1); sys.exit(7)\n")
+    script.write_text(
+        "import json, os, signal, sys, time\n"
+        "t = json.loads(os.environ['TF_CONFIG'])['task']\n"
+        "if t['index'] == 0:\n"
+        "    print('stopping', flush=True); os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)\n"
+        "time.sleep(1); sys.exit(7)\n"
+    )
     code, out, elapsed = launch("--workers", "2", "--grace-seconds", "60", str(script), timeout=50)
     assert code == 7 and "[worker 0] stopping" in out and "worker 1 failed with exit code 7" in out, out
     assert elapsed < 30, out  # not held for the grace period (run_bounded fails the test at 50 s anyway)
+
 
 SLEEPER = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
@@ -53,13 +56,20 @@ SLEEPER = textwrap.dedent("""
 """)
 
 
-def start_and_signal(args: list[str], ready: int, sig: int, timeout: float = 120) -> tuple[int, str, set[int], set[int]]:
+def start_and_signal(
+    args: list[str], ready: int, sig: int, timeout: float = 120
+) -> tuple[int, str, set[int], set[int]]:
     """Start ``distrib launch ARGS``; once ``ready`` tasks said so, send ``sig`` to the launcher alone.
 
     Returns its exit code, its output, the processes it had started, and those still alive afterwards.
     """
-    proc = subprocess.Popen([sys.executable, "-m", "distrib.app.cli", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distrib.app.cli", "launch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + timeout
@@ -87,8 +97,10 @@ def test_a_signal_to_the_launcher_reaches_every_task_and_none_survives(tmp_path,
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     returncode, out, started, survivors = start_and_signal(["--workers", "3", str(script)], ready=3, sig=sig)
-    print(f"{signal.Signals(sig).name}: launcher exit {returncode}, {len(started)} processes started, "
-          f"{len(survivors)} alive afterwards")
+    print(
+        f"{signal.Signals(sig).name}: launcher exit {returncode}, {len(started)} processes started, "
+        f"{len(survivors)} alive afterwards"
+    )
     assert len(started) >= 6  # 3 tasks and their 3 grandchildren
     assert returncode == code, out
     assert not survivors, out
@@ -98,19 +110,21 @@ def test_a_signal_to_the_launcher_reaches_every_task_and_none_survives(tmp_path,
 def test_a_parameter_server_cluster_is_stopped_whole_by_sigterm(tmp_path):
     script = tmp_path / "chief.py"
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(120)\n")
-    returncode, out, started, survivors = start_and_signal(["--workers", "2", "--ps", "1", str(script)], ready=1,
-                                                           sig=signal.SIGTERM)
+    returncode, out, started, survivors = start_and_signal(
+        ["--workers", "2", "--ps", "1", str(script)], ready=1, sig=signal.SIGTERM
+    )
     assert len(started) >= 4 and returncode == 143 and not survivors, out
 
 
 def test_tasks_that_finish_their_work_after_the_signal_make_the_launcher_exit_0(tmp_path):
     """A notice near the end: the tasks finish instead of saving (exit 0), so the job is done, not failed."""
     script = tmp_path / "finisher.py"
-    script.write_text("import signal, sys, time\n"
-                      "signal.signal(signal.SIGTERM, lambda *_: (print('finishing', flush=True), sys.exit(0)))\n"
-                      "print('ready', flush=True)\ntime.sleep(120)\n")
-    returncode, out, started, survivors = start_and_signal(["--workers", "2", str(script)], ready=2,
-                                                           sig=signal.SIGTERM)
+    script.write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('finishing', flush=True), sys.exit(0)))\n"
+        "print('ready', flush=True)\ntime.sleep(120)\n"
+    )
+    returncode, out, started, survivors = start_and_signal(["--workers", "2", str(script)], ready=2, sig=signal.SIGTERM)
     assert out.count("] finishing") == 2 and not survivors, out
     assert returncode == 0 and "every task finished its work (exit 0) before SIGTERM" in out, out
 
@@ -151,10 +165,13 @@ TLS_CHIEF = textwrap.dedent("""
 def test_launch_with_tls_gives_every_task_a_certificate_of_a_throwaway_ca(tmp_path):
     script = tmp_path / "tls_chief.py"
     script.write_text(TLS_CHIEF)
-    driver = ("import sys; from distrib.cluster.launch import LaunchConfig, launch; "
-              f"sys.exit(launch(LaunchConfig(command=[{str(script)!r}], workers=2, ps=1, tls=True)))")
-    result = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=240,
-                            start_new_session=True)
+    driver = (
+        "import sys; from distrib.cluster.launch import LaunchConfig, launch; "
+        f"sys.exit(launch(LaunchConfig(command=[{str(script)!r}], workers=2, ps=1, tls=True)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", driver], capture_output=True, text=True, timeout=240, start_new_session=True
+    )
     print(result.stdout[-3000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "a throwaway CA and 4 task certificates" in result.stdout
@@ -174,14 +191,20 @@ def test_both_certificate_backends_make_a_mutual_tls_cluster(tmp_path, backend):
 
     if backend == "cryptography" and available_backend() != "cryptography":
         pytest.skip("the cryptography package is not installed (distrib launch --tls then uses openssl)")
-    made = make_cluster_certificates(str(tmp_path / "tls"), ["chief-0", "ps-0", "outsider-0"], ["127.0.0.1"],
-                                     backend=backend)
+    made = make_cluster_certificates(
+        str(tmp_path / "tls"), ["chief-0", "ps-0", "outsider-0"], ["127.0.0.1"], backend=backend
+    )
     assert made.backend == backend and oct(os.stat(made.tasks["ps-0"][1]).st_mode & 0o777) == "0o600"
     assert not (tmp_path / "tls" / "ca.key").exists()  # nothing can sign more certificates later
     token = "t" * 32
     address = f"127.0.0.1:{ds.testing.pick_unused_port()}"
-    server = ds.Server({"ps": [address], "worker": ["127.0.0.1:1"]}, "ps", 0, token=token,
-                       tls=rpc.TLSConfig(*made.tasks["ps-0"], ca_file=made.ca_file))
+    server = ds.Server(
+        {"ps": [address], "worker": ["127.0.0.1:1"]},
+        "ps",
+        0,
+        token=token,
+        tls=rpc.TLSConfig(*made.tasks["ps-0"], ca_file=made.ca_file),
+    )
     try:
         ok = rpc.Connection(address, rpc.PS_SERVICE, token, rpc.TLSConfig(*made.tasks["chief-0"], made.ca_file))
         assert wire.decode(ok.call("Health", wire.encode({}), timeout=10))["ok"]
@@ -201,8 +224,11 @@ def test_without_a_certificate_backend_the_error_names_the_install_commands(tmp_
     monkeypatch.setitem(sys.modules, "cryptography", None)  # `import cryptography` now raises ImportError
     monkeypatch.setenv("PATH", str(tmp_path))  # and no openssl command
     assert available_backend() is None
-    for backend, fix in ((None, "pip install 'distrib[tls]'"), ("cryptography", "pip install 'distrib[tls]'"),
-                         ("openssl", "apt-get install openssl")):
+    for backend, fix in (
+        (None, "pip install 'distrib[tls]'"),
+        ("cryptography", "pip install 'distrib[tls]'"),
+        ("openssl", "apt-get install openssl"),
+    ):
         with pytest.raises(RuntimeError, match=re.escape(fix)):
             make_cluster_certificates(str(tmp_path / "tls"), ["chief-0"], ["127.0.0.1"], backend=backend)
     with pytest.raises(ValueError, match="'cryptography' or 'openssl'"):
@@ -214,8 +240,13 @@ def test_a_short_cluster_token_is_refused_before_any_task_starts(tmp_path):
     script = tmp_path / "noop.py"
     script.write_text("print('started')\n")
     env = {**os.environ, "DISTRIB_CLUSTER_TOKEN": "hunter2"}
-    result = subprocess.run([sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "1", "--ps", "1",
-                             str(script)], capture_output=True, text=True, timeout=60, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "1", "--ps", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert result.returncode == 2 and "started" not in result.stdout
     assert "DISTRIB_CLUSTER_TOKEN has 7 characters; it needs at least 16" in result.stderr
 
@@ -224,14 +255,19 @@ def test_the_command_line_takes_tls_and_refuses_negative_counts(tmp_path):
     from distrib.app.cli import build_parser
 
     parser = build_parser()
-    launch_help = subprocess.run([sys.executable, "-m", "distrib.app.cli", "launch", "--help"], capture_output=True,
-                                 text=True, timeout=60).stdout
+    launch_help = subprocess.run(
+        [sys.executable, "-m", "distrib.app.cli", "launch", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     if "--tls" not in launch_help:
         pytest.skip("src/distrib/app/cli.py does not define `distrib launch --tls` yet (see the ps helper's report)")
     assert parser.parse_args(["launch", "--tls", "script.py"]).tls
     for option in ("--ps", "--max-restarts"):
-        result = subprocess.run([sys.executable, "-m", "distrib.app.cli", "launch", option, "-1", "script.py"],
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "distrib.app.cli", "launch", option, "-1", "script.py"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 2 and "usage:" in result.stderr and "Traceback" not in result.stderr
 
 

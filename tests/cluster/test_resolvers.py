@@ -12,8 +12,16 @@ import sys
 
 import pytest
 
-from distrib.cluster import (ClusterSpec, SimpleClusterResolver, SlurmClusterResolver, TFConfigClusterResolver,
-                             TFConfigError, UnionClusterResolver, resolve, worker_rank)
+from distrib.cluster import (
+    ClusterSpec,
+    SimpleClusterResolver,
+    SlurmClusterResolver,
+    TFConfigClusterResolver,
+    TFConfigError,
+    UnionClusterResolver,
+    resolve,
+    worker_rank,
+)
 from distrib.cluster.launch import free_ports
 
 TWO = {"worker": ["localhost:2001", "localhost:2002"]}
@@ -28,57 +36,77 @@ def resolver_for(text: str) -> TFConfigClusterResolver:
     return TFConfigClusterResolver(environ={"TF_CONFIG": text})
 
 
-@pytest.mark.parametrize("text, field", [
-    (tf_config(task={"type": "worker", "idx": 1}), r"'task\.idx' is not a known key; did you mean 'index'"),
-    (tf_config(task={"type": "worker", "index": 0, "rank": 1}), r"'task\.rank' is not a known key"),
-    (tf_config(task={"typ": "worker", "index": 0}), r"'task\.typ' is not a known key; did you mean 'type'"),
-    (tf_config(tasks={"type": "worker"}), r"field 'tasks' is not a known key; did you mean 'task'"),
-    (tf_config(cluster={"workers": TWO["worker"]}), r"'cluster\.workers': unknown task type .*did you mean 'worker'"),
-    (tf_config(cluster={"worker": {"a": "h:1"}}), r"'cluster\.worker': the task index 'a' is not a non-negative"),
-    (tf_config(cluster={"worker": {"-1": "h:1"}}), r"'cluster\.worker': the task index '-1'"),
-    (tf_config(cluster={"worker": {"1.0": "h:1"}}), r"'cluster\.worker': the task index '1\.0'"),
-    (tf_config(cluster={"worker": {"1": "h:1", "01": "h:2"}}, task={"type": "worker", "index": 1}),
-     r"'cluster\.worker': the task index 1 is given twice"),
-    ('{"cluster": {"worker": {"0": "h:1", "0": "h:2"}}, "task": {"type": "worker", "index": 0}}',
-     r"'cluster\.worker' has the key '0' twice"),
-    ('{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0, "index": 1}}',
-     r"'task' has the key 'index' twice"),
-    (tf_config(cluster={"worker": ["worker 0:2222", "w1:2222"]}), r"cluster\.worker\[0\].*invalid character\(s\) ' '"),
-    (tf_config(cluster={"worker": [":2222", "w1:2222"]}), r"cluster\.worker\[0\]': an empty host"),
-    (tf_config(cluster={"worker": ["w0:2222", "w_1!:2222"]}), r"cluster\.worker\[1\].*invalid character\(s\) '!'"),
-    (tf_config(cluster={"worker": ["wörker:2222"]}), r"cluster\.worker\[0\].*invalid character\(s\) 'ö'"),
-    (tf_config(cluster={"worker": ["-w0:2222"]}), r"cluster\.worker\[0\].*not a valid host name"),
-    (tf_config(cluster={"worker": ["::1:2222"]}), r"cluster\.worker\[0\].*IPv6 address needs brackets"),
-    (tf_config(cluster={"worker": ["grpc://w0:2222"]}), r"cluster\.worker\[0\].*without a scheme"),
-    (tf_config(cluster={"worker": ["w0:0"]}), r"cluster\.worker\[0\].*port in 1\.\.65535"),
-    (tf_config(cluster={"worker": ["w0:65536"]}), r"cluster\.worker\[0\].*port in 1\.\.65535"),
-    (tf_config(cluster={"worker": ["w0:²"]}), r"cluster\.worker\[0\].*port in 1\.\.65535"),
-    (tf_config(cluster={"worker": ["300.1.1.1:2222"]}), r"cluster\.worker\[0\].*not an IPv4 address"),
-    (tf_config(cluster={"worker": "w0:2222"}), r"'cluster\.worker' must be a list"),
-    (tf_config(cluster={"chief": ["c0:1", "c1:1"], "worker": ["w:1"]}), r"'cluster\.chief' lists 2 tasks"),
-    (tf_config(task={"index": 1}), r"'task\.type' is missing while 'task\.index' is given"),
-    (tf_config(task={"type": "worker"}), r"'task\.index' is missing"),
-    (tf_config(task={"type": "worker", "index": -1}), r"'task\.index'.*non-negative integer.*-1"),
-    (tf_config(task={"type": "worker", "index": True}), r"'task\.index'.*True"),
-    (tf_config(task={"type": "worker", "index": 1.5}), r"'task\.index'.*1\.5"),
-    (tf_config(task={"type": "worker", "index": "1e3"}), r"'task\.index'.*'1e3'"),
-    (tf_config(task={"type": "worker", "index": 2}), r"'task\.index': 2 is out of range.*0\.\.1"),
-    (tf_config(cluster={"worker": {"0": "h:1", "3": "h:4"}}, task={"type": "worker", "index": 1}),
-     r"'task\.index': 1 is out of range.*one of 0, 3"),
-    (tf_config(rpc_layer=1), r"'rpc_layer' must be a string"),
-    ('{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": NaN}}', "NaN is not a JSON value"),
-    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
-    ('{"cluster": {}, "task": {"type": "worker", "index": ' + "9" * 5000 + "}}", "not valid JSON"),
-    ("null", "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        (tf_config(task={"type": "worker", "idx": 1}), r"'task\.idx' is not a known key; did you mean 'index'"),
+        (tf_config(task={"type": "worker", "index": 0, "rank": 1}), r"'task\.rank' is not a known key"),
+        (tf_config(task={"typ": "worker", "index": 0}), r"'task\.typ' is not a known key; did you mean 'type'"),
+        (tf_config(tasks={"type": "worker"}), r"field 'tasks' is not a known key; did you mean 'task'"),
+        (
+            tf_config(cluster={"workers": TWO["worker"]}),
+            r"'cluster\.workers': unknown task type .*did you mean 'worker'",
+        ),
+        (tf_config(cluster={"worker": {"a": "h:1"}}), r"'cluster\.worker': the task index 'a' is not a non-negative"),
+        (tf_config(cluster={"worker": {"-1": "h:1"}}), r"'cluster\.worker': the task index '-1'"),
+        (tf_config(cluster={"worker": {"1.0": "h:1"}}), r"'cluster\.worker': the task index '1\.0'"),
+        (
+            tf_config(cluster={"worker": {"1": "h:1", "01": "h:2"}}, task={"type": "worker", "index": 1}),
+            r"'cluster\.worker': the task index 1 is given twice",
+        ),
+        (
+            '{"cluster": {"worker": {"0": "h:1", "0": "h:2"}}, "task": {"type": "worker", "index": 0}}',
+            r"'cluster\.worker' has the key '0' twice",
+        ),
+        (
+            '{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0, "index": 1}}',
+            r"'task' has the key 'index' twice",
+        ),
+        (
+            tf_config(cluster={"worker": ["worker 0:2222", "w1:2222"]}),
+            r"cluster\.worker\[0\].*invalid character\(s\) ' '",
+        ),
+        (tf_config(cluster={"worker": [":2222", "w1:2222"]}), r"cluster\.worker\[0\]': an empty host"),
+        (tf_config(cluster={"worker": ["w0:2222", "w_1!:2222"]}), r"cluster\.worker\[1\].*invalid character\(s\) '!'"),
+        (tf_config(cluster={"worker": ["wörker:2222"]}), r"cluster\.worker\[0\].*invalid character\(s\) 'ö'"),
+        (tf_config(cluster={"worker": ["-w0:2222"]}), r"cluster\.worker\[0\].*not a valid host name"),
+        (tf_config(cluster={"worker": ["::1:2222"]}), r"cluster\.worker\[0\].*IPv6 address needs brackets"),
+        (tf_config(cluster={"worker": ["grpc://w0:2222"]}), r"cluster\.worker\[0\].*without a scheme"),
+        (tf_config(cluster={"worker": ["w0:0"]}), r"cluster\.worker\[0\].*port in 1\.\.65535"),
+        (tf_config(cluster={"worker": ["w0:65536"]}), r"cluster\.worker\[0\].*port in 1\.\.65535"),
+        (tf_config(cluster={"worker": ["w0:²"]}), r"cluster\.worker\[0\].*port in 1\.\.65535"),
+        (tf_config(cluster={"worker": ["300.1.1.1:2222"]}), r"cluster\.worker\[0\].*not an IPv4 address"),
+        (tf_config(cluster={"worker": "w0:2222"}), r"'cluster\.worker' must be a list"),
+        (tf_config(cluster={"chief": ["c0:1", "c1:1"], "worker": ["w:1"]}), r"'cluster\.chief' lists 2 tasks"),
+        (tf_config(task={"index": 1}), r"'task\.type' is missing while 'task\.index' is given"),
+        (tf_config(task={"type": "worker"}), r"'task\.index' is missing"),
+        (tf_config(task={"type": "worker", "index": -1}), r"'task\.index'.*non-negative integer.*-1"),
+        (tf_config(task={"type": "worker", "index": True}), r"'task\.index'.*True"),
+        (tf_config(task={"type": "worker", "index": 1.5}), r"'task\.index'.*1\.5"),
+        (tf_config(task={"type": "worker", "index": "1e3"}), r"'task\.index'.*'1e3'"),
+        (tf_config(task={"type": "worker", "index": 2}), r"'task\.index': 2 is out of range.*0\.\.1"),
+        (
+            tf_config(cluster={"worker": {"0": "h:1", "3": "h:4"}}, task={"type": "worker", "index": 1}),
+            r"'task\.index': 1 is out of range.*one of 0, 3",
+        ),
+        (tf_config(rpc_layer=1), r"'rpc_layer' must be a string"),
+        ('{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": NaN}}', "NaN is not a JSON value"),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+        ('{"cluster": {}, "task": {"type": "worker", "index": ' + "9" * 5000 + "}}", "not valid JSON"),
+        ("null", "must be a JSON object"),
+    ],
+)
 def test_malformed_tf_config_is_a_tf_config_error_naming_the_field(text, field):
     with pytest.raises(TFConfigError, match=field):
         resolver_for(text)
 
 
 def test_tf_config_accepts_cloud_keys_sparse_jobs_and_an_evaluator_outside_the_cluster():
-    r = resolver_for(tf_config(task={"type": "worker", "index": "1", "trial": "", "cloud": "x"}, environment="cloud",
-                               job={"args": []}))
+    r = resolver_for(
+        tf_config(
+            task={"type": "worker", "index": "1", "trial": "", "cloud": "x"}, environment="cloud", job={"args": []}
+        )
+    )
     assert (r.task_type, r.task_id) == ("worker", 1)
     r = resolver_for(tf_config(cluster={"ps": {"2": "ps2:1"}, "worker": ["w0:1"]}, task={"type": "ps", "index": "2"}))
     assert r.cluster_spec().as_dict() == {"ps": {2: "ps2:1"}, "worker": ["w0:1"]} and r.task_id == 2
@@ -148,16 +176,28 @@ def slurm(**env: str) -> dict:
 
 
 def test_slurm_keeps_node_order_where_tf_sorts_names():
-    env = slurm(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="n[9-10]",
-                SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURMD_NODENAME="n10", SLURM_LOCALID="0")
+    env = slurm(
+        SLURM_PROCID="1",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_NODELIST="n[9-10]",
+        SLURM_STEP_TASKS_PER_NODE="1(x2)",
+        SLURMD_NODENAME="n10",
+        SLURM_LOCALID="0",
+    )
     r = SlurmClusterResolver(environ=env, port_base=5000)
     assert r.cluster_spec().as_dict() == {"worker": ["n9:5000", "n10:5000"]} and r.task_id == 1
     assert r.rendezvous_address() == "n9:5000"
 
 
 def test_slurm_refuses_a_layout_that_is_not_where_slurm_put_the_task():
-    env = slurm(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="4", SLURM_STEP_NODELIST="a,b",
-                SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURMD_NODENAME="b", SLURM_LOCALID="0")  # cyclic distribution
+    env = slurm(
+        SLURM_PROCID="1",
+        SLURM_STEP_NUM_TASKS="4",
+        SLURM_STEP_NODELIST="a,b",
+        SLURM_STEP_TASKS_PER_NODE="2(x2)",
+        SLURMD_NODENAME="b",
+        SLURM_LOCALID="0",
+    )  # cyclic distribution
     with pytest.raises(RuntimeError, match=r"SLURM_PROCID=1 runs on node 'b', not 'a' and local task 0, not 1"):
         SlurmClusterResolver(environ=env)
 
@@ -171,8 +211,14 @@ def test_slurm_without_srun_is_detected_and_explained():
 
 
 def test_slurm_job_variables_are_the_fallback_and_steps_get_their_own_ports():
-    env = slurm(SLURM_PROCID="0", SLURM_STEP_NODELIST="n1", SLURM_STEP_NUM_TASKS="2", SLURM_TASKS_PER_NODE="2",
-                SLURM_STEP_ID="3", CUDA_VISIBLE_DEVICES="")
+    env = slurm(
+        SLURM_PROCID="0",
+        SLURM_STEP_NODELIST="n1",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_TASKS_PER_NODE="2",
+        SLURM_STEP_ID="3",
+        CUDA_VISIBLE_DEVICES="",
+    )
     r = SlurmClusterResolver(environ=env)
     # job 7, step 3: 8888 + 16 x (37 x 7 + 3), a block of its own (TF: 8888 for every step)
     assert r.cluster_spec().as_dict() == {"worker": ["n1:13080", "n1:13081"]}
@@ -182,25 +228,56 @@ def test_slurm_job_variables_are_the_fallback_and_steps_get_their_own_ports():
 
 
 def test_slurm_gives_each_task_its_share_of_the_gpus_slurm_made_visible():
-    env = slurm(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="n1", SLURM_STEP_TASKS_PER_NODE="2",
-                CUDA_VISIBLE_DEVICES="4,5,6,7")
+    env = slurm(
+        SLURM_PROCID="1",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_NODELIST="n1",
+        SLURM_STEP_TASKS_PER_NODE="2",
+        CUDA_VISIBLE_DEVICES="4,5,6,7",
+    )
     r = SlurmClusterResolver(environ=env)
     r.cluster_spec()
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and r.num_accelerators() == {"GPU": 2}  # TF would set "2,3"
 
 
-@pytest.mark.parametrize("env, message", [
-    (dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="3", SLURM_STEP_NODELIST="n1",
-          SLURM_STEP_TASKS_PER_NODE="2"), "SLURM_STEP_NUM_TASKS .* is 3 but the tasks per node add up to 2"),
-    (dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="n[1-2]",
-          SLURM_STEP_TASKS_PER_NODE="2"), "gives 1 node.* lists 2"),
-    (dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="n[2-1]",
-          SLURM_STEP_TASKS_PER_NODE="1(x2)"), "bad range '2-1'"),
-    (dict(SLURM_PROCID="x", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NODELIST="n1"), "SLURM_PROCID='x'"),
-    (dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NODELIST="n1"), "SLURM_STEP_TASKS_PER_NODE is not set"),
-    (dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NODELIST="bad host",
-          SLURM_STEP_TASKS_PER_NODE="1"), "invalid character"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="3", SLURM_STEP_NODELIST="n1", SLURM_STEP_TASKS_PER_NODE="2"),
+            "SLURM_STEP_NUM_TASKS .* is 3 but the tasks per node add up to 2",
+        ),
+        (
+            dict(
+                SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="n[1-2]", SLURM_STEP_TASKS_PER_NODE="2"
+            ),
+            "gives 1 node.* lists 2",
+        ),
+        (
+            dict(
+                SLURM_PROCID="0",
+                SLURM_STEP_NUM_TASKS="2",
+                SLURM_STEP_NODELIST="n[2-1]",
+                SLURM_STEP_TASKS_PER_NODE="1(x2)",
+            ),
+            "bad range '2-1'",
+        ),
+        (dict(SLURM_PROCID="x", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NODELIST="n1"), "SLURM_PROCID='x'"),
+        (
+            dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NODELIST="n1"),
+            "SLURM_STEP_TASKS_PER_NODE is not set",
+        ),
+        (
+            dict(
+                SLURM_PROCID="0",
+                SLURM_STEP_NUM_TASKS="1",
+                SLURM_STEP_NODELIST="bad host",
+                SLURM_STEP_TASKS_PER_NODE="1",
+            ),
+            "invalid character",
+        ),
+    ],
+)
 def test_slurm_environment_mistakes_are_clear_errors(env, message):
     with pytest.raises((RuntimeError, ValueError), match=message):
         SlurmClusterResolver(environ=slurm(**env), gpus_per_node=0)
@@ -231,8 +308,16 @@ def test_two_real_workers_meet_at_the_rendezvous_address_when_tf_config_has_an_r
     try:
         for i in range(2):
             env = {**os.environ, "TF_CONFIG": tf_config(cluster, {"type": "worker", "index": i}, rpc_layer="grpc")}
-            procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", WORKER],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         for p in procs:

@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from cluster import netns
 from cluster.slurm_cluster import SlurmCluster, wait
 from helpers import SCRIPTS
@@ -61,8 +60,21 @@ def check_synchronous_job(out: str, world: int) -> str:
 def test_two_concurrent_srun_jobs_on_one_node_each_train_in_sync(slurm):
     """`srun -n2` twice at once: two jobs, both step 0, on the one node; each gets its own port."""
     marks = Path(tempfile.mkdtemp(dir=slurm.dir))
-    jobs = [slurm.popen(["srun", "-n2", sys.executable, str(SCRIPTS / "hosts_mw.py"), "--mark", str(marks / mine),
-                         "--wait-for", str(marks / other)]) for mine, other in (("a", "b"), ("b", "a"))]
+    jobs = [
+        slurm.popen(
+            [
+                "srun",
+                "-n2",
+                sys.executable,
+                str(SCRIPTS / "hosts_mw.py"),
+                "--mark",
+                str(marks / mine),
+                "--wait-for",
+                str(marks / other),
+            ]
+        )
+        for mine, other in (("a", "b"), ("b", "a"))
+    ]
     outs = [wait(job, timeout=120) for job in jobs]
     for code, out in outs:
         assert code == 0, out + slurm.logs()
@@ -74,8 +86,8 @@ def test_sbatch_with_two_concurrent_steps_on_one_node(slurm):
     """`sbatch -n4` whose script starts two `srun -n2` steps at once (steps 0 and 1: 8888 for both, before)."""
     marks = tempfile.mkdtemp(dir=slurm.dir)
     script = f"""#!/bin/bash
-srun -n2 --exact {sys.executable} {SCRIPTS / 'hosts_mw.py'} --mark {marks}/a --wait-for {marks}/b > {marks}/step0.out 2>&1 &
-srun -n2 --exact {sys.executable} {SCRIPTS / 'hosts_mw.py'} --mark {marks}/b --wait-for {marks}/a > {marks}/step1.out 2>&1 &
+srun -n2 --exact {sys.executable} {SCRIPTS / "hosts_mw.py"} --mark {marks}/a --wait-for {marks}/b > {marks}/step0.out 2>&1 &
+srun -n2 --exact {sys.executable} {SCRIPTS / "hosts_mw.py"} --mark {marks}/b --wait-for {marks}/a > {marks}/step1.out 2>&1 &
 wait %1 && wait %2
 """
     code, out = slurm.sbatch(script, timeout=150, args=["-n4"])
@@ -87,9 +99,20 @@ wait %1 && wait %2
 
 def test_parameter_servers_run_on_slurm_with_jobs(slurm):
     """`srun -n4` with `SlurmClusterResolver(jobs={"chief": 1, "ps": 1, "worker": 2})`: rank 0 coordinates."""
-    code, out = slurm.run(["srun", "-n4", sys.executable, str(SCRIPTS / "hosts_ps.py"), "--slurm-jobs",
-                           "chief=1,ps=1,worker=2", "--steps", "6"], timeout=150,
-                          extra_env={"DISTRIB_CLUSTER_TOKEN": TOKEN})
+    code, out = slurm.run(
+        [
+            "srun",
+            "-n4",
+            sys.executable,
+            str(SCRIPTS / "hosts_ps.py"),
+            "--slurm-jobs",
+            "chief=1,ps=1,worker=2",
+            "--steps",
+            "6",
+        ],
+        timeout=150,
+        extra_env={"DISTRIB_CLUSTER_TOKEN": TOKEN},
+    )
     assert code == 0, out + slurm.logs()
     served = re.findall(r"^SERVING job=(\w+) task=(\d+) address=(\S+)", out, re.M)
     assert sorted((job, int(task)) for job, task, _ in served) == [("ps", 0), ("worker", 0), ("worker", 1)], out
@@ -123,8 +146,7 @@ def slurm_two_nodes():
 @pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
 def test_srun_across_two_nodes_trains_in_sync(slurm_two_nodes):
     """`srun -N2 -n2`: one task per node, each with its node's name (which resolves to 127.0.1.1 there)."""
-    code, out = slurm_two_nodes.run(["srun", "-N2", "-n2", sys.executable, str(SCRIPTS / "hosts_mw.py")],
-                                    timeout=120)
+    code, out = slurm_two_nodes.run(["srun", "-N2", "-n2", sys.executable, str(SCRIPTS / "hosts_mw.py")], timeout=120)
     assert code == 0, out + slurm_two_nodes.logs()
     check_synchronous_job(out, 2)
     found = results(out)
@@ -137,13 +159,28 @@ def test_parameter_servers_across_two_slurm_nodes(slurm_two_nodes):
     """`srun -N2 --ntasks-per-node=2` with jobs={"chief": 1, "ps": 1, "worker": 2}: chief and ps on host1, the
     workers on host2. Each node's own name resolves to 127.0.1.1 there (Debian), so a server on the spec's
     address alone was unreachable from the other node (the coordinator waited for ever on 'connecting')."""
-    code, out = slurm_two_nodes.run(["srun", "-N2", "--ntasks-per-node=2", sys.executable, str(SCRIPTS / "hosts_ps.py"),
-                                     "--slurm-jobs", "chief=1,ps=1,worker=2", "--steps", "6"], timeout=150,
-                                    extra_env={"DISTRIB_CLUSTER_TOKEN": TOKEN})
+    code, out = slurm_two_nodes.run(
+        [
+            "srun",
+            "-N2",
+            "--ntasks-per-node=2",
+            sys.executable,
+            str(SCRIPTS / "hosts_ps.py"),
+            "--slurm-jobs",
+            "chief=1,ps=1,worker=2",
+            "--steps",
+            "6",
+        ],
+        timeout=150,
+        extra_env={"DISTRIB_CLUSTER_TOKEN": TOKEN},
+    )
     assert code == 0, out + slurm_two_nodes.logs()
     served = re.findall(r"^SERVING job=(\w+) task=(\d+) address=(\S+) listening=(\S+) hostname=(\S+)", out, re.M)
     assert sorted((job, int(task), host) for job, task, _, _, host in served) == [
-        ("ps", 0, "host1"), ("worker", 0, "host2"), ("worker", 1, "host2")], out
+        ("ps", 0, "host1"),
+        ("worker", 0, "host2"),
+        ("worker", 1, "host2"),
+    ], out
     # each node's name is 127.0.1.1 there: every server also listens on its node's routable address
     addresses = {"host1": "192.168.77.11", "host2": "192.168.77.12"}
     for _, _, address, listening, host in served:

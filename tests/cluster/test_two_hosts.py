@@ -22,10 +22,9 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
-
 from cluster import netns
 from helpers import SCRIPTS
 
@@ -74,8 +73,9 @@ def check_trained_in_sync(outs: Sequence[str], resolver: str) -> dict[int, dict[
     return resolved
 
 
-def run_all(hosts: netns.Hosts, commands: Sequence[tuple[int, list[str], dict[str, str]]],
-            timeout: float = 120) -> list[str]:
+def run_all(
+    hosts: netns.Hosts, commands: Sequence[tuple[int, list[str], dict[str, str]]], timeout: float = 120
+) -> list[str]:
     """Start every ``(host, argv, env)`` at once; all must exit 0 within ``timeout``; their outputs."""
     procs = [hosts.popen(i, argv, env) for i, argv, env in commands]
     outs = []
@@ -97,17 +97,39 @@ def test_multi_worker_mirrored_through_tf_config_on_two_hosts(make_hosts):
     `test_gloo_listens_in_the_hosts_ephemeral_range_so_a_firewall_can_pin_it`)."""
     hosts = make_hosts(2, loopback_hostname=[0, 1])
     workers = ["host1:23456", "host2:23456"]
-    outs = run_all(hosts, [(i, [sys.executable, str(SCRIPTS / "hosts_mw.py"), "--timeout", TIMEOUT],
-                            {"TF_CONFIG": tf_config(workers, i)}) for i in range(2)])
+    outs = run_all(
+        hosts,
+        [
+            (
+                i,
+                [sys.executable, str(SCRIPTS / "hosts_mw.py"), "--timeout", TIMEOUT],
+                {"TF_CONFIG": tf_config(workers, i)},
+            )
+            for i in range(2)
+        ],
+    )
     resolved = check_trained_in_sync(outs, "TFConfigClusterResolver")
     assert all(r["rendezvous"] == "host1:23456" for r in resolved.values()), outs
     assert all(r["ifname"] == "eth0" for r in resolved.values()), outs  # the interface of the route, not lo
 
 
 def torchrun(node_rank: int, master: str, port: int = 29533) -> list[str]:
-    return [shutil.which("torchrun") or "torchrun", "--nnodes", "2", "--node-rank", str(node_rank),
-            "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port),
-            str(SCRIPTS / "hosts_mw.py"), "--timeout", TIMEOUT]
+    return [
+        shutil.which("torchrun") or "torchrun",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        master,
+        "--master-port",
+        str(port),
+        str(SCRIPTS / "hosts_mw.py"),
+        "--timeout",
+        TIMEOUT,
+    ]
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
@@ -124,15 +146,20 @@ def test_multi_worker_mirrored_through_torchrun_on_two_hosts(make_hosts):
 # Parameter servers: each server's address in the spec is a Service-like name; on the server's own host
 # that name resolves to an address that is not the host's (a Kubernetes Service's virtual IP, a NAT's
 # public address), while the other hosts reach the server through it.
-_SERVICES = {0: {"ps-svc": "192.168.77.12", "worker-svc": "192.168.77.13"},
-             1: {"ps-svc": "10.77.0.11", "worker-svc": "192.168.77.13"},
-             2: {"ps-svc": "192.168.77.12", "worker-svc": "10.77.0.12"}}
+_SERVICES = {
+    0: {"ps-svc": "192.168.77.12", "worker-svc": "192.168.77.13"},
+    1: {"ps-svc": "10.77.0.11", "worker-svc": "192.168.77.13"},
+    2: {"ps-svc": "192.168.77.12", "worker-svc": "10.77.0.12"},
+}
 _PS_CLUSTER = {"chief": ["host1:2221"], "ps": ["ps-svc:2222"], "worker": ["worker-svc:2223"]}
 
 
 def ps_env(task: str, index: int = 0, **extra: str) -> dict[str, str]:
-    return {"TF_CONFIG": json.dumps({"cluster": _PS_CLUSTER, "task": {"type": task, "index": index}}),
-            "DISTRIB_CLUSTER_TOKEN": TOKEN, **extra}
+    return {
+        "TF_CONFIG": json.dumps({"cluster": _PS_CLUSTER, "task": {"type": task, "index": index}}),
+        "DISTRIB_CLUSTER_TOKEN": TOKEN,
+        **extra,
+    }
 
 
 _REFUSED_PROBE = """
@@ -157,8 +184,10 @@ def test_parameter_servers_across_three_hosts_listen_on_every_interface(make_hos
     # all at once (each process spends seconds importing torch): a ps on its spec address, the servers on
     # every interface, a probe without the token and the coordinator
     exact = hosts.popen(1, script, ps_env("ps"))
-    servers = [hosts.popen(1, script, ps_env("ps", DISTRIB_BIND_ADDRESS="0.0.0.0")),
-               hosts.popen(2, script, ps_env("worker", DISTRIB_BIND_ADDRESS="0.0.0.0"))]
+    servers = [
+        hosts.popen(1, script, ps_env("ps", DISTRIB_BIND_ADDRESS="0.0.0.0")),
+        hosts.popen(2, script, ps_env("worker", DISTRIB_BIND_ADDRESS="0.0.0.0")),
+    ]
     probe = hosts.popen(0, [sys.executable, "-c", _REFUSED_PROBE, "ps-svc:2222"])
     chief = hosts.popen(0, script + ["--steps", "6"], ps_env("chief"))
     code, out = hosts.wait(exact, timeout=60)
@@ -175,14 +204,20 @@ def test_parameter_servers_across_three_hosts_listen_on_every_interface(make_hos
     assert {w.split("/")[0] for w in summary["workers_used"].split(",")} == {"host3"}, out  # ran on the worker host
     for (code, text), (job, host) in zip(served, [("ps", "host2"), ("worker", "host3")]):
         assert code == 0, text  # a clean stop on SIGTERM
-        assert re.search(rf"^SERVING job={job} task=0 address={job}-svc:\d+ listening=0\.0\.0\.0:\d+ hostname={host}$",
-                         text, re.M), text
+        assert re.search(
+            rf"^SERVING job={job} task=0 address={job}-svc:\d+ listening=0\.0\.0\.0:\d+ hostname={host}$", text, re.M
+        ), text
 
 
 def listeners(hosts: netns.Hosts, index: int) -> set[tuple[str, int]]:
     """``(address, port)`` of every TCP listener on host ``index`` (``ss``)."""
-    out = subprocess.run(["ip", "netns", "exec", hosts[index].namespace, "ss", "-Hltn"], capture_output=True,
-                         text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", hosts[index].namespace, "ss", "-Hltn"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     found = set()
     for local in (line.split()[3] for line in out.splitlines() if line.strip()):
         address, _, port = local.rpartition(":")
@@ -199,16 +234,35 @@ def test_gloo_listens_in_the_hosts_ephemeral_range_so_a_firewall_can_pin_it(tmp_
     can open; the TF_CONFIG port is the chief's only fixed one."""
     hosts = make_hosts(2)
     for host in hosts.hosts:
-        subprocess.run(["ip", "netns", "exec", host.namespace, "sysctl", "-q", "-w",
-                        "net.ipv4.ip_local_port_range=40000 40099"], check=True, timeout=30)
+        subprocess.run(
+            ["ip", "netns", "exec", host.namespace, "sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=40000 40099"],
+            check=True,
+            timeout=30,
+        )
     workers = ["host1:23456", "host2:23456"]
     marks, go = tmp_path / "joined", tmp_path / "go"
-    procs = [hosts.popen(i, [sys.executable, str(SCRIPTS / "hosts_mw.py"), "--timeout", TIMEOUT, "--mark", str(marks),
-                             "--wait-for", str(go)], {"TF_CONFIG": tf_config(workers, i)}) for i in range(2)]
+    procs = [
+        hosts.popen(
+            i,
+            [
+                sys.executable,
+                str(SCRIPTS / "hosts_mw.py"),
+                "--timeout",
+                TIMEOUT,
+                "--mark",
+                str(marks),
+                "--wait-for",
+                str(go),
+            ],
+            {"TF_CONFIG": tf_config(workers, i)},
+        )
+        for i in range(2)
+    ]
     deadline = time.monotonic() + 90
     while not all((tmp_path / f"joined.{i}").exists() for i in range(2)):  # both joined, gloo's mesh is up
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            "\n---\n".join(hosts.output(p) for p in procs)
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "\n---\n".join(
+            hosts.output(p) for p in procs
+        )
         time.sleep(0.2)
     found = [listeners(hosts, i) for i in range(2)]
     for i in range(2):
@@ -229,7 +283,14 @@ def test_multi_worker_mirrored_with_the_variables_of_a_kubeflow_pytorchjob(make_
     service = {"pytorchjob-master-0": "192.168.77.11"}
     hosts = make_hosts(2, extra_hosts={0: service, 1: service})
     env = {"MASTER_ADDR": "pytorchjob-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2"}
-    outs = run_all(hosts, [(i, [sys.executable, str(SCRIPTS / "hosts_mw.py"), "--timeout", TIMEOUT],
-                            {**env, "RANK": str(i)}) for i in range(2)])
+    outs = run_all(
+        hosts,
+        [
+            (i, [sys.executable, str(SCRIPTS / "hosts_mw.py"), "--timeout", TIMEOUT], {**env, "RANK": str(i)})
+            for i in range(2)
+        ],
+    )
     resolved = check_trained_in_sync(outs, "TorchrunClusterResolver")
-    assert all(r["rendezvous"] == "pytorchjob-master-0:23456" and r["ifname"] == "eth0" for r in resolved.values()), outs
+    assert all(r["rendezvous"] == "pytorchjob-master-0:23456" and r["ifname"] == "eth0" for r in resolved.values()), (
+        outs
+    )

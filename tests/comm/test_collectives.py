@@ -6,8 +6,18 @@ import re
 
 from helpers import SCRIPTS, launch
 
-CHECKS = ["all_reduce", "all_reduce several", "all_reduce_async", "all_gather uneven", "all_gather_object",
-          "broadcast", "broadcast_object", "reduce_scatter", "barrier", "reducer removed with its optimizer"]
+CHECKS = [
+    "all_reduce",
+    "all_reduce several",
+    "all_reduce_async",
+    "all_gather uneven",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object",
+    "reduce_scatter",
+    "barrier",
+    "reducer removed with its optimizer",
+]
 
 
 def test_every_collective_between_two_workers():

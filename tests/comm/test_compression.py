@@ -13,13 +13,20 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import SCRIPTS, launch
 from torch import nn
 
 import distrib as ds
-from distrib.comm import (BucketedGradientReducer, CastHook, CommunicationOptions, GradBucket, PowerSGD,
-                          allreduce_hook, reduce_gradients)
+from distrib.comm import (
+    BucketedGradientReducer,
+    CastHook,
+    CommunicationOptions,
+    GradBucket,
+    PowerSGD,
+    allreduce_hook,
+    reduce_gradients,
+)
 from distrib.comm.communicator import completed_future
-from helpers import SCRIPTS, launch
 
 
 class TwinWorkers:
@@ -67,24 +74,30 @@ def test_options_turn_each_compression_into_its_hook():
     assert ds.PowerSGD is PowerSGD
 
 
-@pytest.mark.parametrize("value, message", [
-    ("int8", "compression='int8') is not a compression; accepted: None, 'fp16', 'bf16' or ds.PowerSGD"),
-    ("bfloat16", "(for 'bfloat16' write 'bf16')"),
-    (PowerSGD, "pass an instance, e.g. compression=ds.PowerSGD(rank=2, start_iter=10)"),
-    (0.5, "compression=0.5) is not a compression"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("int8", "compression='int8') is not a compression; accepted: None, 'fp16', 'bf16' or ds.PowerSGD"),
+        ("bfloat16", "(for 'bfloat16' write 'bf16')"),
+        (PowerSGD, "pass an instance, e.g. compression=ds.PowerSGD(rank=2, start_iter=10)"),
+        (0.5, "compression=0.5) is not a compression"),
+    ],
+)
 def test_a_wrong_compression_is_an_error_that_lists_what_is_accepted(value, message):
     with pytest.raises(ValueError) as info:
         CommunicationOptions(compression=value)
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"rank": 0}, "PowerSGD(rank=0): rank must be an integer >= 1"),
-    ({"rank": 2.5}, "PowerSGD(rank=2.5)"),
-    ({"start_iter": -1}, "PowerSGD(start_iter=-1): start_iter must be an integer >= 0"),
-    ({"min_compression_rate": 0.5}, "PowerSGD(min_compression_rate=0.5)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rank": 0}, "PowerSGD(rank=0): rank must be an integer >= 1"),
+        ({"rank": 2.5}, "PowerSGD(rank=2.5)"),
+        ({"start_iter": -1}, "PowerSGD(start_iter=-1): start_iter must be an integer >= 0"),
+        ({"min_compression_rate": 0.5}, "PowerSGD(min_compression_rate=0.5)"),
+    ],
+)
 def test_wrong_powersgd_settings_are_errors_that_name_them(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         PowerSGD(**kwargs)
@@ -109,7 +122,7 @@ def test_bf16_sends_bf16_and_leaves_the_bf16_rounded_sum_in_fp32_grads():
     for g, loc in zip(got, local):
         assert g.dtype == torch.float32
         assert torch.equal(g, 2 * loc.to(torch.bfloat16).float())  # exactly the sum of the bf16 values
-        assert (g - 2 * loc).abs().le(2 * loc.abs() * 2 ** -8).all()  # within bf16 rounding
+        assert (g - 2 * loc).abs().le(2 * loc.abs() * 2**-8).all()  # within bf16 rounding
     assert any(not torch.equal(g, 2 * loc) for g, loc in zip(got, local))  # the cast really happened
 
 
@@ -120,7 +133,7 @@ def test_fp16_sums_within_fp16_rounding():
     got = _reduce_once(model, CommunicationOptions(compression="fp16").comm_hook(), x, comm)
     assert [d for d, _ in comm.sent] == [torch.float16]
     for g, loc in zip(got, local):
-        assert (g - 2 * loc).abs().le(2 * loc.abs() * 2 ** -11 + 1e-7).all()
+        assert (g - 2 * loc).abs().le(2 * loc.abs() * 2**-11 + 1e-7).all()
     assert any(not torch.equal(g, 2 * loc) for g, loc in zip(got, local))
 
 
@@ -128,12 +141,12 @@ def test_fp16_divides_by_the_workers_so_a_sum_beyond_fp16_range_stays_finite():
     grads = [torch.full((4,), 40000.0), torch.full((3,), -1e-3)]  # 2 x 40000 = 80000 > 65504, fp16's largest
     reduce_gradients(TwinWorkers(), grads, 1 << 20, hook=CastHook("fp16"))
     assert torch.isfinite(grads[0]).all() and grads[0].tolist() == [80000.0] * 4
-    torch.testing.assert_close(grads[1], torch.full((3,), -2e-3), rtol=2 ** -10, atol=0)
+    torch.testing.assert_close(grads[1], torch.full((3,), -2e-3), rtol=2**-10, atol=0)
 
 
 def test_the_several_replicas_path_reduces_complete_gradients_through_the_cast_hook():
     comm = TwinWorkers()
-    grads = [torch.full((3,), 1.0 + 2 ** -10), torch.full((2, 2), 5.0)]
+    grads = [torch.full((3,), 1.0 + 2**-10), torch.full((2, 2), 5.0)]
     reduce_gradients(comm, grads, 1 << 20, hook=CommunicationOptions(compression="bf16").comm_hook())
     assert comm.sent == [(torch.bfloat16, 7)]
     assert grads[0].tolist() == [2.0] * 3 and grads[1].tolist() == [[10.0, 10.0], [10.0, 10.0]]
@@ -234,7 +247,10 @@ def test_two_workers_compress_as_computed_by_hand_and_train_to_the_uncompressed_
             assert step["within_rounding"], (path, name, step)
         assert runs["bf16"]["step"]["vs_exact"] > runs["fp16"]["step"]["vs_exact"]  # 8 significant bits vs 11
         psgd = runs["powersgd"]["step"]
-        assert psgd["ranks"] == [2, 2], (path, psgd)  # both weight matrices arrive as rank 2 (the exact sums have rank 20 and 5)
+        assert psgd["ranks"] == [2, 2], (
+            path,
+            psgd,
+        )  # both weight matrices arrive as rank 2 (the exact sums have rank 20 and 5)
         assert psgd["vs_hand"] < 1e-4, (path, psgd)  # = the exact sum projected onto that rank-2 column space
         assert psgd["vs_exact"] > 1e-3, (path, psgd)  # ... which is not the exact sum
         for name, tolerance in (("bf16", 0.02), ("fp16", 0.005), ("powersgd", 0.05)):
@@ -262,6 +278,9 @@ def test_powersgd_on_several_local_replicas_buckets_by_bytes_per_pack_as_the_ove
         assert run["buckets"] == layout * 12, (path, run["buckets"][:4])  # every step, the same two buckets
         assert run["steps"] == {"0": 12, "1": 12}, path  # PowerSGD's state: one reduction a step per index
         assert run["loss"] < 0.85 * run["start_loss"], (path, run)  # it trains
-    diff = max(abs(a - b) for pa, pb in zip(results["bucketed"]["params"], results["replicas"]["params"])
-               for a, b in zip(pa, pb))
+    diff = max(
+        abs(a - b)
+        for pa, pb in zip(results["bucketed"]["params"], results["replicas"]["params"])
+        for a, b in zip(pa, pb)
+    )
     assert diff < 1e-4, diff  # the same compression of the same buckets on both paths

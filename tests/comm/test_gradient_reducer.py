@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from distrib.comm import BucketedGradientReducer, GradBucket, reduce_gradients
-from distrib.comm.gradient_reducer import bucket_layout
 from distrib.comm.communicator import completed_future
+from distrib.comm.gradient_reducer import bucket_layout
 
 
 class TwinWorkers:
@@ -142,6 +142,7 @@ def test_both_paths_hand_the_hook_the_same_buckets_under_the_same_index(bucket_b
         def hook(communicator: Any, bucket: GradBucket) -> Any:
             seen.append((bucket.index, [names[id(p)] for p in bucket.parameters], bucket.buffer.numel()))
             return completed_future(bucket.buffer)
+
         return hook
 
     overlapped: list = []
@@ -153,8 +154,11 @@ def test_both_paths_hand_the_hook_the_same_buckets_under_the_same_index(bucket_b
     params = list(model.parameters())
     reduce_gradients(TwinWorkers(), [p.grad for p in params], bucket_bytes, recorder(complete), parameters=params)
     assert complete == overlapped
-    expected = {64: [["2.bias", "2.weight"], ["0.bias", "0.weight"]], 100: [["2.bias", "2.weight", "0.bias"],
-                ["0.weight"]], 1 << 20: [["2.bias", "2.weight", "0.bias", "0.weight"]]}[bucket_bytes]
+    expected = {
+        64: [["2.bias", "2.weight"], ["0.bias", "0.weight"]],
+        100: [["2.bias", "2.weight", "0.bias"], ["0.weight"]],
+        1 << 20: [["2.bias", "2.weight", "0.bias", "0.weight"]],
+    }[bucket_bytes]
     assert [members for _, members, _ in complete] == expected
 
 

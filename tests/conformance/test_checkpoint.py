@@ -24,6 +24,7 @@ def exists(path: str) -> bool:
     """TF's ``checkpoint_management.checkpoint_exists`` for distrib's one-file checkpoints."""
     return os.path.isfile(path + ".pt")
 
+
 class Mirroring:
     """TF's ``_OwnsMirroredVariables``: one saved value restored into two variables."""
 
@@ -246,8 +247,10 @@ def test_initialize_with_data_structures(tmp_path):
 
     def make(a0, a1, ba, bb):
         p = torch.nn.Parameter
-        return Checkpoint(a=torch.nn.ParameterList([p(torch.tensor(a0)), p(torch.tensor(a1))]),
-                          b=torch.nn.ParameterDict({"a": p(torch.tensor(ba)), "b": p(torch.tensor(bb))}))
+        return Checkpoint(
+            a=torch.nn.ParameterList([p(torch.tensor(a0)), p(torch.tensor(a1))]),
+            b=torch.nn.ParameterDict({"a": p(torch.tensor(ba)), "b": p(torch.tensor(bb))}),
+        )
 
     save_path = make(0.0, 1.0, 2.0, 3.0).save(str(tmp_path / "ckpt"))
     load_checkpoint = make(4.0, 5.0, 6.0, 7.0)
@@ -313,8 +316,10 @@ def test_keys_and_metadata(tmp_path):
     root, child = MultiTensor(1, 2), MultiTensor(3, 4)
     save_path = Checkpoint(root=root, child=child).save(str(tmp_path / "ckpt"))
     objects = torch.load(save_path + ".pt", weights_only=True)["objects"]
-    assert {k: {n: int(t) for n, t in v.items()} for k, v in objects.items()} == \
-        {"root": {"v1": 1, "v2": 2}, "child": {"v1": 3, "v2": 4}}
+    assert {k: {n: int(t) for n, t in v.items()} for k, v in objects.items()} == {
+        "root": {"v1": 1, "v2": 2},
+        "child": {"v1": 3, "v2": 4},
+    }
     for t in (root.v1, root.v2, child.v1, child.v2):
         t.zero_()
     Checkpoint(root=root, child=child).restore(save_path).assert_consumed().run_restore_ops()

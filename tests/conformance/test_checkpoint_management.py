@@ -25,6 +25,7 @@ def exists(path: str) -> bool:
     """TF's ``checkpoint_management.checkpoint_exists`` for distrib's one-file checkpoints."""
     return os.path.isfile(path + ".pt")
 
+
 def test_relative_path(tmp_path, monkeypatch):
     """checkpoint_management_test.py LatestCheckpointWithRelativePaths.testRelativePath."""
     monkeypatch.chdir(tmp_path)
@@ -248,8 +249,9 @@ def test_manager_restore_or_initialize(tmp_path):
     init_path = Checkpoint(v=torch.tensor(2.0)).save(str(tmp_path / "init"))
     v = torch.tensor(1.0)
     checkpoint = Checkpoint(v=v)
-    manager = CheckpointManager(checkpoint, tmp_path / "ckpt", max_to_keep=None,
-                                init_fn=lambda: checkpoint.restore(init_path).run_restore_ops())
+    manager = CheckpointManager(
+        checkpoint, tmp_path / "ckpt", max_to_keep=None, init_fn=lambda: checkpoint.restore(init_path).run_restore_ops()
+    )
     assert manager.restore_or_initialize() is None
     assert float(v) == 2.0
     manager.save()
@@ -259,8 +261,7 @@ def test_manager_restore_or_initialize(tmp_path):
 def test_manager_fspath_directory(tmp_path):
     """checkpoint_management_test.py CheckpointManagerTest.testCheckpointManagerFSpathDirectory."""
     directory = pathlib.Path(tmp_path)
-    manager = CheckpointManager(Checkpoint(v=torch.tensor(0.0)), directory, max_to_keep=2,
-                                checkpoint_name="ckpt_name")
+    manager = CheckpointManager(Checkpoint(v=torch.tensor(0.0)), directory, max_to_keep=2, checkpoint_name="ckpt_name")
     assert manager.save() == str(directory / "ckpt_name-1")
     assert manager.restore_or_initialize() == str(directory / "ckpt_name-1")
 
@@ -275,8 +276,9 @@ def test_latest_checkpoint_fspath_directory(tmp_path):
 def test_manager_checkpoint_interval(tmp_path):
     """checkpoint_management_test.py CheckpointManagerTest.testCheckpointInterval."""
     step_counter = torch.tensor(0)
-    manager = CheckpointManager(Checkpoint(v=torch.tensor(1.0)), tmp_path, max_to_keep=None,
-                                step_counter=step_counter, checkpoint_interval=2)
+    manager = CheckpointManager(
+        Checkpoint(v=torch.tensor(1.0)), tmp_path, max_to_keep=None, step_counter=step_counter, checkpoint_interval=2
+    )
     path = manager.save(check_interval=True)
     assert exists(path)
     step_counter.add_(1)
@@ -294,8 +296,14 @@ def test_manager_checkpoint_interval(tmp_path):
 def test_manager_checkpoint_interval_with_last_checkpoint_step(tmp_path):
     """checkpoint_management_test.py CheckpointManagerTest.testCheckpointIntervalWithLastCheckpointStep."""
     step_counter = torch.tensor(1)
-    manager = CheckpointManager(Checkpoint(v=torch.tensor(1.0)), tmp_path, max_to_keep=None,
-                                step_counter=step_counter, checkpoint_interval=2, last_checkpoint_step=1)
+    manager = CheckpointManager(
+        Checkpoint(v=torch.tensor(1.0)),
+        tmp_path,
+        max_to_keep=None,
+        step_counter=step_counter,
+        checkpoint_interval=2,
+        last_checkpoint_step=1,
+    )
     assert manager.save(check_interval=True) is None
     step_counter.add_(1)
     assert manager.save(check_interval=True) is None
@@ -308,7 +316,8 @@ def test_manager_checkpoint_interval_with_restore(tmp_path):
     step_counter = torch.tensor(0)
     checkpoint = Checkpoint(v=torch.tensor(1.0))
     checkpoint.save(str(tmp_path / "ckpt"))
-    manager = CheckpointManager(checkpoint, tmp_path, max_to_keep=None, step_counter=step_counter,
-                                checkpoint_interval=2)
+    manager = CheckpointManager(
+        checkpoint, tmp_path, max_to_keep=None, step_counter=step_counter, checkpoint_interval=2
+    )
     assert manager.restore_or_initialize() is not None
     assert manager.save() is None

@@ -11,6 +11,7 @@ import torch
 import distrib as ds
 from distrib.checkpoint import Checkpoint, checkpoints_iterator
 
+
 def test_iterator_returns_empty_if_no_checkpoints_found(tmp_path):
     """checkpoint_utils_test.py CheckpointIteratorTest.testReturnsEmptyIfNoCheckpointsFound."""
     assert list(checkpoints_iterator(tmp_path / "no_checkpoints_found", timeout=0)) == []
@@ -35,8 +36,10 @@ def test_iterator_timeout_fn():
     assert calls[0] == 4
 
 
-@pytest.mark.skipif(not hasattr(ds, "checkpoints_iterator"), reason="ds.checkpoints_iterator is exported by "
-                    "distrib/__init__.py (the lead's file)")
+@pytest.mark.skipif(
+    not hasattr(ds, "checkpoints_iterator"),
+    reason="ds.checkpoints_iterator is exported by distrib/__init__.py (the lead's file)",
+)
 def test_the_iterator_is_a_public_name():
     """TF's ``tf.train.checkpoints_iterator`` is ``ds.checkpoints_iterator``."""
     assert ds.checkpoints_iterator is checkpoints_iterator

@@ -26,12 +26,12 @@ import cloudpickle
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import in_process_coordinator
 from torch import nn
 
 import distrib as ds
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
 from distrib.parameter_server.errors import ClosureCancelledError
-from helpers import in_process_coordinator
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
 
@@ -78,10 +78,11 @@ def test_worker_index_dataset_fn(coordinator):
     strategy = coordinator.strategy
 
     def dataset_fn(context):
-        return iter(range(10)[context.input_pipeline_id::context.num_input_pipelines])  # shard by worker index
+        return iter(range(10)[context.input_pipeline_id :: context.num_input_pipelines])  # shard by worker index
 
     per_worker_dataset = coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(dataset_fn))
+        lambda: strategy.distribute_datasets_from_function(dataset_fn)
+    )
 
     def train_fn(iterator):
         return strategy.cluster_resolver.task_id, sum(iterator)
@@ -176,6 +177,7 @@ def test_input_function_creating_a_module_runs_on_the_worker(coordinator):
 
     Difference: TF refuses (ValueError) a dataset function that creates variables; a module built in a dataset
     function on a worker is an ordinary local module there (nothing is placed on the ps tasks), so it works."""
+
     def input_fn():
         layer = nn.Linear(1, 1)
         return iter([layer.weight.shape[0]])
@@ -220,7 +222,9 @@ def test_plain_functions_remote_values_and_captured_data_are_accepted(coordinato
     assert coordinator.schedule(lambda x: x + 1.0, args=(remote_v,)).fetch() == 2.0
     assert torch.equal(coordinator.schedule(torch.clone, args=(torch.tensor(1),)).fetch(), torch.tensor(1))
     dataset = list(range(1, 10))
-    per_worker_dataset = coordinator.create_per_worker_dataset(lambda: iter(sorted(dataset, key=lambda _: torch.rand(1))))
+    per_worker_dataset = coordinator.create_per_worker_dataset(
+        lambda: iter(sorted(dataset, key=lambda _: torch.rand(1)))
+    )
     assert coordinator.schedule(next, args=(iter(per_worker_dataset),)).fetch() in dataset
 
 
@@ -312,8 +316,11 @@ def _functions(coordinator):
     return normal_function, error_function, long_function
 
 
-@pytest.mark.parametrize("how", ["join", "schedule", "schedule_errors"],
-                         ids=["testJoinRaiseError", "testScheduleRaiseError", "testScheduleRaiseErrorWithMultipleFailure"])
+@pytest.mark.parametrize(
+    "how",
+    ["join", "schedule", "schedule_errors"],
+    ids=["testJoinRaiseError", "testScheduleRaiseError", "testScheduleRaiseErrorWithMultipleFailure"],
+)
 def test_join_or_schedule_raise_error(error_coordinator, how):
     """TF: cluster_coordinator_test.py, ErrorReportingTest.testJoinRaiseError, testScheduleRaiseError and
     testScheduleRaiseErrorWithMultipleFailure."""
@@ -551,6 +558,7 @@ def test_distribute_datasets_from_function(one_worker):
         def input_worker_device_fn(input_context):
             assert input_context is not None
             return torch.arange(1, 11).split(1)
+
         return strategy.distribute_datasets_from_function(input_worker_device_fn)
 
     def worker_fn(iterator):

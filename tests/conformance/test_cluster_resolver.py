@@ -70,8 +70,14 @@ def test_single_cluster_resolver():
 
 def test_init_simple_cluster_resolver():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testInitSimpleClusterResolver."""
-    resolver = SimpleClusterResolver(ClusterSpec(PS_WORKER), task_type="ps", task_id=1, environment="cloud",
-                                     num_accelerators={"GPU": 8}, rpc_layer="grpc")
+    resolver = SimpleClusterResolver(
+        ClusterSpec(PS_WORKER),
+        task_type="ps",
+        task_id=1,
+        environment="cloud",
+        num_accelerators={"GPU": 8},
+        rpc_layer="grpc",
+    )
     assert (resolver.task_type, resolver.task_id, resolver.environment) == ("ps", 1, "cloud")
     assert resolver.num_accelerators() == {"GPU": 8}
     assert resolver.rpc_layer == "grpc"
@@ -79,8 +85,14 @@ def test_init_simple_cluster_resolver():
 
 def test_override_simple_cluster_resolver():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testOverrideSimpleClusterResolver."""
-    resolver = SimpleClusterResolver(ClusterSpec(PS_WORKER), task_type="ps", task_id=1, environment="cloud",
-                                     num_accelerators={"GPU": 8}, rpc_layer="grpc")
+    resolver = SimpleClusterResolver(
+        ClusterSpec(PS_WORKER),
+        task_type="ps",
+        task_id=1,
+        environment="cloud",
+        num_accelerators={"GPU": 8},
+        rpc_layer="grpc",
+    )
     resolver.task_type = "worker"
     resolver.task_id = 2
     resolver.rpc_layer = "http"
@@ -104,11 +116,22 @@ def test_simple_override_master():
 
 def test_union_cluster_resolver_get_properties():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testUnionClusterResolverGetProperties."""
-    resolver1 = SimpleClusterResolver(ClusterSpec(PS_WORKER), task_type="ps", task_id=1, environment="cloud",
-                                      num_accelerators={"GPU": 8}, rpc_layer="grpc")
+    resolver1 = SimpleClusterResolver(
+        ClusterSpec(PS_WORKER),
+        task_type="ps",
+        task_id=1,
+        environment="cloud",
+        num_accelerators={"GPU": 8},
+        rpc_layer="grpc",
+    )
     resolver2 = SimpleClusterResolver(
         ClusterSpec({"ps": ["ps2:2222", "ps3:2222"], "worker": ["worker3:2222", "worker4:2222", "worker5:2222"]}),
-        task_type="worker", task_id=2, environment="local", num_accelerators={"GPU": 16}, rpc_layer="http")
+        task_type="worker",
+        task_id=2,
+        environment="local",
+        num_accelerators={"GPU": 16},
+        rpc_layer="http",
+    )
     union_resolver = UnionClusterResolver(resolver1, resolver2)
     assert (union_resolver.task_type, union_resolver.task_id, union_resolver.environment) == ("ps", 1, "cloud")
     assert union_resolver.num_accelerators() == {"GPU": 8}
@@ -122,15 +145,19 @@ def test_union_cluster_resolver_get_properties():
 
 def test_two_non_overlapping_job_merged_cluster_resolver():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testTwoNonOverlappingJobMergedClusterResolver."""
-    union_cluster = UnionClusterResolver(SimpleClusterResolver(ClusterSpec({"ps": PS_WORKER["ps"]})),
-                                         SimpleClusterResolver(ClusterSpec({"worker": PS_WORKER["worker"]})))
+    union_cluster = UnionClusterResolver(
+        SimpleClusterResolver(ClusterSpec({"ps": PS_WORKER["ps"]})),
+        SimpleClusterResolver(ClusterSpec({"worker": PS_WORKER["worker"]})),
+    )
     assert_cluster_spec(union_cluster.cluster_spec(), PS_WORKER)
 
 
 def test_merged_cluster_resolver_master():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testMergedClusterResolverMaster."""
-    union_cluster = UnionClusterResolver(SimpleClusterResolver(ClusterSpec({"ps": PS_WORKER["ps"]})),
-                                         SimpleClusterResolver(ClusterSpec({"worker": PS_WORKER["worker"]})))
+    union_cluster = UnionClusterResolver(
+        SimpleClusterResolver(ClusterSpec({"ps": PS_WORKER["ps"]})),
+        SimpleClusterResolver(ClusterSpec({"worker": PS_WORKER["worker"]})),
+    )
     assert union_cluster.master() == ""
     assert union_cluster.master("worker", 1) == "worker1:2222"
     assert union_cluster.master("worker", 1, rpc_layer="grpc") == "grpc://worker1:2222"
@@ -140,16 +167,20 @@ def test_overlapping_job_merged_cluster_resolver():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testOverlappingJobMergedClusterResolver."""
     union_cluster = UnionClusterResolver(
         SimpleClusterResolver(ClusterSpec({"worker": ["worker4:2222", "worker5:2222"]})),
-        SimpleClusterResolver(ClusterSpec({"worker": ["worker0:2222", "worker1:2222", "worker2:2222"]})))
-    assert_cluster_spec(union_cluster.cluster_spec(), {
-        "worker": ["worker4:2222", "worker5:2222", "worker0:2222", "worker1:2222", "worker2:2222"]})
+        SimpleClusterResolver(ClusterSpec({"worker": ["worker0:2222", "worker1:2222", "worker2:2222"]})),
+    )
+    assert_cluster_spec(
+        union_cluster.cluster_spec(),
+        {"worker": ["worker4:2222", "worker5:2222", "worker0:2222", "worker1:2222", "worker2:2222"]},
+    )
 
 
 def test_overlapping_sparse_job_merged_cluster_resolver_throw_error():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testOverlappingSparseJobMergedClusterResolverThrowError."""
     union_cluster = UnionClusterResolver(
         SimpleClusterResolver(ClusterSpec({"worker": {7: "worker4:2222", 9: "worker5:2222"}})),
-        SimpleClusterResolver(ClusterSpec({"worker": {3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}})))
+        SimpleClusterResolver(ClusterSpec({"worker": {3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}})),
+    )
     with pytest.raises(KeyError, match=r"'worker' task index\(es\) \[7\]"):
         union_cluster.cluster_spec()
 
@@ -158,7 +189,8 @@ def test_overlapping_dict_and_list_throw_error():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testOverlappingDictAndListThrowError."""
     union_cluster = UnionClusterResolver(
         SimpleClusterResolver(ClusterSpec({"worker": ["worker4:2222", "worker5:2222"]})),
-        SimpleClusterResolver(ClusterSpec({"worker": {1: "worker0:2222", 2: "worker1:2222", 3: "worker2:2222"}})))
+        SimpleClusterResolver(ClusterSpec({"worker": {1: "worker0:2222", 2: "worker1:2222", 3: "worker2:2222"}})),
+    )
     with pytest.raises(KeyError):
         union_cluster.cluster_spec()
 
@@ -167,18 +199,24 @@ def test_overlapping_job_non_overlapping_key():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testOverlappingJobNonOverlappingKey."""
     union_cluster = UnionClusterResolver(
         SimpleClusterResolver(ClusterSpec({"worker": {5: "worker4:2222", 9: "worker5:2222"}})),
-        SimpleClusterResolver(ClusterSpec({"worker": {3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}})))
-    assert_cluster_spec(union_cluster.cluster_spec(), {"worker": {
-        3: "worker0:2222", 5: "worker4:2222", 6: "worker1:2222", 7: "worker2:2222", 9: "worker5:2222"}})
+        SimpleClusterResolver(ClusterSpec({"worker": {3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}})),
+    )
+    assert_cluster_spec(
+        union_cluster.cluster_spec(),
+        {"worker": {3: "worker0:2222", 5: "worker4:2222", 6: "worker1:2222", 7: "worker2:2222", 9: "worker5:2222"}},
+    )
 
 
 def test_mixed_mode_non_overlapping_key():
     """TF: cluster_resolver_test.py, UnionClusterResolverTest.testMixedModeNonOverlappingKey."""
     union_cluster = UnionClusterResolver(
         SimpleClusterResolver(ClusterSpec({"worker": ["worker4:2222", "worker5:2222"]})),
-        SimpleClusterResolver(ClusterSpec({"worker": {3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}})))
-    assert_cluster_spec(union_cluster.cluster_spec(), {"worker": {
-        0: "worker4:2222", 1: "worker5:2222", 3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}})
+        SimpleClusterResolver(ClusterSpec({"worker": {3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}})),
+    )
+    assert_cluster_spec(
+        union_cluster.cluster_spec(),
+        {"worker": {0: "worker4:2222", 1: "worker5:2222", 3: "worker0:2222", 6: "worker1:2222", 7: "worker2:2222"}},
+    )
 
 
 def test_retain_sparse_job_with_no_merging():

@@ -21,7 +21,8 @@ Not ported, and why:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -47,12 +48,13 @@ def multidevice() -> ds.Strategy:
     return ds.MirroredStrategy(["cpu:0", "cpu:1"])
 
 
-def batched(values: Iterable[Any], batch_size: int, drop_remainder: bool = False,
-            dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def batched(
+    values: Iterable[Any], batch_size: int, drop_remainder: bool = False, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """``Dataset.from_tensor_slices(values).batch(batch_size, drop_remainder)`` as a list of tensors."""
     data = torch.as_tensor(values, dtype=dtype) if not isinstance(values, torch.Tensor) else values
     end = len(data) - len(data) % batch_size if drop_remainder else len(data)
-    return [data[i:min(i + batch_size, end)] for i in range(0, end, batch_size)]
+    return [data[i : min(i + batch_size, end)] for i in range(0, end, batch_size)]
 
 
 def assert_equal_flattened(expected_results: list[list[float]], actual_results: list[tuple[Any, ...]]) -> None:
@@ -67,6 +69,7 @@ def assert_equal_flattened(expected_results: list[list[float]], actual_results: 
 
 def test_constant_numpy_input(distribution):
     """TF: custom_training_loop_input_test.py, InputIterationTest.testConstantNumpyInput."""
+
     def computation(x):
         return torch.square(torch.as_tensor(x))
 
@@ -74,11 +77,17 @@ def test_constant_numpy_input(distribution):
     assert [float(o) for o in outputs] == [4.0] * distribution.num_replicas_in_sync
 
 
-@pytest.mark.parametrize("tf_name, iteration", [
-    ("testFullEager", "for"), ("testStepInFunction", "for"), ("testRunInFunction", "for"),
-    ("testRunInFunctionAutoGraphApplication", "for"), ("testIterationInsideFunction", "next"),
-    ("testIterationOutsideFunction", "next"),
-])
+@pytest.mark.parametrize(
+    "tf_name, iteration",
+    [
+        ("testFullEager", "for"),
+        ("testStepInFunction", "for"),
+        ("testRunInFunction", "for"),
+        ("testRunInFunctionAutoGraphApplication", "for"),
+        ("testIterationInsideFunction", "next"),
+        ("testIterationOutsideFunction", "next"),
+    ],
+)
 def test_iteration(distribution, tf_name, iteration):
     """TF: custom_training_loop_input_test.py, InputIterationTest.<tf_name> (testFullEager, testStepInFunction,
     testRunInFunction, testRunInFunctionAutoGraphApplication: a ``for`` loop over the distributed dataset;
@@ -96,8 +105,9 @@ def test_iteration(distribution, tf_name, iteration):
     else:
         iterator = iter(dist_dataset)
         for _ in range(2):  # 4 elements, global batch of 2
-            results.append(distribution.experimental_local_results(
-                distribution.run(train_step, args=(next(iterator),))))
+            results.append(
+                distribution.experimental_local_results(distribution.run(train_step, args=(next(iterator),)))
+            )
     assert_equal_flattened([[25.0, 36.0], [49.0, 64.0]], results)
 
 
@@ -110,7 +120,8 @@ def test_get_next_as_optional(distribution):
         return torch.square(data)
 
     result = distribution.experimental_local_results(
-        distribution.run(train_step, args=(iterator.get_next_as_optional().get_value(),)))
+        distribution.run(train_step, args=(iterator.get_next_as_optional().get_value(),))
+    )
     assert_equal_flattened([[25.0, 36.0]], [result])
 
 
@@ -172,6 +183,7 @@ def test_dataset_assert_with_dynamic_batch(distribution):
 
     The step asserts on its (possibly empty) part of a short last batch.
     """
+
     def step_fn(data):
         assert bool((data <= 100.0).all()), data  # TF: Assert(reduce_max(data) <= 100)
         return torch.square(data)
@@ -189,7 +201,7 @@ def test_distribute_dataset_iterator_without_function(distribution):
     data = [5.0, 6.0, 7.0, 8.0]
     input_iterator = iter(distribution.distribute_datasets_from_function(lambda _: [torch.tensor(v) for v in data]))
     local = distribution.experimental_local_results(input_iterator.get_next())
-    assert [float(v) for v in local] == data[0:distribution.num_replicas_in_sync]
+    assert [float(v) for v in local] == data[0 : distribution.num_replicas_in_sync]
 
 
 def _device_types(values: Iterable[torch.Tensor]) -> list[str]:
@@ -206,12 +218,14 @@ def test_distribute_dataset_iterator_with_function(multidevice):
     data = [5.0, 6.0, 7.0, 8.0]
     input_iterator = iter(distribution.distribute_datasets_from_function(lambda _: [torch.tensor(v) for v in data]))
     local_results = distribution.experimental_local_results(input_iterator.get_next())
-    assert [float(v) for v in local_results] == data[0:distribution.num_replicas_in_sync]
+    assert [float(v) for v in local_results] == data[0 : distribution.num_replicas_in_sync]
     assert _device_types(local_results) == [torch.device(d).type for d in distribution.extended.worker_devices]
 
 
-@pytest.mark.parametrize("api, tf_name", [("dataset", "testDistributeDatasetPrefetch"),
-                                          ("function", "testDistributeDatasetFunctionPrefetch")])
+@pytest.mark.parametrize(
+    "api, tf_name",
+    [("dataset", "testDistributeDatasetPrefetch"), ("function", "testDistributeDatasetFunctionPrefetch")],
+)
 def test_distribute_dataset_prefetch(multidevice, api, tf_name):
     """TF: custom_training_loop_input_test.py, InputIterationTest.testDistributeDatasetPrefetch /
     testDistributeDatasetFunctionPrefetch: every replica's element is on that replica's device."""
@@ -347,11 +361,14 @@ def test_map_fn_with_dynamic_inputs(multidevice):
     assert tuple(outputs[1].shape) == (4, 300, 32, 128)
 
 
-@pytest.mark.parametrize("batch_size, drop_remainder, expected, tf_name", [
-    (2, True, [5.0, 6.0], "testDatasetDistributeEvenlyDivisibleDrop"),
-    (1, True, [5.0], "testDatasetDistributeNotDivisibleDrop"),
-    (2, False, [5.0, 6.0], "testDatasetDistributeEvenlyDivisibleNoDrop"),
-])
+@pytest.mark.parametrize(
+    "batch_size, drop_remainder, expected, tf_name",
+    [
+        (2, True, [5.0, 6.0], "testDatasetDistributeEvenlyDivisibleDrop"),
+        (1, True, [5.0], "testDatasetDistributeNotDivisibleDrop"),
+        (2, False, [5.0, 6.0], "testDatasetDistributeEvenlyDivisibleNoDrop"),
+    ],
+)
 def test_dataset_distribute(distribution, batch_size, drop_remainder, expected, tf_name):
     """TF: custom_training_loop_input_test.py, InputIterationTest.testDatasetDistributeEvenlyDivisibleDrop /
     testDatasetDistributeNotDivisibleDrop / testDatasetDistributeEvenlyDivisibleNoDrop: the first element's parts,

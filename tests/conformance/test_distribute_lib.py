@@ -23,7 +23,7 @@ Not ported, and why:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -67,6 +67,7 @@ def run_in_and_out_of_scope(check: Callable[[ds.Strategy], None]) -> None:
 
 
 # --------------------------------------------------------------------------- TestStrategyTest
+
 
 def test_call_for_each_replica():
     """TF: distribute_lib_test.py, TestStrategyTest.testCallForEachReplica."""
@@ -128,6 +129,7 @@ def test_same_scope_nesting():
 
 def test_reduce():
     """TF: distribute_lib_test.py, TestStrategyTest.testReduce (in and out of scope, and under another strategy's scope)."""
+
     def check(dist):
         x = torch.tensor(1.0)
         assert dist.reduce(ds.ReduceOp.MEAN, x, axis=None) == x
@@ -148,6 +150,7 @@ def test_reductions_accept_string_ops():
 
 def test_reduce_to():
     """TF: distribute_lib_test.py, TestStrategyTest.testReduceTo."""
+
     def check(dist):
         x = torch.tensor(1.0)
         assert dist.extended.reduce_to(ds.ReduceOp.MEAN, x, "/CPU:0") == x
@@ -157,6 +160,7 @@ def test_reduce_to():
 
 def test_batch_reduce_to():
     """TF: distribute_lib_test.py, TestStrategyTest.testBatchReduceTo."""
+
     def check(dist):
         x, y = torch.tensor(1.0), torch.tensor(1.0)
         x_r, y_r = dist.extended.batch_reduce_to(ds.ReduceOp.MEAN, ((x, "/CPU:0"), (y, "/CPU:0")))
@@ -172,6 +176,7 @@ def test_cluster_resolver_default_not_implemented():
 
 
 # --------------------------------------------------------------------------- DefaultDistributionStrategyTest
+
 
 def test_merge_call():
     """TF: distribute_lib_test.py, DefaultDistributionStrategyTest.testMergeCall."""
@@ -261,6 +266,7 @@ def test_distributed_datasets_from_function():
 
 
 # --------------------------------------------------------------------------- InputContextTest
+
 
 def test_input_context_properties():
     """TF: distribute_lib_test.py, InputContextTest.testProperties."""

@@ -30,14 +30,15 @@ Not ported, and why:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from conformance.workers import run_worker_checks
 
 import distrib as ds
-from conformance.workers import on_workers, run_worker_checks
 
 SCRIPT = Path(__file__).parent / "scripts" / "input_lib_workers.py"
 ONE_REPLICA: dict[str, Callable[[], ds.Strategy]] = {
@@ -111,6 +112,7 @@ def check_input_iteration(strategy: ds.Strategy, dist: Any, iteration_type: str,
 
 # --------------------------------------------------------------------------- DistributedIteratorSingleWorkerTest
 
+
 @pytest.mark.parametrize("iteration_type", ["get_next", "for_loop"])
 @pytest.mark.parametrize("input_type", ["input_fn", "dataset"])
 def test_one_device_cpu(one, input_type, iteration_type):
@@ -151,12 +153,13 @@ def test_two_devices_unbatched_dataset_is_refused(two):
 def test_tuple_dataset(two, input_type, iteration_type):
     """TF: input_lib_test.py, DistributedIteratorSingleWorkerTest.testTupleDataset."""
     if input_type == "input_fn":
-        dist = two.distribute_datasets_from_function(lambda _: [(torch.tensor(i), torch.tensor(i ** 2))
-                                                                for i in range(10)])
-        expected_values = [[(i, i ** 2), (i + 1, (i + 1) ** 2)] for i in range(0, 10, 2)]
+        dist = two.distribute_datasets_from_function(
+            lambda _: [(torch.tensor(i), torch.tensor(i**2)) for i in range(10)]
+        )
+        expected_values = [[(i, i**2), (i + 1, (i + 1) ** 2)] for i in range(0, 10, 2)]
     else:
-        dist = two.experimental_distribute_dataset([(b, b ** 2) for b in range_batch(10, 2)])
-        expected_values = [[([i], [i ** 2]), ([i + 1], [(i + 1) ** 2])] for i in range(0, 10, 2)]
+        dist = two.experimental_distribute_dataset([(b, b**2) for b in range_batch(10, 2)])
+        expected_values = [[([i], [i**2]), ([i + 1], [(i + 1) ** 2])] for i in range(0, 10, 2)]
     check_input_iteration(two, dist, iteration_type, expected_values)
 
 
@@ -203,19 +206,21 @@ def test_batch_splitting(two, iteration_type, split_batch_by):
     else:
         dist = two.distribute_datasets_from_function(lambda _: range_batch(100, batch_size))
     updated_batch_size = batch_size // split_batch_by if split_batch_by else batch_size
-    expected_values = [[list(range(i, i + updated_batch_size)),
-                        list(range(i + updated_batch_size, i + 2 * updated_batch_size))]
-                       for i in range(0, 100, updated_batch_size * 2)]
+    expected_values = [
+        [list(range(i, i + updated_batch_size)), list(range(i + updated_batch_size, i + 2 * updated_batch_size))]
+        for i in range(0, 100, updated_batch_size * 2)
+    ]
     check_input_iteration(two, dist, iteration_type, expected_values)
 
 
 # --------------------------------------------------------------------------- DistributedIteratorTensorTypeTest
 
+
 def _dense_rows() -> torch.Tensor:
     """The ``dense`` feature of TF's testRaggedSparse: row i holds ``i`` repeated ``i % 4`` times, padded to 3."""
     rows = torch.zeros(20, 3)
     for i in range(20):
-        rows[i, :i % 4] = float(i)
+        rows[i, : i % 4] = float(i)
     return rows
 
 
@@ -233,9 +238,9 @@ def test_ragged_sparse_dense_part(two, input_type, drop_remainder):
 
     def dataset_fn(ctx: ds.InputContext) -> list[dict[str, torch.Tensor]]:
         batch_size = ctx.get_per_replica_batch_size(global_batch_size)
-        rows = _dense_rows()[ctx.input_pipeline_id::ctx.num_input_pipelines]
+        rows = _dense_rows()[ctx.input_pipeline_id :: ctx.num_input_pipelines]
         end = len(rows) - len(rows) % batch_size if drop_remainder else len(rows)
-        return [{"dense": rows[i:min(i + batch_size, end)]} for i in range(0, end, batch_size)]
+        return [{"dense": rows[i : min(i + batch_size, end)]} for i in range(0, end, batch_size)]
 
     if input_type == "dataset":
         dataset = two.experimental_distribute_dataset(dataset_fn(ds.InputContext()))
@@ -247,8 +252,10 @@ def test_ragged_sparse_dense_part(two, input_type, drop_remainder):
     assert local[1].tolist() == [[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [6.0, 6.0, 0.0], [7.0, 7.0, 7.0]]
 
     def sum_batch(per_replica_features: dict[str, Any]) -> dict[str, float]:
-        return {name: float(two.reduce(ds.ReduceOp.SUM, two.run(torch.sum, (value,)), axis=None))
-                for name, value in per_replica_features.items()}
+        return {
+            name: float(two.reduce(ds.ReduceOp.SUM, two.run(torch.sum, (value,)), axis=None))
+            for name, value in per_replica_features.items()
+        }
 
     def sum_while_loop(iterator: Any) -> float:
         total = 0.0
@@ -267,6 +274,7 @@ def test_ragged_sparse_dense_part(two, input_type, drop_remainder):
 
 
 # --------------------------------------------------------------------------- DistributedIteratorMultiWorkerTest
+
 
 def _side_by_side(workers: dict[tuple[str, str], Any], name: str) -> dict[str, Any]:
     """Each iteration mode's steps, with the chief's replicas then the worker's (TF's device order)."""
@@ -317,7 +325,7 @@ def test_two_devices_per_worker(workers, input_type):
 def test_tuple_dataset_multi_worker(workers, input_type):
     """TF: input_lib_test.py, DistributedIteratorMultiWorkerTest.testTupleDataset."""
     if input_type == "input_fn":
-        expected_values = [[(i, i ** 2), (i, i ** 2)] for i in range(4)]
+        expected_values = [[(i, i**2), (i, i**2)] for i in range(4)]
     else:
         expected_values = [[([0], [0]), ([1], [1])], [([2], [4]), ([3], [9])]]
     _assert_multi_worker(workers, f"tuple_dataset_{input_type}", expected_values)
@@ -346,10 +354,14 @@ def test_different_datasets(workers):
 
 # --------------------------------------------------------------------------- InputTypeSpecTest
 
+
 def _conforms(value: torch.Tensor, spec: Any) -> bool:
     """A tensor matches a ``ds.input.TensorSpec`` (``None`` matches any size), as a ``tf.function`` signature."""
-    return (value.dtype == spec.dtype and len(value.shape) == len(spec.shape)
-            and all(s is None or s == d for s, d in zip(spec.shape, value.shape)))
+    return (
+        value.dtype == spec.dtype
+        and len(value.shape) == len(spec.shape)
+        and all(s is None or s == d for s, d in zip(spec.shape, value.shape))
+    )
 
 
 @pytest.mark.filterwarnings("ignore:strategy.experimental_distribute_datasets_from_function:DeprecationWarning")
@@ -364,7 +376,7 @@ def test_input_signature_for_per_replica_values(any_strategy, input_type):
 
     def dataset_fn(_: Any) -> list[torch.Tensor]:
         data = torch.ones(10, 12, dtype=torch.float32)
-        return [data[i:i + 4] for i in range(0, 10, 4)]
+        return [data[i : i + 4] for i in range(0, 10, 4)]
 
     if input_type == "dataset":
         dist = strategy.experimental_distribute_dataset(dataset_fn(ds.InputContext()))
@@ -388,7 +400,7 @@ def test_input_signature_for_nested_per_replica_values(any_strategy):
     strategy = any_strategy
     a = torch.ones(10, 2, dtype=torch.float64) * 5
     b = torch.ones(10, 3, dtype=torch.float64) * 6
-    dist_dataset = strategy.experimental_distribute_dataset([(a[i:i + 2], b[i:i + 2]) for i in range(0, 10, 2)])
+    dist_dataset = strategy.experimental_distribute_dataset([(a[i : i + 2], b[i : i + 2]) for i in range(0, 10, 2)])
     spec = dist_dataset.element_spec
     assert isinstance(spec, tuple) and len(spec) == 2
     assert spec[0].shape == (None, 2) and spec[1].shape == (None, 3)

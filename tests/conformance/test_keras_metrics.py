@@ -34,6 +34,7 @@ def close(value: torch.Tensor, expected: float, places: int = 2) -> None:
 
 # ------------------------------------------------------------------ KerasSumTest
 
+
 def test_sum():
     """KerasSumTest.test_sum"""
     m = M.Sum(name="my_sum")
@@ -51,12 +52,12 @@ def test_sum_with_sample_weight():
     """KerasSumTest.test_sum_with_sample_weight"""
     m = M.Sum(dtype=torch.float64)
     assert m.dtype == torch.float64
-    assert float(m(100, sample_weight=0.5)) == 50 and float(m.total) == 50       # scalar weight
-    close(m([1, 5], sample_weight=[1, 0.2]), 52.0, 4)                            # weights of the values' rank
-    close(m([1, 2], sample_weight=0.5), 53.5, 1)                                 # broadcast
-    close(m([1, 5], sample_weight=[[1], [0.2]]), 55.5, 1)                        # squeezed
-    close(m([[1], [5]], sample_weight=[1, 0.2]), 57.5, 2)                        # expanded
-    result = m([[[1.0, 2.0], [3.0, 2.0], [0.5, 4.0]]], sample_weight=[0.5])      # values reduced to the weight's rank
+    assert float(m(100, sample_weight=0.5)) == 50 and float(m.total) == 50  # scalar weight
+    close(m([1, 5], sample_weight=[1, 0.2]), 52.0, 4)  # weights of the values' rank
+    close(m([1, 2], sample_weight=0.5), 53.5, 1)  # broadcast
+    close(m([1, 5], sample_weight=[[1], [0.2]]), 55.5, 1)  # squeezed
+    close(m([[1], [5]], sample_weight=[1, 0.2]), 57.5, 2)  # expanded
+    result = m([[[1.0, 2.0], [3.0, 2.0], [0.5, 4.0]]], sample_weight=[0.5])  # values reduced to the weight's rank
     close(result, 63.75, 2)
     close(m.total, 63.75, 2)
 
@@ -79,6 +80,7 @@ def test_sum_save_restore(tmp_path):
 
 
 # ------------------------------------------------------------------ MeanTest
+
 
 def test_mean():
     """MeanTest.test_mean"""
@@ -146,6 +148,7 @@ def test_mean_multiple_instances():
 
 # ------------------------------------------------------------------ KerasAccuracyTest
 
+
 def test_accuracy():
     """KerasAccuracyTest.test_accuracy"""
     acc = M.Accuracy(name="my_acc")
@@ -163,9 +166,9 @@ def test_binary_accuracy():
     assert acc.name == "my_acc" and sorted(acc.state_dict()) == ["count", "total"]
     acc.update_state([[1], [0]], [[1], [0]])
     assert float(acc.result()) == 1
-    acc.update_state([[1], [1]], [[[1]], [[0]]])       # y_pred squeezed
+    acc.update_state([[1], [1]], [[[1]], [[0]]])  # y_pred squeezed
     close(acc.result(), 0.75, 2)
-    close(acc([[[1]], [[1]]], [[1], [0]]), 0.67, 2)    # y_true squeezed: 4/6
+    close(acc([[[1]], [[1]]], [[1], [0]]), 0.67, 2)  # y_true squeezed: 4/6
     close(acc([[1], [1]], [[1], [0]], [[0.5], [0.2]]), 0.67, 2)  # 4.5/6.7
 
 
@@ -211,6 +214,7 @@ def test_get_acc():
 
 # ------------------------------------------------------------------ TopKCategoricalAccuracyTest
 
+
 def test_top_k_config():
     """TopKCategoricalAccuracyTest.test_config"""
     a = M.TopKCategoricalAccuracy(name="topkca", dtype="int32")
@@ -223,11 +227,11 @@ def test_top_k_correctness():
     """TopKCategoricalAccuracyTest.test_correctness"""
     y_true = torch.tensor([[0, 0, 1], [0, 1, 0]])
     y_pred = torch.tensor([[0.1, 0.9, 0.8], [0.05, 0.95, 0]])
-    assert float(M.TopKCategoricalAccuracy()(y_true, y_pred)) == 1        # both samples match
-    assert float(M.TopKCategoricalAccuracy(k=1)(y_true, y_pred)) == 0.5   # only sample #2
+    assert float(M.TopKCategoricalAccuracy()(y_true, y_pred)) == 1  # both samples match
+    assert float(M.TopKCategoricalAccuracy(k=1)(y_true, y_pred)) == 0.5  # only sample #2
     y_true = torch.tensor([[0, 0, 1, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0]])
     y_pred = torch.tensor([[0.5, 0.9, 0.1, 0.7, 0.6, 0.5, 0.4], [0.05, 0.95, 0, 0, 0, 0, 0]])
-    assert float(M.TopKCategoricalAccuracy(k=6)(y_true, y_pred)) == 0.5   # k > 5: only one sample
+    assert float(M.TopKCategoricalAccuracy(k=6)(y_true, y_pred)) == 0.5  # k > 5: only one sample
 
 
 def test_top_k_weighted():
@@ -239,6 +243,7 @@ def test_top_k_weighted():
 
 
 # ------------------------------------------------------------------ SparseTopKCategoricalAccuracyTest
+
 
 def test_sparse_top_k_config():
     """SparseTopKCategoricalAccuracyTest.test_config"""
@@ -268,8 +273,10 @@ def test_sparse_top_k_weighted():
 
 # ------------------------------------------------------------------ CustomMetricsTest
 
+
 def test_metric_wrappers_autograph():
     """CustomMetricsTest.test_metric_wrappers_autograph (the MeanMetricWrapper half; Python control flow)"""
+
     def metric_fn(y_true, y_pred):
         x = torch.tensor(0.0)
         for i in range(len(y_true)):

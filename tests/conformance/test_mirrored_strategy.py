@@ -66,6 +66,7 @@ def _replica_id() -> int:
 
 # --------------------------------------------------------------------------- both device counts
 
+
 def test_minimize_loss(distribution):
     """TF: mirrored_strategy_test.py, MirroredTwoDeviceDistributionTest.testMinimizeLoss and
     MirroredOneDeviceDistributionTest.testMinimizeLoss (strategy_test_lib ``_test_minimize_loss_eager``).
@@ -135,7 +136,8 @@ def test_call_and_merge_exceptions(distribution):
             distribution.run(_merge_raises_fn)
         # the strategy still works after the failures
         assert distribution.experimental_local_results(distribution.run(_replica_id)) == tuple(
-            range(distribution.num_replicas_in_sync))
+            range(distribution.num_replicas_in_sync)
+        )
 
 
 def test_call_and_merge_exceptions_nested_one_device():
@@ -165,9 +167,12 @@ def test_call_and_merge_exceptions_nested_two_devices():
     nested ``run`` executes the replicas one after the other on the merging thread, since every replica thread
     waits in the outer merge; a merge among them could never complete, and an error is safer than a hang.
     """
-    procs = {case: subprocess.Popen([sys.executable, str(NESTED_SCRIPT), case], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for case in ("merge_call_raises", "merge_call_merge_raises")}
+    procs = {
+        case: subprocess.Popen(
+            [sys.executable, str(NESTED_SCRIPT), case], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for case in ("merge_call_raises", "merge_call_merge_raises")
+    }
     deadline = time.monotonic() + 30  # both take a few seconds; a deadlock is killed
     outcome = {}
     for case, proc in procs.items():
@@ -234,14 +239,21 @@ def test_all_reduce(distribution, op, tf_name):
 
 
 # TF's _test_all_reduce_*_gradient* inputs and expected gradients
-GRADIENT_CASES = {("SUM", 2): ([1.0, 3.0], [4.0, 4.0]), ("MEAN", 2): ([1.0, 3.0], [2.0, 2.0]),
-                  ("SUM", 1): ([4.0], [4.0]), ("MEAN", 1): ([5.0], [5.0])}
+GRADIENT_CASES = {
+    ("SUM", 2): ([1.0, 3.0], [4.0, 4.0]),
+    ("MEAN", 2): ([1.0, 3.0], [2.0, 2.0]),
+    ("SUM", 1): ([4.0], [4.0]),
+    ("MEAN", 1): ([5.0], [5.0]),
+}
 
 
-@pytest.mark.parametrize("op, tf_names", [
-    ("SUM", "testAllReduceSumGradients, testAllReduceSumGradientTape"),
-    ("MEAN", "testAllReduceMeanGradients, testAllReduceMeanGradientTape"),
-])
+@pytest.mark.parametrize(
+    "op, tf_names",
+    [
+        ("SUM", "testAllReduceSumGradients, testAllReduceSumGradientTape"),
+        ("MEAN", "testAllReduceMeanGradients, testAllReduceMeanGradientTape"),
+    ],
+)
 def test_all_reduce_gradients(distribution, op, tf_names):
     """TF: mirrored_strategy_test.py, MirroredTwoDeviceDistributionTest and MirroredOneDeviceDistributionTest
     .testAllReduceSumGradients / testAllReduceSumGradientTape / testAllReduceMeanGradients /
@@ -266,6 +278,7 @@ def test_all_reduce_gradients(distribution, op, tf_names):
 
 # --------------------------------------------------------------------------- two devices only
 
+
 def test_num_replicas_in_sync(two):
     """TF: mirrored_strategy_test.py, MirroredTwoDeviceDistributionTest.testNumReplicasInSync."""
     assert two.num_replicas_in_sync == 2
@@ -277,6 +290,7 @@ def test_run_regroup_error(two):
     TF raises an ``AssertionError`` from its regroup; distrib raises a ``ValueError`` naming both structures
     (deliberate: a user mistake is a clear error, and ``assert`` disappears under ``python -O``).
     """
+
     def run_fn():
         return list(range(_replica_id()))  # lists of different lengths on different replicas
 
@@ -295,6 +309,7 @@ def test_reduce_to_cpu(two):
 def test_reduce_to_cpu_nested(two):
     """TF: mirrored_strategy_test.py, MirroredTwoDeviceDistributionTest.testReduceToCpuNested."""
     with two.scope():
+
         def replica_fn(input_tensor):
             return input_tensor + torch.tensor(1.0), input_tensor - torch.tensor(1.0)
 
@@ -307,6 +322,7 @@ def test_reduce_to_cpu_nested(two):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
 def test_reduce_axis_to_cpu(two, dtype):
     """TF: mirrored_strategy_test.py, MirroredTwoDeviceDistributionTest.testReduceAxisToCpu (``reduce_axis_helper``)."""
+
     def replica_squared_fn():
         replica_id = _replica_id()
         return torch.tensor([replica_id] * (replica_id + 1), dtype=dtype)  # lengths differ between replicas
@@ -324,6 +340,7 @@ def test_reduce_axis_to_cpu(two, dtype):
 def test_replicate_dataset(two):
     """TF: mirrored_strategy_test.py, MirroredTwoDeviceDistributionTest.testReplicateDataset
     (``_input_fn_to_test_input_context`` + ``_test_input_fn_iterable``)."""
+
     def input_fn(input_context):
         assert input_context is not None
         assert input_context.num_replicas_in_sync == 2
@@ -365,6 +382,7 @@ def test_prefetch_to_host_dataset(two):
 
 
 # --------------------------------------------------------------------------- MirroredStrategyCallForEachReplicaTest
+
 
 def test_executing_eagerly_outside_function(two):
     """TF: mirrored_strategy_test.py, MirroredStrategyCallForEachReplicaTest.testExecutingEagerlyOutsideFunction.
@@ -413,6 +431,7 @@ def test_function_in_call_for_each_replica_inside_another_function(two):
 
 def test_function_in_call_for_each_replica_with_merge_call(two):
     """TF: mirrored_strategy_test.py, MirroredStrategyCallForEachReplicaTest.testFunctionInCallForEachReplicaWithMergeCall."""
+
     def merge_fn(_):
         pass
 

@@ -19,7 +19,6 @@ import torch
 import distrib as ds
 
 
-
 @pytest.fixture(scope="module")
 def distribution() -> ds.Strategy:
     return ds.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -76,18 +75,23 @@ def test_compute_average_loss_sample_weights(distribution):
     """TF: nn_loss_scaling_utilities_test.py, LossUtilitiesTest.testComputeAverageLossSampleWeights."""
     with distribution.scope():
         # Scalar sample weight.
-        per_replica_losses = distribution.run(ds.compute_average_loss, args=([2.0, 4.0, 6.0],),
-                                              kwargs={"sample_weight": 2})
+        per_replica_losses = distribution.run(
+            ds.compute_average_loss, args=([2.0, 4.0, 6.0],), kwargs={"sample_weight": 2}
+        )
         loss = distribution.reduce("SUM", per_replica_losses, axis=None)
         torch.testing.assert_close(loss, torch.tensor((2.0 + 4.0 + 6.0) * 2.0 / 3))
         # Per-example sample weight.
-        per_replica_losses = distribution.run(ds.compute_average_loss, args=([2.0, 4.0, 6.0],),
-                                              kwargs={"sample_weight": [0.3, 0.5, 0.2]})
+        per_replica_losses = distribution.run(
+            ds.compute_average_loss, args=([2.0, 4.0, 6.0],), kwargs={"sample_weight": [0.3, 0.5, 0.2]}
+        )
         loss = distribution.reduce("SUM", per_replica_losses, axis=None)
         torch.testing.assert_close(loss, torch.tensor((2.0 * 0.3 + 4.0 * 0.5 + 6.0 * 0.2) / 3))
         # Time-step sample weight.
-        per_replica_losses = distribution.run(ds.compute_average_loss, args=([[2.0, 0.5], [4.0, 1.0]],),
-                                              kwargs={"sample_weight": [[0.3, 0.7], [0.2, 0.8]]})
+        per_replica_losses = distribution.run(
+            ds.compute_average_loss,
+            args=([[2.0, 0.5], [4.0, 1.0]],),
+            kwargs={"sample_weight": [[0.3, 0.7], [0.2, 0.8]]},
+        )
         loss = distribution.reduce("SUM", per_replica_losses, axis=None)
         torch.testing.assert_close(loss, torch.tensor((2.0 * 0.3 + 0.5 * 0.7 + 4.0 * 0.2 + 1.0 * 0.8) / 2))
 
@@ -102,16 +106,18 @@ def test_compute_average_loss_dtype(distribution):
     """TF: nn_loss_scaling_utilities_test.py, LossUtilitiesTest.testComputeAverageLossDtype."""
     with distribution.scope():
         per_example_loss = torch.tensor([2.0, 4.0, 6.0], dtype=torch.float64)
-        per_replica_losses = distribution.run(ds.compute_average_loss, args=(per_example_loss,),
-                                              kwargs={"sample_weight": 2})
+        per_replica_losses = distribution.run(
+            ds.compute_average_loss, args=(per_example_loss,), kwargs={"sample_weight": 2}
+        )
         loss = distribution.reduce("SUM", per_replica_losses, axis=None)
         assert loss.dtype == torch.float64
 
 
 def test_compute_average_loss_invalid_rank():
     """TF: nn_loss_scaling_utilities_test.py, LossUtilitiesTest.testComputeAverageLossInvalidRank (static rank)."""
-    with pytest.raises(ValueError, match="Invalid value passed for `per_example_loss`. "
-                                         "Expected a tensor with at least rank 1"):
+    with pytest.raises(
+        ValueError, match="Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1"
+    ):
         ds.compute_average_loss(torch.tensor(2))
 
 
@@ -137,6 +143,5 @@ def test_scale_regularization_loss(distribution):
 def test_scale_regularization_loss_in_cross_replica_context(distribution):
     """TF: nn_loss_scaling_utilities_test.py, LossUtilitiesTest.testScaleRegularizationLossInCrossReplicaContext."""
     with distribution.scope():
-        with pytest.raises(RuntimeError,
-                           match="You are calling `scale_regularization_loss` in cross replica context"):
+        with pytest.raises(RuntimeError, match="You are calling `scale_regularization_loss` in cross replica context"):
             ds.scale_regularization_loss([2, 3])

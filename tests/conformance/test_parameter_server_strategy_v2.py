@@ -126,8 +126,9 @@ def test_basic(two_ps):
     """TF: parameter_server_strategy_v2_test.py, VariablePartitioningTest.testBasic."""
     strategy = ds.ParameterServerStrategy(two_ps, ds.partitioners.FixedShardsPartitioner(2))
     with strategy.scope():
-        m = Variables(v1=torch.arange(10, dtype=torch.int64).reshape(5, 2),
-                      v2=torch.arange(6, dtype=torch.int64).reshape(6, 1))
+        m = Variables(
+            v1=torch.arange(10, dtype=torch.int64).reshape(5, 2), v2=torch.arange(6, dtype=torch.int64).reshape(6, 1)
+        )
     assert _ps_of(strategy, m) == {"v1": [0, 1], "v2": [0, 1]}
     assert _shards(strategy, m, "v1") == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9]]]
     assert _shards(strategy, m, "v2") == [[[0], [1], [2]], [[3], [4], [5]]]
@@ -161,9 +162,16 @@ def test_partition_to_one(two_ps):
     assert _shards(strategy, m, "v1") == [[0] * 10] and _shards(strategy, m, "v2") == [list(range(10))]
 
 
-@pytest.mark.parametrize("partitioner", [lambda shape, dtype: None, lambda shape, dtype: [],
-                                         lambda shape, dtype: [0, 1, 1], lambda shape, dtype: [2, 2, 1]],
-                         ids=["None", "empty", "zero-shards", "two-dims"])
+@pytest.mark.parametrize(
+    "partitioner",
+    [
+        lambda shape, dtype: None,
+        lambda shape, dtype: [],
+        lambda shape, dtype: [0, 1, 1],
+        lambda shape, dtype: [2, 2, 1],
+    ],
+    ids=["None", "empty", "zero-shards", "two-dims"],
+)
 def test_invalid_partitioner(two_ps, partitioner):
     """TF: parameter_server_strategy_v2_test.py, VariablePartitioningTest.testInvalidPartitioner."""
     strategy = ds.ParameterServerStrategy(two_ps, partitioner)
@@ -222,8 +230,10 @@ def test_checkpoint_delayed_restore(two_ps, tmp_path, restore_shards):
 # ----------------------------------------------------------------------------- ClusterTypeNameTest
 def _cluster(num_workers: int, num_ps: int, has_chief: bool = False) -> dict[str, list[str]]:
     ports = iter(range(20000, 20100))
-    cluster = {"worker": [f"localhost:{next(ports)}" for _ in range(num_workers)],
-               "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)]}
+    cluster = {
+        "worker": [f"localhost:{next(ports)}" for _ in range(num_workers)],
+        "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)],
+    }
     if has_chief:
         cluster["chief"] = [f"localhost:{next(ports)}"]
     return {job: tasks for job, tasks in cluster.items() if tasks}

@@ -79,8 +79,11 @@ def test_proto_dict_def_equivalences_with_zero_worker():
 
 def test_cluster_spec_accessors():
     """TF: server_lib_test.py, ClusterSpecTest.testClusterSpecAccessors."""
-    original_dict = {"ps": ["ps0:2222", "ps1:2222"], "worker": ["worker0:2222", "worker1:2222", "worker2:2222"],
-                     "sparse": {0: "sparse0:2222", 3: "sparse3:2222"}}
+    original_dict = {
+        "ps": ["ps0:2222", "ps1:2222"],
+        "worker": ["worker0:2222", "worker1:2222", "worker2:2222"],
+        "sparse": {0: "sparse0:2222", 3: "sparse3:2222"},
+    }
     cluster_spec = ClusterSpec(original_dict)
     assert original_dict == cluster_spec.as_dict()
 

@@ -34,6 +34,7 @@ def slurm_env(monkeypatch):
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored after the test
         for name, value in variables.items():
             monkeypatch.setenv(name, value)
+
     return set_env
 
 
@@ -57,8 +58,15 @@ def test_expand_tasks_per_node():
 
 def test_simple_retrieval_from_env(slurm_env):
     """TF: slurm_cluster_resolver_test.py, SlurmClusterResolverTest.testSimpleRetrievalFromEnv."""
-    slurm_env({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
-               "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43", "CUDA_VISIBLE_DEVICES": "0"})
+    slurm_env(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_STEP_NUM_TASKS": "3",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
+            "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43",
+            "CUDA_VISIBLE_DEVICES": "0",
+        }
+    )
     resolver = SlurmClusterResolver()
     assert_cluster_spec(resolver.cluster_spec(), {"worker": ["t02n13:8888", "t02n41:8888", "t02n43:8888"]})
     assert resolver.master("worker", 0, rpc_layer="grpc") == "grpc://t02n13:8888"
@@ -69,16 +77,28 @@ def test_simple_retrieval_from_env(slurm_env):
 def test_simple_successful_retrieval(slurm_env):
     """TF: slurm_cluster_resolver_test.py, SlurmClusterResolverTest.testSimpleSuccessfulRetrieval."""
     slurm_env({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43"})
-    resolver = SlurmClusterResolver(jobs={"ps": 1, "worker": 2}, port_base=8888, tasks_per_node=1,
-                                    gpus_per_node=1, gpus_per_task=1, auto_set_gpu=False)
+    resolver = SlurmClusterResolver(
+        jobs={"ps": 1, "worker": 2},
+        port_base=8888,
+        tasks_per_node=1,
+        gpus_per_node=1,
+        gpus_per_task=1,
+        auto_set_gpu=False,
+    )
     assert_cluster_spec(resolver.cluster_spec(), {"ps": ["t02n13:8888"], "worker": ["t02n41:8888", "t02n43:8888"]})
 
 
 def test_simple_master_retrieval(slurm_env):
     """TF: slurm_cluster_resolver_test.py, SlurmClusterResolverTest.testSimpleMasterRetrieval."""
     slurm_env({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43"})
-    resolver = SlurmClusterResolver(jobs={"ps": 1, "worker": 2}, port_base=8888, tasks_per_node=1,
-                                    gpus_per_node=1, gpus_per_task=1, auto_set_gpu=False)
+    resolver = SlurmClusterResolver(
+        jobs={"ps": 1, "worker": 2},
+        port_base=8888,
+        tasks_per_node=1,
+        gpus_per_node=1,
+        gpus_per_task=1,
+        auto_set_gpu=False,
+    )
     resolver.task_type = "worker"
     resolver.task_id = 1
     assert resolver.master() == "grpc://t02n43:8888"
@@ -90,30 +110,57 @@ def test_simple_master_retrieval(slurm_env):
 
 def test_task_per_node_not_set_retrieval(slurm_env):
     """TF: slurm_cluster_resolver_test.py, SlurmClusterResolverTest.testTaskPerNodeNotSetRetrieval."""
-    slurm_env({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
-               "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43"})
-    resolver = SlurmClusterResolver(jobs={"ps": 1, "worker": 2}, port_base=8888, gpus_per_node=1,
-                                    gpus_per_task=1, auto_set_gpu=False)
+    slurm_env(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_STEP_NUM_TASKS": "3",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
+            "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43",
+        }
+    )
+    resolver = SlurmClusterResolver(
+        jobs={"ps": 1, "worker": 2}, port_base=8888, gpus_per_node=1, gpus_per_task=1, auto_set_gpu=False
+    )
     assert_cluster_spec(resolver.cluster_spec(), {"ps": ["t02n13:8888"], "worker": ["t02n41:8888", "t02n43:8888"]})
 
 
 def test_multi_task_per_node_retrieval(slurm_env):
     """TF: slurm_cluster_resolver_test.py, SlurmClusterResolverTest.testMultiTaskPerNodeRetrieval."""
-    slurm_env({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "5", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
-               "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43", "CUDA_VISIBLE_DEVICES": ""})
-    resolver = SlurmClusterResolver(jobs={"ps": 1, "worker": 4}, port_base=8888, gpus_per_node=2,
-                                    gpus_per_task=1, auto_set_gpu=True)
-    assert_cluster_spec(resolver.cluster_spec(), {
-        "ps": ["t02n13:8888"], "worker": ["t02n13:8889", "t02n41:8888", "t02n41:8889", "t02n43:8888"]})
+    slurm_env(
+        {
+            "SLURM_PROCID": "1",
+            "SLURM_STEP_NUM_TASKS": "5",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
+            "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
+    resolver = SlurmClusterResolver(
+        jobs={"ps": 1, "worker": 4}, port_base=8888, gpus_per_node=2, gpus_per_task=1, auto_set_gpu=True
+    )
+    assert_cluster_spec(
+        resolver.cluster_spec(),
+        {"ps": ["t02n13:8888"], "worker": ["t02n13:8889", "t02n41:8888", "t02n41:8889", "t02n43:8888"]},
+    )
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_multiple_gpus_per_task_retrieval(slurm_env):
     """TF: slurm_cluster_resolver_test.py, SlurmClusterResolverTest.testMultipleGpusPerTaskRetrieval."""
-    slurm_env({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "5", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
-               "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43", "CUDA_VISIBLE_DEVICES": ""})
-    resolver = SlurmClusterResolver(jobs={"ps": 1, "worker": 4}, port_base=8888, gpus_per_node=4,
-                                    gpus_per_task=2, auto_set_gpu=True)
-    assert_cluster_spec(resolver.cluster_spec(), {
-        "ps": ["t02n13:8888"], "worker": ["t02n13:8889", "t02n41:8888", "t02n41:8889", "t02n43:8888"]})
+    slurm_env(
+        {
+            "SLURM_PROCID": "1",
+            "SLURM_STEP_NUM_TASKS": "5",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
+            "SLURM_STEP_NODELIST": "t02n13,t02n41,t02n43",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
+    resolver = SlurmClusterResolver(
+        jobs={"ps": 1, "worker": 4}, port_base=8888, gpus_per_node=4, gpus_per_task=2, auto_set_gpu=True
+    )
+    assert_cluster_spec(
+        resolver.cluster_spec(),
+        {"ps": ["t02n13:8888"], "worker": ["t02n13:8889", "t02n41:8888", "t02n41:8889", "t02n43:8888"]},
+    )
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"

@@ -21,14 +21,15 @@ Not ported, and why:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from conformance.workers import on_workers, run_worker_checks
 
 import distrib as ds
-from conformance.workers import on_workers, run_worker_checks
 
 SCRIPT = Path(__file__).parent / "scripts" / "strategy_common_workers.py"
 DEFAULT_STRATEGY = ds.get_strategy()
@@ -55,8 +56,6 @@ def mirrored() -> ds.Strategy:
 def workers() -> dict[tuple[str, str], Any]:
     """Run the multi-worker checks once: ``{(check name, task type): value}``."""
     return run_worker_checks(SCRIPT)
-
-
 
 
 def plain(value: Any) -> Any:
@@ -89,6 +88,7 @@ def rid() -> int:
 
 # --------------------------------------------------------------------------- StrategyTest
 
+
 def test_capture_replica_id(strategy):
     """TF: strategy_common_test.py, StrategyTest.testCaptureReplicaId (single process)."""
     got = strategy.experimental_local_results(strategy.run(rid))
@@ -103,6 +103,7 @@ def test_capture_replica_id_multi_worker(workers):
 def test_merge_call_init_scope(strategy):
     """TF: strategy_common_test.py, StrategyTest.testMergeCallInitScope (single process)."""
     with strategy.scope():
+
         def replica_fn():
             y = ds.get_replica_context().merge_call(lambda _: torch.tensor(11))
             return y + 1
@@ -118,6 +119,7 @@ def test_merge_call_init_scope_multi_worker(workers):
 
 # --------------------------------------------------------------------------- StrategyLocalResultTest
 
+
 def _local_id() -> int:
     """TF's ``extended._get_local_replica_id(replica_id_in_sync_group)``."""
     s = ds.get_strategy()
@@ -125,26 +127,36 @@ def _local_id() -> int:
 
 
 LOCAL_RESULT_CASES: dict[str, tuple[Callable[[], Any], Any]] = {
-    "testLocalResultForDictionary": (lambda: {"a": torch.tensor(1.0), "b": torch.tensor(2.0)},
-                                     [{"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0}]),
+    "testLocalResultForDictionary": (
+        lambda: {"a": torch.tensor(1.0), "b": torch.tensor(2.0)},
+        [{"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0}],
+    ),
     "testLocalResultForList": (lambda: [torch.tensor(1.0), torch.tensor(2.0)], [[1.0, 2.0], [1.0, 2.0]]),
-    "testLocalResultForTuple": (lambda: (torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)),
-                                [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]),
+    "testLocalResultForTuple": (
+        lambda: (torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)),
+        [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]],
+    ),
     "testLocalResultForNestedStruct": (
         lambda: ({"a": torch.tensor(1.0), "b": torch.tensor(2.0)}, {"a": torch.tensor(4.0), "b": torch.tensor(6.0)}),
-        [[{"a": 1.0, "b": 2.0}, {"a": 4.0, "b": 6.0}], [{"a": 1.0, "b": 2.0}, {"a": 4.0, "b": 6.0}]]),
-    "testLocalResultForNestedStructWithoutTensor": (lambda: {"a": 1.0, "b": 2.0},
-                                                    [{"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0}]),
+        [[{"a": 1.0, "b": 2.0}, {"a": 4.0, "b": 6.0}], [{"a": 1.0, "b": 2.0}, {"a": 4.0, "b": 6.0}]],
+    ),
+    "testLocalResultForNestedStructWithoutTensor": (
+        lambda: {"a": 1.0, "b": 2.0},
+        [{"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0}],
+    ),
     "testLocalResultForScalarValue": (_local_id, [0, 1]),
     "testLocalResultForDictionaryDifferentReplicas": (
         lambda: {"a": float(_local_id() + 1), "b": float(_local_id() + 2)},
-        [{"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 3.0}]),
+        [{"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 3.0}],
+    ),
     "testLocalResultForTensor": (lambda: torch.tensor([2.0, 3.0]), [[2.0, 3.0], [2.0, 3.0]]),
 }
 # the worker script's check names
 LOCAL_RESULT_CHECKS = {
-    "testLocalResultForDictionary": "dictionary", "testLocalResultForList": "list",
-    "testLocalResultForTuple": "tuple", "testLocalResultForNestedStruct": "nested_struct",
+    "testLocalResultForDictionary": "dictionary",
+    "testLocalResultForList": "list",
+    "testLocalResultForTuple": "tuple",
+    "testLocalResultForNestedStruct": "nested_struct",
     "testLocalResultForNestedStructWithoutTensor": "nested_struct_without_tensor",
     "testLocalResultForScalarValue": "scalar_value",
     "testLocalResultForDictionaryDifferentReplicas": "dictionary_different_replicas",
@@ -173,6 +185,7 @@ def test_local_result_multi_worker(tf_name, workers):
 
 
 # --------------------------------------------------------------------------- ReduceTest
+
 
 def test_reduce_basic(strategy):
     """TF: strategy_common_test.py, ReduceTest.testBasic (single process)."""
@@ -205,9 +218,11 @@ def test_reduce_axis_multi_worker(workers):
 
 # --------------------------------------------------------------------------- AllReduceTest
 
+
 def _all_reduce(strategy: ds.Strategy, value_fn: Callable[[], Any], op: ds.ReduceOp) -> tuple[Any, ...]:
     return strategy.experimental_local_results(
-        strategy.run(lambda: ds.get_replica_context().all_reduce(op, value_fn())))
+        strategy.run(lambda: ds.get_replica_context().all_reduce(op, value_fn()))
+    )
 
 
 def test_all_reduce_dense(strategy):
@@ -234,8 +249,9 @@ def test_all_reduce_sparse_tuple(strategy):
 def test_all_reduce_nested_input(strategy):
     """TF: strategy_common_test.py, AllReduceTest.testNestedInput (single process)."""
     n = strategy.num_replicas_in_sync
-    got = _all_reduce(strategy, lambda: (torch.tensor(1.0), sparse(1.0, 0), torch.tensor(2.0), sparse(2.0, 1)),
-                      ds.ReduceOp.SUM)[0]
+    got = _all_reduce(
+        strategy, lambda: (torch.tensor(1.0), sparse(1.0, 0), torch.tensor(2.0), sparse(2.0, 1)), ds.ReduceOp.SUM
+    )[0]
     assert plain(got) == [1.0 * n, sparse_dense(1.0 * n, 0), 2.0 * n, sparse_dense(2.0 * n, 1)]
 
 
@@ -256,6 +272,7 @@ def test_all_reduce_multi_worker(workers, topology, n):
 
 # --------------------------------------------------------------------------- DistributedCollectiveAllReduceStrategyTest
 
+
 def test_dataset_from_function(workers):
     """TF: strategy_common_test.py, DistributedCollectiveAllReduceStrategyTest.testDatasetFromFunction."""
     assert on_workers(workers, "dataset_from_function") == {"chief": 10, "worker": 35}
@@ -263,8 +280,7 @@ def test_dataset_from_function(workers):
 
 def test_simple_input_from_dataset_last_partial_batch(workers):
     """TF: strategy_common_test.py, DistributedCollectiveAllReduceStrategyTest.testSimpleInputFromDatasetLastPartialBatch."""
-    assert on_workers(workers, "input_from_dataset_last_partial_batch") == {"chief": [8, 9, 10],
-                                                                            "worker": [11, 12, 13]}
+    assert on_workers(workers, "input_from_dataset_last_partial_batch") == {"chief": [8, 9, 10], "worker": [11, 12, 13]}
 
 
 def test_simple_input_from_fn_last_partial_batch(workers):
@@ -272,14 +288,17 @@ def test_simple_input_from_fn_last_partial_batch(workers):
     assert on_workers(workers, "input_from_fn_last_partial_batch") == {"chief": [8, 9, 10, 11], "worker": [12, 13]}
 
 
-@pytest.mark.parametrize("tf_name, check, expected", [
-    ("testReduceHostTensor", "reduce_host_tensor", 2.0),
-    ("testReduceToHostTensor", "reduce_to_host_tensor", 2.0),
-    ("testBatchReduceToHostTensor", "batch_reduce_to_host_tensor", [2.0, 2.0]),
-    ("testReduceDeviceTensors", "reduce_device_tensors", 2.0),
-    ("testReduceToDeviceTensors", "reduce_to_device_tensors", 2.0),
-    ("testBatchReduceToDeviceTensors", "batch_reduce_to_device_tensors", [2.0, 2.0]),
-])
+@pytest.mark.parametrize(
+    "tf_name, check, expected",
+    [
+        ("testReduceHostTensor", "reduce_host_tensor", 2.0),
+        ("testReduceToHostTensor", "reduce_to_host_tensor", 2.0),
+        ("testBatchReduceToHostTensor", "batch_reduce_to_host_tensor", [2.0, 2.0]),
+        ("testReduceDeviceTensors", "reduce_device_tensors", 2.0),
+        ("testReduceToDeviceTensors", "reduce_to_device_tensors", 2.0),
+        ("testBatchReduceToDeviceTensors", "batch_reduce_to_device_tensors", [2.0, 2.0]),
+    ],
+)
 def test_reduce_host_and_device_tensors(workers, tf_name, check, expected):
     """TF: strategy_common_test.py, DistributedCollectiveAllReduceStrategyTest.<tf_name>.
 
@@ -289,6 +308,7 @@ def test_reduce_host_and_device_tensors(workers, tf_name, check, expected):
 
 
 # --------------------------------------------------------------------------- StrategyClusterResolverTest
+
 
 def test_cluster_resolver_property(strategy):
     """TF: strategy_common_test.py, StrategyClusterResolverTest.testClusterResolverProperty (single process: None)."""

@@ -21,14 +21,15 @@ Not ported, and why:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from conformance.workers import on_workers, run_worker_checks
 
 import distrib as ds
-from conformance.workers import on_workers, run_worker_checks
 
 SCRIPT = Path(__file__).parent / "scripts" / "strategy_gather_workers.py"
 DEFAULT_STRATEGY = ds.get_strategy()
@@ -64,8 +65,6 @@ def strategy(request) -> ds.Strategy:
 def workers() -> dict[tuple[str, str], Any]:
     """Run the multi-worker checks once: ``{(check name, task type): value}``."""
     return run_worker_checks(SCRIPT)
-
-
 
 
 def errors_on_workers(workers: dict[tuple[str, str], Any], name: str) -> dict[str, str]:
@@ -104,6 +103,7 @@ def num_local(strategy: ds.Strategy) -> int:
 
 # --------------------------------------------------------------------------- gather
 
+
 @pytest.mark.parametrize("case", list(SAME_SHAPE))
 def test_gather_per_replica_same_shape(strategy, case):
     """TF: strategy_gather_test.py, GatherTest.testGatherPerReplica<case> (e.g. testGatherPerReplicaDense1D0Axis)."""
@@ -123,8 +123,9 @@ def test_gather_per_replica_same_shape_multi_worker(workers, topology, case):
     assert on_workers(workers, f"gather_{case}_{topology}") == {t: expected for t in TASKS}
 
 
-@pytest.mark.parametrize("kind, axis, tf_name", [("axis0", 0, "testGatherDiffShapeAtAxis0"),
-                                                 ("axis1", 1, "testGatherDiffShapeAtAxis1")])
+@pytest.mark.parametrize(
+    "kind, axis, tf_name", [("axis0", 0, "testGatherDiffShapeAtAxis0"), ("axis1", 1, "testGatherDiffShapeAtAxis1")]
+)
 def test_gather_diff_shape_at_axis(strategy, kind, axis, tf_name):
     """TF: strategy_gather_test.py, GatherTest.testGatherDiffShapeAtAxis0 / testGatherDiffShapeAtAxis1."""
     distributed_values = strategy.experimental_distribute_values_from_function(ones_fn(kind))
@@ -142,8 +143,9 @@ def test_gather_diff_shape_at_axis_multi_worker(workers, topology, kind, axis):
     assert on_workers(workers, f"gather_diff_shape_{kind}_{topology}") == {t: expected for t in TASKS}
 
 
-@pytest.mark.parametrize("kind, tf_name", [("axis1", "testGatherRaiseDiffShapeAtNonAxis"),
-                                           ("rank", "testGatherRaiseDifferentRank")])
+@pytest.mark.parametrize(
+    "kind, tf_name", [("axis1", "testGatherRaiseDiffShapeAtNonAxis"), ("rank", "testGatherRaiseDifferentRank")]
+)
 def test_gather_raise_diff_shape(strategy, kind, tf_name):
     """TF: strategy_gather_test.py, GatherTest.testGatherRaiseDiffShapeAtNonAxis / testGatherRaiseDifferentRank."""
     if strategy.num_replicas_in_sync <= 1:
@@ -178,6 +180,7 @@ def test_gather_raise_sparse_multi_worker(workers, topology):
 
 # --------------------------------------------------------------------------- all_gather
 
+
 def _all_gather(axis: int) -> Callable[[Any], Any]:
     return lambda value: ds.get_replica_context().all_gather(value, axis=axis)
 
@@ -203,8 +206,10 @@ def test_all_gather_per_replica_same_shape_multi_worker(workers, topology, case)
     assert on_workers(workers, f"all_gather_{case}_{topology}") == {t: [expect] * (n // 2) for t in TASKS}
 
 
-@pytest.mark.parametrize("kind, axis, tf_name", [("axis0", 0, "testAllGatherDiffShapeAtAxis0"),
-                                                 ("axis1", 1, "testAllGatherDiffShapeAtAxis1")])
+@pytest.mark.parametrize(
+    "kind, axis, tf_name",
+    [("axis0", 0, "testAllGatherDiffShapeAtAxis0"), ("axis1", 1, "testAllGatherDiffShapeAtAxis1")],
+)
 def test_all_gather_diff_shape_at_axis(strategy, kind, axis, tf_name):
     """TF: strategy_gather_test.py, GatherTest.testAllGatherDiffShapeAtAxis0 / testAllGatherDiffShapeAtAxis1."""
     per_replica_value = strategy.experimental_distribute_values_from_function(ones_fn(kind))
@@ -266,8 +271,9 @@ def test_all_gather_nest_multi_worker(workers, topology):
     assert on_workers(workers, f"all_gather_nest_1d_{topology}") == {t: [[expect] * (n // 2)] * 2 for t in TASKS}
 
 
-@pytest.mark.parametrize("kind, tf_name", [("axis1", "testAllGatherRaiseDiffShapeAtNonAxis"),
-                                           ("rank", "testAllGatherRaiseDifferentRank")])
+@pytest.mark.parametrize(
+    "kind, tf_name", [("axis1", "testAllGatherRaiseDiffShapeAtNonAxis"), ("rank", "testAllGatherRaiseDifferentRank")]
+)
 def test_all_gather_raise_diff_shape(strategy, kind, tf_name):
     """TF: strategy_gather_test.py, GatherTest.testAllGatherRaiseDiffShapeAtNonAxis / testAllGatherRaiseDifferentRank."""
     if strategy.num_replicas_in_sync <= 1:
@@ -317,10 +323,12 @@ def test_all_gather_gradient(strategy, nest, tf_name):
     replicas of their ``c`` (TF: ``gradient_comp = sum(range(1, num_replicas_in_sync + 1))``).
     """
     per_replica_value = strategy.experimental_distribute_values_from_function(
-        lambda ctx: torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0][ctx.replica_id_in_sync_group]]))
+        lambda ctx: torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0][ctx.replica_id_in_sync_group]])
+    )
     gradient_comp = float(sum(range(1, strategy.num_replicas_in_sync + 1)))
     result = strategy.experimental_local_results(
-        strategy.run(lambda c: _gradient_step(c, nest), args=(per_replica_value,)))
+        strategy.run(lambda c: _gradient_step(c, nest), args=(per_replica_value,))
+    )
     assert plain(result) == [[[gradient_comp], [gradient_comp]]] * num_local(strategy)
 
 

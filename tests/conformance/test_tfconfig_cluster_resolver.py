@@ -39,14 +39,17 @@ def assert_cluster_spec(spec: ClusterSpec, expected: dict) -> None:
 def tf_config(monkeypatch):
     def set_config(text: str) -> None:
         monkeypatch.setenv("TF_CONFIG", text)
+
     return set_config
 
 
 def test_normal_cluster_spec_read(tf_config):
     """TF: tfconfig_cluster_resolver_test.py, TFConfigClusterResolverTest.testNormalClusterSpecRead."""
     tf_config(PS_WORKER % ("", 0))
-    assert_cluster_spec(TFConfigClusterResolver().cluster_spec(), {
-        "ps": ["ps0:2222", "ps1:2222"], "worker": ["worker0:2222", "worker1:2222", "worker2:2222"]})
+    assert_cluster_spec(
+        TFConfigClusterResolver().cluster_spec(),
+        {"ps": ["ps0:2222", "ps1:2222"], "worker": ["worker0:2222", "worker1:2222", "worker2:2222"]},
+    )
 
 
 def test_automatic_master_read(tf_config):

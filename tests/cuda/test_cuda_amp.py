@@ -14,11 +14,11 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import SCRIPTS
 
 import distrib as ds
 from distrib.app import models
 from distrib.app.train import make_steps
-from helpers import SCRIPTS
 
 _spec = importlib.util.spec_from_file_location("amp_train", SCRIPTS / "amp_train.py")
 assert _spec is not None and _spec.loader is not None
@@ -34,7 +34,7 @@ def one_device(device: torch.device) -> dict:
 def test_one_device_float16_skips_the_poisoned_step_and_halves_the_scale(one_device):
     scales = one_device["scales"]
     assert scales[amp_train.POISONED] == scales[amp_train.POISONED - 1] / 2
-    assert scales[0] == 2.0 ** 10 and max(scales) > 2.0 ** 10  # it grew on clean steps (growth_interval 2)
+    assert scales[0] == 2.0**10 and max(scales) > 2.0**10  # it grew on clean steps (growth_interval 2)
     for before, after in zip(one_device["before_poisoned"], one_device["after_poisoned"]):
         assert torch.equal(before, after)
     assert all(torch.isfinite(p).all() for p in one_device["params"])

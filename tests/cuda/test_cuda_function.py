@@ -18,9 +18,9 @@ import sys
 
 import pytest
 import torch
+from function_cases import FEATURES, STRATEGIES, largest_difference, run_case  # tests/ is on sys.path
 
 import distrib as ds
-from function_cases import FEATURES, STRATEGIES, largest_difference, run_case  # tests/ is on sys.path
 
 EAGER_FEATURES = {"fp16"}  # GradScaler.step reads the inf check on the host with a non-fused optimizer
 #: against the eager run as built: ds.function makes torch's foreach Adam capturable (capturable=True), which
@@ -29,6 +29,7 @@ EAGER_FEATURES = {"fp16"}  # GradScaler.step reads the inf check on the host wit
 #: is the same kernel either way: exact. Measured figures: docs/performance.md
 AS_BUILT_LOSS_TOLERANCE = 1e-2
 EXACT_AS_BUILT = {"fp16_fused", "fp16"}  # fused: one kernel either way; fp16: eager, the optimizer left as built
+
 
 @pytest.fixture(autouse=True)
 def deterministic() -> None:
@@ -43,8 +44,9 @@ def test_function_trains_as_eager(device: torch.device, strategy: str, feature: 
         pytest.skip("the CPU dry run: one strategy is enough to prove the code (every path is eager there)")
     steps = 50 if device.type == "cuda" else 11  # the CPU dry run: every path once (the ragged batch is the 10th)
     as_built = run_case(device, strategy, feature, use_function=False, steps=steps)
-    eager = run_case(device, strategy, feature, use_function=False, steps=steps,
-                     capturable=feature not in EAGER_FEATURES)
+    eager = run_case(
+        device, strategy, feature, use_function=False, steps=steps, capturable=feature not in EAGER_FEATURES
+    )
     graphed = run_case(device, strategy, feature, use_function=True, steps=steps)
     diff = largest_difference(graphed, eager)
     diff_as_built = largest_difference(graphed, as_built)
@@ -52,8 +54,20 @@ def test_function_trains_as_eager(device: torch.device, strategy: str, feature: 
     table = os.environ.get("DISTRIB_FUNCTION_TABLE")
     if table:
         with open(table, "a") as f:
-            f.write(json.dumps({"device": str(device), "strategy": strategy, "feature": feature, **diff,
-                                "as_built": diff_as_built, "paths": paths, "scale": graphed["scale"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "device": str(device),
+                        "strategy": strategy,
+                        "feature": feature,
+                        **diff,
+                        "as_built": diff_as_built,
+                        "paths": paths,
+                        "scale": graphed["scale"],
+                    }
+                )
+                + "\n"
+            )
     # the same kernels replayed: exact, in every precision; the schedule holds its rate in float32 (the
     # capturable optimizer's tensor) where the eager run's hand-written float write keeps a float64
     assert max(diff.values()) <= (1e-3 if feature == "schedule" else 1e-6), (diff, paths)
@@ -67,11 +81,12 @@ def test_function_trains_as_eager(device: torch.device, strategy: str, feature: 
     if device.type == "cuda" and feature in EAGER_FEATURES:
         assert any("wait for the GPU" in p for p in paths.values()), paths
     if feature.startswith("fp16"):
-        assert graphed["scale"] == eager["scale"] < 2.0 ** 8  # the poisoned step halved the scale in both
+        assert graphed["scale"] == eager["scale"] < 2.0**8  # the poisoned step halved the scale in both
 
 
-def test_host_copy_inside_the_step_runs_eagerly_with_the_reason(device: torch.device,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_host_copy_inside_the_step_runs_eagerly_with_the_reason(
+    device: torch.device, caplog: pytest.LogCaptureFixture
+) -> None:
     """torch.tensor(v, device='cuda') inside a step would be read from freed host memory at every replay."""
     w = torch.zeros(3, device=device)
 
@@ -87,7 +102,7 @@ def test_host_copy_inside_the_step_runs_eagerly_with_the_reason(device: torch.de
         (path,) = step.paths().values()
         # found by the last warm-up call (a blocking copy waits for the GPU) or, failing that, by the capture
         assert path.startswith("eager") and ("copies a CPU tensor" in path or "wait for the GPU" in path), path
-        assert any(path[len("eager: "):] in r.getMessage() for r in caplog.records)
+        assert any(path[len("eager: ") :] in r.getMessage() for r in caplog.records)
 
 
 def test_host_sync_inside_the_step_runs_eagerly(device: torch.device) -> None:
@@ -142,8 +157,9 @@ def test_two_captured_functions_replayed_in_turn_stay_exact() -> None:
     if not torch.cuda.is_available():
         pytest.skip("the probe captures CUDA graphs")
     probe = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "capture_probe.py")
-    out = subprocess.run([sys.executable, probe, "--scenario", "function", "--steps", "200"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, probe, "--scenario", "function", "--steps", "200"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert result["max_difference_to_eager"] <= 1e-6, result

@@ -51,8 +51,9 @@ def test_prefetched_parts_arrive_unchanged_in_order(device, other_device, buffer
     options = ds.InputOptions(experimental_per_replica_buffer_size=buffer)
     sums = []
     for dist_batch in strategy.experimental_distribute_dataset(data, options):
-        parts = strategy.experimental_local_results(strategy.run(lambda a, b: (a.device, a.double().sum()),
-                                                                 args=dist_batch))
+        parts = strategy.experimental_local_results(
+            strategy.run(lambda a, b: (a.device, a.double().sum()), args=dist_batch)
+        )
         assert [p[0].type for p in parts] == [d.type for d in strategy.local_devices]
         sums.append(sum(p[1].item() for p in parts))
     assert sums == pytest.approx([x.double().sum().item() for x, _ in data], rel=1e-9)
@@ -67,8 +68,9 @@ def test_the_prefetch_reads_ahead_only_on_a_gpu(device, cuda_only):
             yield b
 
     strategy = ds.OneDeviceStrategy(str(device))
-    it = iter(strategy.experimental_distribute_dataset(source(), ds.InputOptions(
-        experimental_per_replica_buffer_size=2)))
+    it = iter(
+        strategy.experimental_distribute_dataset(source(), ds.InputOptions(experimental_per_replica_buffer_size=2))
+    )
     x, _ = next(it)
     assert x.device.type == "cuda" and read == [0, 1, 2]  # the copies of 2 more steps are on their way
     assert len(list(it)) == 2

@@ -18,10 +18,10 @@ import sys
 
 import pytest
 import torch
+from helpers import SCRIPTS, launch, run_bounded
 
 import distrib as ds
 from distrib.strategies.devices import worker_devices
-from helpers import SCRIPTS, launch, run_bounded
 
 _spec = importlib.util.spec_from_file_location("amp_train", SCRIPTS / "amp_train.py")
 assert _spec is not None and _spec.loader is not None
@@ -44,7 +44,9 @@ def two_workers(tmp_path, *args: str) -> tuple[int, str, dict]:
 
 
 def assert_amp_matches(text: str, result: dict, expected: dict) -> None:
-    scales = {int(w): eval(s) for w, s in re.findall(r"\[worker (\d)\] worker \d of 2, \d replicas: scales: (\[.*\])", text)}
+    scales = {
+        int(w): eval(s) for w, s in re.findall(r"\[worker (\d)\] worker \d of 2, \d replicas: scales: (\[.*\])", text)
+    }
     assert scales == {0: expected["scales"], 1: expected["scales"]}, text  # same decisions on both workers
     assert expected["scales"][amp_train.POISONED] == expected["scales"][amp_train.POISONED - 1] / 2
     for before, after in zip(result["before_poisoned"], result["after_poisoned"]):

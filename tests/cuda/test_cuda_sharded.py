@@ -11,9 +11,9 @@ import sys
 import textwrap
 
 import torch
+from helpers import run_bounded
 
 import distrib as ds
-from helpers import run_bounded
 
 
 def test_one_sharded_worker_trains_on_the_device(device: torch.device) -> None:
@@ -42,11 +42,14 @@ def test_two_workers_on_one_gpu_are_refused_with_what_to_do(device: torch.device
 
         pytest.skip("needs exactly one GPU (two workers must share it)")
     script = tmp_path / "share.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import distrib as ds
         ds.ShardedStrategy()
-    """))
-    code, out, _ = run_bounded([sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", str(script)],
-                               timeout=120)
+    """)
+    )
+    code, out, _ = run_bounded(
+        [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", str(script)], timeout=120
+    )
     assert code == 1, out
     assert "needs NCCL" in out and "devices=['cpu']" in out, out

@@ -23,8 +23,10 @@ STEPS, GLOBAL_BATCH = 4, 16
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def mlp() -> nn.Module:
@@ -105,7 +107,11 @@ def test_main_job_step_under_one_device_equals_the_step_without_a_strategy(devic
             if strategy is None:
                 model.to(device)
             opt = models.fashion_mnist_optimizer(model.parameters())
-            metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
+            metrics = (
+                ds.metrics.SparseCategoricalAccuracy(),
+                ds.metrics.Mean(),
+                ds.metrics.SparseCategoricalAccuracy(),
+            )
         train_step, _ = make_steps(model, opt, 32, *metrics)
         losses = []
         if strategy is None:

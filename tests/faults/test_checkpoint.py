@@ -21,8 +21,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -116,16 +117,22 @@ def _child_saver(directory: str) -> None:
 
 # --------------------------------------------------------------- running children, bounded
 def _run(*args: str, timeout: float = 300) -> dict[str, int]:
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"child {args} did not finish in {timeout}s:\n{err[-2000:]}")
-    assert proc.returncode == 0, f"child {args} died with {proc.returncode} (a crash counts as a finding):\n" \
-                                 f"{err[-3000:]}"
+    assert proc.returncode == 0, (
+        f"child {args} died with {proc.returncode} (a crash counts as a finding):\n{err[-3000:]}"
+    )
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -142,8 +149,10 @@ def _bit_flips(tmp_path: Path, trials: int) -> None:
         _merge(counts, _run("flips", str(directory), str(1000 + chunk), str(min(50, trials - start))))
     refused, identical, different = counts.get("refused", 0), counts.get("identical", 0), counts.get("different", 0)
     others = {k: v for k, v in counts.items() if k not in ("refused", "identical", "different")}
-    print(f"FAULT bit flips: {trials} trials, {refused} refused with CheckpointError, {identical} restored "
-          f"bit-identical, {different} loaded silently with different values, other outcomes {others}")
+    print(
+        f"FAULT bit flips: {trials} trials, {refused} refused with CheckpointError, {identical} restored "
+        f"bit-identical, {different} loaded silently with different values, other outcomes {others}"
+    )
     assert different == 0 and not others and refused + identical == trials and refused > 0
 
 
@@ -161,8 +170,10 @@ def _truncation(tmp_path: Path, step: str) -> None:
     counts = _run("truncate", str(tmp_path / "trunc"), step)
     n, refused = counts.pop("lengths"), counts.pop("refused", 0)
     bare = {k: v for k, v in counts.items()}
-    print(f"FAULT truncation: {n} lengths ({'5 spread' if step == 'fast' else 'every ' + step + 'th byte'}), "
-          f"{refused} refused with a CheckpointError naming the file, other outcomes {bare}")
+    print(
+        f"FAULT truncation: {n} lengths ({'5 spread' if step == 'fast' else 'every ' + step + 'th byte'}), "
+        f"{refused} refused with a CheckpointError naming the file, other outcomes {bare}"
+    )
     assert refused == n and not bare
 
 
@@ -181,8 +192,13 @@ def _kill_during_save(tmp_path: Path, trials: int) -> None:
     loaded = mid_write = cleaned = 0
     for trial in range(trials):
         directory = tmp_path / f"kill{trial}"
-        proc = subprocess.Popen([sys.executable, __file__, "saver", str(directory)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "saver", str(directory)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             assert proc.stdout is not None
             first = proc.stdout.readline()  # one checkpoint is on disk: now kill in the middle of later saves
@@ -207,8 +223,10 @@ def _kill_during_save(tmp_path: Path, trials: int) -> None:
             loaded += 1
         manager.save()
         cleaned += not any(p.name.startswith(".tmp-") for p in directory.iterdir())
-    print(f"FAULT kill during save: {trials} trials ({mid_write} killed mid-write), {loaded} restored one of the "
-          f"saved states whole, {cleaned} had every temp file removed by the next save")
+    print(
+        f"FAULT kill during save: {trials} trials ({mid_write} killed mid-write), {loaded} restored one of the "
+        f"saved states whole, {cleaned} had every temp file removed by the next save"
+    )
     assert loaded == trials and cleaned == trials
 
 
@@ -228,8 +246,12 @@ def _small_disk(path: Path, size: int) -> Iterator[bool]:
     path.mkdir()
     mounted = False
     if hasattr(os, "geteuid") and os.geteuid() == 0:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                 capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+            ).returncode
+            == 0
+        )
     try:
         yield mounted
     finally:
@@ -250,7 +272,7 @@ def _simulated_enospc(free: int) -> Iterator[None]:
         def __getattr__(self, name: str) -> Any:
             return getattr(self.f, name)
 
-        def __enter__(self) -> "Full":
+        def __enter__(self) -> Full:
             return self
 
         def __exit__(self, *exc: Any) -> None:
@@ -303,10 +325,14 @@ def _disk_full(tmp_path: Path, fractions: list[float]) -> None:
             if error is None:  # the disk was not full after all: a failed trial, not a crash of the scenario
                 saved_value = float(trial + 1)
                 continue
-            named = error is not None and "No space left on device (ENOSPC)" in str(error) and \
-                str(directory) in str(error)
-            intact = (latest_checkpoint(directory) == previous == manager.latest_checkpoint
-                      and manager.checkpoint.save_counter == counter and not list(directory.glob(".tmp-*")))
+            named = (
+                error is not None and "No space left on device (ENOSPC)" in str(error) and str(directory) in str(error)
+            )
+            intact = (
+                latest_checkpoint(directory) == previous == manager.latest_checkpoint
+                and manager.checkpoint.save_counter == counter
+                and not list(directory.glob(".tmp-*"))
+            )
             check = torch.empty_like(w)
             Checkpoint(w=check).restore(previous).assert_consumed()
             intact = intact and bool(torch.all(check == saved_value))
@@ -314,8 +340,10 @@ def _disk_full(tmp_path: Path, fractions: list[float]) -> None:
             saved_value = float(trial + 1)
             ok += bool(named and intact and again == manager.latest_checkpoint)
     how = "a real tmpfs" if real else "simulated ENOSPC: no tmpfs could be mounted"
-    print(f"FAULT disk full ({how}): {len(fractions)} trials, {ok} gave a CheckpointError naming the file and "
-          "ENOSPC with the previous checkpoint intact and loadable, and a working save once space was back")
+    print(
+        f"FAULT disk full ({how}): {len(fractions)} trials, {ok} gave a CheckpointError naming the file and "
+        "ENOSPC with the previous checkpoint intact and loadable, and a working save once space was back"
+    )
     assert ok == len(fractions)
 
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import SCRIPTS, launch
 
 # ---------------------------------------------------------------- A.5: a metric built outside the scope
@@ -22,25 +21,37 @@ from helpers import SCRIPTS, launch
 def _metric_lines(out: str) -> dict[tuple[str, str], tuple[float, float, float]]:
     found = {}
     for worker, name, inside, outside, expected in re.findall(
-            r"\[worker (\d)\] METRIC (\w+) inside=(\S+) outside=(\S+) expected=(\S+)", out):
+        r"\[worker (\d)\] METRIC (\w+) inside=(\S+) outside=(\S+) expected=(\S+)", out
+    ):
         found[(worker, name)] = (float(inside), float(outside), float(expected))
     return found
 
 
 def _metric_outside_scope(workers: int, replicas: int) -> None:
-    code, out, seconds = launch("--workers", str(workers), str(SCRIPTS / "metric_outside_scope.py"),
-                                "--local-replicas", str(replicas), timeout=180)
+    code, out, seconds = launch(
+        "--workers",
+        str(workers),
+        str(SCRIPTS / "metric_outside_scope.py"),
+        "--local-replicas",
+        str(replicas),
+        timeout=180,
+    )
     assert code == 0, out
     lines = _metric_lines(out)
     metrics = {name for _, name in lines}
     assert len(metrics) == 8 and len(lines) == 8 * workers, out
-    right = sum(1 for inside, outside, expected in lines.values()
-                if abs(outside - expected) <= 1e-5 and abs(inside - expected) <= 1e-5)
+    right = sum(
+        1
+        for inside, outside, expected in lines.values()
+        if abs(outside - expected) <= 1e-5 and abs(inside - expected) <= 1e-5
+    )
     fits = re.findall(r"\[worker \d\] FIT mae=(\S+) expected=7.5", out)
     fit_right = sum(1 for v in fits if float(v) == 7.5)
-    print(f"FAULT metric built outside the scope (A.5): {workers} workers x {replicas} replicas, "
-          f"{len(metrics)} metric classes + fit(metrics=[...]): {right}/{len(lines)} metric results and "
-          f"{fit_right}/{len(fits)} fit results are the value over every worker ({seconds:.0f}s)")
+    print(
+        f"FAULT metric built outside the scope (A.5): {workers} workers x {replicas} replicas, "
+        f"{len(metrics)} metric classes + fit(metrics=[...]): {right}/{len(lines)} metric results and "
+        f"{fit_right}/{len(fits)} fit results are the value over every worker ({seconds:.0f}s)"
+    )
     assert right == len(lines) and fit_right == workers == len(fits)
     assert out.count("ALL OK") == workers
 
@@ -63,9 +74,13 @@ def test_a_metric_built_outside_the_scope_reports_the_value_over_every_worker_fu
 
 #: what every trial of tests/scripts/fit_short_data.py must report now
 EXPECTED = {
-    "fit_empty": "ValueError", "evaluate_empty": "ValueError", "predict_empty": "ValueError",
-    "fit_generator_steps_per_epoch_10_of_6": "warned", "fit_generator_3_epochs": "warned",
-    "fit_empty_on_later_pass_steps_per_epoch_10_of_6": "warned", "evaluate_iterator_steps_10_of_6": "warned",
+    "fit_empty": "ValueError",
+    "evaluate_empty": "ValueError",
+    "predict_empty": "ValueError",
+    "fit_generator_steps_per_epoch_10_of_6": "warned",
+    "fit_generator_3_epochs": "warned",
+    "fit_empty_on_later_pass_steps_per_epoch_10_of_6": "warned",
+    "evaluate_iterator_steps_10_of_6": "warned",
     "fit_dataset_fn_steps_per_epoch_10_of_2x3": "warned",
 }
 TRIAL = re.compile(r"TRIAL case=(\S+) strategy=(\S+) outcome=(\S+) epochs=(\S+) steps=(\d+) zero_epochs=(\S+)")
@@ -79,9 +94,11 @@ def _check_trials(out: str, label: str, seconds: float) -> None:
     errors = sum(1 for t in trials if t[2] == "ValueError")
     warned = sum(1 for t in trials if t[2] == "warned")
     short_fits = [t for t in trials if t[0].startswith("fit_") and t[2] == "warned"]
-    print(f"FAULT data shorter than asked (A.6), {label}: {len(trials)} trials, {errors} ValueError on empty "
-          f"data, {warned} warned once and stopped, {zero_epochs} epochs of zeros recorded, "
-          f"{len(wrong)} wrong ({seconds:.0f}s with start-up)")
+    print(
+        f"FAULT data shorter than asked (A.6), {label}: {len(trials)} trials, {errors} ValueError on empty "
+        f"data, {warned} warned once and stopped, {zero_epochs} epochs of zeros recorded, "
+        f"{len(wrong)} wrong ({seconds:.0f}s with start-up)"
+    )
     assert not wrong, wrong
     assert zero_epochs == 0
     assert all(t[3] == "[0]" and t[4] == "6" for t in short_fits), short_fits  # 6 real steps, then it stops
@@ -97,8 +114,12 @@ def test_fit_evaluate_predict_on_empty_or_exhausted_data_raise_or_warn_and_stop(
     one warning and training stops at the last real step (no epoch of zeros), under the default,
     mirrored and parameter-server strategies."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "fit_short_data.py"), "--strategies", "default,mirrored",
-                           "--ps"], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fit_short_data.py"), "--strategies", "default,mirrored", "--ps"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check_trials(proc.stdout, "default + mirrored + parameter servers", seconds)
@@ -107,8 +128,9 @@ def test_fit_evaluate_predict_on_empty_or_exhausted_data_raise_or_warn_and_stop(
 @pytest.mark.faults_full
 def test_on_two_workers_exhausted_data_stops_every_worker_at_the_same_step():
     """Both workers read the same one-shot data: each warns once and stops after the same 6 steps, none hangs."""
-    code, out, seconds = launch("--workers", "2", str(SCRIPTS / "fit_short_data.py"), "--strategies", "multi_worker",
-                                timeout=180)
+    code, out, seconds = launch(
+        "--workers", "2", str(SCRIPTS / "fit_short_data.py"), "--strategies", "multi_worker", timeout=180
+    )
     assert code == 0, out
     for worker in ("0", "1"):
         lines = "\n".join(line.split("] ", 1)[1] for line in out.splitlines() if line.startswith(f"[worker {worker}]"))

@@ -17,13 +17,13 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import pytest
-
 from cluster import netns
-from distrib.cluster.launch import free_ports
 from helpers import SCRIPTS
+
+from distrib.cluster.launch import free_ports
 
 TIMEOUT = 2.0  # every trial waits it out; 2 s is still many connect attempts (and ARP's 1 s probes) long
 SCRIPT = [sys.executable, str(SCRIPTS / "hosts_connect.py"), "--timeout", f"{TIMEOUT:g}"]
@@ -34,7 +34,7 @@ def tf_config(workers: Sequence[str], index: int) -> str:
     return json.dumps({"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": index}})
 
 
-def outcome(out: str) -> Optional[dict[str, str]]:
+def outcome(out: str) -> dict[str, str] | None:
     found = re.search(r"^CONNECT (.*)$", out, re.M)
     return dict(re.findall(r"(\w+)=(\S+)", found.group(1))) if found else None
 
@@ -52,8 +52,11 @@ def check_bounded(outs: Sequence[str]) -> float:
 def loopback_trial() -> float:
     """Worker 1 of 2 on this host; the chief's port is closed (nothing ever listens there)."""
     ports = free_ports(2)
-    env = {"TF_CONFIG": tf_config([f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"], 1),
-           "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    env = {
+        "TF_CONFIG": tf_config([f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"], 1),
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": ":".join(sys.path),
+    }
     result = subprocess.run(SCRIPT, capture_output=True, text=True, timeout=60, env=env)
     return check_bounded([result.stdout + result.stderr[-2000:]])
 
@@ -61,8 +64,10 @@ def loopback_trial() -> float:
 @pytest.mark.parametrize("trials", [1, pytest.param(5, marks=pytest.mark.faults_full)])
 def test_a_worker_whose_chief_never_listens_returns_within_the_timeout(trials):
     longest = [loopback_trial() for _ in range(trials)]
-    print(f"FAULT connect, chief's port closed (loopback): {trials} trials, {len(longest)} CollectiveError, "
-          f"longest {max(longest):.1f} s for a {TIMEOUT:g} s timeout")
+    print(
+        f"FAULT connect, chief's port closed (loopback): {trials} trials, {len(longest)} CollectiveError, "
+        f"longest {max(longest):.1f} s for a {TIMEOUT:g} s timeout"
+    )
     assert len(longest) == trials
 
 
@@ -71,31 +76,37 @@ SCENARIOS = {
     # (hosts made, the cluster's worker addresses, the hosts that run a worker: index in the cluster -> host)
     "chief's host runs nothing": (2, ["192.168.77.11:23456", "192.168.77.12:23456"], {1: 1}),
     "no host at the chief's address": (2, ["192.168.77.99:23456", "192.168.77.12:23456"], {1: 1}),
-    "a third host never starts": (3, ["192.168.77.11:23456", "192.168.77.12:23456", "192.168.77.13:23456"],
-                                  {0: 0, 1: 1}),
+    "a third host never starts": (
+        3,
+        ["192.168.77.11:23456", "192.168.77.12:23456", "192.168.77.13:23456"],
+        {0: 0, 1: 1},
+    ),
 }
 
 
 def hosts_trial(scenario: str) -> float:
     n, workers, started = SCENARIOS[scenario]
     with netns.Hosts(n) as hosts:
-        procs = [hosts.popen(host, SCRIPT, {"TF_CONFIG": tf_config(workers, index)})
-                 for index, host in started.items()]
+        procs = [hosts.popen(host, SCRIPT, {"TF_CONFIG": tf_config(workers, index)}) for index, host in started.items()]
         outs = [hosts.wait(proc, timeout=60)[1] for proc in procs]
     assert netns.leftovers() == [], netns.leftovers()
     return check_bounded(outs)
 
 
 # by default one trial of the scenario where the connect itself waits; every scenario, 5 trials, in faults.sh
-_CASES = [("no host at the chief's address", 1)] + [pytest.param(s, 5, marks=pytest.mark.faults_full) for s in SCENARIOS]
+_CASES = [("no host at the chief's address", 1)] + [
+    pytest.param(s, 5, marks=pytest.mark.faults_full) for s in SCENARIOS
+]
 
 
 @pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
 @pytest.mark.parametrize("scenario, trials", _CASES)
 def test_across_hosts_a_missing_peer_ends_the_connect_phase_within_the_timeout(scenario, trials):
     longest = [hosts_trial(scenario) for _ in range(trials)]
-    print(f"FAULT connect across hosts, {scenario}: {trials} trials, {len(longest)} CollectiveError on every "
-          f"started worker, longest {max(longest):.1f} s for a {TIMEOUT:g} s timeout")
+    print(
+        f"FAULT connect across hosts, {scenario}: {trials} trials, {len(longest)} CollectiveError on every "
+        f"started worker, longest {max(longest):.1f} s for a {TIMEOUT:g} s timeout"
+    )
     assert len(longest) == trials
 
 
@@ -104,8 +115,22 @@ TORCHRUN = shutil.which("torchrun")
 
 
 def torchrun(node_rank: int, master: str) -> list[str]:
-    return [TORCHRUN or "torchrun", "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
-            "--master-addr", master, "--master-port", "29533", str(SCRIPTS / "hosts_mw.py"), "--timeout", "30"]
+    return [
+        TORCHRUN or "torchrun",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        master,
+        "--master-port",
+        "29533",
+        str(SCRIPTS / "hosts_mw.py"),
+        "--timeout",
+        "30",
+    ]
 
 
 def interface_trial(fix: bool) -> str:
@@ -140,8 +165,10 @@ def test_a_host_that_cannot_tell_its_interface_is_refused_naming_gloo_socket_ifn
         assert "eth0" in out and "side0" in out, out  # it lists the candidates
         assert "could not join" not in out and "RESULT" not in out, out  # refused before any rendezvous
         refused += 1
-    print(f"FAULT interface, own name 127.0.1.1 and two networks: {trials} trials, {refused} refused naming "
-          "GLOO_SOCKET_IFNAME")
+    print(
+        f"FAULT interface, own name 127.0.1.1 and two networks: {trials} trials, {refused} refused naming "
+        "GLOO_SOCKET_IFNAME"
+    )
     assert refused == trials
 
 

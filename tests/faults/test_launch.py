@@ -14,7 +14,6 @@ import textwrap
 import time
 
 import pytest
-
 from helpers import alive, process_tree
 
 # the chief of a parameter-server cluster that ignores the polite signals and starts a process of its own:
@@ -31,8 +30,13 @@ STUBBORN_CHIEF = textwrap.dedent("""
 
 def _one_trial(script: str, sig: int) -> tuple[int, int, int]:
     """(launcher exit code, tasks and their children started, how many are alive after the launcher exited)."""
-    proc = subprocess.Popen([sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", "--ps", "1", script],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", "--ps", "1", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 120
@@ -71,9 +75,11 @@ def _signals(tmp_path, trials: int) -> None:
             codes.append(code)
             started += n
             survivors += alive
-        print(f"FAULT {signal.Signals(sig).name} to distrib launch (--workers 2 --ps 1, a chief ignoring it): "
-              f"{trials} trial(s), {started} processes started, {survivors} alive after the grace period, exit codes "
-              f"{sorted(set(codes))} (before: 10 of 10 tasks survived)")
+        print(
+            f"FAULT {signal.Signals(sig).name} to distrib launch (--workers 2 --ps 1, a chief ignoring it): "
+            f"{trials} trial(s), {started} processes started, {survivors} alive after the grace period, exit codes "
+            f"{sorted(set(codes))} (before: 10 of 10 tasks survived)"
+        )
         assert survivors == 0 and set(codes) == {expected}
 
 

@@ -9,7 +9,6 @@ its last work's tensors, which takes the GIL, while Python was finalizing. distr
 from __future__ import annotations
 
 import pytest
-
 from helpers import SCRIPTS, launch
 
 
@@ -21,8 +20,10 @@ def _clean_exits(trials: int) -> None:
             aborts += 1
         if code != 0 or out.count("] trained") != 2:
             failures.append(out[-1500:])
-    print(f"FAULT clean exit of a correct 2-worker job: {trials} runs, {aborts} aborts, "
-          f"{len(failures)} non-zero exits (before: 3 aborts in 15 runs)")
+    print(
+        f"FAULT clean exit of a correct 2-worker job: {trials} runs, {aborts} aborts, "
+        f"{len(failures)} non-zero exits (before: 3 aborts in 15 runs)"
+    )
     assert aborts == 0 and not failures, failures[:1]
 
 

@@ -18,8 +18,8 @@ import sys
 import time
 
 import pytest
-
 from cluster import netns
+
 from distrib.cluster.launch import free_ports
 
 TIMEOUT = 3
@@ -47,8 +47,9 @@ def chief_in_a_namespace_with_no_host() -> tuple[str, float]:
         nobody = f"{hosts.subnet}.99"  # hosts are .11 and up: nothing answers ARP for .99
         workers = [f"{nobody}:{ports[0]}", f"{hosts[0].address}:{ports[1]}"]
         start = time.monotonic()
-        proc = hosts.popen(0, [sys.executable, "-c", SCRIPT],
-                           {"TF_CONFIG": tf_config(workers, 1), "PYTHONPATH": ":".join(sys.path)})
+        proc = hosts.popen(
+            0, [sys.executable, "-c", SCRIPT], {"TF_CONFIG": tf_config(workers, 1), "PYTHONPATH": ":".join(sys.path)}
+        )
         code, out = hosts.wait(proc, timeout=60)
         elapsed = time.monotonic() - start
     assert netns.leftovers() == [], netns.leftovers()
@@ -59,23 +60,38 @@ def chief_on_loopback_without_its_worker() -> tuple[str, float]:
     """The chief (worker 0) on loopback; worker 1 never comes."""
     ports = free_ports(2)
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60,
-                            env={"TF_CONFIG": tf_config([f"127.0.0.1:{p}" for p in ports], 0),
-                                 "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "TF_CONFIG": tf_config([f"127.0.0.1:{p}" for p in ports], 0),
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": ":".join(sys.path),
+        },
+    )
     return result.stdout + result.stderr[-2000:], time.monotonic() - start
 
 
-@pytest.mark.parametrize("case, trial", [
-    pytest.param("the chief never comes (an address no host has, in a network namespace)",
-                 chief_in_a_namespace_with_no_host, marks=pytest.mark.skipif(NETNS is not None, reason=NETNS or "")),
-    ("the chief waits for a worker that never comes", chief_on_loopback_without_its_worker),
-])
+@pytest.mark.parametrize(
+    "case, trial",
+    [
+        pytest.param(
+            "the chief never comes (an address no host has, in a network namespace)",
+            chief_in_a_namespace_with_no_host,
+            marks=pytest.mark.skipif(NETNS is not None, reason=NETNS or ""),
+        ),
+        ("the chief waits for a worker that never comes", chief_on_loopback_without_its_worker),
+    ],
+)
 def test_joining_without_the_peer_fails_within_the_timeout(case, trial):
     out, elapsed = trial()
     found = re.search(r"ERROR after ([\d.]+)s: worker \d could not join the 2-worker cluster", out)
     assert found, out[-4000:]
-    print(f"FAULT rendezvous, {case}: timeout {TIMEOUT} s, error after {found.group(1)} s "
-          f"({elapsed:.1f} s with start-up)")
+    print(
+        f"FAULT rendezvous, {case}: timeout {TIMEOUT} s, error after {found.group(1)} s ({elapsed:.1f} s with start-up)"
+    )
     # the timeout, plus the 2 s left for torch's own, finer error, plus room for a loaded 2-core machine (6.1 s was
     # seen at load 7); a wrong bound (the 30 s default, or none) would still fail
     assert float(found.group(1)) < 3 * TIMEOUT

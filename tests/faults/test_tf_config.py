@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -33,24 +33,81 @@ ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]|[A-Za-z0-9_.-]+):(
 
 BASES: list[dict] = [
     {"cluster": {"worker": ["localhost:12345", "localhost:23456"]}, "task": {"type": "worker", "index": 0}},
-    {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 1}},
-    {"cluster": {"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222"], "ps": ["10.0.0.3:2222", "10.0.0.4:2222"]},
-     "task": {"type": "ps", "index": 1}, "rpc_layer": "grpc"},
-    {"cluster": {"worker": {"0": "w0.example.com:2222", "3": "w3.example.com:2222"}, "ps": ["[::1]:2222"]},
-     "task": {"type": "worker", "index": "3"}},
+    {
+        "cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]},
+        "task": {"type": "worker", "index": 1},
+    },
+    {
+        "cluster": {"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222"], "ps": ["10.0.0.3:2222", "10.0.0.4:2222"]},
+        "task": {"type": "ps", "index": 1},
+        "rpc_layer": "grpc",
+    },
+    {
+        "cluster": {"worker": {"0": "w0.example.com:2222", "3": "w3.example.com:2222"}, "ps": ["[::1]:2222"]},
+        "task": {"type": "worker", "index": "3"},
+    },
 ]
-JUNK: list[Any] = [None, True, False, -1, 0, 1, 2, 1.5, 1e308, "1", " 2", "", " ", "x", "\u0663", "1e3", "NaN", [], {},
-                   [1], {"a": 1}, 10**20, "worker", "localhost:1", ["h:1"]]
-TYPOS = {"index": ["idx", "Index", "indx", "index "], "type": ["typ", "Type", "tpye", "kind"],
-         "cluster": ["clusters", "Cluster", "clustr"], "task": ["tasks", "Task"], "worker": ["workers", "wroker", "Worker"],
-         "chief": ["chef", "master"], "ps": ["PS", "pss"], "rpc_layer": ["rpc", "rpclayer"]}
+JUNK: list[Any] = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    1,
+    2,
+    1.5,
+    1e308,
+    "1",
+    " 2",
+    "",
+    " ",
+    "x",
+    "\u0663",
+    "1e3",
+    "NaN",
+    [],
+    {},
+    [1],
+    {"a": 1},
+    10**20,
+    "worker",
+    "localhost:1",
+    ["h:1"],
+]
+TYPOS = {
+    "index": ["idx", "Index", "indx", "index "],
+    "type": ["typ", "Type", "tpye", "kind"],
+    "cluster": ["clusters", "Cluster", "clustr"],
+    "task": ["tasks", "Task"],
+    "worker": ["workers", "wroker", "Worker"],
+    "chief": ["chef", "master"],
+    "ps": ["PS", "pss"],
+    "rpc_layer": ["rpc", "rpclayer"],
+}
 HOST_EDITS = [
-    lambda a: a.replace(":", " :", 1), lambda a: " " + a, lambda a: ":" + a.rpartition(":")[2], lambda a: a.rpartition(":")[0],
-    lambda a: a + "0", lambda a: a.rpartition(":")[0] + ":0", lambda a: a.rpartition(":")[0] + ":65536",
-    lambda a: a.rpartition(":")[0] + ":-1", lambda a: a + "a", lambda a: "grpc://" + a, lambda a: a.replace("o", "\u00f6"),
-    lambda a: "::1:2222", lambda a: "[::1]:2222", lambda a: a.upper(), lambda a: a.replace(".", "..", 1),
-    lambda a: "a_b-c.d:1", lambda a: a.replace(":", "\t:"), lambda a: "h/x:1", lambda a: a + "\n", lambda a: "",
-    lambda a: "-" + a, lambda a: "999.1.1.1:80", lambda a: a.replace(":", "::"),
+    lambda a: a.replace(":", " :", 1),
+    lambda a: " " + a,
+    lambda a: ":" + a.rpartition(":")[2],
+    lambda a: a.rpartition(":")[0],
+    lambda a: a + "0",
+    lambda a: a.rpartition(":")[0] + ":0",
+    lambda a: a.rpartition(":")[0] + ":65536",
+    lambda a: a.rpartition(":")[0] + ":-1",
+    lambda a: a + "a",
+    lambda a: "grpc://" + a,
+    lambda a: a.replace("o", "\u00f6"),
+    lambda a: "::1:2222",
+    lambda a: "[::1]:2222",
+    lambda a: a.upper(),
+    lambda a: a.replace(".", "..", 1),
+    lambda a: "a_b-c.d:1",
+    lambda a: a.replace(":", "\t:"),
+    lambda a: "h/x:1",
+    lambda a: a + "\n",
+    lambda a: "",
+    lambda a: "-" + a,
+    lambda a: "999.1.1.1:80",
+    lambda a: a.replace(":", "::"),
 ]
 SPARSE_KEYS = ["0", "1", "2", "3", "-1", "a", "01", "1.0", " 1", "00", "", "\u0663"]
 
@@ -89,7 +146,9 @@ def mutate(rng: random.Random) -> str:
             p = rng.choice(paths)
             _parent(config, p)[p[-1]] = copy.deepcopy(rng.choice(JUNK))
         elif op == 2:  # edit a host:port
-            addresses = [p for p in paths if isinstance(_parent(config, p)[p[-1]], str) and ":" in _parent(config, p)[p[-1]]]
+            addresses = [
+                p for p in paths if isinstance(_parent(config, p)[p[-1]], str) and ":" in _parent(config, p)[p[-1]]
+            ]
             if addresses:
                 p = rng.choice(addresses)
                 _parent(config, p)[p[-1]] = rng.choice(HOST_EDITS)(_parent(config, p)[p[-1]])
@@ -117,13 +176,15 @@ def mutate(rng: random.Random) -> str:
             config[rng.choice(["rpc_layer", "environment"])] = rng.choice(["grpc", "cloud", ""])
         else:  # duplicate a JSON key (json.dumps cannot write one: edit the text)
             text = json.dumps(config)
-            return text.replace('"task": {', '"task": {"index": 1, ', 1) if rng.random() < 0.5 else \
-                text.replace("{", '{"cluster": {}, ', 1)
+            return (
+                text.replace('"task": {', '"task": {"index": 1, ', 1)
+                if rng.random() < 0.5
+                else text.replace("{", '{"cluster": {}, ', 1)
+            )
     text = json.dumps(config, ensure_ascii=rng.random() < 0.5)
     if rng.random() < 0.2 and text:  # a character edit
         i = rng.randrange(len(text))
-        text = rng.choice([text[:i] + text[i + 1:], text[:i] + rng.choice(' "{}[]:,0a\\\u00e9') + text[i:],
-                           text[:i]])
+        text = rng.choice([text[:i] + text[i + 1 :], text[:i] + rng.choice(' "{}[]:,0a\\\u00e9') + text[i:], text[:i]])
     return text
 
 
@@ -134,6 +195,7 @@ def _duplicates(text: str) -> bool:
         keys = [k for k, _ in pairs]
         found.extend(k for k in keys if keys.count(k) > 1)
         return dict(pairs)
+
     try:
         json.loads(text, object_pairs_hook=hook)
     except Exception:
@@ -141,7 +203,7 @@ def _duplicates(text: str) -> bool:
     return bool(found)
 
 
-def invalid_reason(text: str, resolver: Any) -> Optional[str]:
+def invalid_reason(text: str, resolver: Any) -> str | None:
     """Why an accepted TF_CONFIG is not a valid cluster (independently of the parser), or None."""
     if not text.strip():
         return None if not resolver.cluster_spec() and resolver.task_type is None else "blank TF_CONFIG gave a cluster"
@@ -208,24 +270,31 @@ def run_trials(seed: int, trials: int) -> dict:
 
 
 def fuzz(seed: int, trials: int) -> None:
-    child = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_tf_config as t; "
-             f"print('RESULT ' + json.dumps(t.run_trials({seed}, {trials})))")
+    child = (
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_tf_config as t; "
+        f"print('RESULT ' + json.dumps(t.run_trials({seed}, {trials})))"
+    )
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60 + trials)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stdout + proc.stderr
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     c = result["counts"]
-    print(f"FAULT malformed TF_CONFIG fuzz: {trials} trials, {c['valid']} parsed to a valid cluster, "
-          f"{c['refused']} refused with TFConfigError naming the field, {c['other']} other exceptions, "
-          f"{c['accepted_invalid']} invalid accepted, {c['hang']} hangs")
+    print(
+        f"FAULT malformed TF_CONFIG fuzz: {trials} trials, {c['valid']} parsed to a valid cluster, "
+        f"{c['refused']} refused with TFConfigError naming the field, {c['other']} other exceptions, "
+        f"{c['accepted_invalid']} invalid accepted, {c['hang']} hangs"
+    )
     assert c["valid"] + c["refused"] == trials, result["failures"][:5]
     assert c["valid"] and c["refused"]  # the mutations reach both outcomes
 
 
-@pytest.mark.parametrize("seed, trials", [
-    (10, 30),
-    pytest.param(0, 300, marks=pytest.mark.faults_full),
-])
+@pytest.mark.parametrize(
+    "seed, trials",
+    [
+        (10, 30),
+        pytest.param(0, 300, marks=pytest.mark.faults_full),
+    ],
+)
 def test_fuzzed_tf_config_parses_to_a_valid_cluster_or_raises_tf_config_error(seed, trials):
     fuzz(seed, trials)
 
@@ -234,17 +303,28 @@ CLUSTER = {"worker": ["127.0.0.1:{0}", "127.0.0.1:{1}"]}
 # each used to end in a rendezvous timeout (or two workers both taking index 0)
 REAL_CASES = [
     ({"cluster": CLUSTER, "task": {"type": "worker", "idx": "{i}"}}, "'task.idx' is not a known key"),
-    ({"cluster": {"worker": ["127.0.0.1:{0}", "127.0.0.1 :{1}"]}, "task": {"type": "worker", "index": "{i}"}},
-     "cluster.worker[1]"),
-    ({"cluster": {"worker": {"0": "127.0.0.1:{0}", "-1": "127.0.0.1:{1}"}}, "task": {"type": "worker", "index": "{i}"}},
-     "'cluster.worker': the task index '-1'"),
+    (
+        {"cluster": {"worker": ["127.0.0.1:{0}", "127.0.0.1 :{1}"]}, "task": {"type": "worker", "index": "{i}"}},
+        "cluster.worker[1]",
+    ),
+    (
+        {
+            "cluster": {"worker": {"0": "127.0.0.1:{0}", "-1": "127.0.0.1:{1}"}},
+            "task": {"type": "worker", "index": "{i}"},
+        },
+        "'cluster.worker': the task index '-1'",
+    ),
     ({"cluster": {"wroker": CLUSTER["worker"]}, "task": {"type": "worker", "index": "{i}"}}, "'cluster.wroker'"),
     ({"cluster": {"worker": ["127.0.0.1:{0}", ":{1}"]}, "task": {"type": "worker", "index": "{i}"}}, "an empty host"),
     ({"cluster": CLUSTER, "task": {"type": "worker", "index": "{i}", "rank": "{i}"}}, "'task.rank' is not a known key"),
-    ({"cluster": {"worker": ["127.0.0.1:{0}", "127.0.0.1:{0}"]}, "task": {"type": "worker", "index": "{i}"}},
-     "is also used by"),
-    ({"cluster": {"worker": ["127.0.0.1:{0}", "127.0.0.1:{1}"]}, "task": {"type": "worker", "index": "{i}{i}"}},
-     "'task.index'"),
+    (
+        {"cluster": {"worker": ["127.0.0.1:{0}", "127.0.0.1:{0}"]}, "task": {"type": "worker", "index": "{i}"}},
+        "is also used by",
+    ),
+    (
+        {"cluster": {"worker": ["127.0.0.1:{0}", "127.0.0.1:{1}"]}, "task": {"type": "worker", "index": "{i}{i}"}},
+        "'task.index'",
+    ),
 ]
 
 
@@ -261,9 +341,16 @@ def real_workers(cases: list) -> None:
                 text = json.dumps(template).replace("{0}", str(ports[0])).replace("{1}", str(ports[1]))
                 text = text.replace('"{i}{i}"', str(i + 5)).replace('"{i}"', str(i))
                 env = {**os.environ, "TF_CONFIG": text}
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-c", "import distrib as ds; ds.MultiWorkerMirroredStrategy()"], env=env,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", "import distrib as ds; ds.MultiWorkerMirroredStrategy()"],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
             outs = []
             for p in procs:
                 try:
@@ -282,14 +369,19 @@ def real_workers(cases: list) -> None:
                 refused += 1
             else:
                 print(f"not refused ({field!r}, {time.monotonic() - start:.0f} s):\n{out[-2000:]}")
-    print(f"FAULT malformed TF_CONFIG in real workers: {len(cases)} configs x 2 workers, {refused} workers refused "
-          f"with TFConfigError naming the field, {hangs} hangs")
+    print(
+        f"FAULT malformed TF_CONFIG in real workers: {len(cases)} configs x 2 workers, {refused} workers refused "
+        f"with TFConfigError naming the field, {hangs} hangs"
+    )
     assert refused == 2 * len(cases) and hangs == 0
 
 
-@pytest.mark.parametrize("cases", [
-    REAL_CASES[:3],
-    pytest.param(REAL_CASES, marks=pytest.mark.faults_full),
-])
+@pytest.mark.parametrize(
+    "cases",
+    [
+        REAL_CASES[:3],
+        pytest.param(REAL_CASES, marks=pytest.mark.faults_full),
+    ],
+)
 def test_workers_with_a_malformed_tf_config_stop_at_once_with_tf_config_error(cases):
     real_workers(cases)

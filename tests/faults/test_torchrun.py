@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import SCRIPTS
 from scripts.torchrun_processes import clean_env, run_job
 
@@ -32,8 +31,12 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def reference(tmp_path_factory) -> list[torch.Tensor]:
     """The uninterrupted run: one plain process, no cluster."""
     directory = tmp_path_factory.mktemp("reference")
-    code, out, _ = run_job([sys.executable, str(SCRIPTS / "resize_train.py"), "--out", str(directory / "out"),
-                            "--epochs", EPOCHS], directory / "log", timeout=120, env=clean_env())
+    code, out, _ = run_job(
+        [sys.executable, str(SCRIPTS / "resize_train.py"), "--out", str(directory / "out"), "--epochs", EPOCHS],
+        directory / "log",
+        timeout=120,
+        env=clean_env(),
+    )
     assert code == 0, out
     return torch.load(directory / "out")
 
@@ -41,10 +44,30 @@ def reference(tmp_path_factory) -> list[torch.Tensor]:
 def restart_run(directory: Path, die_rank: int, reference: list[torch.Tensor]) -> tuple[bool, str]:
     """One torchrun job whose rank ``die_rank`` is killed once: ``(ok, why not)``."""
     directory.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           str(SCRIPTS / "resize_train.py"), "--out", str(directory / "out"), "--checkpoint-dir",
-           str(directory / "ckpt"), "--epochs", EPOCHS, "--die-at", DIE_AT, "--die-rank", str(die_rank),
-           "--die-once", str(directory / "died"), "--all-ranks", "--timeout", "30"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        str(SCRIPTS / "resize_train.py"),
+        "--out",
+        str(directory / "out"),
+        "--checkpoint-dir",
+        str(directory / "ckpt"),
+        "--epochs",
+        EPOCHS,
+        "--die-at",
+        DIE_AT,
+        "--die-rank",
+        str(die_rank),
+        "--die-once",
+        str(directory / "died"),
+        "--all-ranks",
+        "--timeout",
+        "30",
+    ]
     code, out, left = run_job(cmd, directory / "log", timeout=150, env=clean_env())
     if code != 0:
         return False, f"exit code {code}:\n{out[-3000:]}"

@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SCRIPTS, launch
 from torch import nn
 
 import distrib as ds
-from helpers import SCRIPTS, launch
 
 
 def _mnist_like(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,8 +50,10 @@ def test_a_loss_averaged_per_replica():
         wrong = _train(ds.MirroredStrategy(["cpu:0", "cpu:1"]), mean_loss=True)
     difference = max(float((a - b).abs().max()) for a, b in zip(right, wrong))
     warned = sum(issubclass(w.category, ds.UnscaledLossWarning) for w in caught)
-    print(f"FAULT A.1 loss averaged per replica on 2 replicas: weights off by {difference:.3f} after 5 steps "
-          f"(before: 0.197 in a pytorch/examples MNIST port, no warning); now {warned} UnscaledLossWarning")
+    print(
+        f"FAULT A.1 loss averaged per replica on 2 replicas: weights off by {difference:.3f} after 5 steps "
+        f"(before: 0.197 in a pytorch/examples MNIST port, no warning); now {warned} UnscaledLossWarning"
+    )
     assert difference > 1e-3 and warned == 1
 
 
@@ -74,9 +76,11 @@ def test_an_optimizer_built_outside_the_scope(model_inside):
         for batch in strategy.experimental_distribute_dataset(_mnist_like()):
             strategy.run(step, args=batch)
     unchanged = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
-    print(f"FAULT A.2 optimizer outside the scope (model {'inside' if model_inside else 'outside'}): "
-          f"RuntimeError at the first step, parameters unchanged: {unchanged} (before: drift of 0.042 after 3 "
-          f"steps, silently): {str(raised.value)[:80]}")
+    print(
+        f"FAULT A.2 optimizer outside the scope (model {'inside' if model_inside else 'outside'}): "
+        f"RuntimeError at the first step, parameters unchanged: {unchanged} (before: drift of 0.042 after 3 "
+        f"steps, silently): {str(raised.value)[:80]}"
+    )
     assert unchanged
 
 
@@ -90,10 +94,19 @@ def test_len_of_a_per_replica_value_and_a_sampler_split_twice():
 def test_mismatches_across_workers_and_a_distributed_sampler():
     code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_mismatch.py"), timeout=120)
     assert code == 0, out
-    cases = ["reduce shapes", "reduce dtypes", "gather shapes", "model differs", "dataset ends early",
-             "different global batches", "DistributedSampler"]
+    cases = [
+        "reduce shapes",
+        "reduce dtypes",
+        "gather shapes",
+        "model differs",
+        "dataset ends early",
+        "different global batches",
+        "DistributedSampler",
+    ]
     errors = sum(out.count(f"] OK {case}: ") for case in cases)
-    print(f"FAULT A.3/A.7 mismatches between 2 workers: {len(cases)} cases x 2 workers, {errors} errors naming the "
-          "mismatch, 0 aborts, 0 hangs (before: gloo abort, exit 134, or garbage on the other worker; "
-          "a DistributedSampler trained on half the data)")
+    print(
+        f"FAULT A.3/A.7 mismatches between 2 workers: {len(cases)} cases x 2 workers, {errors} errors naming the "
+        "mismatch, 0 aborts, 0 hangs (before: gloo abort, exit 134, or garbage on the other worker; "
+        "a DistributedSampler trained on half the data)"
+    )
     assert errors == 2 * len(cases) and "WRONG" not in out

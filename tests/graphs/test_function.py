@@ -158,9 +158,14 @@ def test_a_state_load_is_counted_so_that_its_graphs_are_dropped():
 def test_a_new_signature_is_a_new_trace_and_python_arguments_count_by_value():
     from distrib.graphs.signature import flatten_inputs
 
-    calls = [((torch.ones(4), True), {}), ((torch.zeros(4), True), {}), ((torch.ones(4), False), {}),
-             ((torch.ones(3), True), {}), ((torch.ones(4, dtype=torch.float64), True), {}),
-             ((torch.ones(4),), {"training": True})]
+    calls = [
+        ((torch.ones(4), True), {}),
+        ((torch.zeros(4), True), {}),
+        ((torch.ones(4), False), {}),
+        ((torch.ones(3), True), {}),
+        ((torch.ones(4, dtype=torch.float64), True), {}),
+        ((torch.ones(4),), {"training": True}),
+    ]
     keys = [flatten_inputs(args, kwargs).key for args, kwargs in calls]
     assert keys[0] == keys[1]  # other values: the same graph
     assert len(set(keys)) == 5  # a Python value, a shape, a dtype, a keyword: each a new one
@@ -168,7 +173,8 @@ def test_a_new_signature_is_a_new_trace_and_python_arguments_count_by_value():
 
 def test_strategies_say_why_they_cannot_be_captured():
     assert ds.OneDeviceStrategy("cpu").graph_capture_blocker == (
-        "OneDeviceStrategy computes on cpu, and CUDA graphs need a CUDA device")
+        "OneDeviceStrategy computes on cpu, and CUDA graphs need a CUDA device"
+    )
     assert "runs 2 replicas" in ds.MirroredStrategy(["cpu:0", "cpu:1"]).graph_capture_blocker
     assert ds.get_strategy().graph_capture_blocker is None  # the default: wherever the tensors are
 

@@ -18,11 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-
+from helpers import SCRIPTS, launch
 from torch.utils.data.distributed import DistributedSampler
 
 import distrib as ds
-from helpers import SCRIPTS, launch
 
 SCRIPT = SCRIPTS / "input_loader_workers.py"
 if str(SCRIPTS) not in sys.path:  # importable by name: spawned loader processes unpickle its dataset by reference
@@ -81,8 +80,16 @@ def test_loader_processes_in_one_process(name, num_workers, persistent):
     dist = strategy.experimental_distribute_dataset(data)
     epochs = []
     for _ in range(2):  # replica threads train between batches; non-persistent loaders fork anew each epoch
-        epochs.append([[i for part in strategy.experimental_local_results(strategy.run(step, args=(b,)))
-                        for i in part.tolist()] for b in dist])
+        epochs.append(
+            [
+                [
+                    i
+                    for part in strategy.experimental_local_results(strategy.run(step, args=(b,)))
+                    for i in part.tolist()
+                ]
+                for b in dist
+            ]
+        )
     assert epochs == reference(num_workers, persistent)
     per_worker = strategy.distribute_datasets_from_function(lambda ctx: loader(num_workers, persistent))
     local = [strategy.experimental_local_results(b) for b in per_worker]  # replicas take consecutive batches
@@ -100,15 +107,17 @@ def test_loader_processes_on_two_workers(tmp_path, kind):
         case, expected = f"{policy}-{w}-{p}", reference(w, p)
         for epoch in range(2):
             if policy == "auto":  # the union of the workers' parts is the global batch, in order
-                got = [results[0][case][epoch][step] + results[1][case][epoch][step]
-                       for step in range(len(results[0][case][epoch]))]
+                got = [
+                    results[0][case][epoch][step] + results[1][case][epoch][step]
+                    for step in range(len(results[0][case][epoch]))
+                ]
                 assert got == expected[epoch], case
             else:  # each worker reads its DistributedSampler's share in the sampler's seeded order
                 for worker in range(2):
                     sampler = DistributedSampler(script.Squares(), 2, worker, seed=5)
                     sampler.set_epoch(epoch)
                     order = list(sampler)
-                    assert results[worker][case][epoch] == [order[i:i + 2] for i in range(0, len(order), 2)], case
+                    assert results[worker][case][epoch] == [order[i : i + 2] for i in range(0, len(order), 2)], case
     assert [r["children_left"] for r in results] == [0, 0]
 
 
@@ -123,8 +132,9 @@ def test_loader_processes_under_parameter_servers(num_workers, persistent):
         with strategy.scope():
             model = torch.nn.Linear(2, 1)
         coordinator = ds.coordinator.ClusterCoordinator(strategy)
-        iterator = iter(coordinator.create_per_worker_dataset(
-            lambda ctx: loader(num_workers, persistent, context="forkserver")))
+        iterator = iter(
+            coordinator.create_per_worker_dataset(lambda ctx: loader(num_workers, persistent, context="forkserver"))
+        )
 
         def step(it: Any) -> torch.Tensor:
             x, y = next(it)

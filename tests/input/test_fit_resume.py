@@ -11,7 +11,6 @@ workers (56 examples) instead of all 10 on every worker (240).
 from __future__ import annotations
 
 import torch
-
 from helpers import SCRIPTS, launch
 
 SCRIPT = str(SCRIPTS / "input_fit_resume.py")

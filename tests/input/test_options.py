@@ -4,7 +4,8 @@ CPU (where there is nothing to overlap, so nothing is read ahead), and ``distrib
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,11 +26,14 @@ def test_tf_s_names_values_and_defaults():
     assert ds.InputOptions(experimental_auto_shard_policy=2).experimental_auto_shard_policy is ds.AutoShardPolicy.DATA
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"experimental_place_dataset_on_device": True, "experimental_fetch_to_device": True}, "cannot both be set"),
-    ({"experimental_place_dataset_on_device": True}, "needs experimental_replication_mode"),
-    ({"experimental_per_replica_buffer_size": -1}, "use 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"experimental_place_dataset_on_device": True, "experimental_fetch_to_device": True}, "cannot both be set"),
+        ({"experimental_place_dataset_on_device": True}, "needs experimental_replication_mode"),
+        ({"experimental_per_replica_buffer_size": -1}, "use 0"),
+    ],
+)
 def test_contradictory_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ds.InputOptions(**kwargs)
@@ -42,10 +46,12 @@ def test_options_of_another_type_and_policies_without_a_dataloader_meaning_are_r
     for policy in (ds.AutoShardPolicy.FILE, ds.AutoShardPolicy.HINT):
         with pytest.raises(ValueError, match="no DataLoader counterpart"):
             strategy.experimental_distribute_dataset(
-                [torch.ones(2)], ds.InputOptions(experimental_auto_shard_policy=policy))
+                [torch.ones(2)], ds.InputOptions(experimental_auto_shard_policy=policy)
+            )
     with pytest.raises(ValueError, match="for distribute_datasets_from_function"):
         strategy.experimental_distribute_dataset(
-            [torch.ones(2)], ds.InputOptions(experimental_replication_mode=ds.InputReplicationMode.PER_REPLICA))
+            [torch.ones(2)], ds.InputOptions(experimental_replication_mode=ds.InputReplicationMode.PER_REPLICA)
+        )
 
 
 def test_one_worker_never_shards_and_never_warns(recwarn):
@@ -75,8 +81,11 @@ class Counting:
 def test_on_the_cpu_nothing_is_read_ahead_whatever_the_buffer(fetch):
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     data = Counting(3)
-    it = iter(strategy.experimental_distribute_dataset(data, ds.InputOptions(
-        experimental_fetch_to_device=fetch, experimental_per_replica_buffer_size=4)))
+    it = iter(
+        strategy.experimental_distribute_dataset(
+            data, ds.InputOptions(experimental_fetch_to_device=fetch, experimental_per_replica_buffer_size=4)
+        )
+    )
     first = next(it)
     assert data.read == 1  # no prefetch: no copy to overlap on the CPU
     assert [v.tolist() for v in first.values] == [[0.0], [1.0]]
@@ -114,9 +123,12 @@ def test_per_replica_pipelines_one_per_replica_with_replica_contexts():
         return [torch.full((2,), float(ctx.input_pipeline_id))] * (ctx.input_pipeline_id + 2)
 
     dist = strategy.distribute_datasets_from_function(
-        dataset_fn, ds.InputOptions(experimental_replication_mode=ds.InputReplicationMode.PER_REPLICA))
+        dataset_fn, ds.InputOptions(experimental_replication_mode=ds.InputReplicationMode.PER_REPLICA)
+    )
     assert [(c.num_input_pipelines, c.input_pipeline_id, c.num_replicas_in_sync) for c in contexts] == [
-        (2, 0, 2), (2, 1, 2)]
+        (2, 0, 2),
+        (2, 1, 2),
+    ]
     assert len(dist) == 3
     steps = [[v.tolist() for v in strategy.experimental_local_results(x)] for x in dist]
     # replica 0's pipeline has 2 batches, replica 1's 3: replica 0 gets an empty batch at the last step
@@ -133,11 +145,17 @@ def test_a_pipeline_placed_on_its_device_is_built_and_read_there():
         def batches() -> Iterator[torch.Tensor]:
             seen.append(("read", ctx.input_pipeline_id, torch.get_default_device()))
             yield torch.ones(1)
+
         return batches()
 
-    options = ds.InputOptions(experimental_replication_mode=ds.InputReplicationMode.PER_REPLICA,
-                              experimental_place_dataset_on_device=True)
+    options = ds.InputOptions(
+        experimental_replication_mode=ds.InputReplicationMode.PER_REPLICA, experimental_place_dataset_on_device=True
+    )
     list(strategy.distribute_datasets_from_function(dataset_fn, options))
-    assert seen == [("built", 0, torch.device("cpu", 0)), ("built", 1, torch.device("cpu", 1)),
-                    ("read", 0, torch.device("cpu", 0)), ("read", 1, torch.device("cpu", 1))]
+    assert seen == [
+        ("built", 0, torch.device("cpu", 0)),
+        ("built", 1, torch.device("cpu", 1)),
+        ("read", 0, torch.device("cpu", 0)),
+        ("read", 1, torch.device("cpu", 1)),
+    ]
     assert torch.get_default_device() == torch.device("cpu")

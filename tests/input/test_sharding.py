@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from helpers import SCRIPTS, launch
 
 from distrib.input import split_batch
@@ -50,7 +49,9 @@ def run(request, tmp_path_factory) -> tuple[int, list[dict[str, Any]], Path]:
 
 def calls(out: Path, case: str, worker: int) -> collections.Counter[int]:
     path = out / f"{case}-w{worker}.calls"
-    return collections.Counter(int(line) for line in path.read_text().split()) if path.exists() else collections.Counter()
+    return (
+        collections.Counter(int(line) for line in path.read_text().split()) if path.exists() else collections.Counter()
+    )
 
 
 @pytest.mark.parametrize("case", list(workers_script.CASES))
@@ -67,7 +68,10 @@ def test_workers_load_only_their_share_and_together_make_one_process_s_batches(r
             assert len(got) == len(batches)
             for step, (global_batch, parts) in enumerate(zip(batches, got)):
                 # this worker's replicas hold exactly what splitting the whole batch gives them (empty included)
-                want = [p.tolist() for p in split_batch(torch.tensor(global_batch), total)[w * replicas:(w + 1) * replicas]]
+                want = [
+                    p.tolist()
+                    for p in split_batch(torch.tensor(global_batch), total)[w * replicas : (w + 1) * replicas]
+                ]
                 assert parts == want, (case, w, epoch, step)
                 own.update(i for p in parts for i in p)
         # __getitem__ ran once for each example of this worker's parts, and for nothing else
@@ -93,20 +97,25 @@ def test_a_resumed_run_sees_the_uninterrupted_batches_and_loads_none_it_skips(ru
     3 workers, are each the uninterrupted one-process batches: so a job stopped after 4 steps on either number of
     workers and resumed on either other one continues exactly where it stopped."""
     workers, results, out = run
-    loader = torch.utils.data.DataLoader(workers_script.Counted(), batch_size=6, shuffle=True,
-                                         generator=workers_script.seeded(3))
+    loader = torch.utils.data.DataLoader(
+        workers_script.Counted(), batch_size=6, shuffle=True, generator=workers_script.seeded(3)
+    )
     # one process, uninterrupted, cycling over epochs (each epoch reshuffles): 13 global batches
-    uninterrupted = [b[1].tolist() for b in itertools.islice(itertools.chain.from_iterable(
-        iter(loader) for _ in range(4)), 13)]
+    uninterrupted = [
+        b[1].tolist() for b in itertools.islice(itertools.chain.from_iterable(iter(loader) for _ in range(4)), 13)
+    ]
     for start, first in ((0, 0), (4, 4)):
-        steps = [[i for w in range(workers) for i in results[w][f"resume{start}"][k][0]]
-                 for k in range(len(results[0][f"resume{start}"]))]
-        assert steps == uninterrupted[first:first + len(steps)]
+        steps = [
+            [i for w in range(workers) for i in results[w][f"resume{start}"][k][0]]
+            for k in range(len(results[0][f"resume{start}"]))
+        ]
+        assert steps == uninterrupted[first : first + len(steps)]
         for w in range(workers):  # fit's global batch size is the whole batch's, on every worker
             assert [n for _, n in results[w][f"resume{start}"]] == [len(b) for b in steps]
             # the 4 skipped batches were drawn, never loaded: this worker read exactly its resumed parts
             assert calls(out, f"resume{start}", w) == collections.Counter(
-                i for part, _ in results[w][f"resume{start}"] for i in part)
+                i for part, _ in results[w][f"resume{start}"] for i in part
+            )
 
 
 def test_workers_that_draw_different_batches_fail_on_every_worker(run):
@@ -114,7 +123,6 @@ def test_workers_that_draw_different_batches_fail_on_every_worker(run):
     for w in range(workers):
         assert "global batch 0 differs between workers" in results[w]["mismatch"]
         assert "seed the shuffle" in results[w]["mismatch"]
-
 
 
 def halves(loader_for_worker: Any, epochs: int) -> list[list[list[int]]]:
@@ -135,13 +143,19 @@ def test_the_shares_of_a_persistent_loader_distributed_again_continue_its_random
     from distrib.input.sharding import sharded_loader
 
     def make(_: int = 0) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(workers_script.Counted(10), batch_size=4, shuffle=True, num_workers=1,
-                                           persistent_workers=True, generator=workers_script.seeded(11))
+        return torch.utils.data.DataLoader(
+            workers_script.Counted(10),
+            batch_size=4,
+            shuffle=True,
+            num_workers=1,
+            persistent_workers=True,
+            generator=workers_script.seeded(11),
+        )
 
     plain = make()
     expected = [[b[1].tolist() for b in plain] for _ in range(3)]
     loaders = [make(), make()]
-    assert halves(lambda w: loaders[w], 3) == expected
+    assert halves(loaders.__getitem__, 3) == expected
     assert sharded_loader(loaders[0], 2, 0, 1) is sharded_loader(loaders[0], 2, 0, 1)
     assert sharded_loader(loaders[0], 2, 1, 1) is not sharded_loader(loaders[0], 2, 0, 1)
     del plain, loaders

@@ -7,16 +7,15 @@ import csv
 
 import pytest
 import torch
+from helpers import SCRIPTS, launch
 
 import distrib as ds
-
-from helpers import SCRIPTS, launch
 
 
 def data(n: int = 48, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 3, generator=g)
-    return [(x[i:i + batch], x[i:i + batch, :1] * 2) for i in range(0, n, batch)]
+    return [(x[i : i + batch], x[i : i + batch, :1] * 2) for i in range(0, n, batch)]
 
 
 STRATEGIES = [ds.get_strategy, lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"])]
@@ -26,8 +25,11 @@ def build(strategy: ds.Strategy, groups: bool = False) -> tuple[torch.nn.Module,
     with strategy.scope():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
-        params = ([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.5}] if groups
-                  else model.parameters())
+        params = (
+            [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.5}]
+            if groups
+            else model.parameters()
+        )
         return model, torch.optim.SGD(params, lr=0.1)
 
 
@@ -49,10 +51,17 @@ def test_learning_rate_scheduler_sets_every_group_at_each_epoch_and_logs_lr(make
 
     def schedule(epoch, lr):
         calls.append((epoch, lr))
-        return 0.1 * 0.5 ** epoch
+        return 0.1 * 0.5**epoch
 
-    history = ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=3, verbose=0,
-                     callbacks=[ds.callbacks.LearningRateScheduler(schedule, verbose=1), seen])
+    history = ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        epochs=3,
+        verbose=0,
+        callbacks=[ds.callbacks.LearningRateScheduler(schedule, verbose=1), seen],
+    )
     assert calls == [(0, 0.1), (1, 0.1), (2, 0.05)]  # the schedule gets the current rate (the first group's)
     assert history.history["lr"] == [0.1, 0.05, 0.025]
     assert seen.rates == [[0.1, 0.1]] * 6 + [[0.05, 0.05]] * 6 + [[0.025, 0.025]] * 6  # every group, every step
@@ -61,12 +70,25 @@ def test_learning_rate_scheduler_sets_every_group_at_each_epoch_and_logs_lr(make
 
 def test_learning_rate_scheduler_takes_one_argument_schedules_and_refuses_bad_outputs():
     model, optimizer = build(ds.get_strategy())
-    history = ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, verbose=0,
-                     callbacks=[ds.callbacks.LearningRateScheduler(lambda epoch: 0.01 * (epoch + 1))])
+    history = ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        epochs=2,
+        verbose=0,
+        callbacks=[ds.callbacks.LearningRateScheduler(lambda epoch: 0.01 * (epoch + 1))],
+    )
     assert history.history["lr"] == [0.01, 0.02]
     with pytest.raises(ValueError, match="should be a finite float: schedule returned 'fast' for epoch 0"):
-        ds.fit(model, data(), optimizer=optimizer, loss="mse", verbose=0,
-               callbacks=[ds.callbacks.LearningRateScheduler(lambda epoch: "fast")])
+        ds.fit(
+            model,
+            data(),
+            optimizer=optimizer,
+            loss="mse",
+            verbose=0,
+            callbacks=[ds.callbacks.LearningRateScheduler(lambda epoch: "fast")],
+        )
     with pytest.raises(TypeError, match="schedule must be a function"):
         ds.callbacks.LearningRateScheduler(0.1)
 
@@ -81,13 +103,21 @@ def test_under_parameter_servers_the_scheduled_rate_reaches_the_ps_tasks():
         x, y = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1.0], [0.0]])
         before = {k: v.clone() for k, v in model.state_dict().items()}  # state_dict reads the ps tasks
         frozen = ds.callbacks.LearningRateScheduler(lambda epoch, lr: 0.0)
-        history = ds.fit(model, [(x, y)], optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=3, verbose=0,
-                         callbacks=[frozen])
+        history = ds.fit(
+            model, [(x, y)], optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=3, verbose=0, callbacks=[frozen]
+        )
         assert history.history["lr"] == [0.0, 0.0]
         for k, v in model.state_dict().items():  # a rate of 0 on the ps tasks: nothing moved
             torch.testing.assert_close(v, before[k])
-        ds.fit(model, [(x, y)], optimizer=optimizer, loss="mse", steps_per_epoch=3, verbose=0,
-               callbacks=[ds.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1)])
+        ds.fit(
+            model,
+            [(x, y)],
+            optimizer=optimizer,
+            loss="mse",
+            steps_per_epoch=3,
+            verbose=0,
+            callbacks=[ds.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1)],
+        )
         assert all(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
     finally:
         ds.testing.stop_in_process_cluster(resolver)
@@ -126,7 +156,7 @@ def test_the_callback_shortcuts_name_the_fix_before_fit_and_without_an_optimizer
     class Reader(ds.callbacks.Callback):
         def on_test_end(self, logs=None):
             assert self.optimizer is None
-            self.learning_rate
+            _ = self.learning_rate
 
     model, _ = build(ds.get_strategy())
     with pytest.raises(ValueError, match="Reader.learning_rate needs an optimizer.*evaluate and predict train nothing"):
@@ -155,9 +185,16 @@ def test_terminate_on_nan_stops_after_the_first_bad_batch_and_the_csv_says_na_fo
     batches[2][0][0, 0] = float("inf")
     seen = Batches()
     path = tmp_path / "log.csv"
-    history = ds.fit(model, batches, optimizer=optimizer, loss="mse", epochs=4, verbose=0,
-                     validation_data=data(16), callbacks=[ds.callbacks.TerminateOnNaN(), seen,
-                                                          ds.callbacks.CSVLogger(str(path))])
+    history = ds.fit(
+        model,
+        batches,
+        optimizer=optimizer,
+        loss="mse",
+        epochs=4,
+        verbose=0,
+        validation_data=data(16),
+        callbacks=[ds.callbacks.TerminateOnNaN(), seen, ds.callbacks.CSVLogger(str(path))],
+    )
     assert seen.ends == [0, 1, 2] and seen.epoch_ends == 1 and history.epoch == [0]  # no batch after batch 2
     assert "Batch 2: Invalid loss, terminating training" in capsys.readouterr().out
     rows = list(csv.DictReader(path.open()))
@@ -167,19 +204,44 @@ def test_terminate_on_nan_stops_after_the_first_bad_batch_and_the_csv_says_na_fo
 def test_csv_logger_writes_every_epoch_in_sorted_columns_and_appends_under_one_header(tmp_path):
     model, optimizer = build(ds.get_strategy())
     path = tmp_path / "sub" / "log.tsv"
-    history = ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, metrics=["mae"], verbose=0,
-                     validation_data=data(16), callbacks=[ds.callbacks.CSVLogger(str(path), separator="\t")])
+    history = ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        epochs=2,
+        metrics=["mae"],
+        verbose=0,
+        validation_data=data(16),
+        callbacks=[ds.callbacks.CSVLogger(str(path), separator="\t")],
+    )
     lines = path.read_text().splitlines()
     assert lines[0] == "epoch\tloss\tmae\tval_loss\tval_mae" and len(lines) == 3
     rows = list(csv.DictReader(path.open(), delimiter="\t"))
     assert [float(r["val_loss"]) for r in rows] == pytest.approx(history.history["val_loss"])
     assert [r["epoch"] for r in rows] == ["0", "1"]
-    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=1, metrics=["mae"], verbose=0,
-           validation_data=data(16), callbacks=[ds.callbacks.CSVLogger(str(path), separator="\t", append=True)])
+    ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        epochs=1,
+        metrics=["mae"],
+        verbose=0,
+        validation_data=data(16),
+        callbacks=[ds.callbacks.CSVLogger(str(path), separator="\t", append=True)],
+    )
     lines = path.read_text().splitlines()
     assert len(lines) == 4 and lines.count(lines[0]) == 1  # appended, header kept once
-    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=1, verbose=0,
-           callbacks=[ds.callbacks.CSVLogger(str(path))])
+    ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        epochs=1,
+        verbose=0,
+        callbacks=[ds.callbacks.CSVLogger(str(path))],
+    )
     assert path.read_text().splitlines()[0] == "epoch,loss"  # append=False starts the file again
 
 
@@ -200,8 +262,17 @@ def test_jsonl_logger_writes_step_lines_every_n_steps_beside_its_epoch_lines(mak
     strategy = make()
     model, optimizer = build(strategy)
     path = tmp_path / "metrics.jsonl"
-    history = ds.fit(model, data(), optimizer=optimizer, loss="mse", metrics=["mae"], epochs=2, verbose=0,
-                     validation_data=data(16), callbacks=[ds.callbacks.JsonlLogger(str(path), log_every=4)])
+    history = ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        metrics=["mae"],
+        epochs=2,
+        verbose=0,
+        validation_data=data(16),
+        callbacks=[ds.callbacks.JsonlLogger(str(path), log_every=4)],
+    )
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     steps, epochs = [r for r in rows if "step" in r], [r for r in rows if "step" not in r]
     assert [(r["step"], r["epoch"]) for r in steps] == [(4, 1), (8, 2), (12, 2)]  # 6 batches per epoch

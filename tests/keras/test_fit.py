@@ -7,22 +7,20 @@ import re
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SCRIPTS, launch
 
 import distrib as ds
-
-from helpers import SCRIPTS, launch
 
 
 def data(n: int = 96, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 4, generator=g)
     y = x[:, :1] * 2 - x[:, 1:2]
-    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, n, batch)]
 
 
 def build(strategy: ds.Strategy) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -83,8 +81,9 @@ def seed_003():
 
 def test_fit_under_an_in_process_parameter_server_cluster_lowers_the_loss_every_epoch(seed_003):
     model, optimizer, features, labels = seed_003
-    history = ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=5, steps_per_epoch=10,
-                     verbose=0)
+    history = ds.fit(
+        model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=5, steps_per_epoch=10, verbose=0
+    )
     losses = history.history["loss"]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     loss = ds.evaluate(model, [(features, labels)], loss="mse", steps=4)  # no metrics: Keras' scalar
@@ -140,14 +139,24 @@ class Recorder(ds.callbacks.Callback):
         return [i for name, i in self.calls if name == hook]
 
 
-def test_under_parameter_servers_every_hook_fires_batch_ends_in_step_order_and_backups_are_mid_epoch(tmp_path,
-                                                                                                     seed_003):
+def test_under_parameter_servers_every_hook_fires_batch_ends_in_step_order_and_backups_are_mid_epoch(
+    tmp_path, seed_003
+):
     model, optimizer, features, labels = seed_003
     backup = str(tmp_path / "backup")
     recorder = Recorder(backup_dir=backup)
-    ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
-           validation_data=[(features, labels)], validation_steps=2, verbose=0,
-           callbacks=[ds.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False), recorder])
+    ds.fit(
+        model,
+        [(features, labels)],
+        optimizer=optimizer,
+        loss="mse",
+        epochs=3,
+        steps_per_epoch=10,
+        validation_data=[(features, labels)],
+        validation_steps=2,
+        verbose=0,
+        callbacks=[ds.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False), recorder],
+    )
     assert recorder.count("on_train_batch_end") == 30
     assert recorder.batches("on_train_batch_end") == list(range(10)) * 3  # in step order, every epoch
     assert recorder.count("on_train_batch_begin") == 30
@@ -162,22 +171,36 @@ def test_under_parameter_servers_every_hook_fires_batch_ends_in_step_order_and_b
 def test_every_hook_fires_under_synchronous_strategies(make):
     model, optimizer = build(make())
     recorder = Recorder()
-    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, validation_data=data(32), verbose=0,
-           callbacks=[recorder])
+    ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        epochs=2,
+        validation_data=data(32),
+        verbose=0,
+        callbacks=[recorder],
+    )
     assert recorder.batches("on_train_batch_end") == list(range(6)) * 2
     assert recorder.count("on_test_batch_end") == 4 and recorder.count("on_epoch_end") == 2
     assert set(recorder.train_end_logs) == {"loss", "val_loss"}
     out = ds.predict(model, data(32), callbacks=[recorder])
     assert out.shape == (32, 1) and recorder.batches("on_predict_batch_end") == [0, 1]
     assert [name for name, _ in recorder.calls if "predict" in name] == [
-        "on_predict_begin", "on_predict_batch_begin", "on_predict_batch_end", "on_predict_batch_begin",
-        "on_predict_batch_end", "on_predict_end"]
+        "on_predict_begin",
+        "on_predict_batch_begin",
+        "on_predict_batch_end",
+        "on_predict_batch_begin",
+        "on_predict_batch_end",
+        "on_predict_end",
+    ]
 
 
 def run_fit(*args: str, attempt: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "FIT_ATTEMPT": str(attempt), "TF_CONFIG": ""}
-    return subprocess.run([sys.executable, str(SCRIPTS / "fit_worker.py"), *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / "fit_worker.py"), *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_backup_and_restore_after_a_kill_mid_epoch_resumes_at_the_exact_step(tmp_path):
@@ -200,8 +223,17 @@ def test_tensorboard_writes_the_logged_scalars(tmp_path):
 
     model, optimizer = build(ds.get_strategy())
     logdir = tmp_path / "tb"
-    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, metrics=["mae"], verbose=0,
-           validation_data=data()[:2], callbacks=[ds.callbacks.TensorBoard(str(logdir))])
+    ds.fit(
+        model,
+        data(),
+        optimizer=optimizer,
+        loss="mse",
+        epochs=2,
+        metrics=["mae"],
+        verbose=0,
+        validation_data=data()[:2],
+        callbacks=[ds.callbacks.TensorBoard(str(logdir))],
+    )
     train = EventAccumulator(str(logdir / "train")).Reload()
     validation = EventAccumulator(str(logdir / "validation")).Reload()
     assert set(train.Tags()["scalars"]) == {"epoch_loss", "epoch_mae"}
@@ -216,12 +248,24 @@ def test_tensorboard_writes_the_model_graph_by_default_and_writing_it_changes_no
     def train(write_graph: bool) -> list[torch.Tensor]:
         with make().scope():
             torch.manual_seed(1)
-            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.5),
-                                        torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+            model = torch.nn.Sequential(
+                torch.nn.Linear(4, 8),
+                torch.nn.ReLU(),
+                torch.nn.Dropout(0.5),
+                torch.nn.BatchNorm1d(8),
+                torch.nn.Linear(8, 1),
+            )
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         torch.manual_seed(2)  # the dropout masks: tracing must draw none of them
-        ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=2, verbose=0,
-               callbacks=[ds.callbacks.TensorBoard(str(tmp_path / str(write_graph)), write_graph=write_graph)])
+        ds.fit(
+            model,
+            data(),
+            optimizer=optimizer,
+            loss="mse",
+            epochs=2,
+            verbose=0,
+            callbacks=[ds.callbacks.TensorBoard(str(tmp_path / str(write_graph)), write_graph=write_graph)],
+        )
         return [t.detach().clone() for t in model.state_dict().values()]  # BatchNorm's running stats included
 
     with warnings.catch_warnings():
@@ -265,10 +309,20 @@ def test_tensorboard_warns_once_and_trains_on_when_the_model_cannot_be_traced(tm
             return super().forward(x)
 
     model = Untraceable(4, 1)
-    with pytest.warns(UserWarning, match=r"TensorBoard\(write_graph=True\): the graph of Untraceable could not be "
-                                         r"traced .*this model cannot be traced.*pass write_graph=False") as record:
-        history = ds.fit(model, data(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss="mse", epochs=2,
-                         verbose=0, callbacks=[ds.callbacks.TensorBoard(str(tmp_path))])
+    with pytest.warns(
+        UserWarning,
+        match=r"TensorBoard\(write_graph=True\): the graph of Untraceable could not be "
+        r"traced .*this model cannot be traced.*pass write_graph=False",
+    ) as record:
+        history = ds.fit(
+            model,
+            data(),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss="mse",
+            epochs=2,
+            verbose=0,
+            callbacks=[ds.callbacks.TensorBoard(str(tmp_path))],
+        )
     assert len([w for w in record if "TensorBoard" in str(w.message)]) == 1 and history.epoch == [0, 1]
     train = EventAccumulator(str(tmp_path / "train")).Reload()
     assert not train.Tags()["graph"] and [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
@@ -278,18 +332,34 @@ def test_tensorboard_under_parameter_servers_says_why_it_writes_no_graph(seed_00
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     model, optimizer, features, labels = seed_003
-    with pytest.warns(UserWarning, match="no graph is written: under ParameterServerStrategy the model runs on the "
-                                         "workers") as record:
-        ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=3, verbose=0,
-               callbacks=[ds.callbacks.TensorBoard(str(tmp_path))])
+    with pytest.warns(
+        UserWarning, match="no graph is written: under ParameterServerStrategy the model runs on the workers"
+    ) as record:
+        ds.fit(
+            model,
+            [(features, labels)],
+            optimizer=optimizer,
+            loss="mse",
+            epochs=2,
+            steps_per_epoch=3,
+            verbose=0,
+            callbacks=[ds.callbacks.TensorBoard(str(tmp_path))],
+        )
     assert record[0].filename == __file__  # pointed at the user's fit
     train = EventAccumulator(str(tmp_path / "train")).Reload()
     assert not train.Tags()["graph"] and [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
 
 
 def test_on_two_workers_only_the_chief_writes_events_and_every_worker_prints_progress(tmp_path):
-    code, out, _ = launch("--workers", "2", str(SCRIPTS / "fit_worker.py"), "--out", str(tmp_path / "w.pt"),
-                          "--tensorboard", str(tmp_path / "tb"))
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        str(SCRIPTS / "fit_worker.py"),
+        "--out",
+        str(tmp_path / "w.pt"),
+        "--tensorboard",
+        str(tmp_path / "tb"),
+    )
     assert code == 0, out
     for worker in (0, 1):  # as tf.keras: fit shows its output on every worker (here verbose=2: a line per epoch)
         assert f"[worker {worker}] Epoch 3/3" in out and f"[worker {worker}] 5/5 - " in out, out
@@ -306,12 +376,15 @@ def test_early_stopping_and_model_checkpoint(tmp_path):
 
     stop = ds.callbacks.EarlyStopping(monitor="bad", patience=2, mode="min")
     save = ds.callbacks.ModelCheckpoint(str(tmp_path / "ckpt-{epoch}"), monitor="loss", save_best_only=True)
-    history = ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=10, verbose=0, callbacks=[Worse(), stop, save])
+    history = ds.fit(
+        model, data(), optimizer=optimizer, loss="mse", epochs=10, verbose=0, callbacks=[Worse(), stop, save]
+    )
     assert history.epoch == [0, 1, 2] and stop.stopped_epoch == 2
     assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-1.pt", "ckpt-2.pt", "ckpt-3.pt"]
 
 
 # ---------------------------------------------------------------- evaluate's list, data shorter than asked (A.6)
+
 
 def test_evaluate_gives_keras_list_in_compile_order_by_default_a_scalar_without_metrics_and_a_dict_if_asked():
     model, _ = build(ds.get_strategy())
@@ -348,8 +421,16 @@ def test_data_that_runs_out_warns_once_ends_the_epoch_and_records_no_epoch_of_ze
     model, optimizer = build(make())
     recorder = Recorder()
     with pytest.warns(UserWarning) as caught:
-        history = ds.fit(model, iter(data()), optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
-                         verbose=0, callbacks=[recorder])
+        history = ds.fit(
+            model,
+            iter(data()),
+            optimizer=optimizer,
+            loss="mse",
+            epochs=3,
+            steps_per_epoch=10,
+            verbose=0,
+            callbacks=[recorder],
+        )
     messages = [str(w.message) for w in caught if "ran out of data" in str(w.message)]
     assert len(messages) == 1, messages
     assert "ran 6 of steps_per_epoch=10 steps (the data gave 6 batches)" in messages[0]
@@ -373,7 +454,7 @@ def classes(n: int = 64, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(2)
     x = torch.randn(n, 4, generator=g)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, n, batch)]
 
 
 def test_keras_metric_names_in_fit_give_the_same_values_on_one_and_two_replicas():
@@ -386,8 +467,15 @@ def test_keras_metric_names_in_fit_give_the_same_values_on_one_and_two_replicas(
             model = torch.nn.Linear(4, 3)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         top2 = ds.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")  # an object built outside the scope
-        history = ds.fit(model, classes(), optimizer=optimizer, loss="sparse_categorical_crossentropy", epochs=2,
-                         metrics=[*names, top2], verbose=0)
+        history = ds.fit(
+            model,
+            classes(),
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            epochs=2,
+            metrics=[*names, top2],
+            verbose=0,
+        )
         assert top2.strategy is strategy
         results.append(history.history)
     assert set(results[0]) == {"loss", *names, "top2"}
@@ -403,12 +491,21 @@ def test_under_parameter_servers_data_that_runs_out_warns_and_empty_data_is_an_e
         return iter([(features, labels)] * 3)
 
     with pytest.warns(UserWarning, match="epoch 1 of fit ran 6 of steps_per_epoch=10 steps"):  # 2 workers x 3
-        history = ds.fit(model, three_batches, optimizer=optimizer, loss="mse", epochs=3, steps_per_epoch=10,
-                         metrics=["mae"], verbose=0)
+        history = ds.fit(
+            model,
+            three_batches,
+            optimizer=optimizer,
+            loss="mse",
+            epochs=3,
+            steps_per_epoch=10,
+            metrics=["mae"],
+            verbose=0,
+        )
     assert history.epoch == [0] and set(history.history) == {"loss", "mae"}
     with pytest.raises(ValueError, match="fit: the data gave no batch"):
         ds.fit(model, [], optimizer=optimizer, loss="mse", steps_per_epoch=4, verbose=0)
-    history = ds.fit(model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=4,
-                     verbose=0)  # the cluster is still usable, and a dataset is read again from the start
+    history = ds.fit(
+        model, [(features, labels)], optimizer=optimizer, loss="mse", epochs=2, steps_per_epoch=4, verbose=0
+    )  # the cluster is still usable, and a dataset is read again from the start
     assert history.epoch == [0, 1]
     assert ds.evaluate(model, [(features, labels)], loss="mse", steps=2, metrics=["mae"], return_dict=False)[1] > 0

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -36,8 +37,9 @@ class _Scheduled:
         self.ends_after, self.submitted = ends_after, 0
         self.pending: deque[Any] = deque()
 
-    def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
-             per_worker: bool = False) -> Iterable[Any]:
+    def feed(
+        self, data: Any, *, start: int = 0, steps: int | None = None, cycle: bool = False, per_worker: bool = False
+    ) -> Iterable[Any]:
         return range(steps or 100)
 
     def submit(self, fn: Any, step_input: Any) -> None:
@@ -53,8 +55,9 @@ def test_the_driver_stops_at_the_typed_end_of_data_and_settles_what_is_in_flight
     executor = _Scheduled(ends_after=3)
     begun: list[int] = []
     done: list[Any] = []
-    driven = _drive(executor, executor.feed(None, steps=10), lambda x, y, n: x * 10, first=5, begin=begun.append,
-                    done=done.append)
+    driven = _drive(
+        executor, executor.feed(None, steps=10), lambda x, y, n: x * 10, first=5, begin=begun.append, done=done.append
+    )
     assert done == [0, 10, 20] and driven.ran == 3 and driven.ended  # the end is not a result handed to done
     assert begun == [5, 6, 7, 8, 9] and driven.submitted == executor.submitted == 5  # stopped once the end settled
 
@@ -62,6 +65,12 @@ def test_the_driver_stops_at_the_typed_end_of_data_and_settles_what_is_in_flight
 def test_the_driver_stops_when_asked_after_a_step():
     executor = _Scheduled(ends_after=100)
     done: list[Any] = []
-    driven = _drive(executor, executor.feed(None, steps=10), lambda x, y, n: x, begin=lambda i: None,
-                    done=done.append, stop=lambda: len(done) >= 2)
+    driven = _drive(
+        executor,
+        executor.feed(None, steps=10),
+        lambda x, y, n: x,
+        begin=lambda i: None,
+        done=done.append,
+        stop=lambda: len(done) >= 2,
+    )
     assert done == [0, 1, 2] and driven.submitted == 3 and not driven.ended  # the step in flight still settles

@@ -7,17 +7,16 @@ import warnings
 
 import pytest
 import torch
+from helpers import launch
 
 import distrib as ds
 from distrib.checkpoint import CheckpointError
-
-from helpers import launch
 
 
 def data(n: int = 64, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 4, generator=g)
-    return [(x[i:i + batch], x[i:i + batch, :1] * 2) for i in range(0, n, batch)]
+    return [(x[i : i + batch], x[i : i + batch, :1] * 2) for i in range(0, n, batch)]
 
 
 def build(strategy=None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -78,10 +77,12 @@ def test_save_weights_only_holds_the_model_alone(tmp_path):
 def test_save_best_only_min_with_an_initial_threshold_and_verbose_lines(tmp_path, capsys):
     model, optimizer = build()
     values = [3.0, 1.0, 2.0, 0.5]
-    save = ds.callbacks.ModelCheckpoint(str(tmp_path / "best-{epoch}"), monitor="val_loss", save_best_only=True,
-                                        verbose=1)
-    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=4, verbose=0,
-           callbacks=[Feed("val_loss", values), save])
+    save = ds.callbacks.ModelCheckpoint(
+        str(tmp_path / "best-{epoch}"), monitor="val_loss", save_best_only=True, verbose=1
+    )
+    ds.fit(
+        model, data(), optimizer=optimizer, loss="mse", epochs=4, verbose=0, callbacks=[Feed("val_loss", values), save]
+    )
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["best-1.pt", "best-2.pt", "best-4.pt"]
     assert save.best == 0.5 and ds.latest_checkpoint(tmp_path) == str(tmp_path / "best-4")
     out = capsys.readouterr().out
@@ -89,22 +90,35 @@ def test_save_best_only_min_with_an_initial_threshold_and_verbose_lines(tmp_path
     assert "Epoch 3: val_loss did not improve from 1.00000" in out
 
     thresholded = tmp_path / "thr"
-    save = ds.callbacks.ModelCheckpoint(str(thresholded / "best-{epoch}"), save_best_only=True,
-                                        initial_value_threshold=2.5)
-    ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=4, verbose=0,
-           callbacks=[Feed("val_loss", values), save])
+    save = ds.callbacks.ModelCheckpoint(
+        str(thresholded / "best-{epoch}"), save_best_only=True, initial_value_threshold=2.5
+    )
+    ds.fit(
+        model, data(), optimizer=optimizer, loss="mse", epochs=4, verbose=0, callbacks=[Feed("val_loss", values), save]
+    )
     assert sorted(p.name for p in thresholded.glob("*.pt")) == ["best-2.pt", "best-4.pt"]
 
 
 def test_save_best_only_max_and_auto_for_accuracies(tmp_path):
     model, optimizer = build()
-    for mode, expected in (("max", ["e-1.pt", "e-2.pt", "e-4.pt"]), ("auto", ["e-1.pt", "e-2.pt", "e-4.pt"]),
-                           ("min", ["e-1.pt", "e-3.pt"])):
+    for mode, expected in (
+        ("max", ["e-1.pt", "e-2.pt", "e-4.pt"]),
+        ("auto", ["e-1.pt", "e-2.pt", "e-4.pt"]),
+        ("min", ["e-1.pt", "e-3.pt"]),
+    ):
         out = tmp_path / mode
-        save = ds.callbacks.ModelCheckpoint(str(out / "e-{epoch}"), monitor="val_accuracy", save_best_only=True,
-                                            mode=mode)
-        ds.fit(model, data(), optimizer=optimizer, loss="mse", epochs=4, verbose=0,
-               callbacks=[Feed("val_accuracy", [0.5, 0.7, 0.4, 0.9]), save])
+        save = ds.callbacks.ModelCheckpoint(
+            str(out / "e-{epoch}"), monitor="val_accuracy", save_best_only=True, mode=mode
+        )
+        ds.fit(
+            model,
+            data(),
+            optimizer=optimizer,
+            loss="mse",
+            epochs=4,
+            verbose=0,
+            callbacks=[Feed("val_accuracy", [0.5, 0.7, 0.4, 0.9]), save],
+        )
         assert sorted(p.name for p in out.glob("*.pt")) == expected, mode
 
 

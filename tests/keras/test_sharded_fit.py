@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import torch
+from helpers import SCRIPTS, launch
 
 import distrib as ds
-from helpers import SCRIPTS, launch
 
 
 def _one_process_reference(tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -32,8 +32,17 @@ def _one_process_reference(tmp_path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_backup_model_checkpoint_and_manager_write_shards_and_a_killed_worker_resumes_exactly(tmp_path: Path) -> None:
-    code, out, _ = launch("--workers", "2", "--max-restarts", "1", str(SCRIPTS / "sharded_fit.py"),
-                          str(tmp_path / "run"), "--kill-at", "9", timeout=300)
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        "--max-restarts",
+        "1",
+        str(SCRIPTS / "sharded_fit.py"),
+        str(tmp_path / "run"),
+        "--kill-at",
+        "9",
+        timeout=300,
+    )
     assert code == 0, out
     assert "worker 1 failed with exit code 137" in out and "restarting the whole group" in out
     run = tmp_path / "run"
@@ -46,8 +55,9 @@ def test_backup_model_checkpoint_and_manager_write_shards_and_a_killed_worker_re
     assert not (run / "backup").exists()  # BackupAndRestore deletes its backup once training ends
 
     # ModelCheckpoint's last weights load in one plain process: the final parameters
-    plain = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 1))
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+    )
     ds.Checkpoint(model=plain).read(str(run / "weights.3")).expect_partial()
     assert all(torch.equal(plain.state_dict()[k], v) for k, v in final.items())
 

@@ -98,8 +98,17 @@ def test_a_disabled_grad_scaler_travels_and_does_nothing(cluster):
 def test_fit_mixed_precision_learns(cluster, precision):
     strategy, model, optimizer = build(cluster)
     x, y = separable(256)
-    data = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 256, 32)]
-    history = ds.fit(model, data, optimizer=optimizer, loss="sparse_categorical_crossentropy", epochs=3,
-                     steps_per_epoch=8, metrics=["accuracy"], verbose=0, precision=precision)
+    data = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 256, 32)]
+    history = ds.fit(
+        model,
+        data,
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        epochs=3,
+        steps_per_epoch=8,
+        metrics=["accuracy"],
+        verbose=0,
+        precision=precision,
+    )
     losses = history.history["loss"]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cluster import netns
 
 import distrib as ds
-from cluster import netns
 from distrib.parameter_server.errors import AuthenticationError
 from distrib.parameter_server.server.server import listen_address, routed_address
 from distrib.parameter_server.transport import rpc, wire
@@ -50,8 +50,9 @@ def probe(address: str, metadata: tuple = ()) -> grpc.StatusCode:
     """A raw call to the ps service at ``address`` with ``metadata``: its status code (OK when answered)."""
     with grpc.insecure_channel(address) as channel:
         try:
-            channel.unary_unary("/distrib.ParameterServer/Health")(wire.encode({}), timeout=20, metadata=metadata,
-                                                                    wait_for_ready=True)
+            channel.unary_unary("/distrib.ParameterServer/Health")(
+                wire.encode({}), timeout=20, metadata=metadata, wait_for_ready=True
+            )
         except grpc.RpcError as e:
             return e.code()
     return grpc.StatusCode.OK
@@ -70,8 +71,9 @@ def test_a_wildcard_listener_still_requires_the_token(bind, reach):
         assert probe(target) == grpc.StatusCode.UNAUTHENTICATED  # no token at all
         assert probe(target, ((rpc.TOKEN_METADATA, "wrong-token-0123456789abcdef"),)) == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(AuthenticationError, match="DISTRIB_CLUSTER_TOKEN"):
-            rpc.Connection(target, rpc.PS_SERVICE, "another-token-0123456789abcdef").call("Health", wire.encode({}),
-                                                                                        timeout=20)
+            rpc.Connection(target, rpc.PS_SERVICE, "another-token-0123456789abcdef").call(
+                "Health", wire.encode({}), timeout=20
+            )
         health = wire.decode(rpc.Connection(target, rpc.PS_SERVICE, TOKEN).call("Health", wire.encode({}), timeout=20))
         assert health["ok"] and health["decoded"] == 1  # only the call with the token was ever decoded
     finally:
@@ -92,8 +94,11 @@ def test_distrib_bind_address_is_read_when_bind_address_is_not_given(monkeypatch
 def test_an_address_not_of_this_host_is_refused_naming_bind_address():
     """Without bind_address a server listens on the spec's exact address: one of another host is a clear error."""
     port = free_port()
-    with pytest.raises(OSError, match=r"cannot listen on '203\.0\.113\.7:\d+'.*bind_address='0\.0\.0\.0'.*"
-                                      r"DISTRIB_BIND_ADDRESS"):
+    with pytest.raises(
+        OSError,
+        match=r"cannot listen on '203\.0\.113\.7:\d+'.*bind_address='0\.0\.0\.0'.*"
+        r"DISTRIB_BIND_ADDRESS",
+    ):
         ds.Server({"chief": ["c:1"], "ps": [f"203.0.113.7:{port}"]}, "ps", 0, token=TOKEN)
 
 
@@ -116,8 +121,9 @@ def listen_also_where_the_other_hosts_reach(other: str) -> str:
         assert server.bind_address == f"localhost:{port}" and server.also_listening == [f"{local_host}:{port}"]
         for target in (f"127.0.0.1:{port}", f"{local_host}:{port}"):
             assert probe(target) == grpc.StatusCode.UNAUTHENTICATED, target  # listening there, and guarded
-        assert wire.decode(rpc.Connection(f"{local_host}:{port}", rpc.PS_SERVICE, TOKEN).call(
-            "Health", wire.encode({}), timeout=20))["ok"]
+        assert wire.decode(
+            rpc.Connection(f"{local_host}:{port}", rpc.PS_SERVICE, TOKEN).call("Health", wire.encode({}), timeout=20)
+        )["ok"]
     finally:
         server.stop(grace=0)
     return local_host
@@ -128,8 +134,10 @@ def test_a_name_that_is_loopback_here_also_listens_where_the_other_hosts_reach_i
     """As a Debian host's own name is 127.0.1.1: on host1 of two namespace hosts (`cluster.netns`, root), with the
     chief at host2's address, the ps also listens on host1's address. In a namespace, so that every packet stays
     on this machine (issue 30): on the machine's own network the routed address is its real interface."""
-    child = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_bind_address as t; "
-             f"print('ALSO LISTENING ON', t.listen_also_where_the_other_hosts_reach(sys.argv[1]))")
+    child = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_bind_address as t; "
+        f"print('ALSO LISTENING ON', t.listen_also_where_the_other_hosts_reach(sys.argv[1]))"
+    )
     with netns.Hosts(2) as hosts:
         proc = hosts.popen(0, [sys.executable, "-c", child, hosts[1].address], {"PYTHONPATH": ":".join(sys.path)})
         code, out = hosts.wait(proc, timeout=120)
@@ -140,7 +148,20 @@ def test_a_name_that_is_loopback_here_also_listens_where_the_other_hosts_reach_i
 
 def test_a_routable_spec_address_or_every_task_on_this_host_listens_nowhere_else():
     port = free_port()
-    assert ds.Server({"chief": ["localhost:1"], "ps": [f"localhost:{port}"]}, "ps", 0, token=TOKEN,
-                     start=False).also_listening == []
-    assert ds.Server({"chief": ["localhost:1"], "ps": [f"localhost:{port}"]}, "ps", 0, token=TOKEN,
-                     bind_address="0.0.0.0", start=False).also_listening == []
+    assert (
+        ds.Server(
+            {"chief": ["localhost:1"], "ps": [f"localhost:{port}"]}, "ps", 0, token=TOKEN, start=False
+        ).also_listening
+        == []
+    )
+    assert (
+        ds.Server(
+            {"chief": ["localhost:1"], "ps": [f"localhost:{port}"]},
+            "ps",
+            0,
+            token=TOKEN,
+            bind_address="0.0.0.0",
+            start=False,
+        ).also_listening
+        == []
+    )

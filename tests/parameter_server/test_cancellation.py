@@ -23,10 +23,10 @@ import time
 
 import cloudpickle
 import pytest
+from helpers import in_process_coordinator
 
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
 from distrib.parameter_server.errors import ClosureCancelledError
-from helpers import in_process_coordinator
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
 
@@ -78,7 +78,7 @@ def coordinator():
 
 
 def _start_events(log: str, trial: str) -> dict[str, float]:
-    return {key.split()[1][len(trial):]: t for key, t in _events(log).items() if key.startswith(f"start {trial}")}
+    return {key.split()[1][len(trial) :]: t for key, t in _events(log).items() if key.startswith(f"start {trial}")}
 
 
 def _check_trial(coordinator, log: str, trial: str, values: dict, error_seen: float) -> tuple[list[str], float]:
@@ -140,8 +140,10 @@ def test_the_issue_probe_nothing_starts_after_the_error_reached_the_coordinator(
         outcomes, settled = _fetch_queued(queued)
         started, raised = _check_trial(coordinator, log, trial, values, error_seen)
         cancelled_queued += outcomes.count("cancelled")
-        report.append(f"probe {trial}: started {started}; queued ones: {outcomes}; error raised on the worker -> "
-                      f"seen {1000 * (error_seen - raised):.1f} ms -> queued ones settled {1000 * (settled - raised):.1f} ms")
+        report.append(
+            f"probe {trial}: started {started}; queued ones: {outcomes}; error raised on the worker -> "
+            f"seen {1000 * (error_seen - raised):.1f} ms -> queued ones settled {1000 * (settled - raised):.1f} ms"
+        )
         _usable_again(coordinator, log, trial)
     print("\n".join(report))
     assert cancelled_queued >= PROBE_TRIALS, report  # the errors did cancel queued functions
@@ -183,14 +185,18 @@ def test_no_queued_function_starts_after_an_error_and_each_fetches_closure_cance
         # the layout: q0 was sent ahead to s's worker, q1 to r's worker, q2 and q3 never left the queue (a
         # loaded machine may delay this thread past b's end: then a q may legitimately start before the error)
         laid_out.append([v.worker for v in queued] == [values["s"].worker, failing.worker, None, None])
-        report.append(f"trial {trial}: queued ones started {started_queued[-1]}; {outcomes}; sent to "
-                      f"{[v.worker and v.worker[-6:] for v in queued]}; error raised on the "
-                      f"worker -> seen {1000 * (error_seen - raised):.1f} ms -> all 4 settled "
-                      f"{1000 * (settled - raised):.1f} ms")
+        report.append(
+            f"trial {trial}: queued ones started {started_queued[-1]}; {outcomes}; sent to "
+            f"{[v.worker and v.worker[-6:] for v in queued]}; error raised on the "
+            f"worker -> seen {1000 * (error_seen - raised):.1f} ms -> all 4 settled "
+            f"{1000 * (settled - raised):.1f} ms"
+        )
         _usable_again(coordinator, log, trial)
     print("\n".join(report))
-    print(f"error raised on a worker -> all 4 queued functions cancelled: median "
-          f"{1000 * statistics.median(latencies):.1f} ms, max {1000 * max(latencies):.1f} ms over {TRIALS} trials")
+    print(
+        f"error raised on a worker -> all 4 queued functions cancelled: median "
+        f"{1000 * statistics.median(latencies):.1f} ms, max {1000 * max(latencies):.1f} ms over {TRIALS} trials"
+    )
     assert [started for started, ok in zip(started_queued, laid_out) if ok] == [[]] * sum(laid_out), report
     assert sum(laid_out) >= TRIALS // 2, report  # as a rule, every trial
 
@@ -235,8 +241,9 @@ def test_the_worker_drops_cancelled_batches_and_those_after_a_failed_one_and_kee
     assert call(run, _run_request(sleeper, [(log, "r4", 0.0)], "r4", after="r3")) == {"results": [], "cancelled": True}
     # a batch sent after another starts after it, whichever call arrives first
     replies = {}
-    later = threading.Thread(target=lambda: replies.setdefault("r6", call(run, _run_request(
-        sleeper, [(log, "r6", 0.0)], "r6", after="r5"))))
+    later = threading.Thread(
+        target=lambda: replies.setdefault("r6", call(run, _run_request(sleeper, [(log, "r6", 0.0)], "r6", after="r5")))
+    )
     later.start()
     time.sleep(0.2)
     assert "r6" not in replies  # waits for r5
@@ -245,8 +252,11 @@ def test_the_worker_drops_cancelled_batches_and_those_after_a_failed_one_and_kee
     assert [wire.decode(replies[r]["results"][0])["result"] for r in ("r5", "r6")] == ["r5", "r6"]
     assert _events(log)["start r5"] < _events(log)["start r6"]
     # a batch cancelled while it runs stops after its current call; a started one is not reported dropped
-    running = threading.Thread(target=lambda: replies.setdefault("r7", call(run, _run_request(
-        sleeper, [(log, "r7a", 0.3), (log, "r7b", 0.0)], "r7"))))
+    running = threading.Thread(
+        target=lambda: replies.setdefault(
+            "r7", call(run, _run_request(sleeper, [(log, "r7a", 0.3), (log, "r7b", 0.0)], "r7"))
+        )
+    )
     running.start()
     _wait_for(lambda: "start r7a" in _events(log))
     assert call(cancel, wire.encode({"runs": ["r7", "r8"]})) == {"dropped": ["r8"]}

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from distrib.cluster import ClusterSpec
 from distrib.parameter_server.client.coordinator import ClusterCoordinator
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
-from distrib.parameter_server.errors import (ClosureCancelledError, ParameterServerUnavailableError,
-                                             PeerUnavailableError, ScheduledFunctionError)
+from distrib.parameter_server.errors import (
+    ClosureCancelledError,
+    ParameterServerUnavailableError,
+    PeerUnavailableError,
+    ScheduledFunctionError,
+)
 from distrib.parameter_server.transport import wire
 
 # what a fake worker does with call argument x: ("ok", value) | ("lost",) | ("error", message) | ("ps_lost",)
@@ -34,7 +39,7 @@ class FakeStrategy:
 
     def __init__(self, workers: int) -> None:
         self.cluster_spec = ClusterSpec({"worker": [f"w{i}:1" for i in range(workers)], "ps": ["p:1"]})
-        self.cluster_coordinator: Optional[ClusterCoordinator] = None
+        self.cluster_coordinator: ClusterCoordinator | None = None
 
     def persistent_id(self, obj: Any) -> None:
         return None
@@ -50,8 +55,16 @@ class FakeStrategy:
 
 
 class FakeWorker:
-    def __init__(self, script: Script, address: str, service: str, token: str, tls: Any = None,
-                 task: Optional[str] = None, unavailable: type[PeerUnavailableError] = PeerUnavailableError) -> None:
+    def __init__(
+        self,
+        script: Script,
+        address: str,
+        service: str,
+        token: str,
+        tls: Any = None,
+        task: str | None = None,
+        unavailable: type[PeerUnavailableError] = PeerUnavailableError,
+    ) -> None:
         self.script, self.address, self.task, self.unavailable = script, address, task, unavailable
         self.index = int(address[1:].split(":")[0])
         self.up = True
@@ -63,14 +76,14 @@ class FakeWorker:
     def _down(self) -> PeerUnavailableError:
         return self.unavailable(self.address, "connection refused", self.task)
 
-    def call(self, method: str, payload: bytes, timeout: Optional[float] = None, wait_for_ready: bool = False) -> bytes:
+    def call(self, method: str, payload: bytes, timeout: float | None = None, wait_for_ready: bool = False) -> bytes:
         if not self.up:
             raise self._down()
         if method == "Health":
             return wire.encode({"ok": True})
         return self.result(("Run", payload))
 
-    def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> Any:
+    def future(self, method: str, payload: bytes, timeout: float | None = None) -> Any:
         if method == "Cancel":  # answered at once: drops the batches that have not started
             if not self.up:
                 raise self._down()
@@ -86,7 +99,7 @@ class FakeWorker:
     def cancel(self, payload: Any) -> None:
         pass
 
-    def result(self, payload: Any, timeout: Optional[float] = None) -> bytes:
+    def result(self, payload: Any, timeout: float | None = None) -> bytes:
         if not isinstance(payload, tuple):
             return payload  # a Cancel's reply
         payload = payload[1]
@@ -121,8 +134,9 @@ class FakeWorker:
         pass
 
 
-def _coordinator(script: Script, workers: int = 2,
-                 down: tuple[int, ...] = ()) -> tuple[ClusterCoordinator, dict[int, FakeWorker]]:
+def _coordinator(
+    script: Script, workers: int = 2, down: tuple[int, ...] = ()
+) -> tuple[ClusterCoordinator, dict[int, FakeWorker]]:
     fakes: dict[int, FakeWorker] = {}
 
     def connect(*args: Any, **kwargs: Any) -> FakeWorker:

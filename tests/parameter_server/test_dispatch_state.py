@@ -14,7 +14,7 @@ import collections
 import pathlib
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import pytest
 
@@ -22,8 +22,11 @@ import distrib.parameter_server.client as client_pkg
 from distrib.parameter_server.client.dispatch_state import Closure, DispatchState
 from distrib.parameter_server.client.failure_policy import Decision, FailureKind, FailurePolicy
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
-from distrib.parameter_server.errors import (ClosureCancelledError, ParameterServerUnavailableError,
-                                             WorkerUnavailableError)
+from distrib.parameter_server.errors import (
+    ClosureCancelledError,
+    ParameterServerUnavailableError,
+    WorkerUnavailableError,
+)
 from distrib.parameter_server.transport import pickling
 
 
@@ -34,7 +37,7 @@ def _square(i: int) -> int:
 _PAYLOAD = pickling.dumps(_square, lambda obj: None)
 
 
-def _state(policy: Optional[FailurePolicy] = None) -> DispatchState:
+def _state(policy: FailurePolicy | None = None) -> DispatchState:
     return DispatchState(policy or FailurePolicy(), probe_interval=0.01, heartbeat_timeout=None, heartbeat_interval=1.0)
 
 
@@ -48,8 +51,9 @@ def _closures(state: DispatchState, n: int) -> list[Closure]:
 class _Workers:
     """Threads that play worker threads; the errors they raise are kept for ``stop`` to report."""
 
-    def __init__(self, state: DispatchState, count: int, handle: Callable[[Closure], None],
-                 batches: Optional[list[int]] = None) -> None:
+    def __init__(
+        self, state: DispatchState, count: int, handle: Callable[[Closure], None], batches: list[int] | None = None
+    ) -> None:
         self.state, self.handle, self.batches = state, handle, batches if batches is not None else []
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._main, daemon=True) for _ in range(count)]
@@ -158,8 +162,11 @@ def test_a_function_error_cancels_what_has_not_started_and_is_raised_once():
 def test_an_error_cancels_the_queue_atomically_then_what_was_taken_and_not_sent_or_given_back():
     state = _state()
     seen: list = []
-    state.on_error(lambda: seen.append(("hook", state.pending_count, closures[4].value.status))
-                   or (lambda: seen.append("finished")))
+    state.on_error(
+        lambda: (
+            seen.append(("hook", state.pending_count, closures[4].value.status)) or (lambda: seen.append("finished"))
+        )
+    )
     state.on_error(lambda: seen.append("second hook") and None)
     closures = _closures(state, 5)
     failing, also, taken, lost = (state.next_batch() for _ in range(4))  # each alone: never run before
@@ -245,7 +252,11 @@ def test_the_worker_threads_modules_read_no_other_object_s_private_members():
         tree = ast.parse((folder / name).read_text())
         own_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls", *own_classes})):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls", *own_classes})
+            ):
                 found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found

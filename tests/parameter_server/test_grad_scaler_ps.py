@@ -57,8 +57,9 @@ def new_scaler(**kwargs) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", **{"init_scale": 256.0, "growth_interval": 2, **kwargs})
 
 
-def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+def plain_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, float]:
     """One step exactly as in plain PyTorch: the scale it ran with, and its loss."""
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.cross_entropy(model(x), y)
@@ -169,7 +170,7 @@ def test_two_workers_the_coordinators_scale_is_every_outcome_replayed(cluster):
     assert scaler.get_scale() == 2.0 ** (n // interval)
     assert scaler.state_dict()["_growth_tracker"] == n % interval
     # the workers started from the coordinator's growing scale (not each from its own copy of 1.0)
-    assert all(s in {2.0 ** k for k in range(n // interval + 1)} for s in scales) and max(scales) >= 2.0 ** 5
+    assert all(s in {2.0**k for k in range(n // interval + 1)} for s in scales) and max(scales) >= 2.0**5
     # the same n clean steps through torch's own update() on one device give the same state
     plain, reference = new_scaler(init_scale=1.0, growth_interval=interval), make_model()
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -201,8 +202,14 @@ def test_a_call_that_fails_after_update_leaves_the_coordinators_scale_alone(clus
 
 
 # ---------------------------------------------------------------------------------------------- the bookkeeping
-STATE = {"enabled": True, "scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1,
-         "_growth_tracker": 0}
+STATE = {
+    "enabled": True,
+    "scale": 4.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 1,
+    "_growth_tracker": 0,
+}
 KEY = "s/scaler0"
 
 
@@ -223,8 +230,11 @@ def test_a_worker_starts_from_the_newest_snapshot_plus_its_outcomes_not_replayed
     assert scale() == 4.0
     workers.record(KEY, "inf", 0.0)
     workers.record(KEY, "inf", 0.0)
-    assert workers.finish(mark, copies) == {"worker": "me", "outcomes": [[KEY, 1, "inf", 0.0], [KEY, 2, "inf", 0.0]],
-                                            "acked": []}
+    assert workers.finish(mark, copies) == {
+        "worker": "me",
+        "outcomes": [[KEY, 1, "inf", 0.0], [KEY, 2, "inf", 0.0]],
+        "acked": [],
+    }
     workers.prepare(copies)
     assert scale() == 16.0  # the snapshot, then this worker's two clean steps
     workers.receive(bundle(3, ["me", [2]], scale=8.0))  # the coordinator replayed outcome 2 only (1 is still out)
@@ -260,8 +270,10 @@ def test_the_coordinator_replays_in_order_and_refuses_malformed_outcomes():
     acks = Acknowledgements()
     snapshot = authority.snapshot(acks)
     assert snapshot["states"] == {key: {"enabled": True, **scaler.state_dict()}} and snapshot["acks"] == ["", []]
-    authority.merge({"worker": "a", "outcomes": [[key, 1, "inf", 0.0], [key, 2, "inf", 3.0], [key, 3, "set", 64.0]],
-                     "acked": []}, acks)
+    authority.merge(
+        {"worker": "a", "outcomes": [[key, 1, "inf", 0.0], [key, 2, "inf", 3.0], [key, 3, "set", 64.0]], "acked": []},
+        acks,
+    )
     assert scaler.state_dict()["scale"] == 64.0 and scaler.state_dict()["_growth_tracker"] == 0
     assert authority.snapshot(acks)["acks"] == ["a", [1, 2, 3]]
     authority.merge({"worker": "a", "outcomes": [[key, 4, "inf", 0.0]], "acked": [1, 3]}, acks)

@@ -25,26 +25,29 @@ def _message(header: dict, body: bytes = b"") -> bytes:
     return b"DSW1" + struct.pack("<I", len(raw)) + raw + body
 
 
-@pytest.mark.parametrize("data, match", [
-    (b"", "bad magic"),
-    (b"XXXX" + bytes(20), "bad magic"),
-    (b"DSW1" + struct.pack("<I", 10 ** 6), "header of"),
-    (_message({"v": 1}), "'v', 'o' and 'n'"),
-    (_message({"v": {"X": ["float32", [2], 0]}, "o": [0], "n": [4]}, bytes(4)), "needs 8"),
-    (_message({"v": {"X": ["float32", [float("nan")], 0]}, "o": [0], "n": [4]}, bytes(4)), "dimension"),
-    (_message({"v": {"X": ["float32", [-1], 0]}, "o": [0], "n": [4]}, bytes(4)), "dimension"),
-    (_message({"v": {"X": ["float32", [1.5], 0]}, "o": [0], "n": [4]}, bytes(4)), "dimension"),
-    (_message({"v": {"X": ["float32", [1], 3]}, "o": [0], "n": [4]}, bytes(4)), "buffer index"),
-    (_message({"v": {"X": ["float32", [1], 0]}, "o": [100], "n": [4]}, bytes(4)), "outside"),
-    (_message({"v": {"X": ["float32", [1], 0]}, "o": [-8], "n": [4]}, bytes(4)), "offset"),
-    (_message({"v": {"X": ["evil", [1], 0]}, "o": [0], "n": [4]}, bytes(4)), "unknown dtype"),
-    (_message({"v": {"Q": 1}, "o": [], "n": []}), "unknown node tag"),
-    (_message({"v": {"F": "1e999"}, "o": [], "n": []}), "special float"),
-    (_message({"v": {"X": 1, "Y": 2}, "o": [], "n": []}), "one key"),
-    (_message({"v": {"M": [[[1], 2]]}, "o": [], "n": []}), "unhashable"),
-    (_message({"v": {"R": ["iter", "a", "b"]}, "o": [], "n": []}), "accepts none"),
-    (b"DSW1" + struct.pack("<I", 4000) + b"[" * 4000, "malformed message"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"", "bad magic"),
+        (b"XXXX" + bytes(20), "bad magic"),
+        (b"DSW1" + struct.pack("<I", 10**6), "header of"),
+        (_message({"v": 1}), "'v', 'o' and 'n'"),
+        (_message({"v": {"X": ["float32", [2], 0]}, "o": [0], "n": [4]}, bytes(4)), "needs 8"),
+        (_message({"v": {"X": ["float32", [float("nan")], 0]}, "o": [0], "n": [4]}, bytes(4)), "dimension"),
+        (_message({"v": {"X": ["float32", [-1], 0]}, "o": [0], "n": [4]}, bytes(4)), "dimension"),
+        (_message({"v": {"X": ["float32", [1.5], 0]}, "o": [0], "n": [4]}, bytes(4)), "dimension"),
+        (_message({"v": {"X": ["float32", [1], 3]}, "o": [0], "n": [4]}, bytes(4)), "buffer index"),
+        (_message({"v": {"X": ["float32", [1], 0]}, "o": [100], "n": [4]}, bytes(4)), "outside"),
+        (_message({"v": {"X": ["float32", [1], 0]}, "o": [-8], "n": [4]}, bytes(4)), "offset"),
+        (_message({"v": {"X": ["evil", [1], 0]}, "o": [0], "n": [4]}, bytes(4)), "unknown dtype"),
+        (_message({"v": {"Q": 1}, "o": [], "n": []}), "unknown node tag"),
+        (_message({"v": {"F": "1e999"}, "o": [], "n": []}), "special float"),
+        (_message({"v": {"X": 1, "Y": 2}, "o": [], "n": []}), "one key"),
+        (_message({"v": {"M": [[[1], 2]]}, "o": [], "n": []}), "unhashable"),
+        (_message({"v": {"R": ["iter", "a", "b"]}, "o": [], "n": []}), "accepts none"),
+        (b"DSW1" + struct.pack("<I", 4000) + b"[" * 4000, "malformed message"),
+    ],
+)
 def test_malformed_messages_are_wire_errors_never_crashes(data, match):
     with pytest.raises(wire.WireError, match=match):
         wire.decode(data)
@@ -55,19 +58,30 @@ def _sparse_message(rows: list[int], size: int, indices_dtype: str = "int64", nn
     n = len(rows)
     indices = torch.tensor([rows], dtype=torch.int64).numpy().tobytes()
     values = torch.ones(nnz_values if nnz_values is not None else n, 2).numpy().tobytes()
-    header = {"v": {"S": [[indices_dtype, [1, n], 0], ["float32", [nnz_values if nnz_values is not None else n, 2], 1],
-                          [size, 2]]},
-              "o": [0, 64 * ((len(indices) + 63) // 64)], "n": [len(indices), len(values)]}
+    header = {
+        "v": {
+            "S": [
+                [indices_dtype, [1, n], 0],
+                ["float32", [nnz_values if nnz_values is not None else n, 2], 1],
+                [size, 2],
+            ]
+        },
+        "o": [0, 64 * ((len(indices) + 63) // 64)],
+        "n": [len(indices), len(values)],
+    }
     body = indices.ljust(64 * ((len(indices) + 63) // 64), b"\0") + values
     return _message(header, body)
 
 
-@pytest.mark.parametrize("rows, match", [
-    ([7], "size is 5 but found index 7"),
-    ([-1], "negative index"),
-    ([2 ** 62], "found index"),
-    ([-(2 ** 63)], "negative index"),
-])
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([7], "size is 5 but found index 7"),
+        ([-1], "negative index"),
+        ([2**62], "found index"),
+        ([-(2**63)], "negative index"),
+    ],
+)
 def test_sparse_rows_outside_the_shape_are_refused_when_decoded(rows, match):
     with pytest.raises(wire.WireError, match=match):
         wire.decode(_sparse_message(rows, 5))
@@ -91,8 +105,12 @@ def _store_with_one_shard() -> ParameterStore:
     store = ParameterStore()
     assert _call(store, "Create", {"vars": [{"key": "v/part_0", "value": torch.arange(10.0).reshape(5, 2)}]}) == {}
     factory = __import__("cloudpickle").dumps(torch.optim.SGD)
-    assert _call(store, "CreateOptimizer", {"opt": "o", "factory": factory, "keys": ["v/part_0"],
-                                            "options": [{"lr": 1.0}]}) == {}
+    assert (
+        _call(
+            store, "CreateOptimizer", {"opt": "o", "factory": factory, "keys": ["v/part_0"], "options": [{"lr": 1.0}]}
+        )
+        == {}
+    )
     return store
 
 
@@ -109,8 +127,11 @@ INVALID_REQUESTS = [
     ("Create", {"vars": "nope"}, "'vars' must be"),
     ("Assign", {"vars": [{"key": "v/part_0", "value": torch.zeros(4, 2)}]}, "shape"),
     ("Assign", {"vars": [{"key": "v/part_0", "value": torch.zeros(5, 2, dtype=torch.float64)}]}, "float64"),
-    ("Assign", {"vars": [{"key": "v/part_0", "value": torch.zeros(5, 2)}, {"key": "other", "value": torch.zeros(1)}]},
-     "no variable shard"),
+    (
+        "Assign",
+        {"vars": [{"key": "v/part_0", "value": torch.zeros(5, 2)}, {"key": "other", "value": torch.zeros(1)}]},
+        "no variable shard",
+    ),
     ("Push", _push(torch.ones(4, 2)), "shape"),
     ("Push", _push(torch.ones(5, 2, dtype=torch.int64)), "int64"),
     ("Push", _push(torch.ones(5, 2), groups=[3], options=[{"lr": 1.0}]), "no options"),
@@ -119,17 +140,24 @@ INVALID_REQUESTS = [
     ("Push", {**_push(torch.ones(5, 2)), "since": [-1]}, "'since'"),
     ("Push", {**_push(torch.ones(5, 2)), "opt": "other"}, "no optimizer"),
     ("Push", {**_push(torch.ones(5, 2)), "keys": ["v/part_0", "v/part_0"]}, "'since' has 1 items"),
-    ("Push", {"opt": "o", "keys": ["v/part_0", "nope"], "grads": [torch.ones(5, 2), torch.ones(1)], "since": [0, 0]},
-     "no variable shard"),
-    ("SetOptimizerState", {"opt": "o", "keys": ["v/part_0"], "states": [{"momentum_buffer": torch.ones(3)}],
-                           "options": {}}, "shape"),
+    (
+        "Push",
+        {"opt": "o", "keys": ["v/part_0", "nope"], "grads": [torch.ones(5, 2), torch.ones(1)], "since": [0, 0]},
+        "no variable shard",
+    ),
+    (
+        "SetOptimizerState",
+        {"opt": "o", "keys": ["v/part_0"], "states": [{"momentum_buffer": torch.ones(3)}], "options": {}},
+        "shape",
+    ),
     ("Pull", {"keys": [7], "since": [0]}, "'keys' must hold"),
     ("GetOptimizerState", {"opt": 1, "keys": ["v/part_0"]}, "'opt' must be"),
 ]
 
 
-@pytest.mark.parametrize("method, request_, match", INVALID_REQUESTS,
-                         ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(INVALID_REQUESTS)])
+@pytest.mark.parametrize(
+    "method, request_, match", INVALID_REQUESTS, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(INVALID_REQUESTS)]
+)
 def test_an_invalid_request_gets_an_error_reply_and_changes_nothing(method, request_, match):
     store = _store_with_one_shard()
     before = _value(store)
@@ -177,7 +205,8 @@ def test_a_server_refuses_larger_messages_and_a_client_does_not_send_them():
         with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
             with pytest.raises(grpc.RpcError) as info:
                 channel.unary_unary("/distrib.ParameterServer/Health")(
-                    bytes(8 << 20), metadata=((rpc.TOKEN_METADATA, TOKEN),), timeout=30)
+                    bytes(8 << 20), metadata=((rpc.TOKEN_METADATA, TOKEN),), timeout=30
+                )
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         small = rpc.Connection(address, rpc.PS_SERVICE, TOKEN, max_message=4 << 20)
         with pytest.raises(rpc.MessageTooLargeError, match="over the cluster's message limit"):

@@ -17,8 +17,8 @@ from torch import nn
 
 import distrib as ds
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
-from distrib.parameter_server.transport import wire
 from distrib.parameter_server.errors import ClosureCancelledError, ScheduledFunctionError
+from distrib.parameter_server.transport import wire
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
 
@@ -37,8 +37,9 @@ def make_strategy(cluster, partitioner=None, num_ps=None) -> ds.ParameterServerS
     spec = dict(cluster.cluster)
     if num_ps is not None:
         spec["ps"] = spec["ps"][:num_ps]
-    return ds.ParameterServerStrategy(SimpleClusterResolver(ClusterSpec(spec), "chief", 0), partitioner,
-                                      token=cluster.token)
+    return ds.ParameterServerStrategy(
+        SimpleClusterResolver(ClusterSpec(spec), "chief", 0), partitioner, token=cluster.token
+    )
 
 
 def regression_dataset_fn(input_context):
@@ -74,7 +75,7 @@ def test_async_training_of_the_seed_regression_converges(cluster):
     with torch.no_grad():
         start = F.mse_loss(model(FEATURES), LABELS).item()
     losses = []
-    for epoch in range(5):  # fit(epochs=5, steps_per_epoch=...) as a custom loop
+    for _epoch in range(5):  # fit(epochs=5, steps_per_epoch=...) as a custom loop
         values = [coordinator.schedule(train_step, args=(per_worker_iterator,)) for _ in range(20)]
         coordinator.join(timeout=120)
         losses.append(sum(v.fetch().item() for v in values) / len(values))

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrib as ds
-from distrib.parameter_server.errors import ParameterServerUnavailableError
 from distrib.parameter_server.client.remote_value import RemoteValueStatus
+from distrib.parameter_server.errors import ParameterServerUnavailableError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -78,8 +78,11 @@ def test_worker_and_ps_failures(tmp_path):
         coordinator.join(timeout=60)
         open(hang, "w").close()
         values = [coordinator.schedule(step, args=(iterator, hang)) for _ in range(40)]
-        wait_until(lambda: any(v.status is RemoteValueStatus.RUNNING and v.worker.endswith("task:1") for v in values),
-                   60, "worker 1 to take a function")
+        wait_until(
+            lambda: any(v.status is RemoteValueStatus.RUNNING and v.worker.endswith("task:1") for v in values),
+            60,
+            "worker 1 to take a function",
+        )
         stuck = next(v for v in values if v.status is RemoteValueStatus.RUNNING and v.worker.endswith("task:1"))
         time.sleep(0.2)
         cluster.kill("worker", 1)

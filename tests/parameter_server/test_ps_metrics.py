@@ -48,6 +48,7 @@ def test_metrics_built_under_the_scope_and_updated_in_scheduled_functions_reach_
             mean_loss.update_state(torch.nn.functional.cross_entropy(logits, y, reduction="none"))
             micro.update(logits, y)
             steps.update_state(1.0)
+
         strategy.run(replica_fn, args=(x, y))
 
     batches = _batches(12)
@@ -63,8 +64,10 @@ def test_metrics_built_under_the_scope_and_updated_in_scheduled_functions_reach_
         for x, y in batches:
             coordinator.schedule(step, args=(x, y))
         coordinator.join()
-        print(f"epoch {epoch}: steps {float(steps.result())}, accuracy {float(accuracy.result()):.4f} "
-              f"(local {float(expected_accuracy.result()):.4f}), torchmetrics {float(micro.compute()):.4f}")
+        print(
+            f"epoch {epoch}: steps {float(steps.result())}, accuracy {float(accuracy.result()):.4f} "
+            f"(local {float(expected_accuracy.result()):.4f}), torchmetrics {float(micro.compute()):.4f}"
+        )
         assert float(steps.result()) == len(batches)
         assert float(accuracy.result()) == pytest.approx(float(expected_accuracy.result()))
         assert float(micro.compute()) == pytest.approx(float(expected_accuracy.result()))
@@ -154,15 +157,20 @@ def test_a_call_run_again_after_its_worker_was_killed_counts_once(tmp_path):
         assert {v.fetch() for v in warm} == {0, 1}
         open(flag, "w").close()
         values = [coordinator.schedule(step, args=(flag,)) for _ in range(30)]
-        _wait_until(lambda: any(v.status is RemoteValueStatus.RUNNING and v.worker.endswith("task:1")
-                                for v in values), 60, "worker 1 to take a call")
+        _wait_until(
+            lambda: any(v.status is RemoteValueStatus.RUNNING and v.worker.endswith("task:1") for v in values),
+            60,
+            "worker 1 to take a call",
+        )
         time.sleep(0.1)
         cluster.kill("worker", 1)
         coordinator.join(timeout=120)
         retried = [v for v in values if v.attempts > 1]
         total = len(warm) + len(values)
-        print(f"worker 1 killed: {len(retried)} call(s) ran again on worker 0; metric {float(calls.result()):.0f} "
-              f"of {total} calls")
+        print(
+            f"worker 1 killed: {len(retried)} call(s) ran again on worker 0; metric {float(calls.result()):.0f} "
+            f"of {total} calls"
+        )
         assert all(v.status is RemoteValueStatus.READY for v in values)
         assert retried and all(v.fetch() == 0 for v in retried)
         assert float(calls.result()) == total  # every completed call once, retries included

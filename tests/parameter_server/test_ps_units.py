@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import distrib as ds
-from distrib.parameter_server.transport import wire
-from distrib.parameter_server.errors import ScheduledFunctionError, scheduled_function_error
 from distrib.parameter_server.client.failure_policy import Decision, FailureKind, FailurePolicy
+from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.errors import ScheduledFunctionError, scheduled_function_error
 from distrib.parameter_server.optimizer_state import merge_shard_states, split_state
 from distrib.parameter_server.partitioners import shard_offsets
-from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.transport import wire
 from distrib.parameter_server.variables import Placer, split_gradient
 
 
@@ -80,7 +80,12 @@ def test_partitioners_match_tf_formulas_over_a_grid():
             for max_bytes in (1, 4, 100, 4096, 1 << 20):
                 for max_shards in (None, 1, 3, 1000):
                     got = ds.partitioners.MaxSizePartitioner(max_bytes, max_shards)(shape, dtype)[0]
-                    assert got == tf_axis_size(max_bytes, max_shards, shape, size), (shape, dtype, max_bytes, max_shards)
+                    assert got == tf_axis_size(max_bytes, max_shards, shape, size), (
+                        shape,
+                        dtype,
+                        max_bytes,
+                        max_shards,
+                    )
 
 
 def test_partitioner_arguments_are_validated():
@@ -109,8 +114,9 @@ def test_sparse_gradient_keeps_only_each_shards_touched_rows():
     first, second = split_gradient(spec, grad)
     assert first.coalesce().indices().tolist() == [[1]] and first.coalesce().values().tolist() == [[2.0, 2.0]]
     assert second.coalesce().indices().tolist() == [[1]]  # row 4 is row 1 of the second shard
-    only_first = split_gradient(spec, torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 2), (6, 2),
-                                                               check_invariants=False))
+    only_first = split_gradient(
+        spec, torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 2), (6, 2), check_invariants=False)
+    )
     assert only_first[1] is None
 
 
@@ -172,7 +178,9 @@ def test_remote_value_allows_only_documented_transitions():
 
 
 def test_remote_errors_keep_builtin_class_and_traceback():
-    error = scheduled_function_error("KeyError", "'x'", "Traceback ...\n  File \"train.py\", line 3", "/job:worker/task:1")
+    error = scheduled_function_error(
+        "KeyError", "'x'", 'Traceback ...\n  File "train.py", line 3', "/job:worker/task:1"
+    )
     assert isinstance(error, KeyError) and isinstance(error, ScheduledFunctionError)
     assert "train.py" in str(error) and error.worker == "/job:worker/task:1"
     custom = scheduled_function_error("MyError", "m", "tb", "w")
@@ -181,7 +189,10 @@ def test_remote_errors_keep_builtin_class_and_traceback():
 
 def test_optimizer_state_gathers_whole_tensors_and_splits_back():
     spec = Placer(2, ds.partitioners.FixedShardsPartitioner(2), "t").place("e", torch.zeros(5, 2))
-    shards = [{"step": torch.tensor(3.0), "sum": torch.ones(3, 2)}, {"step": torch.tensor(5.0), "sum": torch.zeros(2, 2)}]
+    shards = [
+        {"step": torch.tensor(3.0), "sum": torch.ones(3, 2)},
+        {"step": torch.tensor(5.0), "sum": torch.zeros(2, 2)},
+    ]
     merged = merge_shard_states(spec, shards)
     assert merged["step"].item() == 5.0 and merged["sum"].shape == (5, 2) and merged["sum"][:3].sum() == 6
     back = split_state(spec, merged)
@@ -202,7 +213,7 @@ def test_in_process_cluster_runs_the_seed_notebook_flow():
         coordinator = ds.coordinator.ClusterCoordinator(strategy)
         assert ds.coordinator.ClusterCoordinator(strategy) is coordinator  # one per strategy
         assert {p[0][0] for p in strategy.variable_placement(model).values()} == {0, 1}  # round robin
-        x, y = torch.tensor([[1., 1.5], [2., 2.5], [3., 3.5]]), torch.tensor([[0.3], [0.5], [0.7]])
+        x, y = torch.tensor([[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]]), torch.tensor([[0.3], [0.5], [0.7]])
 
         def replica_fn(x, y):
             loss = ds.compute_average_loss(torch.nn.functional.mse_loss(model(x), y, reduction="none").mean(1))
@@ -235,22 +246,33 @@ def test_in_process_cluster_runs_the_seed_notebook_flow():
 # --------------------------------------------------------------------------- TLS and the token (in-process)
 def _make_certificates(directory):
     x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
     import datetime
     import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
 
     def key_and_cert(name, issuer_name=None, issuer_key=None, ca=False):
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, name)])
         now = datetime.datetime.now(datetime.timezone.utc)
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name or subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer_name or subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if not ca:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
         cert = builder.sign(issuer_key or key, hashes.SHA256())
         return key, cert
 
@@ -261,9 +283,11 @@ def _make_certificates(directory):
         key, cert = key_and_cert(name, *signer)
         paths[name] = (str(directory / f"{name}.crt"), str(directory / f"{name}.key"))
         (directory / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (directory / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                                  serialization.PrivateFormat.PKCS8,
-                                                                  serialization.NoEncryption()))
+        (directory / f"{name}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     (directory / "ca.crt").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     return paths, str(directory / "ca.crt")
 
@@ -318,11 +342,21 @@ def test_examples_run_on_an_in_process_cluster():
     examples = Path(__file__).resolve().parents[2] / "examples"
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     env.pop("TF_CONFIG", None)
-    out = subprocess.run([sys.executable, str(examples / "parameter_server.py"), "--epochs", "2", "--steps-per-epoch", "5"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, str(examples / "parameter_server.py"), "--epochs", "2", "--steps-per-epoch", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Epoch 2/2" in out.stdout and "{'loss':" in out.stdout
-    out = subprocess.run([sys.executable, str(examples / "embedding_ps.py"), "--rows", "5000", "--steps", "10"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, str(examples / "embedding_ps.py"), "--rows", "5000", "--steps", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "KB per step" in out.stdout and "held-out log loss" in out.stdout

@@ -26,16 +26,22 @@ def _check(out: str, epochs: int) -> None:
 def test_the_tutorial_runs_on_an_in_process_cluster():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TF_CONFIG", None)
-    result = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "3", "--steps-per-epoch", "4"],
-                            capture_output=True, text=True, timeout=240, env=env)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--epochs", "3", "--steps-per-epoch", "4"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     print(result.stdout)
     assert result.returncode == 0, result.stderr[-3000:]
     _check(result.stdout, epochs=3)
 
 
 def test_the_tutorial_runs_under_distrib_launch_with_a_process_per_task():
-    code, out, _ = launch("--workers", "2", "--ps", "2", str(EXAMPLE), "--epochs", "2", "--steps-per-epoch", "3",
-                          timeout=300)
+    code, out, _ = launch(
+        "--workers", "2", "--ps", "2", str(EXAMPLE), "--epochs", "2", "--steps-per-epoch", "3", timeout=300
+    )
     print(out)
     assert code == 0, out[-3000:]
     _check("\n".join(line.removeprefix("[chief 0] ") for line in out.splitlines()), epochs=2)

@@ -13,29 +13,29 @@ import re
 import subprocess
 import sys
 import warnings
-from typing import Optional
 
 import pytest
 import torch
 
 import distrib as ds
-from distrib.precision import speed as amp_speed
 from distrib.precision import Precision
+from distrib.precision import speed as amp_speed
 from distrib.precision.speed import SLOW_RATIO, Slowdown
 
 SLOW, FAST = Slowdown(12.0, 0.05), Slowdown(0.8, 0.01)
 MIXED = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 
 
-def probe(bf16: Optional[Slowdown], fp16: Optional[Slowdown], calls: Optional[list] = None):
-    def slowdown(dtype: torch.dtype, device_type: str) -> Optional[Slowdown]:
+def probe(bf16: Slowdown | None, fp16: Slowdown | None, calls: list | None = None):
+    def slowdown(dtype: torch.dtype, device_type: str) -> Slowdown | None:
         if calls is not None:
             calls.append((dtype, device_type))
         return {torch.bfloat16: bf16, torch.float16: fp16}[dtype]
+
     return slowdown
 
 
-def refuse(dtype: torch.dtype, device_type: str) -> Optional[Slowdown]:
+def refuse(dtype: torch.dtype, device_type: str) -> Slowdown | None:
     raise AssertionError("nothing may be measured here")
 
 
@@ -45,8 +45,11 @@ def faster_choice(note: str) -> str:
     return match.group(1)
 
 
-@pytest.mark.parametrize("bf16,fp16", [(SLOW, SLOW), (SLOW, FAST), (FAST, SLOW), (FAST, FAST), (SLOW, None)],
-                         ids=["avx2-only", "fp16-only", "avx512bf16-or-amx", "both-fast", "fp16-unmeasurable"])
+@pytest.mark.parametrize(
+    "bf16,fp16",
+    [(SLOW, SLOW), (SLOW, FAST), (FAST, SLOW), (FAST, FAST), (SLOW, None)],
+    ids=["avx2-only", "fp16-only", "avx512bf16-or-amx", "both-fast", "fp16-unmeasurable"],
+)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_a_slow_precision_is_named_with_a_faster_choice_that_is_not_slow_here(precision, bf16, fp16):
     mixed = Precision.parse(precision)
@@ -105,9 +108,24 @@ def test_distrib_train_prints_a_note_naming_the_faster_choice(monkeypatch, idx_d
 
     # a CPU where bfloat16 is slow and float16 is not (the run itself is bfloat16, fast on the CPUs this runs on)
     monkeypatch.setattr(amp_speed, "measured_slowdown", probe(SLOW, FAST))
-    code = main(["train", "--strategy", "default", "--epochs", "1", "--precision", "bf16-mixed",
-                 "--batch-size-per-replica", "64", "--data-dir", str(idx_dir), "--checkpoint-dir",
-                 str(tmp_path / "ckpt"), "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--strategy",
+            "default",
+            "--epochs",
+            "1",
+            "--precision",
+            "bf16-mixed",
+            "--batch-size-per-replica",
+            "64",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     notes = [line for line in out.splitlines() if line.startswith("Note: ")]
@@ -129,9 +147,11 @@ def test_the_real_measurement_is_cheap_cached_and_leaves_torch_as_it_was():
 
 
 def test_importing_distrib_measures_nothing():
-    code = ("import distrib, distrib.app.train, distrib.keras\n"
-            "from distrib.precision import speed as amp_speed\n"
-            "info = amp_speed.measured_slowdown.cache_info()\n"
-            "assert info.hits == info.misses == 0, info\n")
+    code = (
+        "import distrib, distrib.app.train, distrib.keras\n"
+        "from distrib.precision import speed as amp_speed\n"
+        "info = amp_speed.measured_slowdown.cache_info()\n"
+        "assert info.hits == info.misses == 0, info\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -65,8 +65,12 @@ def _run(tmp_path, how: str, notice_at: int, timeout: float = 60) -> tuple[int, 
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), how, str(notice_at)], capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), how, str(notice_at)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 

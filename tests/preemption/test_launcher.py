@@ -30,8 +30,9 @@ def test_a_preemption_exit_restarts_the_group_without_using_a_restart(tmp_path):
 
 
 def test_the_help_says_a_preemption_restart_is_not_counted():
-    out = subprocess.run([sys.executable, "-m", "distrib.app.cli", "launch", "--help"], capture_output=True,
-                         text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "distrib.app.cli", "launch", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     flat = " ".join(out.split())
     assert "exiting with 42" in flat and "without counting against K" in flat, out
     assert "--grace-seconds" in flat and "DISTRIB_GRACE_SECONDS" in flat

@@ -11,8 +11,20 @@ from helpers import SCRIPTS, launch
 
 
 def test_the_coordinator_saves_after_the_steps_in_flight_and_the_restart_counts_each_once(tmp_path):
-    code, out, _ = launch("--workers", "2", "--ps", "1", str(SCRIPTS / "preempt_ps.py"), "--checkpoint-dir",
-                          str(tmp_path / "ckpt"), "--steps", "40", "--notice-at", "15", timeout=240)
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        "--ps",
+        "1",
+        str(SCRIPTS / "preempt_ps.py"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--steps",
+        "40",
+        "--notice-at",
+        "15",
+        timeout=240,
+    )
     assert code == 0, out
     saved = re.findall(r"worker 0: preemption checkpoint at run (\d+) saved", out)
     assert saved == ["15"], out  # one process decides: it saves at the run where it saw the notice

@@ -8,14 +8,22 @@ import re
 from pathlib import Path
 
 import torch
-
 from helpers import SCRIPTS, launch
 
 
 def _fit(tmp_path: Path, name: str, *extra: str) -> tuple[str, list[torch.Tensor]]:
     out = tmp_path / f"{name}.pt"
-    code, text, _ = launch("--workers", "2", str(SCRIPTS / "preempt_fit.py"), "--out", str(out), "--backup-dir",
-                           str(tmp_path / f"{name}-backup"), *extra, timeout=240)
+    code, text, _ = launch(
+        "--workers",
+        "2",
+        str(SCRIPTS / "preempt_fit.py"),
+        "--out",
+        str(out),
+        "--backup-dir",
+        str(tmp_path / f"{name}-backup"),
+        *extra,
+        timeout=240,
+    )
     assert code == 0, text
     return text, torch.load(out)
 

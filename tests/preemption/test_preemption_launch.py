@@ -29,9 +29,11 @@ def reference(tmp_path_factory):
 def test_a_notice_at_a_random_step_is_one_agreed_checkpoint_and_an_exact_resume(tmp_path, reference, via):
     notice_at = random.Random().randint(1, bench.last_notice(via))
     result = bench.trial(tmp_path, notice_at, via, reference)
-    print(f"PREEMPTION via {via}: notice at run {notice_at}, saved at {result['saved_at']}, runs at exit "
-          f"{result['runs_at_exit']}, resumed at {result['resumed_at']}, steps lost {result.get('steps_lost')}, "
-          f"notice to exit {result.get('notice_to_exit_s')}s, launcher exit codes {result['launcher_exit_codes']}")
+    print(
+        f"PREEMPTION via {via}: notice at run {notice_at}, saved at {result['saved_at']}, runs at exit "
+        f"{result['runs_at_exit']}, resumed at {result['resumed_at']}, steps lost {result.get('steps_lost')}, "
+        f"notice to exit {result.get('notice_to_exit_s')}s, launcher exit codes {result['launcher_exit_codes']}"
+    )
     assert len(result["saved_at"]) == 2 and len(set(result["saved_at"].values())) == 1, result.get("output")
     saved = next(iter(result["saved_at"].values()))
     if via == "self":
@@ -53,8 +55,10 @@ def test_under_the_sharded_strategy_each_worker_saves_its_shards_and_the_resume_
     expected = bench.reference(tmp_path, strategy="sharded")
     notice_at = random.Random().randint(1, 18)
     result = bench.trial(tmp_path, notice_at, "self", expected, strategy="sharded")
-    print(f"PREEMPTION under ShardedStrategy: notice at run {notice_at}, saved at {result['saved_at']}, "
-          f"resumed at {result['resumed_at']}, notice to exit {result.get('notice_to_exit_s')}s")
+    print(
+        f"PREEMPTION under ShardedStrategy: notice at run {notice_at}, saved at {result['saved_at']}, "
+        f"resumed at {result['resumed_at']}, notice to exit {result.get('notice_to_exit_s')}s"
+    )
     assert set(result["saved_at"].values()) == {notice_at + 1} and len(result["saved_at"]) == 2, result.get("output")
     assert result["resumed_at"] == [notice_at + 1] and result["steps_lost"] == 0, result
     assert result["params_equal"] is True, result

@@ -13,18 +13,32 @@ import time
 from pathlib import Path
 
 import torch
-
 from conftest import make_idx_dir
-from distrib.checkpoint import format as fmt
 from helpers import process_tree
+
+from distrib.checkpoint import format as fmt
 
 ARGS = ["--workers", "2", "--epochs", "1", "--batch-size-per-replica", "8", "--log-every", "1", "--no-progress"]
 
 
 def _train(idx_dir: Path, ckpt: Path, kill_after_step: int = -1, timeout: float = 300) -> str:
-    proc = subprocess.Popen([sys.executable, "-m", "distrib.app.cli", "train", *ARGS, "--data-dir", str(idx_dir),
-                             "--checkpoint-dir", str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distrib.app.cli",
+            "train",
+            *ARGS,
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(ckpt),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + timeout
         if kill_after_step >= 0:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cluster.slurm_cluster import SlurmCluster
 from helpers import SCRIPTS
 
@@ -62,10 +61,17 @@ def test_scancel_signal_term_then_requeue_exit_resumes_exactly(tmp_path):
     with SlurmCluster(requeue_exit=(42,), cred_expire=CRED_EXPIRE, sched_interval=1) as slurm:
         log = tmp_path / "job.out"
         script = tmp_path / "job.sh"
-        script.write_text(BATCH.format(python=sys.executable, script=SCRIPTS / "preempt_train.py",
-                                       out=tmp_path / "out.pt", ckpt=tmp_path / "ckpt"))
-        code, submitted = slurm.run(["sbatch", "--parsable", "-o", str(log), str(script)], timeout=30,
-                                    cwd=str(tmp_path))
+        script.write_text(
+            BATCH.format(
+                python=sys.executable,
+                script=SCRIPTS / "preempt_train.py",
+                out=tmp_path / "out.pt",
+                ckpt=tmp_path / "ckpt",
+            )
+        )
+        code, submitted = slurm.run(
+            ["sbatch", "--parsable", "-o", str(log), str(script)], timeout=30, cwd=str(tmp_path)
+        )
         assert code == 0, submitted
         job = submitted.strip().split(";")[0]
         started = time.monotonic()
@@ -74,8 +80,10 @@ def test_scancel_signal_term_then_requeue_exit_resumes_exactly(tmp_path):
             return log.read_text(errors="replace") if log.exists() else ""
 
         def fail(what: str) -> None:
-            pytest.fail(f"{what} ({time.monotonic() - started:.0f} s after the submission):\n{read()}\n"
-                        f"job: {_job(slurm, job)}\n{slurm.logs()[-4000:]}")
+            pytest.fail(
+                f"{what} ({time.monotonic() - started:.0f} s after the submission):\n{read()}\n"
+                f"job: {_job(slurm, job)}\n{slurm.logs()[-4000:]}"
+            )
 
         while read().count("START worker=") < 2:
             if time.monotonic() - started > BOUND / 2:
@@ -103,9 +111,11 @@ def test_scancel_signal_term_then_requeue_exit_resumes_exactly(tmp_path):
         finished = time.monotonic()
     print(text)
     print(f"REQUEUED {requeued}")
-    print(f"FIGURES exit 42 {seen.get('SRUN EXIT 42', -1):.1f} s after the notice, the requeued job started "
-          f"{seen.get('ATTEMPT 1', -1):.1f} s after it, the job ended {finished - noticed:.1f} s after it "
-          f"({finished - started:.1f} s after the submission)")
+    print(
+        f"FIGURES exit 42 {seen.get('SRUN EXIT 42', -1):.1f} s after the notice, the requeued job started "
+        f"{seen.get('ATTEMPT 1', -1):.1f} s after it, the job ended {finished - noticed:.1f} s after it "
+        f"({finished - started:.1f} s after the submission)"
+    )
     saved = set(re.findall(r"worker \d: preemption checkpoint at run (\d+) saved", text))
     assert len(saved) == 1 and len(re.findall(r"preemption checkpoint at run", text)) == 2, text
     run = saved.pop()

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import SCRIPTS
 from scripts.torchrun_processes import clean_env, run_job
 
@@ -32,11 +31,21 @@ def reference(tmp_path_factory):
 
 
 def _torchrun(directory: Path, *extra: str) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           str(SCRIPTS / "preempt_train.py"), "--out", str(directory / "out.pt"), "--checkpoint-dir",
-           str(directory / "ckpt"), *extra]
-    code, out, left = run_job(cmd, directory / f"log{len(list(directory.glob('log*')))}", timeout=180,
-                              env=clean_env())
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        str(SCRIPTS / "preempt_train.py"),
+        "--out",
+        str(directory / "out.pt"),
+        "--checkpoint-dir",
+        str(directory / "ckpt"),
+        *extra,
+    ]
+    code, out, left = run_job(cmd, directory / f"log{len(list(directory.glob('log*')))}", timeout=180, env=clean_env())
     assert code is not None and not left, out
     return code, out
 

@@ -31,8 +31,10 @@ GLOBAL_BATCH = 12
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g))
-            for _ in range(STEPS)]
+    data = [
+        (torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g))
+        for _ in range(STEPS)
+    ]
     data[POISONED][0][-1, 0] = float("nan")
     return data
 
@@ -45,12 +47,13 @@ def train(strategy: Any, clip: bool = False, device_type: str = "cpu") -> dict[s
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # a wrong gradient scale shows
-    scaler = torch.amp.GradScaler(device_type, init_scale=2.0 ** 10, growth_interval=2)
+    scaler = torch.amp.GradScaler(device_type, init_scale=2.0**10, growth_interval=2)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.autocast(device_type, dtype=torch.float16):
-            loss = ds.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"),
-                                           global_batch_size=GLOBAL_BATCH)
+            loss = ds.compute_average_loss(
+                F.cross_entropy(model(x), y, reduction="none"), global_batch_size=GLOBAL_BATCH
+            )
         scaler.scale(loss).backward()
         if clip:  # clip the unscaled gradient: under a strategy, the one summed over every replica
             scaler.unscale_(optimizer)
@@ -85,10 +88,16 @@ def main() -> None:
     strategy = ds.MultiWorkerMirroredStrategy(communication_options=options, devices=devices)
     device_type = strategy.local_devices[0].type
     result = train(strategy, args.clip, device_type)
-    print(f"worker {strategy.worker_index} devices {[str(d) for d in strategy.local_devices]} backend "
-          f"{getattr(strategy.communicator, 'backend', 'local')}", flush=True)
-    print(f"worker {strategy.worker_index} of {strategy.num_workers}, {strategy.num_replicas_in_sync} replicas: "
-          f"scales: {json.dumps(result['scales'])}", flush=True)
+    print(
+        f"worker {strategy.worker_index} devices {[str(d) for d in strategy.local_devices]} backend "
+        f"{getattr(strategy.communicator, 'backend', 'local')}",
+        flush=True,
+    )
+    print(
+        f"worker {strategy.worker_index} of {strategy.num_workers}, {strategy.num_replicas_in_sync} replicas: "
+        f"scales: {json.dumps(result['scales'])}",
+        flush=True,
+    )
     if strategy.is_chief:
         torch.save(result, args.out)
 

@@ -29,8 +29,9 @@ GLOBAL = 16
 
 def build(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+    )
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,8 +51,12 @@ def strategy_of(kind: str) -> ds.Strategy:
     raise SystemExit(f"unknown kind {kind!r}")
 
 
-def train(strategy: "ds.Strategy | None", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def train(
+    strategy: ds.Strategy | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
     if strategy is None:  # plain PyTorch
         for x, y in data:
             ((model(x) - y).pow(2).sum(1).sum() / GLOBAL).backward()
@@ -68,7 +73,7 @@ def train(strategy: "ds.Strategy | None", model: torch.nn.Module, optimizer: tor
         strategy.run(step, args=(x, y))
 
 
-def name_of(kind: str, strategy: "ds.Strategy | None") -> str:
+def name_of(kind: str, strategy: ds.Strategy | None) -> str:
     return f"{kind}-{strategy.num_workers if strategy is not None else 1}"
 
 
@@ -80,16 +85,20 @@ def save(directory: str, kind: str) -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
         train(None, model, optimizer, batches()[:3])
         os.makedirs(where, exist_ok=True)  # torch's own format: what a plain-PyTorch user hands over
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": torch.tensor(3)},
-                   os.path.join(where, "ckpt-1.pt"))
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": torch.tensor(3)},
+            os.path.join(where, "ckpt-1.pt"),
+        )
         return
     with strategy.scope():
         model = build(0)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     train(strategy, model, optimizer, batches()[:3])
     path = ds.Checkpoint(model=model, optimizer=optimizer, epoch=torch.tensor(3)).save(os.path.join(where, "ckpt"))
-    print(f"saved {path} ({ds.Checkpoint.__name__} under {type(strategy).__name__}, "
-          f"format {strategy.checkpoint_format})", flush=True)
+    print(
+        f"saved {path} ({ds.Checkpoint.__name__} under {type(strategy).__name__}, format {strategy.checkpoint_format})",
+        flush=True,
+    )
 
 
 def plain_load(path: str) -> dict:
@@ -140,8 +149,10 @@ def load(directory: str, kind: str) -> None:
         whole = model.state_dict() if strategy is None else strategy.checkpoint_state(model)
         steps = (optimizer.state_dict() if strategy is None else strategy.checkpoint_state(optimizer))["state"]
         if strategy is None or strategy.is_chief:
-            torch.save({"model": whole, "steps": [float(s["step"]) for s in steps.values()]},
-                       os.path.join(results, f"{saver}__{me}.pt"))
+            torch.save(
+                {"model": whole, "steps": [float(s["step"]) for s in steps.values()]},
+                os.path.join(results, f"{saver}__{me}.pt"),
+            )
     print(f"{me} loaded every checkpoint", flush=True)
 
 

@@ -51,8 +51,10 @@ c = torch.full((4,), float(rank))
 check("all_reduce_async", comm.wait(comm.all_reduce_async(c)) is c and c.tolist() == [1.0] * 4)
 gathered = comm.all_gather(torch.full((rank + 1, 2), float(rank)), axis=0)  # uneven: 1 row, then 2 rows
 check("all_gather uneven", gathered.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
-check("all_gather_object", comm.all_gather_object({"rank": rank, "x": "y" * rank}) == [{"rank": 0, "x": ""},
-                                                                                      {"rank": 1, "x": "y"}])
+check(
+    "all_gather_object",
+    comm.all_gather_object({"rank": rank, "x": "y" * rank}) == [{"rank": 0, "x": ""}, {"rank": 1, "x": "y"}],
+)
 w = torch.full((3,), float(rank))
 comm.broadcast([w], src=1)
 check("broadcast", w.tolist() == [1.0] * 3)

@@ -74,8 +74,9 @@ def hand_sums(state: dict, step: int, replicas: int) -> dict:
         for s in slices(step, w, replicas):
             model = build()
             model.load_state_dict(state)
-            ds.compute_average_loss(F.cross_entropy(model(X[s]), Y[s], reduction="none"),
-                                    global_batch_size=GLOBAL_BATCH).backward()
+            ds.compute_average_loss(
+                F.cross_entropy(model(X[s]), Y[s], reduction="none"), global_batch_size=GLOBAL_BATCH
+            ).backward()
             grads = [q.grad for q in model.parameters()]
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
         local.append(total)
@@ -93,8 +94,10 @@ def check_step(name: str, got: list, sums: dict) -> dict:
     if name in ("none", "bf16", "fp16"):
         ref = exact if name == "none" else sums[name]
         out["vs_hand"] = max(float((a - r).abs().max()) for a, r in zip(got, ref))
-        ulp = {"none": 2.0 ** -23, "bf16": 2.0 ** -7, "fp16": 2.0 ** -10}[name]
-        out["within_rounding"] = all(bool(((a - e).abs() <= ulp * m).all()) for a, e, m in zip(got, exact, sums["magnitude"]))
+        ulp = {"none": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}[name]
+        out["within_rounding"] = all(
+            bool(((a - e).abs() <= ulp * m).all()) for a, e, m in zip(got, exact, sums["magnitude"])
+        )
         return out
     vs_hand = 0.0
     for a, e in zip(got, exact):
@@ -112,7 +115,8 @@ def check_step(name: str, got: list, sums: dict) -> dict:
 
 def train(name: str, compression, devices):  # type: ignore[no-untyped-def]
     strategy = ds.MultiWorkerMirroredStrategy(
-        communication_options=ds.CommunicationOptions(timeout_seconds=60, compression=compression), devices=devices)
+        communication_options=ds.CommunicationOptions(timeout_seconds=60, compression=compression), devices=devices
+    )
     assert strategy.num_workers == WORKERS
     with strategy.scope():
         model = build()
@@ -128,8 +132,11 @@ def train(name: str, compression, devices):  # type: ignore[no-untyped-def]
     checked: dict = {}
     for s in range(args.steps):
         parts = [(X[sl], Y[sl]) for sl in slices(s, strategy.worker_index, replicas)]
-        sums = hand_sums({k: v.detach().clone() for k, v in model.state_dict().items()}, s, replicas) \
-            if s == CHECK_STEP else None
+        sums = (
+            hand_sums({k: v.detach().clone() for k, v in model.state_dict().items()}, s, replicas)
+            if s == CHECK_STEP
+            else None
+        )
         if len(parts) == 1:
             strategy.run(step, args=parts[0])
         else:
@@ -143,7 +150,7 @@ def reference() -> list[torch.Tensor]:
     model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for s in range(args.steps):
-        x, y = X[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], Y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH]
+        x, y = X[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH], Y[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -164,12 +171,18 @@ for path, devices in (("bucketed", None), ("replicas", ["cpu:0", "cpu:1"])):
     for name, compression in COMPRESSIONS.items():
         strategy, params[name], loss, checked = train(name, compression, devices)
         chief = strategy.is_chief
-        runs[name] = {"loss": loss, "start_loss": start_loss, "max_diff_vs_reference": max_diff(params[name], expected),
-                      "max_diff_vs_none": max_diff(params[name], params["none"] if "none" in params else params[name]),
-                      "step": checked}
-        print(f"{path} {name}: loss {start_loss:.4f} -> {loss:.4f}, "
-              f"max |param - uncompressed| {runs[name]['max_diff_vs_none']:.2e}, step {CHECK_STEP}: {checked}",
-              flush=True)
+        runs[name] = {
+            "loss": loss,
+            "start_loss": start_loss,
+            "max_diff_vs_reference": max_diff(params[name], expected),
+            "max_diff_vs_none": max_diff(params[name], params["none"] if "none" in params else params[name]),
+            "step": checked,
+        }
+        print(
+            f"{path} {name}: loss {start_loss:.4f} -> {loss:.4f}, "
+            f"max |param - uncompressed| {runs[name]['max_diff_vs_none']:.2e}, step {CHECK_STEP}: {checked}",
+            flush=True,
+        )
     results[path] = runs
 if chief:
     with open(args.out, "w") as f:

@@ -103,18 +103,32 @@ def equal() -> None:
             differ.append(name)
     tokens = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(1))
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for m, opt, x in ((plain, plain_opt, tokens), (model, optimizer, tokens[2 * rank:2 * rank + 2]
-                                                   if strategy.num_workers == 2 else tokens[rank:rank + 1])):
+    for m, opt, x in (
+        (plain, plain_opt, tokens),
+        (model, optimizer, tokens[2 * rank : 2 * rank + 2] if strategy.num_workers == 2 else tokens[rank : rank + 1]),
+    ):
         loss = m(x).pow(2).sum() / tokens.shape[0]
         loss.backward()
         opt.step()
-    step_diff = max((p.full_tensor() - q.detach()).abs().max().item()
-                    for p, q in zip(model.parameters(), plain.parameters()))
-    print("RESULT " + json.dumps({"worker": rank, "tensors": names, "differ": differ, "local": local,
-                                  "total": sum(p.numel() for p in plain.parameters()),
-                                  "tied": model.head.weight is model.emb.weight,
-                                  "rng": torch.equal(after_sharded, after_plain) if not args.seed_by_rank else None,
-                                  "step_diff": step_diff}), flush=True)
+    step_diff = max(
+        (p.full_tensor() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), plain.parameters())
+    )
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "worker": rank,
+                "tensors": names,
+                "differ": differ,
+                "local": local,
+                "total": sum(p.numel() for p in plain.parameters()),
+                "tied": model.head.weight is model.emb.weight,
+                "rng": torch.equal(after_sharded, after_plain) if not args.seed_by_rank else None,
+                "step_diff": step_diff,
+            }
+        ),
+        flush=True,
+    )
 
 
 def memory() -> None:
@@ -123,10 +137,14 @@ def memory() -> None:
             super().__init__()
             self.fc = nn.Linear(d, d)
 
-    strategy = ds.ShardedStrategy(devices=["cpu"], sharding_policy=ds.ShardingPolicy(module_classes=[Residual]),
-                                  deferred_init=args.how == "deferred")
+    strategy = ds.ShardedStrategy(
+        devices=["cpu"],
+        sharding_policy=ds.ShardingPolicy(module_classes=[Residual]),
+        deferred_init=args.how == "deferred",
+    )
     strategy.barrier()
     import torch.distributed.fsdp  # noqa: F401  (loaded on first use: the baseline's, not the model's)
+
     warm = nn.Linear(4, 4)
     torch.optim.Adam(warm.parameters()).step()
     base = status()
@@ -142,10 +160,20 @@ def memory() -> None:
     built = status()
     seconds = time.perf_counter() - start
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    print("RESULT " + json.dumps({"worker": int(os.environ.get("RANK", "0")), "how": args.how, "local": local,
-                                  "build_mb": round((built["VmHWM"] - base["VmRSS"]) / 1e6, 1),
-                                  "after_mb": round((built["VmRSS"] - base["VmRSS"]) / 1e6, 1),
-                                  "build_s": round(seconds, 2)}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "worker": int(os.environ.get("RANK", "0")),
+                "how": args.how,
+                "local": local,
+                "build_mb": round((built["VmHWM"] - base["VmRSS"]) / 1e6, 1),
+                "after_mb": round((built["VmRSS"] - base["VmRSS"]) / 1e6, 1),
+                "build_s": round(seconds, 2),
+            }
+        ),
+        flush=True,
+    )
 
 
 equal() if args.mode == "equal" else memory()

@@ -24,7 +24,7 @@ with strategy.scope():
 
 x = torch.ones(40, 2)
 x[22, 0] = float("nan")  # batch 2 holds examples 16..23: worker 0 gets 16..19, worker 1 gets 20..23
-batches = [(x[i:i + 8], torch.zeros(8, 1)) for i in range(0, 40, 8)]
+batches = [(x[i : i + 8], torch.zeros(8, 1)) for i in range(0, 40, 8)]
 
 
 class Count(ds.callbacks.Callback):
@@ -38,7 +38,16 @@ class Count(ds.callbacks.Callback):
 count = Count()
 schedule = ds.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * (epoch + 1))
 csv_path = os.path.join(sys.argv[1], f"log{strategy.worker_index}.csv")
-history = ds.fit(model, batches, optimizer=optimizer, loss="mse", epochs=3, verbose=0,
-                 callbacks=[schedule, ds.callbacks.TerminateOnNaN(), ds.callbacks.CSVLogger(csv_path), count])
-print(f"DONE worker={strategy.worker_index} batches={count.batches} lr={history.history['lr']} "
-      f"epochs={history.epoch}", flush=True)
+history = ds.fit(
+    model,
+    batches,
+    optimizer=optimizer,
+    loss="mse",
+    epochs=3,
+    verbose=0,
+    callbacks=[schedule, ds.callbacks.TerminateOnNaN(), ds.callbacks.CSVLogger(csv_path), count],
+)
+print(
+    f"DONE worker={strategy.worker_index} batches={count.batches} lr={history.history['lr']} epochs={history.epoch}",
+    flush=True,
+)

@@ -25,7 +25,7 @@ args = p.parse_args()
 def batches(n: int = 6) -> list:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n * 4, 2, generator=g)
-    return [(x[i:i + 4], x[i:i + 4, :1]) for i in range(0, n * 4, 4)]
+    return [(x[i : i + 4], x[i : i + 4, :1]) for i in range(0, n * 4, 4)]
 
 
 class FirstPassOnly:
@@ -66,8 +66,11 @@ def trial(case: str, strategy_name: str, call) -> None:
     ran_out = [w for w in caught if "ran out of data" in str(w.message)]
     if outcome == "silent" and ran_out:
         outcome = "warned" if len(ran_out) == 1 else f"warned{len(ran_out)}x"
-    print(f"TRIAL case={case} strategy={strategy_name} outcome={outcome} epochs={epochs} steps={counter.steps} "
-          f"zero_epochs={zero} seconds={time.monotonic() - start:.2f}", flush=True)
+    print(
+        f"TRIAL case={case} strategy={strategy_name} outcome={outcome} epochs={epochs} steps={counter.steps} "
+        f"zero_epochs={zero} seconds={time.monotonic() - start:.2f}",
+        flush=True,
+    )
 
 
 def synchronous_cases(strategy_name: str, strategy: ds.Strategy) -> None:
@@ -82,13 +85,22 @@ def synchronous_cases(strategy_name: str, strategy: ds.Strategy) -> None:
     trial("fit_empty", strategy_name, fit([], epochs=2))
     trial("evaluate_empty", strategy_name, lambda _: ds.evaluate(model, [], loss="mse"))
     trial("predict_empty", strategy_name, lambda _: ds.predict(model, []))
-    trial("fit_generator_steps_per_epoch_10_of_6", strategy_name,
-          fit((b for b in batches()), epochs=3, steps_per_epoch=10))
+    trial(
+        "fit_generator_steps_per_epoch_10_of_6",
+        strategy_name,
+        fit((b for b in batches()), epochs=3, steps_per_epoch=10),
+    )
     trial("fit_generator_3_epochs", strategy_name, fit((b for b in batches()), epochs=3))
-    trial("fit_empty_on_later_pass_steps_per_epoch_10_of_6", strategy_name,
-          fit(FirstPassOnly(batches()), epochs=3, steps_per_epoch=10))
-    trial("evaluate_iterator_steps_10_of_6", strategy_name,
-          lambda _: ds.evaluate(model, iter(batches()), loss="mse", steps=10))
+    trial(
+        "fit_empty_on_later_pass_steps_per_epoch_10_of_6",
+        strategy_name,
+        fit(FirstPassOnly(batches()), epochs=3, steps_per_epoch=10),
+    )
+    trial(
+        "evaluate_iterator_steps_10_of_6",
+        strategy_name,
+        lambda _: ds.evaluate(model, iter(batches()), loss="mse", steps=10),
+    )
 
 
 def parameter_server_cases() -> None:
@@ -108,16 +120,23 @@ def parameter_server_cases() -> None:
 
         trial("fit_empty", "parameter_server", fit([], steps_per_epoch=4))
         trial("evaluate_empty", "parameter_server", lambda _: ds.evaluate(model, [], loss="mse", steps=3))
-        trial("fit_dataset_fn_steps_per_epoch_10_of_2x3", "parameter_server",
-              fit(three_batches, epochs=3, steps_per_epoch=10))
+        trial(
+            "fit_dataset_fn_steps_per_epoch_10_of_2x3",
+            "parameter_server",
+            fit(three_batches, epochs=3, steps_per_epoch=10),
+        )
     finally:
         ds.testing.stop_in_process_cluster(resolver)
 
 
 for name in args.strategies.split(","):
-    made = {"default": ds.get_strategy, "mirrored": lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]),
-            "multi_worker": lambda: ds.MultiWorkerMirroredStrategy(
-                communication_options=ds.CommunicationOptions(timeout_seconds=30))}[name]()
+    made = {
+        "default": ds.get_strategy,
+        "mirrored": lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        "multi_worker": lambda: ds.MultiWorkerMirroredStrategy(
+            communication_options=ds.CommunicationOptions(timeout_seconds=30)
+        ),
+    }[name]()
     synchronous_cases(name, made)
 if args.ps:
     parameter_server_cases()

@@ -49,8 +49,17 @@ if args.backup_dir:
     callbacks.append(ds.callbacks.BackupAndRestore(args.backup_dir, save_freq=2))
 if args.tensorboard:
     callbacks.append(ds.callbacks.TensorBoard(os.path.join(args.tensorboard, f"task{strategy.worker_index}")))
-history = ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=3, metrics=["mae"], callbacks=callbacks,
-                 validation_data=[(x[:16], y[:16])], verbose=2)
+history = ds.fit(
+    model,
+    data,
+    optimizer=optimizer,
+    loss="mse",
+    epochs=3,
+    metrics=["mae"],
+    callbacks=callbacks,
+    validation_data=[(x[:16], y[:16])],
+    verbose=2,
+)
 if strategy.is_chief:
     torch.save([p.detach() for p in model.parameters()], args.out)
 print("final loss", history.history["loss"][-1], flush=True)

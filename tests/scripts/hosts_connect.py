@@ -32,6 +32,9 @@ except ds.CollectiveError as e:
 except Exception as e:  # noqa: BLE001 - reported, the test fails on it
     outcome, message = type(e).__name__, str(e)
 elapsed = time.monotonic() - start
-print(f"CONNECT rank={rank} outcome={outcome} elapsed={elapsed:.2f} timeout={args.timeout:g} "
-      f"message={message.splitlines()[0] if message else '-'}", flush=True)
+print(
+    f"CONNECT rank={rank} outcome={outcome} elapsed={elapsed:.2f} timeout={args.timeout:g} "
+    f"message={message.splitlines()[0] if message else '-'}",
+    flush=True,
+)
 os._exit(0)  # a half-joined group must not delay the exit

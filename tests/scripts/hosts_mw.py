@@ -34,13 +34,15 @@ p.add_argument("--mark", default=None)
 p.add_argument("--wait-for", default=None)
 args = p.parse_args()
 
-strategy = ds.MultiWorkerMirroredStrategy(
-    communication_options=ds.CommunicationOptions(timeout_seconds=args.timeout))
+strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=args.timeout))
 resolver = strategy.cluster_resolver
 rank, world = strategy.worker_index, strategy.num_workers
-print(f"RESOLVED {type(resolver).__name__} task={resolver.task_type}:{resolver.task_id} rank={rank} world={world} "
-      f"rendezvous={resolver.rendezvous_address()} hostname={socket.gethostname()} "
-      f"ifname={os.environ.get('GLOO_SOCKET_IFNAME') or '-'}", flush=True)  # the interface distrib chose, or the user
+print(
+    f"RESOLVED {type(resolver).__name__} task={resolver.task_type}:{resolver.task_id} rank={rank} world={world} "
+    f"rendezvous={resolver.rendezvous_address()} hostname={socket.gethostname()} "
+    f"ifname={os.environ.get('GLOO_SOCKET_IFNAME') or '-'}",
+    flush=True,
+)  # the interface distrib chose, or the user
 
 if args.mark:
     open(f"{args.mark}.{rank}", "w").close()
@@ -55,7 +57,9 @@ g = torch.Generator().manual_seed(0)
 n = args.global_batch * args.steps
 features = torch.randn(n, 4, generator=g)
 targets = features @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(n, 1, generator=g)
-batches = [(features[i:i + args.global_batch], targets[i:i + args.global_batch]) for i in range(0, n, args.global_batch)]
+batches = [
+    (features[i : i + args.global_batch], targets[i : i + args.global_batch]) for i in range(0, n, args.global_batch)
+]
 
 
 def make_model() -> nn.Module:
@@ -70,8 +74,9 @@ with strategy.scope():
 
 def step(inputs):
     x, y = inputs
-    loss = ds.compute_average_loss(F.mse_loss(model(x), y, reduction="none").mean(1),
-                                   global_batch_size=args.global_batch)
+    loss = ds.compute_average_loss(
+        F.mse_loss(model(x), y, reduction="none").mean(1), global_batch_size=args.global_batch
+    )
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -91,5 +96,6 @@ for x, y in batches:
 params = [p.detach().clone() for p in model.parameters()]
 diff = max((a - b).abs().max().item() for a, b in zip(params, reference.parameters()))
 digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()[:16]
-print(f"RESULT rank={rank} world={world} hostname={socket.gethostname()} digest={digest} max_diff={diff:.3g}",
-      flush=True)
+print(
+    f"RESULT rank={rank} world={world} hostname={socket.gethostname()} digest={digest} max_diff={diff:.3g}", flush=True
+)

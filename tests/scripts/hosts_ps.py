@@ -40,9 +40,11 @@ spec = resolver.cluster_spec()
 if resolver.task_type in ("ps", "worker"):
     server = ds.Server(spec, resolver.task_type, resolver.task_id)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=0))
-    print(f"SERVING job={server.job_name} task={server.task_index} address={server.address} "
-          f"listening={','.join([server.bind_address, *server.also_listening])} hostname={socket.gethostname()}",
-          flush=True)
+    print(
+        f"SERVING job={server.job_name} task={server.task_index} address={server.address} "
+        f"listening={','.join([server.bind_address, *server.also_listening])} hostname={socket.gethostname()}",
+        flush=True,
+    )
     while not server.join(timeout=1.0):
         pass
     sys.exit(0)
@@ -74,7 +76,13 @@ losses = [float(loss) for loss, _ in values]
 workers = sorted({where for _, where in values})
 if args.slurm_jobs:  # end the step: the servers exit 0 on SIGTERM, the chief ignores it (docs/multi-node.md)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    subprocess.run(["scancel", "--signal=TERM", f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"],
-                   check=True, timeout=30)
-print(f"COORDINATOR steps={len(values)} workers_used={','.join(workers)} first_loss={losses[0]:.4f} "
-      f"min_loss={min(losses):.4f} cluster={spec.as_dict()}", flush=True)
+    subprocess.run(
+        ["scancel", "--signal=TERM", f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"],
+        check=True,
+        timeout=30,
+    )
+print(
+    f"COORDINATOR steps={len(values)} workers_used={','.join(workers)} first_loss={losses[0]:.4f} "
+    f"min_loss={min(losses):.4f} cluster={spec.as_dict()}",
+    flush=True,
+)

@@ -17,15 +17,13 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import distrib as ds
-
-from torch.utils.data import Dataset
 
 MATRIX = [(workers, persistent) for workers in (1, 2) for persistent in (False, True)]
 
@@ -38,18 +36,28 @@ class Squares(Dataset):
         return torch.tensor([float(i), float(i * i)]), i
 
 
-def loader(num_workers: int, persistent: bool, seed: int = 5, context: Optional[str] = None) -> DataLoader:
+def loader(num_workers: int, persistent: bool, seed: int = 5, context: str | None = None) -> DataLoader:
     """The loader of every case (the test's too): shuffled from a seeded generator, pinned (a no-op on the CPU)."""
-    return DataLoader(Squares(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed),
-                      num_workers=num_workers, persistent_workers=persistent, pin_memory=True,
-                      multiprocessing_context=context if num_workers else None)
+    return DataLoader(
+        Squares(),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        num_workers=num_workers,
+        persistent_workers=persistent,
+        pin_memory=True,
+        multiprocessing_context=context if num_workers else None,
+    )
 
 
 def main(out: str, kind: str = "multi-worker") -> None:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     options = ds.CommunicationOptions(timeout_seconds=60)
-    strategy = (ds.ShardedStrategy(devices=["cpu"], communication_options=options) if kind == "sharded"
-                else ds.MultiWorkerMirroredStrategy(communication_options=options))
+    strategy = (
+        ds.ShardedStrategy(devices=["cpu"], communication_options=options)
+        if kind == "sharded"
+        else ds.MultiWorkerMirroredStrategy(communication_options=options)
+    )
     with strategy.scope():
         model = torch.nn.Linear(2, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -74,8 +82,14 @@ def main(out: str, kind: str = "multi-worker") -> None:
 
         def dataset_fn(ctx: ds.InputContext) -> DataLoader:
             samplers.append(DistributedSampler(Squares(), ctx.num_input_pipelines, ctx.input_pipeline_id, seed=5))
-            return DataLoader(Squares(), batch_size=ctx.get_per_replica_batch_size(4), sampler=samplers[-1],
-                              num_workers=num_workers, persistent_workers=persistent, pin_memory=True)
+            return DataLoader(
+                Squares(),
+                batch_size=ctx.get_per_replica_batch_size(4),
+                sampler=samplers[-1],
+                num_workers=num_workers,
+                persistent_workers=persistent,
+                pin_memory=True,
+            )
 
         return strategy.distribute_datasets_from_function(dataset_fn), samplers
 

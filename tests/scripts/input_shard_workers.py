@@ -14,7 +14,8 @@ import itertools
 import json
 import os
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
@@ -25,7 +26,7 @@ SIZE = 23
 class Counted(Dataset):
     """Example i is ``(tensor([i, 10 i]), i)``; each read is logged (append-only, so DataLoader workers can too)."""
 
-    def __init__(self, size: int = SIZE, log: Optional[str] = None) -> None:
+    def __init__(self, size: int = SIZE, log: str | None = None) -> None:
         self.size, self.log = size, log
 
     def __len__(self) -> int:
@@ -52,8 +53,13 @@ def pad_collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, to
 CASES: dict[str, tuple[Callable[[Dataset], DataLoader], int, int]] = {
     "shuffle": (lambda d: DataLoader(d, batch_size=5, shuffle=True, generator=seeded()), 1, 2),
     "shuffle_two_replicas": (lambda d: DataLoader(d, batch_size=5, shuffle=True, generator=seeded()), 2, 1),
-    "drop_last_workers": (lambda d: DataLoader(d, batch_size=4, shuffle=True, drop_last=True, generator=seeded(),
-                                               num_workers=2, persistent_workers=True), 1, 2),
+    "drop_last_workers": (
+        lambda d: DataLoader(
+            d, batch_size=4, shuffle=True, drop_last=True, generator=seeded(), num_workers=2, persistent_workers=True
+        ),
+        1,
+        2,
+    ),
     "batch_sampler": (lambda d: DataLoader(d, batch_sampler=[[3, 1], [0], [5, 6, 7, 8, 9, 2], [4, 10, 11]]), 1, 1),
     "sequential_sampler": (lambda d: DataLoader(d, batch_sampler=BatchSampler(SequentialSampler(d), 7, False)), 2, 1),
     "padding_collate": (lambda d: DataLoader(d, batch_size=6, collate_fn=pad_collate), 1, 1),
@@ -76,19 +82,26 @@ def main(out: str) -> None:
         strategy = one if replicas == 1 else two
         loader = make(Counted(log=os.path.join(out, f"{name}-w{rank}.calls")))
         dist = strategy.experimental_distribute_dataset(loader)
-        results[name] = {"sharded": dist.auto_sharded,
-                         "epochs": [[labels(strategy, x) for x in dist] for _ in range(epochs)]}
+        results[name] = {
+            "sharded": dist.auto_sharded,
+            "epochs": [[labels(strategy, x) for x in dist] for _ in range(epochs)],
+        }
 
     # DATA: every worker reads everything
     loader = DataLoader(Counted(log=os.path.join(out, f"data_policy-w{rank}.calls")), batch_size=5)
     dist = one.experimental_distribute_dataset(
-        loader, ds.InputOptions(experimental_auto_shard_policy=ds.AutoShardPolicy.DATA))
+        loader, ds.InputOptions(experimental_auto_shard_policy=ds.AutoShardPolicy.DATA)
+    )
     results["data_policy"] = {"sharded": dist.auto_sharded, "epochs": [[labels(one, x) for x in dist]]}
 
     # an exact resume: steps [0, 4) from the start, then from position 4 on (cycling over epochs) 9 more steps
     def resumed(start: int, steps: int) -> list[Any]:
-        loader = DataLoader(Counted(log=os.path.join(out, f"resume{start}-w{rank}.calls")), batch_size=6,
-                            shuffle=True, generator=seeded(3))
+        loader = DataLoader(
+            Counted(log=os.path.join(out, f"resume{start}-w{rank}.calls")),
+            batch_size=6,
+            shuffle=True,
+            generator=seeded(3),
+        )
         batches = one.experimental_distribute_dataset(loader).numbered_batches(start=start, cycle=True)
         return [[y.tolist(), n] for _, y, n in itertools.islice(batches, steps)]
 

@@ -37,9 +37,11 @@ def mnist_dataset(batch_size):
 def build_and_compile_cnn_model():
     model = nn.Sequential(
         nn.Unflatten(1, (1, 28)),  # InputLayer(input_shape=(28, 28)), Reshape(target_shape=(28, 28, 1)): channels first
-        nn.Conv2d(1, 32, 3), nn.ReLU(),
+        nn.Conv2d(1, 32, 3),
+        nn.ReLU(),
         nn.Flatten(),
-        nn.Linear(32 * 26 * 26, 128), nn.ReLU(),
+        nn.Linear(32 * 26 * 26, 128),
+        nn.ReLU(),
         nn.Linear(128, 10),
     )
     # compile(loss=SparseCategoricalCrossentropy(from_logits=True), optimizer=SGD(learning_rate=0.001), ["accuracy"])
@@ -48,8 +50,8 @@ def build_and_compile_cnn_model():
 
 # --- main.py ---------------------------------------------------------------------------------------
 per_worker_batch_size = 64
-tf_config = json.loads(os.environ['TF_CONFIG'])
-num_workers = len(tf_config['cluster']['worker'])
+tf_config = json.loads(os.environ["TF_CONFIG"])
+num_workers = len(tf_config["cluster"]["worker"])
 
 strategy = ds.MultiWorkerMirroredStrategy()
 
@@ -60,20 +62,27 @@ with strategy.scope():
     # Model building/compiling need to be within `strategy.scope()`.
     multi_worker_model, optimizer = build_and_compile_cnn_model()
 
-ds.fit(multi_worker_model, multi_worker_dataset, optimizer=optimizer, loss="sparse_categorical_crossentropy",
-       metrics=["accuracy"], epochs=3, steps_per_epoch=steps_per_epoch)
+ds.fit(
+    multi_worker_model,
+    multi_worker_dataset,
+    optimizer=optimizer,
+    loss="sparse_categorical_crossentropy",
+    metrics=["accuracy"],
+    epochs=3,
+    steps_per_epoch=steps_per_epoch,
+)
 
 
 # --- "Model saving and loading" ---------------------------------------------------------------------
-model_path = os.path.join(work, 'keras-model')
+model_path = os.path.join(work, "keras-model")
 
 
 def _is_chief(task_type, task_id):
-    return (task_type == 'worker' and task_id == 0) or task_type is None
+    return (task_type == "worker" and task_id == 0) or task_type is None
 
 
 def _get_temp_dir(dirpath, task_id):
-    base_dirpath = 'workertemp_' + str(task_id)
+    base_dirpath = "workertemp_" + str(task_id)
     temp_dir = os.path.join(dirpath, base_dirpath)
     os.makedirs(temp_dir, exist_ok=True)  # tf.io.gfile.makedirs(temp_dir)
     return temp_dir
@@ -87,8 +96,7 @@ def write_filepath(filepath, task_type, task_id):
     return os.path.join(dirpath, base)
 
 
-task_type, task_id = (strategy.cluster_resolver.task_type,
-                      strategy.cluster_resolver.task_id)
+task_type, task_id = (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id)
 write_model_path = write_filepath(model_path, task_type, task_id)
 
 saved = ds.Checkpoint(model=multi_worker_model).write(write_model_path)  # multi_worker_model.save(write_model_path)
@@ -99,16 +107,16 @@ if not _is_chief(task_type, task_id):
 
 loaded_model, _ = build_and_compile_cnn_model()  # tf.keras.models.load_model(model_path)
 ds.Checkpoint(model=loaded_model).read(model_path)
-same = all(torch.equal(a, b) for a, b in zip(loaded_model.state_dict().values(),
-                                             multi_worker_model.state_dict().values()))
+same = all(
+    torch.equal(a, b) for a, b in zip(loaded_model.state_dict().values(), multi_worker_model.state_dict().values())
+)
 print(f"loaded the chief's model: same={same}", flush=True)
 
 # --- "Checkpoint saving and restoring" -------------------------------------------------------------
-checkpoint_dir = os.path.join(work, 'ckpt')
+checkpoint_dir = os.path.join(work, "ckpt")
 checkpoint = ds.Checkpoint(model=multi_worker_model)
 write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id)
-checkpoint_manager = ds.CheckpointManager(
-    checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+checkpoint_manager = ds.CheckpointManager(checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
 
 saved = checkpoint_manager.save()
 print(f"manager saved {saved} exists={os.path.isfile(saved + '.pt')}", flush=True)
@@ -117,17 +125,24 @@ if not _is_chief(task_type, task_id):
 
 latest_checkpoint = ds.latest_checkpoint(checkpoint_dir)
 checkpoint.restore(latest_checkpoint)
-ds.fit(multi_worker_model, multi_worker_dataset, optimizer=optimizer, loss="sparse_categorical_crossentropy",
-       metrics=["accuracy"], epochs=2, steps_per_epoch=steps_per_epoch)
+ds.fit(
+    multi_worker_model,
+    multi_worker_dataset,
+    optimizer=optimizer,
+    loss="sparse_categorical_crossentropy",
+    metrics=["accuracy"],
+    epochs=2,
+    steps_per_epoch=steps_per_epoch,
+)
 
 
 # --- multi_worker_with_ctl: a CheckpointManager per worker, saved and cleaned up every epoch ---------
 def _is_chief_ctl(task_type, task_id, cluster_spec):
-    return (task_type is None
-            or task_type == 'chief'
-            or (task_type == 'worker'
-                and task_id == 0
-                and "chief" not in cluster_spec.as_dict()))
+    return (
+        task_type is None
+        or task_type == "chief"
+        or (task_type == "worker" and task_id == 0 and "chief" not in cluster_spec.as_dict())
+    )
 
 
 def write_filepath_ctl(filepath, task_type, task_id, cluster_spec):
@@ -140,8 +155,8 @@ def write_filepath_ctl(filepath, task_type, task_id, cluster_spec):
 
 epoch = torch.tensor(0)
 step_in_epoch = torch.tensor(0)
-cluster_spec = ds.ClusterSpec(tf_config['cluster'])
-ctl_dir = os.path.join(work, 'ctl', 'ckpt')  # os.path.join(util.get_temp_dir(), 'ckpt')
+cluster_spec = ds.ClusterSpec(tf_config["cluster"])
+ctl_dir = os.path.join(work, "ctl", "ckpt")  # os.path.join(util.get_temp_dir(), 'ckpt')
 checkpoint = ds.Checkpoint(model=multi_worker_model, epoch=epoch, step_in_epoch=step_in_epoch)
 write_checkpoint_dir = write_filepath_ctl(ctl_dir, task_type, task_id, cluster_spec)
 checkpoint_manager = ds.CheckpointManager(checkpoint, directory=write_checkpoint_dir, max_to_keep=1)

@@ -21,15 +21,20 @@ p = argparse.ArgumentParser()
 p.add_argument("--local-replicas", type=int, default=1)
 args = p.parse_args()
 
-strategy = ds.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(args.local_replicas)],
-                                          communication_options=ds.CommunicationOptions(timeout_seconds=60))
+strategy = ds.MultiWorkerMirroredStrategy(
+    devices=[f"cpu:{i}" for i in range(args.local_replicas)],
+    communication_options=ds.CommunicationOptions(timeout_seconds=60),
+)
 M = ds.metrics
 FACTORIES = {
-    "accuracy": M.Accuracy, "binary_accuracy": lambda: M.BinaryAccuracy(threshold=0.4),
-    "categorical_accuracy": M.CategoricalAccuracy, "sparse_categorical_accuracy": M.SparseCategoricalAccuracy,
+    "accuracy": M.Accuracy,
+    "binary_accuracy": lambda: M.BinaryAccuracy(threshold=0.4),
+    "categorical_accuracy": M.CategoricalAccuracy,
+    "sparse_categorical_accuracy": M.SparseCategoricalAccuracy,
     "top_k_categorical_accuracy": lambda: M.TopKCategoricalAccuracy(k=2),
     "sparse_top_k_categorical_accuracy": lambda: M.SparseTopKCategoricalAccuracy(k=2),
-    "mean": M.Mean, "sum": M.Sum,
+    "mean": M.Mean,
+    "sum": M.Sum,
 }
 outside = {name: make() for name, make in FACTORIES.items()}  # built before the scope: the mistake of A.5
 expected = {name: make() for name, make in FACTORIES.items()}  # plain: fed the whole global batches
@@ -41,18 +46,29 @@ def batch(n: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(n, 4, generator=g)
     labels = torch.randint(0, 4, (n,), generator=g)
-    return {"scores": scores, "labels": labels, "one_hot": torch.nn.functional.one_hot(labels, 4),
-            "exact": torch.randint(0, 3, (n, 1), generator=g), "guess": torch.randint(0, 3, (n, 1), generator=g),
-            "binary": (torch.rand(n, 1, generator=g) > 0.5).float(), "prob": torch.rand(n, 1, generator=g),
-            "values": torch.randn(n, generator=g), "weights": torch.rand(n, generator=g)}
+    return {
+        "scores": scores,
+        "labels": labels,
+        "one_hot": torch.nn.functional.one_hot(labels, 4),
+        "exact": torch.randint(0, 3, (n, 1), generator=g),
+        "guess": torch.randint(0, 3, (n, 1), generator=g),
+        "binary": (torch.rand(n, 1, generator=g) > 0.5).float(),
+        "prob": torch.rand(n, 1, generator=g),
+        "values": torch.randn(n, generator=g),
+        "weights": torch.rand(n, generator=g),
+    }
 
 
 def inputs(b: dict[str, torch.Tensor], name: str) -> tuple:
     return {
-        "accuracy": (b["exact"], b["guess"]), "binary_accuracy": (b["binary"], b["prob"]),
-        "categorical_accuracy": (b["one_hot"], b["scores"]), "sparse_categorical_accuracy": (b["labels"], b["scores"]),
+        "accuracy": (b["exact"], b["guess"]),
+        "binary_accuracy": (b["binary"], b["prob"]),
+        "categorical_accuracy": (b["one_hot"], b["scores"]),
+        "sparse_categorical_accuracy": (b["labels"], b["scores"]),
         "top_k_categorical_accuracy": (b["one_hot"], b["scores"]),
-        "sparse_top_k_categorical_accuracy": (b["labels"], b["scores"]), "mean": (b["values"],), "sum": (b["values"],),
+        "sparse_top_k_categorical_accuracy": (b["labels"], b["scores"]),
+        "mean": (b["values"],),
+        "sum": (b["values"],),
     }[name]
 
 
@@ -85,8 +101,14 @@ with strategy.scope():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
 mae_outside = M.MeanMetricWrapper(lambda t, p: (t - p).abs().reshape(len(t), -1).mean(1), name="mae")
 numbers = torch.arange(16, dtype=torch.float32)[:, None]
-history = ds.fit(model, [(numbers[:8], numbers[:8]), (numbers[8:], numbers[8:])], optimizer=optimizer, loss="mae",
-                 metrics=[mae_outside], verbose=0)
+history = ds.fit(
+    model,
+    [(numbers[:8], numbers[:8]), (numbers[8:], numbers[8:])],
+    optimizer=optimizer,
+    loss="mae",
+    metrics=[mae_outside],
+    verbose=0,
+)
 print(f"FIT mae={history.history['mae'][0]:g} expected=7.5", flush=True)
 if abs(history.history["mae"][0] - 7.5) > 1e-6:
     bad.append("fit")

@@ -12,8 +12,9 @@ import distrib as ds
 
 strategy = ds.MultiWorkerMirroredStrategy()
 with strategy.scope():
-    model = nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 26 * 26, 128), nn.ReLU(),
-                          nn.Linear(128, 10))
+    model = nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 26 * 26, 128), nn.ReLU(), nn.Linear(128, 10)
+    )
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
 g = torch.Generator().manual_seed(0)
 data = [(torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(3)]

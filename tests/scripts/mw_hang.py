@@ -1,6 +1,6 @@
 """Worker 1 stops answering (SIGSTOP) after the first all-reduce; worker 0 must get an error within the timeout.
 
-    distrib launch --workers 2 tests/scripts/mw_hang.py TIMEOUT_SECONDS
+distrib launch --workers 2 tests/scripts/mw_hang.py TIMEOUT_SECONDS
 """
 
 import os

@@ -26,8 +26,11 @@ def expect(case: str, error: type, fn) -> None:  # type: ignore[no-untyped-def]
 
 
 expect("reduce shapes", ds.CollectiveError, lambda: strategy.reduce("sum", torch.ones(3 + rank), axis=None))
-expect("reduce dtypes", ds.CollectiveError,
-       lambda: strategy.reduce("sum", torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64)))
+expect(
+    "reduce dtypes",
+    ds.CollectiveError,
+    lambda: strategy.reduce("sum", torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64)),
+)
 expect("gather shapes", ds.CollectiveError, lambda: strategy.gather(torch.ones(2, 3 + rank), axis=0))
 # uneven batch sizes along the reduced / gathered axis are fine
 uneven = strategy.reduce("mean", torch.ones(2 + rank, 3), axis=0)
@@ -38,7 +41,6 @@ print(f"OK uneven reduce {uneven.tolist()} gather {gathered.shape[0]} rows", flu
 def build_different_models() -> None:
     with strategy.scope():
         model = torch.nn.Linear(4, 2 + rank)  # noqa: F841 - kept alive until the scope closes
-
 
 
 expect("model differs", ds.CollectiveError, build_different_models)

@@ -34,8 +34,9 @@ args = p.parse_args()
 if args.strategy == "multi-worker":
     strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=60))
 elif args.strategy == "multi-worker2":  # two logical replicas on every worker: merged locally, then reduced
-    strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=60),
-                                              devices=["cpu:0", "cpu:1"])
+    strategy = ds.MultiWorkerMirroredStrategy(
+        communication_options=ds.CommunicationOptions(timeout_seconds=60), devices=["cpu:0", "cpu:1"]
+    )
 elif args.strategy == "mirrored2":
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
 else:
@@ -77,8 +78,7 @@ while int(epoch) < args.epochs:
         next(iterator)
     while int(step_in_epoch) < steps_per_epoch:
         global_step = int(epoch) * steps_per_epoch + int(step_in_epoch)
-        if (global_step == args.kill_at and os.environ.get("DISTRIB_RESTART") == "0"
-                and strategy.worker_index == 1):
+        if global_step == args.kill_at and os.environ.get("DISTRIB_RESTART") == "0" and strategy.worker_index == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         strategy.run(step, args=(next(iterator),))
         step_in_epoch += 1
@@ -88,5 +88,7 @@ while int(epoch) < args.epochs:
     step_in_epoch.zero_()
 if strategy.is_chief:
     torch.save([p.detach() for p in model.parameters()], args.out)
-print(f"done: worker {strategy.worker_index} of {strategy.num_workers}, "
-      f"{strategy.num_replicas_in_sync} replicas in sync", flush=True)
+print(
+    f"done: worker {strategy.worker_index} of {strategy.num_workers}, {strategy.num_replicas_in_sync} replicas in sync",
+    flush=True,
+)

@@ -27,7 +27,9 @@ with strategy.scope():
 
 steps = 0
 for x in strategy.distribute_datasets_from_function(dataset_fn):
-    strategy.run(lambda b: (examples.update_state(torch.tensor(float(len(b)))), weights.update_state(b[:, 0])), args=(x,))
+    strategy.run(
+        lambda b: (examples.update_state(torch.tensor(float(len(b)))), weights.update_state(b[:, 0])), args=(x,)
+    )
     strategy.reduce("SUM", torch.tensor(1.0))  # a collective every step, as training would have
     steps += 1
 print(f"steps={steps} examples={int(examples.result())} weight={int(weights.result())}", flush=True)

@@ -64,8 +64,9 @@ class Recording:
 
 
 def train(devices: Any) -> dict:
-    options = ds.CommunicationOptions(timeout_seconds=60, bytes_per_pack=BYTES,
-                                      compression=ds.PowerSGD(rank=2, start_iter=START))
+    options = ds.CommunicationOptions(
+        timeout_seconds=60, bytes_per_pack=BYTES, compression=ds.PowerSGD(rank=2, start_iter=START)
+    )
     strategy = ds.MultiWorkerMirroredStrategy(communication_options=options, devices=devices)
     assert strategy.num_workers == WORKERS
     with strategy.scope():
@@ -87,22 +88,32 @@ def train(devices: Any) -> dict:
     per_replica = per_worker // replicas
     for s in range(args.steps):
         lo = s * GLOBAL_BATCH + strategy.worker_index * per_worker
-        parts = [(X[lo + r * per_replica:lo + (r + 1) * per_replica], Y[lo + r * per_replica:lo + (r + 1) * per_replica])
-                 for r in range(replicas)]
+        parts = [
+            (X[lo + r * per_replica : lo + (r + 1) * per_replica], Y[lo + r * per_replica : lo + (r + 1) * per_replica])
+            for r in range(replicas)
+        ]
         if replicas == 1:
             strategy.run(step, args=parts[0])
         else:
             strategy.run(step, args=(ds.PerReplica([x for x, _ in parts]), ds.PerReplica([y for _, y in parts])))
     indices = sorted({index for index, _ in hook.seen})
-    return {"chief": strategy.is_chief, "buckets": hook.seen, "steps": {i: powersgd.steps(i) for i in indices},
-            "start_loss": start_loss, "loss": full_loss(model),
-            "params": [q.detach().flatten().tolist() for q in model.parameters()]}
+    return {
+        "chief": strategy.is_chief,
+        "buckets": hook.seen,
+        "steps": {i: powersgd.steps(i) for i in indices},
+        "start_loss": start_loss,
+        "loss": full_loss(model),
+        "params": [q.detach().flatten().tolist() for q in model.parameters()],
+    }
 
 
 results = {"bucketed": train(None), "replicas": train(["cpu:0", "cpu:1"])}
 for path, run in results.items():
-    print(f"{path}: loss {run['start_loss']:.4f} -> {run['loss']:.4f}, buckets {run['buckets'][:2]}, "
-          f"steps {run['steps']}", flush=True)
+    print(
+        f"{path}: loss {run['start_loss']:.4f} -> {run['loss']:.4f}, buckets {run['buckets'][:2]}, "
+        f"steps {run['steps']}",
+        flush=True,
+    )
 if results["bucketed"]["chief"]:
     with open(args.out, "w") as f:
         json.dump(results, f)

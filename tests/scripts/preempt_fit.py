@@ -27,8 +27,13 @@ args = p.parse_args()
 restart = int(os.environ.get("DISTRIB_RESTART", "0"))
 strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=60))
 g = torch.Generator().manual_seed(0)
-data = TensorBatches(torch.randn(160, 1, 8, 8, generator=g), torch.randint(0, 10, (160,), generator=g),
-                     batch_size=16, shuffle=True, seed=5)
+data = TensorBatches(
+    torch.randn(160, 1, 8, 8, generator=g),
+    torch.randint(0, 10, (160,), generator=g),
+    batch_size=16,
+    shuffle=True,
+    seed=5,
+)
 with strategy.scope():
     torch.manual_seed(strategy.worker_index * 1000)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
@@ -39,8 +44,11 @@ class Notice(ds.callbacks.Callback):
     """Reports where fit resumed; sends the notice before global batch --notice-at on the first attempt."""
 
     def on_train_begin(self, logs=None):
-        print(f"START worker={strategy.worker_index} restart={restart} epoch={int(self.loop.epoch)} "
-              f"step={int(self.loop.step_in_epoch)}", flush=True)
+        print(
+            f"START worker={strategy.worker_index} restart={restart} epoch={int(self.loop.epoch)} "
+            f"step={int(self.loop.step_in_epoch)}",
+            flush=True,
+        )
 
     def on_train_batch_begin(self, batch, logs=None):
         at = int(self.loop.epoch) * len(data) + batch
@@ -50,8 +58,7 @@ class Notice(ds.callbacks.Callback):
 
 
 backup = ds.callbacks.BackupAndRestore(args.backup_dir, save_before_preemption=True)
-ds.fit(model, data, optimizer=optimizer, loss=nn.CrossEntropyLoss(), epochs=2, verbose=0,
-       callbacks=[backup, Notice()])
+ds.fit(model, data, optimizer=optimizer, loss=nn.CrossEntropyLoss(), epochs=2, verbose=0, callbacks=[backup, Notice()])
 if strategy.is_chief:
     torch.save([q.detach() for q in model.parameters()], args.out)
 print(f"done: worker {strategy.worker_index}", flush=True)

@@ -31,9 +31,9 @@ with strategy.scope():
     nn.init.zeros_(model.weight)
     optimizer = torch.optim.SGD(model.parameters(), lr=1 / 64)
 coordinator = ds.coordinator.ClusterCoordinator(strategy)
-handler = ds.experimental.PreemptionCheckpointHandler(strategy.cluster_resolver,
-                                                      ds.Checkpoint(model=model, optimizer=optimizer),
-                                                      args.checkpoint_dir)
+handler = ds.experimental.PreemptionCheckpointHandler(
+    strategy.cluster_resolver, ds.Checkpoint(model=model, optimizer=optimizer), args.checkpoint_dir
+)
 first = os.environ.get("DISTRIB_RESTART") == "0"
 print(f"START run={handler.total_run_calls}", flush=True)
 
@@ -52,5 +52,8 @@ while handler.total_run_calls < args.steps:
     handler.run(coordinator.schedule, train_step)
 coordinator.join()
 weight = strategy.checkpoint_state(model)["weight"]  # the value on the ps task, as a checkpoint reads it
-print(f"FINAL steps_applied={-float(weight[0, 0]) * 64:g} runs={handler.total_run_calls} "
-      f"equal={bool(torch.all(weight == weight[0, 0]))}", flush=True)
+print(
+    f"FINAL steps_applied={-float(weight[0, 0]) * 64:g} runs={handler.total_run_calls} "
+    f"equal={bool(torch.all(weight == weight[0, 0]))}",
+    flush=True,
+)

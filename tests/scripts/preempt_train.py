@@ -45,8 +45,13 @@ args = p.parse_args()
 
 restart = int(os.environ.get("DISTRIB_RESTART", "0"))
 options = ds.CommunicationOptions(timeout_seconds=60)
-strategy = ds.MultiWorkerMirroredStrategy(communication_options=options) if args.strategy == "mwms" else \
-    ds.ShardedStrategy(communication_options=options, devices=["cpu"], sharding_policy=ds.ShardingPolicy(min_params=40))
+strategy = (
+    ds.MultiWorkerMirroredStrategy(communication_options=options)
+    if args.strategy == "mwms"
+    else ds.ShardedStrategy(
+        communication_options=options, devices=["cpu"], sharding_policy=ds.ShardingPolicy(min_params=40)
+    )
+)
 
 g = torch.Generator().manual_seed(0)
 images = torch.randn(args.examples, 1, 8, 8, generator=g)
@@ -61,13 +66,14 @@ with strategy.scope():
 checkpoint = ds.Checkpoint(model=model, optimizer=optimizer)
 sig = getattr(signal, f"SIG{args.signal}")
 handler = ds.experimental.PreemptionCheckpointHandler(
-    strategy.cluster_resolver, checkpoint, args.checkpoint_dir,
-    ds.experimental.TerminationConfig(signals=sig))
+    strategy.cluster_resolver, checkpoint, args.checkpoint_dir, ds.experimental.TerminationConfig(signals=sig)
+)
 me = strategy.worker_index
 print(f"START worker={me} restart={restart} run={handler.total_run_calls}", flush=True)
 begun = handler.total_run_calls
-atexit.register(lambda: print(f"EXIT worker={me} restart={restart} runs={handler.total_run_calls} "
-                              f"t={time.time():.4f}", flush=True))
+atexit.register(
+    lambda: print(f"EXIT worker={me} restart={restart} runs={handler.total_run_calls} t={time.time():.4f}", flush=True)
+)
 
 
 def step(inputs):

@@ -49,7 +49,7 @@ class TensorBatches:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch))
         data = tuple(t[order] for t in self.tensors) if self.shuffle else self.tensors
         for start in range(0, n, self.batch_size):
-            yield tuple(t[start:start + self.batch_size] for t in data)
+            yield tuple(t[start : start + self.batch_size] for t in data)
 
 
 p = argparse.ArgumentParser()
@@ -69,8 +69,7 @@ p.add_argument("--all-ranks", action="store_true")
 p.add_argument("--hold-at", type=int, default=-1)
 args = p.parse_args()
 
-strategy = ds.MultiWorkerMirroredStrategy(
-    communication_options=ds.CommunicationOptions(timeout_seconds=args.timeout))
+strategy = ds.MultiWorkerMirroredStrategy(communication_options=ds.CommunicationOptions(timeout_seconds=args.timeout))
 
 g = torch.Generator().manual_seed(0)
 images = torch.randn(args.examples, 1, 8, 8, generator=g)
@@ -90,8 +89,10 @@ steps_per_epoch = len(data)
 if manager and manager.latest_checkpoint:
     checkpoint.restore(manager.latest_checkpoint)
     if strategy.is_chief:
-        print(f"resumed at step {int(epoch) * steps_per_epoch + int(step_in_epoch)} on {strategy.num_workers} "
-              f"workers", flush=True)
+        print(
+            f"resumed at step {int(epoch) * steps_per_epoch + int(step_in_epoch)} on {strategy.num_workers} workers",
+            flush=True,
+        )
 
 
 def step(inputs):
@@ -120,8 +121,12 @@ while int(epoch) < args.epochs:
     end_of_epoch = False
     while not end_of_epoch:
         global_step = int(epoch) * steps_per_epoch + int(step_in_epoch)
-        if (global_step == args.die_at and strategy.worker_index == args.die_rank and args.die_once
-                and not os.path.exists(args.die_once)):
+        if (
+            global_step == args.die_at
+            and strategy.worker_index == args.die_rank
+            and args.die_once
+            and not os.path.exists(args.die_once)
+        ):
             die()
         if global_step == args.hold_at and strategy.num_workers == 1:
             print(f"holding before step {global_step} on 1 worker, for the job to grow", flush=True)

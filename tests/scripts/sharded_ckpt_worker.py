@@ -23,9 +23,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -34,8 +38,9 @@ from distrib.checkpoint.sharded import load_sharded, save_sharded
 
 mode, rank, world, store, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 width = int(sys.argv[6]) if len(sys.argv) > 6 else 128
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                        timeout=datetime.timedelta(seconds=60))
+dist.init_process_group(
+    "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+)
 mesh = init_device_mesh("cpu", (world,))
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -63,13 +68,18 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: 
 
 
 def state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
-            "epoch": torch.tensor(7)}
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, opt),
+        "epoch": torch.tensor(7),
+    }
 
 
 def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model, options=FULL),
-            "optim": get_optimizer_state_dict(model, opt, options=FULL)}
+    return {
+        "model": get_model_state_dict(model, options=FULL),
+        "optim": get_optimizer_state_dict(model, opt, options=FULL),
+    }
 
 
 ckpt = os.path.join(workdir, "ckpt")
@@ -85,8 +95,11 @@ if mode == "save":
     ref = full(model, opt)
     if rank == 0:
         torch.save(ref, os.path.join(workdir, "ref.pt"))
-        total = sum(t.numel() * t.element_size() for part in (ref["model"], *ref["optim"]["state"].values())
-                    for t in part.values())
+        total = sum(
+            t.numel() * t.element_size()
+            for part in (ref["model"], *ref["optim"]["state"].values())
+            for t in part.values()
+        )
         files = {n: os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt) if n.endswith(".distcp")}
         with open(os.path.join(workdir, "sizes.json"), "w") as f:
             json.dump({"files": files, "total_state_bytes": total}, f)
@@ -120,6 +133,7 @@ elif mode == "fail1":  # worker 1's disk is full: every worker gets the error, t
     model, opt = build(3)
     train(model, opt, 1, seed=4)
     if rank == 1:
+
         def disk_full(path: str, *args: object, **kwargs: object) -> int:
             raise OSError(28, "No space left on device", path)
 
@@ -131,6 +145,7 @@ elif mode == "fail1":  # worker 1's disk is full: every worker gets the error, t
         print("SAVE FAILED:", e, flush=True)
 elif mode == "time":  # two rounds, distrib's and torch's own calls interleaved (the first of each warms up)
     import torch.distributed.checkpoint as dcp
+
     model, opt = build(0, depth=int(sys.argv[7]))
     train(model, opt, 1, seed=1)
     model2, opt2 = build(5, depth=int(sys.argv[7]))

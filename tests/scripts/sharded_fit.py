@@ -31,8 +31,9 @@ data = TensorBatches(x, y, batch_size=16, shuffle=True, seed=3)
 
 with strategy.scope():
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
 
@@ -48,15 +49,20 @@ class KillAt(ds.callbacks.Callback):
 
 class SaveEachEpoch(ds.callbacks.Callback):
     def __init__(self) -> None:
-        self.manager = ds.CheckpointManager(ds.Checkpoint(model=model, optimizer=optimizer),
-                                            os.path.join(args.dir, "manager"), max_to_keep=2)
+        self.manager = ds.CheckpointManager(
+            ds.Checkpoint(model=model, optimizer=optimizer), os.path.join(args.dir, "manager"), max_to_keep=2
+        )
 
     def on_epoch_end(self, epoch, logs=None):
         self.manager.save(checkpoint_number=epoch + 1)
 
 
-callbacks = [KillAt(), ds.callbacks.BackupAndRestore(os.path.join(args.dir, "backup"), save_freq=2),
-             ds.callbacks.ModelCheckpoint(os.path.join(args.dir, "weights.{epoch}")), SaveEachEpoch()]
+callbacks = [
+    KillAt(),
+    ds.callbacks.BackupAndRestore(os.path.join(args.dir, "backup"), save_freq=2),
+    ds.callbacks.ModelCheckpoint(os.path.join(args.dir, "weights.{epoch}")),
+    SaveEachEpoch(),
+]
 history = ds.fit(model, data, optimizer=optimizer, loss="mse", epochs=3, callbacks=callbacks, verbose=2)
 whole = strategy.checkpoint_state(model)
 if strategy.is_chief:

@@ -26,8 +26,7 @@ import torch
 import distrib as ds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model the benchmarks measure
-from sharded_model import (batches, build_model, make_step, make_strategy, reset_high_water_mark,  # noqa: E402
-                           vm_status, warm_up)
+from sharded_model import batches, build_model, make_step, make_strategy, reset_high_water_mark, vm_status, warm_up  # noqa: E402
 
 OUT_OF_MEMORY = 3
 
@@ -68,13 +67,21 @@ try:
 except (MemoryError, RuntimeError) as e:
     if not isinstance(e, MemoryError) and "alloc" not in str(e):
         raise
-    print(f"worker {strategy.worker_index}: out of memory while {phase}: {type(e).__name__}: {str(e)[:200]}",
-          flush=True)
+    print(
+        f"worker {strategy.worker_index}: out of memory while {phase}: {type(e).__name__}: {str(e)[:200]}", flush=True
+    )
     sys.stdout.flush()
     os._exit(OUT_OF_MEMORY)  # a peer may wait in a collective: the launcher stops the group on this exit
 end = vm_status()
-print(json.dumps({"memory_worker": strategy.worker_index,
-                  "virtual_peak_mb": round((end["VmPeak"] - base["VmSize"]) / 1e6, 1),
-                  "virtual_build_mb": round((built["VmPeak"] - base["VmSize"]) / 1e6, 1),
-                  "rss_peak_mb": round((end["VmHWM"] - base["VmRSS"]) / 1e6, 1)}), flush=True)
+print(
+    json.dumps(
+        {
+            "memory_worker": strategy.worker_index,
+            "virtual_peak_mb": round((end["VmPeak"] - base["VmSize"]) / 1e6, 1),
+            "virtual_build_mb": round((built["VmPeak"] - base["VmSize"]) / 1e6, 1),
+            "rss_peak_mb": round((end["VmHWM"] - base["VmRSS"]) / 1e6, 1),
+        }
+    ),
+    flush=True,
+)
 print(f"worker {strategy.worker_index}: trained {args.steps} steps", flush=True)

@@ -1,9 +1,9 @@
 """A sharded step whose peer dies or hangs.
 
-    distrib launch --workers 2 tests/scripts/sharded_peer.py hang|dead TIMEOUT_SECONDS
-        worker 1 stops answering (SIGSTOP) or exits after 2 steps; worker 0's next step (FSDP's all-gather and
-        reduce-scatter run inside forward and backward) must be a CollectiveError within the timeout. The first
-        of the 2 steps uses a mean loss (not scaled by the global batch): one UnscaledLossWarning per worker
+distrib launch --workers 2 tests/scripts/sharded_peer.py hang|dead TIMEOUT_SECONDS
+    worker 1 stops answering (SIGSTOP) or exits after 2 steps; worker 0's next step (FSDP's all-gather and
+    reduce-scatter run inside forward and backward) must be a CollectiveError within the timeout. The first
+    of the 2 steps uses a mean loss (not scaled by the global batch): one UnscaledLossWarning per worker
 """
 
 import os
@@ -19,9 +19,11 @@ from distrib.comm import CollectiveError
 
 mode, arg = sys.argv[1], sys.argv[2]
 timeout = float(arg)
-strategy = ds.ShardedStrategy(devices=["cpu"],  # the same on a GPU machine
-                              communication_options=ds.CommunicationOptions(timeout_seconds=timeout),
-                              sharding_policy=ds.ShardingPolicy(min_params=200))
+strategy = ds.ShardedStrategy(
+    devices=["cpu"],  # the same on a GPU machine
+    communication_options=ds.CommunicationOptions(timeout_seconds=timeout),
+    sharding_policy=ds.ShardingPolicy(min_params=200),
+)
 torch.manual_seed(0)
 with strategy.scope():
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -62,4 +64,3 @@ except CollectiveError as e:
     os._exit(3)  # the group is broken: leave without tearing it down
 print("no error", flush=True)
 sys.exit(0)
-

@@ -31,13 +31,17 @@ GLOBAL = 16
 
 def build() -> torch.nn.Module:
     torch.manual_seed(int(os.environ.get("RANK", "0")) if args.seed_by_rank else 0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    )
 
 
-strategy = ds.ShardedStrategy(devices=["cpu"],  # the same on a GPU machine
-                              sharding_policy=ds.ShardingPolicy(min_params=200), reshard_after_forward=not args.zero2,
-                              mixed_precision=args.mixed)
+strategy = ds.ShardedStrategy(
+    devices=["cpu"],  # the same on a GPU machine
+    sharding_policy=ds.ShardingPolicy(min_params=200),
+    reshard_after_forward=not args.zero2,
+    mixed_precision=args.mixed,
+)
 with strategy.scope():
     model = build()
     params = list(model.parameters()) if args.listed else model.parameters()
@@ -79,4 +83,6 @@ if strategy.is_chief:
     torch.save({"model": state, "optimizer": opt_state, "scale": scaler.get_scale() if scaler else None}, args.out)
 if scaler is not None:
     print(f"worker {strategy.worker_index}: scale {scaler.get_scale()}")
-print(f"worker {strategy.worker_index}: done, {sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel() for p in model.parameters())} local parameter elements")
+print(
+    f"worker {strategy.worker_index}: done, {sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel() for p in model.parameters())} local parameter elements"
+)

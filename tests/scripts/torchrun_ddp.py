@@ -34,7 +34,7 @@ g = torch.Generator().manual_seed(1)
 per = args.global_batch // world
 for _ in range(args.steps):
     x, y = torch.randn(args.global_batch, 6, generator=g), torch.randn(args.global_batch, 3, generator=g)
-    loss = F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    loss = F.mse_loss(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
     loss.backward()  # DDP averages the gradients: the global batch's mean loss
     optimizer.step()
     optimizer.zero_grad()

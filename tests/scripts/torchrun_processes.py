@@ -13,13 +13,12 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
 
 # tracked processes: pid -> start time (field 22 of /proc/<pid>/stat)
 Tracked = dict[int, int]
 
 
-def _stat(pid: int) -> Optional[tuple[str, int, int]]:
+def _stat(pid: int) -> tuple[str, int, int] | None:
     """``(state, parent pid, start time)`` of a live process, None when gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -58,12 +57,14 @@ def descendants(roots: Tracked) -> Tracked:
 class Job:
     """A command started in its own session, output to ``log``, every process under it tracked."""
 
-    def __init__(self, cmd: list[str], log: Path, env: Optional[dict[str, str]] = None,
-                 cwd: "str | Path | None" = None) -> None:
+    def __init__(
+        self, cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: str | Path | None = None
+    ) -> None:
         self.log = log
         self._out = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=env, cwd=cwd)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
+        )
         stat = _stat(self.proc.pid)
         self.tracked: Tracked = {self.proc.pid: stat[2]} if stat else {}
 
@@ -85,7 +86,7 @@ class Job:
             time.sleep(0.1)
         return False
 
-    def wait(self, timeout: float) -> Optional[int]:
+    def wait(self, timeout: float) -> int | None:
         """The exit code, or None if the job still runs after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -115,8 +116,9 @@ class Job:
         return left
 
 
-def run_job(cmd: list[str], log: Path, timeout: float, env: Optional[dict[str, str]] = None,
-            cwd: "str | Path | None" = None) -> tuple[Optional[int], str, Tracked]:
+def run_job(
+    cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = None
+) -> tuple[int | None, str, Tracked]:
     """Run ``cmd`` to its end (at most ``timeout`` s): ``(exit code or None on timeout, output, processes left)``.
 
     Every process it started is killed in any case; ``processes left`` lists those that were
@@ -133,9 +135,21 @@ def run_job(cmd: list[str], log: Path, timeout: float, env: Optional[dict[str, s
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any cluster's variables (and without torch's workaround for pytorch#135712)."""
-    drop = ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "DISTRIB_RESTART")
+    drop = (
+        "TF_CONFIG",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "DISTRIB_RESTART",
+    )
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env.update(extra)
     return env

@@ -29,14 +29,16 @@ def mismatch(rank: int, procs: int) -> None:
     import distrib as ds
 
     resolver = ds.cluster_resolver.SimpleClusterResolver(
-        {"worker": [f"127.0.0.1:{7000 + i}" for i in range(procs + 1)]}, task_type="worker", task_id=rank)
+        {"worker": [f"127.0.0.1:{7000 + i}" for i in range(procs + 1)]}, task_type="worker", task_id=rank
+    )
     try:
         ds.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
         print(f"rank {rank}: a resolver of {procs + 1} workers was accepted", flush=True)
     except ValueError as e:
         print(f"refused: {e}", flush=True)
-    os.environ.update({"RANK": str(procs - 1 - rank), "WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "7000"})
+    os.environ.update(
+        {"RANK": str(procs - 1 - rank), "WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "7000"}
+    )
     try:
         ds.MultiWorkerMirroredStrategy()
         print(f"rank {rank}: an environment saying rank {procs - 1 - rank} was accepted", flush=True)
@@ -50,12 +52,17 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     import distrib as ds  # after the group, as a framework that set it up would
 
     strategy = ds.MultiWorkerMirroredStrategy()
-    print(f"rank {rank}: worker {strategy.worker_index} of {strategy.num_workers}, "
-          f"{strategy.num_replicas_in_sync} replicas in sync", flush=True)
+    print(
+        f"rank {rank}: worker {strategy.worker_index} of {strategy.num_workers}, "
+        f"{strategy.num_replicas_in_sync} replicas in sync",
+        flush=True,
+    )
     assert (strategy.worker_index, strategy.num_workers) == (rank, args.procs)
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(args.global_batch, 6, generator=g), torch.randn(args.global_batch, 2, generator=g))
-               for _ in range(args.steps)]
+    batches = [
+        (torch.randn(args.global_batch, 6, generator=g), torch.randn(args.global_batch, 2, generator=g))
+        for _ in range(args.steps)
+    ]
     with strategy.scope():
         torch.manual_seed(10 + rank)  # differs per rank: the chief's initial values are broadcast
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))

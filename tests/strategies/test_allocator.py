@@ -15,8 +15,15 @@ def train_workers_env(name, device):
     return entry.worker_env(device) if entry.worker_env else {}
 
 
-@pytest.mark.parametrize("chosen", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"LD_PRELOAD": "libjemalloc.so.2"},
-                                    {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {"DISTRIB_MALLOC": "default"}])
+@pytest.mark.parametrize(
+    "chosen",
+    [
+        {"MALLOC_MMAP_THRESHOLD_": "65536"},
+        {"LD_PRELOAD": "libjemalloc.so.2"},
+        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
+        {"DISTRIB_MALLOC": "default"},
+    ],
+)
 def test_a_chosen_allocator_is_left_alone(chosen):
     assert allocator.recommended_env(chosen, libc="glibc") == {}
 

@@ -15,12 +15,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import SCRIPTS, launch
 from torch import nn
 
 import distrib as ds
 from distrib.app.train import make_steps
-from helpers import SCRIPTS, launch
 
 _spec = importlib.util.spec_from_file_location("amp_train", SCRIPTS / "amp_train.py")
 assert _spec is not None and _spec.loader is not None
@@ -45,22 +44,41 @@ def assert_matches(result: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip_step"])
-@pytest.mark.parametrize("make", [lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]),
-                                  lambda: ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]),
-                                  lambda: ds.CentralStorageStrategy(["cpu:0", "cpu:1"])],
-                         ids=["mirrored2", "mirrored3", "central_storage2"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        lambda: ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]),
+        lambda: ds.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+    ],
+    ids=["mirrored2", "mirrored3", "central_storage2"],
+)
 def test_grad_scaler_in_run_equals_one_device_and_a_poisoned_replica_skips_the_step_everywhere(make, clip, reference):
     assert_matches(amp_train.train(make(), clip), reference[clip])
 
 
-@pytest.mark.parametrize("strategy,clip", [("multi-worker", True), ("multi-worker2", False)],
-                         ids=["2_workers_x_1_replica_bucketed", "2_workers_x_2_replicas"])
+@pytest.mark.parametrize(
+    "strategy,clip",
+    [("multi-worker", True), ("multi-worker2", False)],
+    ids=["2_workers_x_1_replica_bucketed", "2_workers_x_2_replicas"],
+)
 def test_two_worker_processes_agree_on_every_skip_and_scale(tmp_path, reference, strategy, clip):
     out = tmp_path / "amp.pt"
-    code, text, _ = launch("--workers", "2", str(SCRIPTS / "amp_train.py"), "--out", str(out), "--strategy", strategy,
-                           *(["--clip"] if clip else []), timeout=120)
+    code, text, _ = launch(
+        "--workers",
+        "2",
+        str(SCRIPTS / "amp_train.py"),
+        "--out",
+        str(out),
+        "--strategy",
+        strategy,
+        *(["--clip"] if clip else []),
+        timeout=120,
+    )
     assert code == 0, text
-    scales = {int(w): eval(s) for w, s in re.findall(r"\[worker (\d)\] worker \d of 2, \d replicas: scales: (\[.*\])", text)}
+    scales = {
+        int(w): eval(s) for w, s in re.findall(r"\[worker (\d)\] worker \d of 2, \d replicas: scales: (\[.*\])", text)
+    }
     assert scales == {0: reference[clip]["scales"], 1: reference[clip]["scales"]}, text  # the same on both workers
     assert_matches(torch.load(out), reference[clip])
 
@@ -95,6 +113,7 @@ def test_replicas_using_different_scalers_are_refused():
 
 # ---------------------------------------------------------------------------------------------- fit, distrib train
 
+
 class Recorder(nn.Module):
     """A small classifier that records the autocast state its forward pass ran under."""
 
@@ -115,8 +134,7 @@ def fit_data(poison: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return data
 
 
-@pytest.mark.parametrize("precision,dtype", [("32", None), ("bf16-mixed", torch.bfloat16),
-                                             ("16-mixed", torch.float16)])
+@pytest.mark.parametrize("precision,dtype", [("32", None), ("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
 def test_fit_runs_the_step_and_the_validation_under_the_precision_asked_for(precision, dtype):
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
@@ -128,9 +146,17 @@ def test_fit_runs_the_step_and_the_validation_under_the_precision_asked_for(prec
     slow = Precision.parse(precision).slow_here("cpu") is not None  # this CPU's measured verdict (cached)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = ds.fit(model, fit_data(), optimizer=optimizer, loss="sparse_categorical_crossentropy",
-                         metrics=["accuracy"], epochs=2, validation_data=fit_data()[:2], verbose=0,
-                         precision=precision)
+        history = ds.fit(
+            model,
+            fit_data(),
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+            epochs=2,
+            validation_data=fit_data()[:2],
+            verbose=0,
+            precision=precision,
+        )
     named_slow = [w for w in caught if "is the faster choice here" in str(w.message)]
     assert len(named_slow) == (1 if slow else 0), [str(w.message) for w in caught]  # once, naming the faster one
     assert set(model.seen) == {dtype}  # every replica, training and validation
@@ -147,8 +173,14 @@ def test_fit_16_mixed_skips_a_step_with_nan_gradients_where_32_is_poisoned():
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ds.fit(model, fit_data(poison=True), optimizer=optimizer, loss="sparse_categorical_crossentropy",
-                   verbose=0, precision=precision)
+            ds.fit(
+                model,
+                fit_data(poison=True),
+                optimizer=optimizer,
+                loss="sparse_categorical_crossentropy",
+                verbose=0,
+                precision=precision,
+            )
         return [p.detach() for p in model.parameters()]
 
     assert all(torch.isfinite(p).all() for p in train("16-mixed"))
@@ -158,8 +190,7 @@ def test_fit_16_mixed_skips_a_step_with_nan_gradients_where_32_is_poisoned():
 def test_an_unknown_precision_names_the_argument_and_the_choices():
     model = nn.Linear(8, 4)
     with pytest.raises(ValueError, match=r"precision='fp8' .*'32'.*'bf16-mixed'.*'16-mixed'"):
-        ds.fit(model, fit_data(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss="mse",
-               precision="fp8")
+        ds.fit(model, fit_data(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss="mse", precision="fp8")
     with pytest.warns(UserWarning, match="use precision='bf16-mixed'"):
         ds.evaluate(model, [(torch.ones(2, 8), torch.ones(2, 4))], loss="mse", precision="bf16")
 
@@ -183,9 +214,26 @@ def test_the_main_job_s_steps_autocast_and_16_mixed_skips_a_nan_batch(precision)
 def test_distrib_train_precision_bf16_mixed_learns_on_two_replicas(idx_dir, tmp_path, capsys):
     from distrib.app.cli import main
 
-    code = main(["train", "--strategy", "mirrored", "--replicas", "2", "--epochs", "2", "--precision", "bf16-mixed",
-                 "--batch-size-per-replica", "32", "--data-dir", str(idx_dir), "--checkpoint-dir",
-                 str(tmp_path / "ckpt"), "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--strategy",
+            "mirrored",
+            "--replicas",
+            "2",
+            "--epochs",
+            "2",
+            "--precision",
+            "bf16-mixed",
+            "--batch-size-per-replica",
+            "32",
+            "--data-dir",
+            str(idx_dir),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Using bfloat16 Automatic Mixed Precision (AMP)" in out

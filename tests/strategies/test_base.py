@@ -7,7 +7,8 @@ modules taken over when the scope closes, optimizers after the modules they upda
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,14 @@ from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_pla
 from distrib.strategies.run_options import RunOptions
 from distrib.strategies.synchronous import SynchronousStrategy
 
-ABSTRACT = {"call_for_each_replica", "distribute_module", "distribute_optimizer", "experimental_distribute_dataset",
-            "distribute_datasets_from_function", "step_executor"}
+ABSTRACT = {
+    "call_for_each_replica",
+    "distribute_module",
+    "distribute_optimizer",
+    "experimental_distribute_dataset",
+    "distribute_datasets_from_function",
+    "step_executor",
+}
 
 
 def test_the_base_is_abstract_with_the_members_each_strategy_decides() -> None:
@@ -32,8 +39,12 @@ def test_the_base_is_abstract_with_the_members_each_strategy_decides() -> None:
 
 
 def test_every_strategy_decides_them_and_the_synchronous_ones_compose_the_engine() -> None:
-    synchronous = [ds.get_strategy(), ds.OneDeviceStrategy("cpu"), ds.MirroredStrategy(["cpu:0", "cpu:1"]),
-                   ds.CentralStorageStrategy(["cpu:0"], parameter_device="cpu")]
+    synchronous = [
+        ds.get_strategy(),
+        ds.OneDeviceStrategy("cpu"),
+        ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        ds.CentralStorageStrategy(["cpu:0"], parameter_device="cpu"),
+    ]
     for strategy in synchronous:
         assert isinstance(strategy, SynchronousStrategy) and strategy.gradient_merge is not None
     assert not issubclass(ds.ParameterServerStrategy, SynchronousStrategy)
@@ -63,8 +74,9 @@ class RecordingStrategy(Strategy):
         self.events: list[str] = []
         self.calls = 0
 
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                              options: RunOptions) -> Any:
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
+    ) -> Any:
         self.calls += 1
         return run_in_place(self.replica, fn, args, kwargs)
 
@@ -109,7 +121,8 @@ def test_a_new_kind_of_strategy_gets_complete_modules_then_optimizers_and_runs()
     assert len(losses) == 1 and torch.isfinite(losses[0])
     assert strategy.reduce("sum", torch.tensor(2.0), axis=None) == 2.0
     calls = strategy.calls
-    history = ds.fit(model, [(torch.ones(4, 2), torch.zeros(4, 1))], optimizer=optimizer, loss="mse", epochs=2,
-                     verbose=0)
+    history = ds.fit(
+        model, [(torch.ones(4, 2), torch.zeros(4, 1))], optimizer=optimizer, loss="mse", epochs=2, verbose=0
+    )
     assert len(history.history["loss"]) == 2
     assert strategy.calls == calls + 2  # fit ran its 2 steps through this strategy, not the default one

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from strategies.test_strategies import batches, train
 from torch import nn
 
 import distrib as ds
-from strategies.test_strategies import batches, train
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3])
@@ -38,9 +38,15 @@ def test_every_replica_computes_on_a_copy_and_batchnorm_statistics_are_averaged(
         optimizer.zero_grad()
 
     x = torch.tensor([[0.0, 1.0], [2.0, 2.0], [10.0, 10.0], [30.0, 31.0]])
-    strategy.run(step, args=(strategy.experimental_distribute_values_from_function(
-        lambda ctx: x[2 * ctx.replica_id_in_sync_group: 2 * ctx.replica_id_in_sync_group + 2]),))
+    strategy.run(
+        step,
+        args=(
+            strategy.experimental_distribute_values_from_function(
+                lambda ctx: x[2 * ctx.replica_id_in_sync_group : 2 * ctx.replica_id_in_sync_group + 2]
+            ),
+        ),
+    )
     assert called == []
     # each replica's BatchNorm saw its 2 rows; the central statistics are the average of both replicas'
-    per_replica = [F.linear(x[i:i + 2], weight, bias).mean(0) * 0.1 for i in (0, 2)]
+    per_replica = [F.linear(x[i : i + 2], weight, bias).mean(0) * 0.1 for i in (0, 2)]
     torch.testing.assert_close(model[1].running_mean, (per_replica[0] + per_replica[1]) / 2)

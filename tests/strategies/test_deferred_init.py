@@ -13,17 +13,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 import torch
+from helpers import SCRIPTS, launch
 from torch import nn
 
 import distrib as ds
 from distrib.strategies.deferred_init import DeferredInit, DeferredTensor
 from distrib.strategies.deferred_materialise import plan_materialisation
-from helpers import SCRIPTS, launch
 
 
 class Block(nn.Module):
@@ -52,7 +52,8 @@ def _tied() -> nn.Module:
 
 def _redrawn() -> nn.Module:  # model.apply(init_weights): the first draws are overwritten
     return nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)).apply(
-        lambda m: nn.init.normal_(m.weight, std=0.1) if isinstance(m, nn.Linear) else None)
+        lambda m: nn.init.normal_(m.weight, std=0.1) if isinstance(m, nn.Linear) else None
+    )
 
 
 def _initialised(init: Callable[[torch.Tensor], object]) -> Callable[[], nn.Module]:
@@ -60,6 +61,7 @@ def _initialised(init: Callable[[torch.Tensor], object]) -> Callable[[], nn.Modu
         layer = nn.Linear(40, 30)
         init(layer.weight)
         return layer
+
     return build
 
 
@@ -70,8 +72,9 @@ BUILDS: dict[str, Callable[[], nn.Module]] = {
     "Embedding": lambda: nn.Embedding(10, 4, padding_idx=0),
     "BatchNorm1d": lambda: nn.BatchNorm1d(5),
     "TransformerEncoderLayer": lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0),
-    "TransformerEncoder": lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2,
-                                                        enable_nested_tensor=False),
+    "TransformerEncoder": lambda: nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, 16), 2, enable_nested_tensor=False
+    ),
     "Block": lambda: Block(6),
     "tied": _tied,
     "redrawn": _redrawn,
@@ -202,15 +205,19 @@ def test_a_meta_tensor_beside_deferred_ones_is_an_error_naming_the_fix() -> None
 
 
 def _results(log: str) -> list[dict]:
-    return sorted((json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line),
-                  key=lambda r: r["worker"])
+    return sorted(
+        (json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT " in line),
+        key=lambda r: r["worker"],
+    )
 
 
-@pytest.mark.parametrize("workers,options", [(2, []), (4, []), (2, ["--seed-by-rank"])],
-                         ids=["N2", "N4", "N2-seeded-by-rank"])
+@pytest.mark.parametrize(
+    "workers,options", [(2, []), (4, []), (2, ["--seed-by-rank"])], ids=["N2", "N4", "N2-seeded-by-rank"]
+)
 def test_the_sharded_build_equals_a_plain_build_bit_for_bit(workers: int, options: list[str]) -> None:
-    code, log, _ = launch("--workers", str(workers), str(SCRIPTS / "deferred_init_build.py"), "equal", *options,
-                          timeout=240)
+    code, log, _ = launch(
+        "--workers", str(workers), str(SCRIPTS / "deferred_init_build.py"), "equal", *options, timeout=240
+    )
     assert code == 0, log
     rows = _results(log)
     assert len(rows) == workers, log
@@ -227,8 +234,9 @@ def test_the_build_never_holds_the_whole_model() -> None:
     """12 blocks of Linear(2048, 2048): 50.4M parameters, 201 MB; N=2 keeps 101 MB of shards per worker."""
     peaks = {}
     for how in ("deferred", "whole"):
-        code, log, _ = launch("--workers", "2", str(SCRIPTS / "deferred_init_build.py"), "memory", "--how", how,
-                              timeout=300)
+        code, log, _ = launch(
+            "--workers", "2", str(SCRIPTS / "deferred_init_build.py"), "memory", "--how", how, timeout=300
+        )
         assert code == 0, log
         rows = _results(log)
         assert len(rows) == 2 and all(r["local"] == 25_178_112 for r in rows), log

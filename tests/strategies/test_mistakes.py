@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SCRIPTS, launch
 
 import distrib as ds
-from helpers import SCRIPTS, launch
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mean_loss: bool):  # type: ignore[no-untyped-def]
@@ -21,6 +21,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mean_loss: b
         optimizer.step()
         optimizer.zero_grad()
         return loss
+
     return step
 
 
@@ -51,8 +52,9 @@ def test_a_scaled_loss_and_the_explicit_opt_out_do_not_warn():
         warnings.simplefilter("error")
         for batch in _data(strategy):
             strategy.run(_step(model, optimizer, mean_loss=False), args=batch)
-            strategy.run(_step(model, optimizer, mean_loss=True), args=batch,
-                         options=ds.RunOptions(loss_scaled_by_hand=True))
+            strategy.run(
+                _step(model, optimizer, mean_loss=True), args=batch, options=ds.RunOptions(loss_scaled_by_hand=True)
+            )
     with warnings.catch_warnings():  # one replica: a mean is the same as sum / global batch
         warnings.simplefilter("error")
         one = ds.OneDeviceStrategy("cpu")
@@ -102,12 +104,22 @@ def test_mismatches_between_two_workers_are_errors_on_both():
     assert code == 0, out
     assert "WRONG" not in out, out
     for worker in (0, 1):
-        for case in ("reduce shapes", "reduce dtypes", "gather shapes", "model differs", "dataset ends early",
-                     "different global batches", "DistributedSampler"):
+        for case in (
+            "reduce shapes",
+            "reduce dtypes",
+            "gather shapes",
+            "model differs",
+            "dataset ends early",
+            "different global batches",
+            "DistributedSampler",
+        ):
             assert f"[worker {worker}] OK {case}: " in out, (case, out)
         assert f"[worker {worker}] done" in out
-    assert re.search(r"OK reduce shapes: the value given to strategy.reduce differs between workers "
-                     r"\(worker 0: float32\[3\]; worker 1: float32\[4\]\)", out)
+    assert re.search(
+        r"OK reduce shapes: the value given to strategy.reduce differs between workers "
+        r"\(worker 0: float32\[3\]; worker 1: float32\[4\]\)",
+        out,
+    )
     assert "OK model differs: the Linear built in strategy.scope() differs between workers (entry 0: " in out
     assert "ended after 2 global batches" in out
     assert "OK uneven reduce [1.0, 1.0, 1.0] gather 3 rows" in out

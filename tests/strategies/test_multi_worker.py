@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 import torch
+from helpers import SCRIPTS, assert_params_equal, launch
 
 import distrib as ds
-from helpers import SCRIPTS, assert_params_equal, launch
+
 
 def run_script(tmp_path: Path, strategy: str) -> list[torch.Tensor]:
     out = tmp_path / f"{strategy}.pt"
-    result = subprocess.run([sys.executable, str(SCRIPTS / "mw_train.py"), "--out", str(out), "--strategy", strategy],
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "TF_CONFIG": ""})
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "mw_train.py"), "--out", str(out), "--strategy", strategy],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TF_CONFIG": ""},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return torch.load(out)
 
@@ -36,20 +38,44 @@ def test_two_workers_two_local_replicas_and_one_replica_end_with_the_same_parame
 
 
 def test_two_workers_of_two_local_replicas_each_merge_locally_then_reduce_to_one_replica_s_parameters(tmp_path):
-    code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_train.py"), "--out", str(tmp_path / "mw22.pt"),
-                          "--strategy", "multi-worker2")
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        str(SCRIPTS / "mw_train.py"),
+        "--out",
+        str(tmp_path / "mw22.pt"),
+        "--strategy",
+        "multi-worker2",
+    )
     assert code == 0, out
     assert "[worker 0] done: worker 0 of 2, 4 replicas in sync" in out
     assert_params_equal(torch.load(tmp_path / "mw22.pt"), run_script(tmp_path, "default"))
 
 
 def test_a_worker_killed_mid_epoch_resumes_under_max_restarts_to_the_uninterrupted_parameters(tmp_path):
-    code, out, _ = launch("--workers", "2", str(SCRIPTS / "mw_train.py"), "--out", str(tmp_path / "plain.pt"),
-                          "--checkpoint-dir", str(tmp_path / "ckpt-plain"))
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        str(SCRIPTS / "mw_train.py"),
+        "--out",
+        str(tmp_path / "plain.pt"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt-plain"),
+    )
     assert code == 0, out
-    code, out, _ = launch("--workers", "2", "--max-restarts", "1", str(SCRIPTS / "mw_train.py"),
-                          "--out", str(tmp_path / "killed.pt"), "--checkpoint-dir", str(tmp_path / "ckpt-killed"),
-                          "--kill-at", "8")
+    code, out, _ = launch(
+        "--workers",
+        "2",
+        "--max-restarts",
+        "1",
+        str(SCRIPTS / "mw_train.py"),
+        "--out",
+        str(tmp_path / "killed.pt"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt-killed"),
+        "--kill-at",
+        "8",
+    )
     assert code == 0, out
     assert "worker 1 failed with exit code 137" in out and "restarting the whole group" in out
     assert "resumed at epoch 1 step 2" in out  # 6 steps per epoch: step 8 is epoch 1, step 2

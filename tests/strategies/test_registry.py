@@ -27,7 +27,11 @@ def test_the_parameter_server_entry_builds_an_in_process_cluster_without_tf_conf
 
 
 def test_entries_say_what_the_launcher_may_start():
-    assert [n for n in registry.names() if registry.get(n).multi_worker] == ["multi-worker", "sharded", "parameter-server"]
+    assert [n for n in registry.names() if registry.get(n).multi_worker] == [
+        "multi-worker",
+        "sharded",
+        "parameter-server",
+    ]
     assert [n for n in registry.names() if registry.get(n).parameter_servers] == ["parameter-server"]
 
 
@@ -39,8 +43,11 @@ def test_an_unknown_name_lists_the_choices():
 def test_the_default_strategy_of_each_job_shape_comes_from_the_registry():
     from distrib.strategies import registry
 
-    shapes = {"one process": registry.default_name(), "--workers 3": registry.default_name(workers=3),
-              "--ps 2": registry.default_name(workers=1, ps=2)}
+    shapes = {
+        "one process": registry.default_name(),
+        "--workers 3": registry.default_name(workers=3),
+        "--ps 2": registry.default_name(workers=1, ps=2),
+    }
     assert shapes == {"one process": "mirrored", "--workers 3": "multi-worker", "--ps 2": "parameter-server"}
     assert registry.get(shapes["--workers 3"]).multi_worker and registry.get(shapes["--ps 2"]).parameter_servers
 
@@ -56,7 +63,10 @@ def test_the_cli_names_no_strategy_itself():
 
     app = Path(distrib.app.__file__).parent
     names = set(registry.names()) - {"default"}  # also argparse's word for a default value, used as such there
-    found = [(path.name, node.lineno, node.value) for path in (app / "cli.py", app / "train.py")
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+    found = [
+        (path.name, node.lineno, node.value)
+        for path in (app / "cli.py", app / "train.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    ]
     assert not found, f"strategy names written out instead of taken from the registry: {found}"

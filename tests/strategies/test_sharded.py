@@ -17,18 +17,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SCRIPTS, launch
 
 import distrib as ds
-from helpers import SCRIPTS, launch, run_bounded
 
 GLOBAL = 16
 
 
-def _reference(steps: int = 20, clip: bool = False, scaler: bool = False,
-               poison: int = -1) -> tuple[dict[str, torch.Tensor], dict, float]:
+def _reference(
+    steps: int = 20, clip: bool = False, scaler: bool = False, poison: int = -1
+) -> tuple[dict[str, torch.Tensor], dict, float]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaler)
     g = torch.Generator().manual_seed(1)
@@ -61,8 +63,9 @@ CASES = {
 def test_sharded_training_equals_one_process_on_the_global_batch(case: str, tmp_path: Path) -> None:
     workers, options, tolerance = CASES[case]
     out = tmp_path / "final.pt"
-    code, log, _ = launch("--workers", str(workers), str(SCRIPTS / "sharded_train.py"), "--out", str(out), *options,
-                          timeout=240)
+    code, log, _ = launch(
+        "--workers", str(workers), str(SCRIPTS / "sharded_train.py"), "--out", str(out), *options, timeout=240
+    )
     assert code == 0, log
     local = [int(line.rsplit(",", 1)[1].split()[0]) for line in log.splitlines() if "local parameter elements" in line]
     assert len(local) == workers and sum(local) == 1377 and max(local) <= 1377 // workers + 64, local  # sharded
@@ -112,12 +115,12 @@ def test_several_devices_per_process_are_refused() -> None:
         ds.ShardedStrategy(devices=["cpu:0", "cpu:1"])
 
 
-
 def test_a_mixed_precision_it_does_not_take_is_an_error_listing_every_one_it_does() -> None:
     with pytest.raises(ValueError, match=r"give one of None, '32', 'bf16-mixed', '16-mixed'"):
         ds.ShardedStrategy(devices=["cpu"], mixed_precision="bf16")
     for accepted in (None, "32", "bf16-mixed", "16-mixed"):  # every value the message lists is taken
         ds.ShardedStrategy(devices=["cpu"], mixed_precision=accepted)
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

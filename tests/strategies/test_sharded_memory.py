@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import SCRIPTS, run_bounded
 
 LIMIT_MB = 370
@@ -37,9 +36,21 @@ OUT_OF_MEMORY = 3  # the script's exit code when an allocation fails
 def _run(strategy: str) -> tuple[int, str]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
     env.pop("TF_CONFIG", None)
-    cmd = [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", str(WORKERS),
-           str(SCRIPTS / "sharded_memory_limit.py"), "--strategy", strategy, "--limit-mb", str(LIMIT_MB),
-           "--steps", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distrib.app.cli",
+        "launch",
+        "--workers",
+        str(WORKERS),
+        str(SCRIPTS / "sharded_memory_limit.py"),
+        "--strategy",
+        strategy,
+        "--limit-mb",
+        str(LIMIT_MB),
+        "--steps",
+        "3",
+    ]
     code, log, _ = run_bounded(cmd, timeout=180, env=env)
     return code, log
 

@@ -17,8 +17,9 @@ def make_model() -> nn.Module:
 
 def batches(n_steps: int = 20, batch: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g))
-            for _ in range(n_steps)]
+    return [
+        (torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n_steps)
+    ]
 
 
 def train(strategy: ds.Strategy, data: list, global_batch: int) -> tuple[list[torch.Tensor], float, float]:
@@ -110,8 +111,11 @@ def test_replica_context_ids_and_all_reduce():
     assert ids.values == (0, 1, 2)
     assert [float(v) for v in sums.values] == [6.0, 6.0, 6.0]
     assert [float(v) for v in means.values] == [2.0, 2.0, 2.0]
-    structured = strategy.run(lambda: ds.get_replica_context().all_reduce(
-        "SUM", {"a": torch.ones(2), "b": (torch.tensor(float(ds.get_replica_context().replica_id_in_sync_group)),)}))
+    structured = strategy.run(
+        lambda: ds.get_replica_context().all_reduce(
+            "SUM", {"a": torch.ones(2), "b": (torch.tensor(float(ds.get_replica_context().replica_id_in_sync_group)),)}
+        )
+    )
     for value in structured["a"].values:
         assert value.tolist() == [3.0, 3.0]
     assert [float(v) for v in structured["b"][0].values] == [3.0, 3.0, 3.0]
@@ -221,8 +225,9 @@ def test_compute_average_loss_and_regularization_scaling():
     w = torch.tensor([1.0, 0.0])
     assert float(ds.compute_average_loss(torch.tensor([2.0, 3.0]), sample_weight=w, global_batch_size=4)) == 0.5
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
-    out = strategy.run(lambda: (ds.compute_average_loss(torch.tensor([2.0, 3.0])),
-                                ds.scale_regularization_loss(torch.tensor(4.0))))
+    out = strategy.run(
+        lambda: (ds.compute_average_loss(torch.tensor([2.0, 3.0])), ds.scale_regularization_loss(torch.tensor(4.0)))
+    )
     assert [float(v) for v in out[0].values] == [1.25, 1.25]
     assert [float(v) for v in out[1].values] == [2.0, 2.0]
     empty = strategy.run(lambda: ds.compute_average_loss(torch.zeros(0)))

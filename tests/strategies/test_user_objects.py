@@ -10,7 +10,8 @@ optimizers whose steps the strategy merges, and ``load_state_dict`` under parame
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -72,10 +73,18 @@ STRATEGIES: dict[str, tuple[Callable[[], Any], set[str], set[str]]] = {
     "default": (ds.get_strategy, set(), set()),
     "one_device": (lambda: ds.OneDeviceStrategy("cpu"), set(), set()),
     "mirrored": (lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]), {"forward"}, {"step", "zero_grad"}),
-    "central_storage": (lambda: ds.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"),
-                        {"forward"}, {"step", "zero_grad"}),
-    "multi_worker": (lambda: ds.MultiWorkerMirroredStrategy(
-        cluster_resolver=ds.cluster_resolver.TFConfigClusterResolver(environ={}), devices=["cpu"]), set(), set()),
+    "central_storage": (
+        lambda: ds.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"),
+        {"forward"},
+        {"step", "zero_grad"},
+    ),
+    "multi_worker": (
+        lambda: ds.MultiWorkerMirroredStrategy(
+            cluster_resolver=ds.cluster_resolver.TFConfigClusterResolver(environ={}), devices=["cpu"]
+        ),
+        set(),
+        set(),
+    ),
 }
 
 
@@ -84,8 +93,12 @@ def _class_dicts() -> dict[str, dict[str, int]]:
     return {c.__qualname__: {k: id(v) for k, v in vars(c).items()} for c in classes}
 
 
-def _check(strategy: Any, train: Callable[[Any, Net, torch.optim.Optimizer], None], module_attrs: set[str],
-           optimizer_attrs: set[str]) -> None:
+def _check(
+    strategy: Any,
+    train: Callable[[Any, Net, torch.optim.Optimizer], None],
+    module_attrs: set[str],
+    optimizer_attrs: set[str],
+) -> None:
     reference_model, reference_optimizer = _plain()
     classes = _class_dicts()
     with strategy.scope():
@@ -99,8 +112,9 @@ def _check(strategy: Any, train: Callable[[Any, Net, torch.optim.Optimizer], Non
     assert all(a is b for a, b in zip(model.parameters(), params)) and len(list(model.parameters())) == len(params)
     added = {name for m, (_, before) in zip(model.modules(), built) for name in set(vars(m)) - before}
     assert added == module_attrs, f"{type(strategy).__name__} set {added} on the modules"
-    assert {name for m in reference_model.modules() for name in vars(m)} | module_attrs >= \
-        {name for m in model.modules() for name in vars(m)}
+    assert {name for m in reference_model.modules() for name in vars(m)} | module_attrs >= {
+        name for m in model.modules() for name in vars(m)
+    }
     assert type(optimizer) is torch.optim.SGD
     assert set(vars(optimizer)) - set(vars(reference_optimizer)) == optimizer_attrs
     assert _class_dicts() == classes, "a torch class was changed"

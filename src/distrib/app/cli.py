@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 __all__ = ["main", "register", "build_parser", "forwarded_arguments"]
 
@@ -35,16 +36,24 @@ _LAUNCHER_OPTIONS = ("workers", "ps", "max_restarts", "tls")
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's defaults formatter, quiet where the default says nothing (None, False, a help that names it)."""
 
-    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
-                or "default" in text:
+        if (
+            action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or "default" in text
+        ):
             return text
         return super()._get_help_string(action)
 
 
-def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-             run: Callable[[argparse.Namespace], int]) -> None:
+def register(
+    name: str,
+    help: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
     """Add a subcommand to ``distrib``."""
     COMMANDS[name] = Command(help, add_arguments, run)
 
@@ -85,59 +94,131 @@ def _non_negative_float(text: str) -> float:
 
 def _strategy_help() -> str:
     from distrib.strategies import registry  # imports torch: only where train's options are needed
+
     return "; ".join(f"{name}: {registry.get(name).description}" for name in registry.names())
 
 
 def _train_options() -> list[tuple[str, dict[str, Any]]]:
     """``distrib train``'s options: (flag, ``add_argument`` keywords). One table adds and forwards them."""
     from distrib.strategies import registry
+
     return [
-        ("--strategy", dict(choices=registry.names(), default=None,
-                            help=f"distribution strategy (default: {registry.default_name()}; "
-                                 f"{registry.default_name(workers=2)} with --workers N; "
-                                 f"{registry.default_name(ps=1)} with --ps M). {_strategy_help()}")),
+        (
+            "--strategy",
+            dict(
+                choices=registry.names(),
+                default=None,
+                help=f"distribution strategy (default: {registry.default_name()}; "
+                f"{registry.default_name(workers=2)} with --workers N; "
+                f"{registry.default_name(ps=1)} with --ps M). {_strategy_help()}",
+            ),
+        ),
         ("--workers", dict(type=_positive, default=1, help="run the job on N worker processes through distrib launch")),
         ("--ps", dict(type=_non_negative, default=0, help="parameter-server tasks for --strategy parameter-server")),
         ("--max-restarts", dict(type=_non_negative, default=0, help="with --workers: restarts of the whole group")),
-        ("--tls", dict(action="store_true", default=False,
-                       help="with --ps: mutual TLS between the tasks, with throwaway certificates")),
+        (
+            "--tls",
+            dict(
+                action="store_true",
+                default=False,
+                help="with --ps: mutual TLS between the tasks, with throwaway certificates",
+            ),
+        ),
         ("--epochs", dict(type=_positive, default=10, help="passes over the training set")),
-        ("--batch-size-per-replica", dict(type=_positive, default=64,
-                                          help="examples per replica per step (global batch: this x replicas)")),
-        ("--replicas", dict(type=_positive, default=None,
-                            help="number of replicas for --strategy mirrored (logical CPU replicas without a GPU)")),
+        (
+            "--batch-size-per-replica",
+            dict(type=_positive, default=64, help="examples per replica per step (global batch: this x replicas)"),
+        ),
+        (
+            "--replicas",
+            dict(
+                type=_positive,
+                default=None,
+                help="number of replicas for --strategy mirrored (logical CPU replicas without a GPU)",
+            ),
+        ),
         ("--device", dict(default=None, help="device for --strategy one-device (default: cuda:0 or cpu)")),
-        ("--checkpoint-dir", dict(default="./training_checkpoints",
-                                  help="checkpoints, metrics.jsonl and training.png of the run")),
-        ("--data-dir", dict(default=None, help="directory of the Fashion-MNIST IDX files "
-                                               "(default: /usr/share/datasets/fashion-mnist)")),
+        (
+            "--checkpoint-dir",
+            dict(default="./training_checkpoints", help="checkpoints, metrics.jsonl and training.png of the run"),
+        ),
+        (
+            "--data-dir",
+            dict(
+                default=None,
+                help="directory of the Fashion-MNIST IDX files (default: /usr/share/datasets/fashion-mnist)",
+            ),
+        ),
         ("--seed", dict(type=_non_negative, default=0, help="seed of the model's initial weights and the shuffling")),
-        ("--compile", dict(action=argparse.BooleanOptionalAction, default=False,
-                           help="compile the model with torch.compile (falls back to eager if it fails)")),
-        ("--function", dict(action=argparse.BooleanOptionalAction, default=None,
-                            help="run each step as @ds.function: captured once as a CUDA graph, then replayed "
-                                 "(6x the eager step on an H100 at batch 64). Default: on where the strategy "
-                                 "computes on a GPU and can be captured, off on a CPU (where it would run eagerly) "
-                                 "and with --compile")),
-        ("--progress", dict(action=argparse.BooleanOptionalAction, default=None,
-                            help="progress during each epoch, with the running loss and accuracy: a bar when "
-                                 "stdout is a terminal, else a progress line every 10 s (DISTRIB_PROGRESS_INTERVAL; "
-                                 "the chief's, under --workers); --no-progress: the epoch lines only (default: on)")),
-        ("--fit", dict(action="store_true", default=False,
-                       help="run the job through ds.fit instead of the custom loop (Keras' progress bar)")),
+        (
+            "--compile",
+            dict(
+                action=argparse.BooleanOptionalAction,
+                default=False,
+                help="compile the model with torch.compile (falls back to eager if it fails)",
+            ),
+        ),
+        (
+            "--function",
+            dict(
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="run each step as @ds.function: captured once as a CUDA graph, then replayed "
+                "(6x the eager step on an H100 at batch 64). Default: on where the strategy "
+                "computes on a GPU and can be captured, off on a CPU (where it would run eagerly) "
+                "and with --compile",
+            ),
+        ),
+        (
+            "--progress",
+            dict(
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="progress during each epoch, with the running loss and accuracy: a bar when "
+                "stdout is a terminal, else a progress line every 10 s (DISTRIB_PROGRESS_INTERVAL; "
+                "the chief's, under --workers); --no-progress: the epoch lines only (default: on)",
+            ),
+        ),
+        (
+            "--fit",
+            dict(
+                action="store_true",
+                default=False,
+                help="run the job through ds.fit instead of the custom loop (Keras' progress bar)",
+            ),
+        ),
         ("--tensorboard", dict(metavar="DIR", default=None, help="write TensorBoard scalars to DIR (chief only)")),
-        ("--metrics-file", dict(default=None, help="one JSON line per epoch, and one per --log-every steps "
-                                                   "(with a \"step\" key) (default: CHECKPOINT_DIR/metrics.jsonl, "
-                                                   "rewritten every run; training.png is drawn beside it)")),
-        ("--log-every", dict(type=_non_negative, default=50, metavar="N",
-                             help="every N training steps, write the running loss and accuracy to the metrics "
-                                  "file and TensorBoard (0: per epoch only)")),
-        ("--precision", dict(choices=["32", "bf16-mixed", "16-mixed"], default="32",
-                             help="32: float32; bf16-mixed: autocast to bfloat16 (fast on CPUs with avx512_bf16 "
-                                  "or AMX and on recent GPUs, slow on AVX2-only CPUs); 16-mixed: autocast to float16 "
-                                  "with a GradScaler (fast on GPUs, slow on the CPUs measured); a mixed precision "
-                                  "that is slow here is measured at the start and named in a note with the faster "
-                                  "choice (Lightning's names)")),
+        (
+            "--metrics-file",
+            dict(
+                default=None,
+                help="one JSON line per epoch, and one per --log-every steps "
+                '(with a "step" key) (default: CHECKPOINT_DIR/metrics.jsonl, '
+                "rewritten every run; training.png is drawn beside it)",
+            ),
+        ),
+        (
+            "--log-every",
+            dict(
+                type=_non_negative,
+                default=50,
+                metavar="N",
+                help="every N training steps, write the running loss and accuracy to the metrics "
+                "file and TensorBoard (0: per epoch only)",
+            ),
+        ),
+        (
+            "--precision",
+            dict(
+                choices=["32", "bf16-mixed", "16-mixed"],
+                default="32",
+                help="32: float32; bf16-mixed: autocast to bfloat16 (fast on CPUs with avx512_bf16 "
+                "or AMX and on recent GPUs, slow on AVX2-only CPUs); 16-mixed: autocast to float16 "
+                "with a GradScaler (fast on GPUs, slow on the CPUs measured); a mixed precision "
+                "that is slow here is measured at the start and named in a note with the faster "
+                "choice (Lightning's names)",
+            ),
+        ),
     ]
 
 
@@ -171,8 +252,8 @@ def forwarded_arguments(args: argparse.Namespace, skip: Sequence[str] = _LAUNCHE
 def _train(args: argparse.Namespace) -> int:
     from distrib.app.datasets import DatasetNotFoundError
     from distrib.app.train import TrainConfig, train
-
     from distrib.strategies import registry
+
     name = args.strategy or registry.default_name(workers=args.workers, ps=args.ps)
     entry = registry.get(name)
     if args.ps and not entry.parameter_servers:
@@ -180,9 +261,11 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if args.workers > 1 or args.ps:
         if not entry.multi_worker:
-            print(f"distrib train: --workers {args.workers} needs a multi-worker strategy "
-                  f"({', '.join(n for n in registry.names() if registry.get(n).multi_worker)}), not {name}",
-                  file=sys.stderr)
+            print(
+                f"distrib train: --workers {args.workers} needs a multi-worker strategy "
+                f"({', '.join(n for n in registry.names() if registry.get(n).multi_worker)}), not {name}",
+                file=sys.stderr,
+            )
             return 2
         if entry.parameter_servers and not args.ps:
             print(f"distrib train: --strategy {name} with --workers needs --ps M (e.g. --ps 1)", file=sys.stderr)
@@ -193,14 +276,34 @@ def _train(args: argparse.Namespace) -> int:
         # the workers' output goes through the launcher's pipes: the chief writes progress lines, which
         # reach this terminal prefixed by its task ("[worker 0] epoch 1/10:  40%|...")
         child = ["-m", "distrib", *(["-v"] if args.verbose else []), "train", *forwarded_arguments(args)]
-        return launch(LaunchConfig(command=child, workers=args.workers, ps=args.ps, max_restarts=args.max_restarts,
-                                   tls=args.tls, env=entry.worker_env(args.device) if entry.worker_env else {}))
+        return launch(
+            LaunchConfig(
+                command=child,
+                workers=args.workers,
+                ps=args.ps,
+                max_restarts=args.max_restarts,
+                tls=args.tls,
+                env=entry.worker_env(args.device) if entry.worker_env else {},
+            )
+        )
 
     config = TrainConfig(
-        strategy=name, epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
-        replicas=args.replicas, device=args.device, checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir,
-        seed=args.seed, compile=args.compile, progress=args.progress, fit=args.fit, tensorboard=args.tensorboard,
-        metrics_file=args.metrics_file, precision=args.precision, log_every=args.log_every, function=args.function,
+        strategy=name,
+        epochs=args.epochs,
+        batch_size_per_replica=args.batch_size_per_replica,
+        replicas=args.replicas,
+        device=args.device,
+        checkpoint_dir=args.checkpoint_dir,
+        data_dir=args.data_dir,
+        seed=args.seed,
+        compile=args.compile,
+        progress=args.progress,
+        fit=args.fit,
+        tensorboard=args.tensorboard,
+        metrics_file=args.metrics_file,
+        precision=args.precision,
+        log_every=args.log_every,
+        function=args.function,
     )
     try:
         train(config)
@@ -214,26 +317,46 @@ register("train", "train the Fashion-MNIST CNN of the tf.distribute tutorial (th
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=_workers_range, default="1", metavar="N|MIN:MAX",
-                   help="worker tasks (each prints its lines prefixed by its task: [worker 0] ...); MIN:MAX starts "
-                        "MAX and, when a worker dies, goes on with the survivors from the last checkpoint while at "
-                        "least MIN remain")
-    p.add_argument("--ps", type=_non_negative, default=0, help="parameter-server tasks (the chief then runs the script)")
+    p.add_argument(
+        "--workers",
+        type=_workers_range,
+        default="1",
+        metavar="N|MIN:MAX",
+        help="worker tasks (each prints its lines prefixed by its task: [worker 0] ...); MIN:MAX starts "
+        "MAX and, when a worker dies, goes on with the survivors from the last checkpoint while at "
+        "least MIN remain",
+    )
+    p.add_argument(
+        "--ps", type=_non_negative, default=0, help="parameter-server tasks (the chief then runs the script)"
+    )
     p.add_argument("--chief", action="store_true", default=False, help="add a 'chief' task besides the workers")
-    p.add_argument("--max-restarts", type=_non_negative, default=0,
-                   help="on a failure, stop the whole group and start it again, at most K times. A task exiting "
-                        "with 42 (it saved a preemption checkpoint: ds.experimental.PreemptionCheckpointHandler) "
-                        "restarts the group without counting against K")
-    p.add_argument("--grace-seconds", type=_non_negative_float, default=5.0, metavar="S",
-                   help="after forwarding SIGTERM/SIGHUP/SIGINT to the tasks, wait S seconds for them to exit "
-                        "(e.g. to save a preemption checkpoint) before killing them; the tasks see it as "
-                        "DISTRIB_GRACE_SECONDS. Set it under the platform's own grace period (Kubernetes' "
-                        "terminationGracePeriodSeconds, Slurm's KillWait)")
-    p.add_argument("--tls", action="store_true",
-                   help="make a throwaway CA and a certificate per task: parameter-server RPCs use mutual TLS "
-                        "(see docs/security.md)")
-    p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
-                   help="the script each task runs (or -m MODULE)")
+    p.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        help="on a failure, stop the whole group and start it again, at most K times. A task exiting "
+        "with 42 (it saved a preemption checkpoint: ds.experimental.PreemptionCheckpointHandler) "
+        "restarts the group without counting against K",
+    )
+    p.add_argument(
+        "--grace-seconds",
+        type=_non_negative_float,
+        default=5.0,
+        metavar="S",
+        help="after forwarding SIGTERM/SIGHUP/SIGINT to the tasks, wait S seconds for them to exit "
+        "(e.g. to save a preemption checkpoint) before killing them; the tasks see it as "
+        "DISTRIB_GRACE_SECONDS. Set it under the platform's own grace period (Kubernetes' "
+        "terminationGracePeriodSeconds, Slurm's KillWait)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a throwaway CA and a certificate per task: parameter-server RPCs use mutual TLS "
+        "(see docs/security.md)",
+    )
+    p.add_argument(
+        "script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]", help="the script each task runs (or -m MODULE)"
+    )
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -244,9 +367,18 @@ def _launch(args: argparse.Namespace) -> int:
         print("distrib launch: name the script to run, e.g. distrib launch --workers 2 train.py", file=sys.stderr)
         return 2
     low, high = args.workers
-    return launch(LaunchConfig(command=command, workers=high, min_workers=low if low != high else None, ps=args.ps,
-                               chief=args.chief, max_restarts=args.max_restarts, tls=args.tls,
-                               grace_seconds=args.grace_seconds))
+    return launch(
+        LaunchConfig(
+            command=command,
+            workers=high,
+            min_workers=low if low != high else None,
+            ps=args.ps,
+            chief=args.chief,
+            max_restarts=args.max_restarts,
+            tls=args.tls,
+            grace_seconds=args.grace_seconds,
+        )
+    )
 
 
 register("launch", "run a local cluster: one process per task, each with its TF_CONFIG", _launch_arguments, _launch)
@@ -264,20 +396,34 @@ def _plot(args: argparse.Namespace) -> int:
     return plot_command(args)
 
 
-register("plot", "draw a run's training.png again from its metrics.jsonl (needs distrib[plot])", _plot_arguments,
-         _plot)
+register("plot", "draw a run's training.png again from its metrics.jsonl (needs distrib[plot])", _plot_arguments, _plot)
 
 
 class _VersionAction(argparse.Action):
     """``--version``: distrib's, torch's and Python's versions (torch imported only when asked)."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
-                 default: str = argparse.SUPPRESS, help: Optional[str] = None) -> None:
-        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0,
-                         help=help or "show the versions of distrib, torch and Python and exit")
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str = argparse.SUPPRESS,
+        default: str = argparse.SUPPRESS,
+        help: str | None = None,
+    ) -> None:
+        super().__init__(
+            option_strings=option_strings,
+            dest=dest,
+            default=default,
+            nargs=0,
+            help=help or "show the versions of distrib, torch and Python and exit",
+        )
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: Optional[str] = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         import torch
 
         from distrib import __version__
@@ -286,13 +432,14 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``distrib`` parser, with every registered subcommand.
 
     ``only``: add the arguments of that subcommand alone (the others are listed, without their options),
     so that parsing ``distrib launch ...`` does not import what ``distrib train``'s options need (torch)."""
-    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute-style training for PyTorch",
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="distrib", description="tf.distribute-style training for PyTorch", formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -303,13 +450,15 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     # the subcommand is the first word that is not an option (distrib's own options take no value)
     named = next((word for word in arguments if not word.startswith("-")), None)
     args = build_parser(only=named if named in COMMANDS else None).parse_args(arguments)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     return COMMANDS[args.command].run(args)
 
 

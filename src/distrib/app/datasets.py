@@ -9,10 +9,10 @@ from __future__ import annotations
 import gzip
 import math
 import os
-import sys
 import struct
+import sys
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
 
@@ -26,8 +26,14 @@ _FILES = {
     "test_labels": "t10k-labels-idx1-ubyte",
 }
 # IDX type codes; every multi-byte type is stored big-endian
-_DTYPES: dict[int, torch.dtype] = {0x08: torch.uint8, 0x09: torch.int8, 0x0B: torch.int16, 0x0C: torch.int32,
-                                   0x0D: torch.float32, 0x0E: torch.float64}
+_DTYPES: dict[int, torch.dtype] = {
+    0x08: torch.uint8,
+    0x09: torch.int8,
+    0x0B: torch.int16,
+    0x0C: torch.int32,
+    0x0D: torch.float32,
+    0x0E: torch.float64,
+}
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -41,7 +47,7 @@ class Split(NamedTuple):
     labels: torch.Tensor
 
 
-def read_idx(path: Union[str, Path]) -> torch.Tensor:
+def read_idx(path: str | Path) -> torch.Tensor:
     """Read one IDX file (gzipped or not) into a tensor; ValueError if it is malformed."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -52,8 +58,8 @@ def read_idx(path: Union[str, Path]) -> torch.Tensor:
     dtype, ndim = _DTYPES[data[2]], data[3]
     if len(data) < 4 + 4 * ndim:
         raise ValueError(f"{path} is truncated: its header names {ndim} dimensions but ends before their sizes")
-    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
-    body = bytearray(data[4 + 4 * ndim:])
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    body = bytearray(data[4 + 4 * ndim :])
     itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
     if len(body) != expected:
@@ -66,14 +72,14 @@ def read_idx(path: Union[str, Path]) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
-def _find(directory: Path, stem: str) -> Optional[Path]:
+def _find(directory: Path, stem: str) -> Path | None:
     for name in (stem + ".gz", stem):
         if (directory / name).is_file():
             return directory / name
     return None
 
 
-def load_fashion_mnist(data_dir: Union[str, Path, None] = None) -> tuple[Split, Split]:
+def load_fashion_mnist(data_dir: str | Path | None = None) -> tuple[Split, Split]:
     """``(train, test)`` splits of Fashion-MNIST (or of MNIST, given its IDX directory).
 
     Raises :class:`DatasetNotFoundError` naming the directory, the missing files and

@@ -43,7 +43,8 @@ available, off by default, through :func:`maybe_compile`, which never fails.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -181,7 +182,7 @@ class _CompiledOrEager(nn.Module):
     def __init__(self, model: nn.Module, compiled: Callable[..., Any]) -> None:
         super().__init__()
         self.model = model  # shares parameters with the caller's model
-        self._compiled: Optional[Callable[..., Any]] = compiled
+        self._compiled: Callable[..., Any] | None = compiled
         self._backward_checked = False
 
     @property

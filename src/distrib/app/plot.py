@@ -16,7 +16,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["PICTURE", "Curves", "read_metrics", "draw", "draw_run", "plot_arguments", "plot_command"]
 
@@ -44,7 +44,7 @@ class Curves:
     epoch: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @classmethod
-    def from_rows(cls, rows: list[dict[str, Any]]) -> "Curves":
+    def from_rows(cls, rows: list[dict[str, Any]]) -> Curves:
         curves = cls()
         epoch_rows = [r for r in rows if "step" not in r]
         ends = {int(r["epoch"]): int(r["steps"]) for r in epoch_rows if "steps" in r}  # steps done at each epoch's end
@@ -85,8 +85,9 @@ def read_metrics(path: str) -> Curves:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {number}, is not JSON ({e}): give the metrics.jsonl "
-                                     "that distrib train wrote") from None
+                    raise ValueError(
+                        f"{path}, line {number}, is not JSON ({e}): give the metrics.jsonl that distrib train wrote"
+                    ) from None
     if not rows:
         raise ValueError(f"{path} holds no metrics yet: run distrib train first")
     return Curves.from_rows(rows)
@@ -100,14 +101,25 @@ def _panel(ax: Any, curves: Curves, name: str, scale: float, unit: str) -> None:
         key = prefix + name
         if key in curves.step:
             xs, ys = zip(*curves.step[key])
-            ax.plot(xs, [y * scale for y in ys], color=color, alpha=0.45, linewidth=1,
-                    label=f"{label}, per step (mean of each interval)")
+            ax.plot(
+                xs,
+                [y * scale for y in ys],
+                color=color,
+                alpha=0.45,
+                linewidth=1,
+                label=f"{label}, per step (mean of each interval)",
+            )
         if key in curves.epoch:
             xs, ys = zip(*curves.epoch[key])
             ax.plot(xs, [y * scale for y in ys], color=color, marker="o", linewidth=2, label=f"{label}, per epoch")
-            ax.annotate(f"{ys[-1] * scale:.{2 if scale == 100 else 4}f}", (xs[-1], ys[-1] * scale),
-                        textcoords="offset points", xytext=(4, 4 if prefix == top else -11), color=color,
-                        fontsize=8)
+            ax.annotate(
+                f"{ys[-1] * scale:.{2 if scale == 100 else 4}f}",
+                (xs[-1], ys[-1] * scale),
+                textcoords="offset points",
+                xytext=(4, 4 if prefix == top else -11),
+                color=color,
+                fontsize=8,
+            )
     ax.set_title(name.capitalize() + unit)
     ax.set_xlabel("epoch")
     ax.grid(True, alpha=0.3)
@@ -132,7 +144,7 @@ def draw(curves: Curves, output: str, title: str = "") -> str:
     return output
 
 
-def draw_run(metrics_file: str, output: Optional[str] = None) -> str:
+def draw_run(metrics_file: str, output: str | None = None) -> str:
     """Draw ``training.png`` beside ``metrics_file``; return the line to print (where it went, or how to get it)."""
     run_dir = os.path.dirname(os.path.abspath(metrics_file))
     output = output or os.path.join(run_dir, PICTURE)
@@ -151,8 +163,9 @@ def draw_run(metrics_file: str, output: Optional[str] = None) -> str:
 
 def plot_arguments(p: argparse.ArgumentParser) -> None:
     """``distrib plot``'s arguments."""
-    p.add_argument("run", metavar="RUN_DIR", help="a run's checkpoint directory (holding metrics.jsonl), "
-                                                  "or a metrics file")
+    p.add_argument(
+        "run", metavar="RUN_DIR", help="a run's checkpoint directory (holding metrics.jsonl), or a metrics file"
+    )
     p.add_argument("-o", "--output", default=None, help="where to write the PNG (default: RUN_DIR/training.png)")
 
 
@@ -160,8 +173,11 @@ def plot_command(args: argparse.Namespace) -> int:
     """``distrib plot RUN_DIR``: draw the run's picture again."""
     path = os.path.join(args.run, METRICS) if os.path.isdir(args.run) else args.run
     if not os.path.exists(path):
-        print(f"distrib plot: {path} does not exist; give the --checkpoint-dir of a distrib train run "
-              "(or its --metrics-file)", file=sys.stderr)
+        print(
+            f"distrib plot: {path} does not exist; give the --checkpoint-dir of a distrib train run "
+            "(or its --metrics-file)",
+            file=sys.stderr,
+        )
         return 2
     try:
         message = draw_run(path, args.output)

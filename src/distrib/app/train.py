@@ -14,8 +14,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,8 @@ from distrib.app.plot import PICTURE, draw_run
 from distrib.keras.callbacks import Callback, CallbackList, History, JsonlLogger, TensorBoard
 from distrib.keras.loop import Loop
 from distrib.keras.progress import Progbar, data_length
-from distrib.strategies import registry
 from distrib.precision import Precision, backward_and_step
+from distrib.strategies import registry
 
 __all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "metrics_path", "train"]
 
@@ -36,8 +37,10 @@ log = logging.getLogger("distrib.app.train")
 
 # seed 000's line, with readable precision (the seed prints float32 reprs: `Loss: 0.5044084787368774`)
 # (fields by name, the keys of the epoch's row: its order cannot move a value into another's place)
-EPOCH_TEMPLATE = ("Epoch {epoch}, Loss: {loss:.4f}, Accuracy: {accuracy:.2f}, Test Loss: {test_loss:.4f}, "
-                  "Test Accuracy: {test_accuracy:.2f}, Examples/s: {examples_per_sec:.0f}")
+EPOCH_TEMPLATE = (
+    "Epoch {epoch}, Loss: {loss:.4f}, Accuracy: {accuracy:.2f}, Test Loss: {test_loss:.4f}, "
+    "Test Accuracy: {test_accuracy:.2f}, Examples/s: {examples_per_sec:.0f}"
+)
 POSTFIX_EVERY = 10  # steps between two updates of the bar's loss and accuracy (values the loop already has)
 
 
@@ -48,19 +51,19 @@ class TrainConfig:
     strategy: str = field(default_factory=registry.default_name)  # the registry's one-process default
     epochs: int = 10
     batch_size_per_replica: int = 64
-    replicas: Optional[int] = None
-    device: Optional[str] = None
+    replicas: int | None = None
+    device: str | None = None
     checkpoint_dir: str = "./training_checkpoints"
-    data_dir: Optional[str] = None
+    data_dir: str | None = None
     seed: int = 0
     compile: bool = False
-    progress: Optional[bool] = None  # None: when stdout is a terminal
+    progress: bool | None = None  # None: when stdout is a terminal
     fit: bool = False  # run the job through ds.fit instead of the custom loop
-    tensorboard: Optional[str] = None  # write TensorBoard scalars here (chief only)
-    metrics_file: Optional[str] = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
+    tensorboard: str | None = None  # write TensorBoard scalars here (chief only)
+    metrics_file: str | None = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
     log_every: int = 50  # also a line (and TensorBoard scalars) every N training steps; 0: epochs only
     precision: str = "32"  # Lightning's names: "32", "bf16-mixed", "16-mixed" (see distrib.precision.Precision)
-    function: Optional[bool] = None  # each step under @ds.function (a CUDA graph); None: where it pays (a GPU)
+    function: bool | None = None  # each step under @ds.function (a CUDA graph); None: where it pays (a GPU)
 
 
 class TensorBatches:
@@ -91,13 +94,12 @@ class TensorBatches:
         else:
             data = self.tensors
         for start in range(0, n, self.batch_size):
-            yield tuple(t[start:start + self.batch_size] for t in data)
+            yield tuple(t[start : start + self.batch_size] for t in data)
 
 
-def make_strategy(name: str, replicas: Optional[int] = None, device: Optional[str] = None) -> ds.Strategy:
+def make_strategy(name: str, replicas: int | None = None, device: str | None = None) -> ds.Strategy:
     """The strategy ``distrib train --strategy NAME`` uses (see :mod:`distrib.strategies.registry`)."""
-    return registry.build(name, registry.StrategyRequest(replicas=replicas, device=device,
-                                                         workers=replicas or 2, ps=1))
+    return registry.build(name, registry.StrategyRequest(replicas=replicas, device=device, workers=replicas or 2, ps=1))
 
 
 def _postfix(logs: Mapping[str, float]) -> dict[str, str]:
@@ -105,8 +107,15 @@ def _postfix(logs: Mapping[str, float]) -> dict[str, str]:
     return {"loss": f"{logs['loss']:.4f}", "accuracy": f"{logs['accuracy'] * 100:.2f}"}
 
 
-def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size: int, train_accuracy: Any,
-               test_loss: Any, test_accuracy: Any, precision: str = "32") -> tuple[Any, Any]:
+def make_steps(
+    forward: Any,
+    optimizer: torch.optim.Optimizer,
+    global_batch_size: int,
+    train_accuracy: Any,
+    test_loss: Any,
+    test_accuracy: Any,
+    precision: str = "32",
+) -> tuple[Any, Any]:
     """Seed 000's replica functions: ``train_step(inputs) -> scaled loss`` and ``test_step(inputs)``.
 
     ``precision`` ``"bf16-mixed"`` / ``"16-mixed"``: the forward pass and the loss run under
@@ -150,7 +159,7 @@ def make_steps(forward: Any, optimizer: torch.optim.Optimizer, global_batch_size
     return train_step, test_step
 
 
-def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[str, Any]:
+def train(config: TrainConfig, strategy: ds.Strategy | None = None) -> dict[str, Any]:
     """Run the main job; print one line per epoch; return the history (Keras' form) and the restored accuracy.
 
     One path: the model, the optimizer, the checkpoint and the reporters (seed 000's
@@ -181,8 +190,10 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
         optimizer = models.fashion_mnist_optimizer(model.parameters())  # Keras' Adam defaults, fused kernel
         checkpoint = ds.Checkpoint(optimizer=optimizer, model=model)
     if config.compile and config.function:
-        raise ValueError("--compile and --function each replace the eager step: choose one (on a GPU, --function "
-                         "measured 6x the eager loop, torch.compile of the model 0.94x; docs/performance.md)")
+        raise ValueError(
+            "--compile and --function each replace the eager step: choose one (on a GPU, --function "
+            "measured 6x the eager loop, torch.compile of the model 0.94x; docs/performance.md)"
+        )
     forward = models.maybe_compile(model, config.compile)
     reporters = _reporters(config, strategy, checkpoint)
     if not strategy.should_use_with_coordinator:  # parameter servers: fit's steps finish out of a callback's sight
@@ -191,8 +202,19 @@ def train(config: TrainConfig, strategy: Optional[ds.Strategy] = None) -> dict[s
     # should_use_with_coordinator: parameter servers), fit drives them, as it does with --fit
     scheduled = strategy.should_use_with_coordinator
     graphs = use_function(config, strategy)
-    job = _Job(config, strategy, model, forward, optimizer, reporters, train_split, test_split, global_batch_size,
-               scheduled, graphs)
+    job = _Job(
+        config,
+        strategy,
+        model,
+        forward,
+        optimizer,
+        reporters,
+        train_split,
+        test_split,
+        global_batch_size,
+        scheduled,
+        graphs,
+    )
     history = _fit(job) if config.fit or scheduled else _custom_loop(job)
     return _finish(config, chief, global_batch_size, test_split, history)
 
@@ -236,8 +258,9 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
         test_loss = ds.metrics.Mean(name="test_loss")
         train_accuracy = ds.metrics.SparseCategoricalAccuracy(name="train_accuracy")
         test_accuracy = ds.metrics.SparseCategoricalAccuracy(name="test_accuracy")
-    train_step, test_step = make_steps(job.forward, job.optimizer, job.global_batch_size, train_accuracy, test_loss,
-                                       test_accuracy, config.precision)
+    train_step, test_step = make_steps(
+        job.forward, job.optimizer, job.global_batch_size, train_accuracy, test_loss, test_accuracy, config.precision
+    )
 
     def distributed_train_step(x: Any) -> torch.Tensor:  # the seed's @tf.function, as @ds.function with --function
         return strategy.reduce(ds.ReduceOp.SUM, strategy.run(train_step, args=(x,)), axis=None)
@@ -264,8 +287,13 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
         total_loss: Any = 0.0  # a tensor on the step's device after the first step: read only when shown
         num_batches = 0
         start = time.perf_counter()
-        bar = Progbar(data_length(train_dist_dataset), verbose, style="tqdm", desc=f"epoch {epoch + 1}/{config.epochs}",
-                      postfix=_postfix)
+        bar = Progbar(
+            data_length(train_dist_dataset),
+            verbose,
+            style="tqdm",
+            desc=f"epoch {epoch + 1}/{config.epochs}",
+            postfix=_postfix,
+        )
         skip = int(loop.step_in_epoch)  # resumed mid-epoch: these batches were trained before the preemption
         for index, x in enumerate(train_dist_dataset):
             if index < skip:
@@ -290,21 +318,33 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
             for x in test_dist_dataset:
                 distributed_test_step(x)
         row = {
-            "epoch": epoch + 1, "loss": float(train_loss), "accuracy": float(train_accuracy.result() * 100),
-            "test_loss": float(test_loss.result()), "test_accuracy": float(test_accuracy.result() * 100),
+            "epoch": epoch + 1,
+            "loss": float(train_loss),
+            "accuracy": float(train_accuracy.result() * 100),
+            "test_loss": float(test_loss.result()),
+            "test_accuracy": float(test_accuracy.result() * 100),
             "examples_per_sec": len(job.train_split.labels) / seconds,
         }
         if config.compile and epoch == 0:  # every worker says whether its model runs compiled
             compiled = getattr(job.forward, "compiled", False)
-            print(f"torch.compile: {'compiled' if compiled else 'fell back to eager'} on worker "
-                  f"{strategy.worker_index}", flush=True)
+            print(
+                f"torch.compile: {'compiled' if compiled else 'fell back to eager'} on worker {strategy.worker_index}",
+                flush=True,
+            )
         if chief:
             print(EPOCH_TEMPLATE.format(**row), flush=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
-        callbacks.on_epoch_end(epoch, {"loss": row["loss"], "accuracy": row["accuracy"] / 100,
-                                       "val_loss": row["test_loss"], "val_accuracy": row["test_accuracy"] / 100,
-                                       "examples_per_sec": row["examples_per_sec"]})
+        callbacks.on_epoch_end(
+            epoch,
+            {
+                "loss": row["loss"],
+                "accuracy": row["accuracy"] / 100,
+                "val_loss": row["test_loss"],
+                "val_accuracy": row["test_accuracy"] / 100,
+                "examples_per_sec": row["examples_per_sec"],
+            },
+        )
         test_loss.reset_states()
         train_accuracy.reset_states()
         test_accuracy.reset_states()
@@ -336,8 +376,10 @@ def _reporters(config: TrainConfig, strategy: ds.Strategy, checkpoint: ds.Checkp
         for stale in (path, os.path.join(os.path.dirname(os.path.abspath(path)), PICTURE)):
             if os.path.exists(stale):
                 os.remove(stale)
-    callbacks: list[Callback] = [_SeedCheckpoints(checkpoint, os.path.join(config.checkpoint_dir, "ckpt")),
-                                 JsonlLogger(path, log_every=config.log_every)]
+    callbacks: list[Callback] = [
+        _SeedCheckpoints(checkpoint, os.path.join(config.checkpoint_dir, "ckpt")),
+        JsonlLogger(path, log_every=config.log_every),
+    ]
     if config.tensorboard:
         # scalars only: tracing the graph would slow the first logged step (and, with --compile, recompile)
         callbacks.append(TensorBoard(config.tensorboard, update_freq=config.log_every or "epoch", write_graph=False))
@@ -354,26 +396,29 @@ class _PreemptionBackup(Callback):
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._handler: Optional[ds.experimental.PreemptionCheckpointHandler] = None
+        self._handler: ds.experimental.PreemptionCheckpointHandler | None = None
 
-    def on_train_begin(self, logs: Optional[dict[str, float]] = None) -> None:
+    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
         loop = self.loop
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
             log.info("train() runs outside the main thread: no preemption handling")
             return
-        checkpoint = ds.Checkpoint(model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch,
-                                   step_in_epoch=loop.step_in_epoch)
-        self._handler = ds.experimental.PreemptionCheckpointHandler(loop.strategy.cluster_resolver, checkpoint,
-                                                                    self.directory)
+        checkpoint = ds.Checkpoint(
+            model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch, step_in_epoch=loop.step_in_epoch
+        )
+        self._handler = ds.experimental.PreemptionCheckpointHandler(
+            loop.strategy.cluster_resolver, checkpoint, self.directory
+        )
         if int(loop.epoch) or int(loop.step_in_epoch):
-            log.warning("resuming after a preemption at epoch %d, batch %d", int(loop.epoch) + 1,
-                        int(loop.step_in_epoch))
+            log.warning(
+                "resuming after a preemption at epoch %d, batch %d", int(loop.epoch) + 1, int(loop.step_in_epoch)
+            )
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[dict[str, float]] = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: dict[str, float] | None = None) -> None:
         if self._handler is not None:
             self._handler.save_checkpoint_if_preempted()
 
-    def on_train_end(self, logs: Optional[dict[str, float]] = None) -> None:
+    def on_train_end(self, logs: dict[str, float] | None = None) -> None:
         if self._handler is not None:
             self._handler.close()
         if self.loop.is_chief:
@@ -386,7 +431,7 @@ class _SeedCheckpoints(Callback):
     def __init__(self, checkpoint: ds.Checkpoint, prefix: str) -> None:
         self.checkpoint, self.prefix = checkpoint, prefix
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict[str, float]] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         if epoch % 2 == 0:
             self.checkpoint.save(self.prefix)
 
@@ -404,17 +449,28 @@ def _fit(job: _Job) -> dict[str, list[float]]:
         model: torch.nn.Module = job.model  # sent to the workers as it is (a compiled wrapper is not)
         train_data: Any = FashionMnistBatches(config.data_dir, "train", batch, config.seed)
         test_data: Any = FashionMnistBatches(config.data_dir, "test", batch, config.seed)
-        steps: Optional[int] = -(-len(job.train_split.labels) // batch)
-        validation_steps: Optional[int] = -(-len(job.test_split.labels) // batch)
+        steps: int | None = -(-len(job.train_split.labels) // batch)
+        validation_steps: int | None = -(-len(job.test_split.labels) // batch)
     else:
         model = job.forward
         train_data = TensorBatches(*job.train_split, batch_size=job.global_batch_size, shuffle=True, seed=config.seed)
         test_data = TensorBatches(*job.test_split, batch_size=job.global_batch_size)
         steps = validation_steps = None
-    history = ds.fit(model, train_data, optimizer=job.optimizer, loss="cross_entropy", epochs=config.epochs,
-                     steps_per_epoch=steps, metrics=["accuracy"], validation_data=test_data,
-                     validation_steps=validation_steps, verbose=_fit_verbose(config, strategy.is_chief),
-                     callbacks=job.reporters, precision=config.precision, jit_compile=job.graphs)
+    history = ds.fit(
+        model,
+        train_data,
+        optimizer=job.optimizer,
+        loss="cross_entropy",
+        epochs=config.epochs,
+        steps_per_epoch=steps,
+        metrics=["accuracy"],
+        validation_data=test_data,
+        validation_steps=validation_steps,
+        verbose=_fit_verbose(config, strategy.is_chief),
+        callbacks=job.reporters,
+        precision=config.precision,
+        jit_compile=job.graphs,
+    )
     return history.history
 
 
@@ -425,21 +481,26 @@ class FashionMnistBatches:
     bytes instead of the whole dataset.
     """
 
-    def __init__(self, data_dir: Optional[str], split: str, batch_size: int, seed: int) -> None:
+    def __init__(self, data_dir: str | None, split: str, batch_size: int, seed: int) -> None:
         self.data_dir, self.split, self.batch_size, self.seed = data_dir, split, batch_size, seed
 
     def __call__(self, input_context: Any) -> Iterator[tuple[torch.Tensor, ...]]:
         train, test = load_fashion_mnist(self.data_dir)
         split = train if self.split == "train" else test
-        batches = TensorBatches(*split, batch_size=self.batch_size, shuffle=self.split == "train",
-                                seed=self.seed + 1000 * input_context.input_pipeline_id)
+        batches = TensorBatches(
+            *split,
+            batch_size=self.batch_size,
+            shuffle=self.split == "train",
+            seed=self.seed + 1000 * input_context.input_pipeline_id,
+        )
         for epoch in itertools.count():
             batches.set_epoch(epoch)
             yield from batches
 
 
-def _finish(config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any,
-            history: dict[str, list[float]]) -> dict[str, Any]:
+def _finish(
+    config: TrainConfig, chief: bool, global_batch_size: int, test_split: Any, history: dict[str, list[float]]
+) -> dict[str, Any]:
     restored = None
     log.info("History: %s", {name: [round(v, 4) for v in values] for name, values in history.items()})  # distrib -v
     if chief:

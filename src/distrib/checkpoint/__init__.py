@@ -26,11 +26,19 @@ they are imported on use, not by ``import distrib``.
 """
 
 from distrib.checkpoint.core import Checkpoint
-from distrib.checkpoint.errors import (DEFAULT_CHECKPOINT_TIMEOUT, TIMEOUT_ENV, CheckpointError,
-                                       checkpoint_timeout)
+from distrib.checkpoint.errors import DEFAULT_CHECKPOINT_TIMEOUT, TIMEOUT_ENV, CheckpointError, checkpoint_timeout
 from distrib.checkpoint.index import checkpoints_iterator, latest_checkpoint
 from distrib.checkpoint.manager import CheckpointManager
 from distrib.checkpoint.restore import LoadStatus
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointError", "LoadStatus", "latest_checkpoint",
-           "checkpoints_iterator", "checkpoint_timeout", "DEFAULT_CHECKPOINT_TIMEOUT", "TIMEOUT_ENV"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointManager",
+    "CheckpointError",
+    "LoadStatus",
+    "latest_checkpoint",
+    "checkpoints_iterator",
+    "checkpoint_timeout",
+    "DEFAULT_CHECKPOINT_TIMEOUT",
+    "TIMEOUT_ENV",
+]

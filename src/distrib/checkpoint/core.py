@@ -18,7 +18,8 @@ every worker and the tutorials' cleanup code runs as written.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,12 +37,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpoint"]
 
-_ACCEPTED = ("torch.nn.Module, torch.optim.Optimizer, torch.Tensor, or any object "
-             "with state_dict() and load_state_dict() methods")
+_ACCEPTED = (
+    "torch.nn.Module, torch.optim.Optimizer, torch.Tensor, or any object "
+    "with state_dict() and load_state_dict() methods"
+)
 
 
 # --------------------------------------------------------------- the strategy contract
-def _strategy(objects: Mapping[str, Any]) -> "Strategy":
+def _strategy(objects: Mapping[str, Any]) -> Strategy:
     """The strategy whose chief owns the files of a checkpoint of ``objects`` (:func:`distrib.context.strategy_of`)."""
     return context.strategy_of(*objects.values())
 
@@ -54,7 +57,7 @@ def _sharded(objects: Mapping[str, Any]) -> bool:
     return owner is not None and owner.checkpoint_format == "sharded"
 
 
-def _state(strategy: "Strategy", obj: Any) -> Any:
+def _state(strategy: Strategy, obj: Any) -> Any:
     """The whole, plain state of one tracked object, as the strategy gathers it."""
     if isinstance(obj, torch.Tensor):
         return obj
@@ -80,17 +83,28 @@ def _to_cpu(obj: Any) -> Any:
 
 def _check_trackable(name: str, obj: Any) -> None:
     if not name.isidentifier() or name.startswith("_") or hasattr(Checkpoint, name):
-        raise ValueError(f"Checkpoint name {name!r} must be a valid identifier that "
-                         "does not start with '_' or shadow a Checkpoint method")
+        raise ValueError(
+            f"Checkpoint name {name!r} must be a valid identifier that "
+            "does not start with '_' or shadow a Checkpoint method"
+        )
     if not isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) and not (
-            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-        hint = (" (for a list or dict of tensors use torch.nn.ParameterList / ParameterDict, or track each "
-                "tensor under its own name)") if isinstance(obj, (list, tuple, dict)) else ""
-        raise TypeError(f"Checkpoint argument {name!r} has type {type(obj).__qualname__}, "
-                        f"which cannot be checkpointed; accepted: {_ACCEPTED}{hint}")
+        callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    ):
+        hint = (
+            (
+                " (for a list or dict of tensors use torch.nn.ParameterList / ParameterDict, or track each "
+                "tensor under its own name)"
+            )
+            if isinstance(obj, (list, tuple, dict))
+            else ""
+        )
+        raise TypeError(
+            f"Checkpoint argument {name!r} has type {type(obj).__qualname__}, "
+            f"which cannot be checkpointed; accepted: {_ACCEPTED}{hint}"
+        )
 
 
-def writes_here(strategy: "Strategy", path: str) -> bool:
+def writes_here(strategy: Strategy, path: str) -> bool:
     """Whether this worker writes ``path``: the chief always; another worker when ``path`` is not the chief's.
 
     Called on every worker (a collective when there are several: the chief broadcasts its
@@ -103,7 +117,7 @@ def writes_here(strategy: "Strategy", path: str) -> bool:
     return strategy.is_chief or chief_path != here
 
 
-def meet(strategy: "Strategy", timeout: Optional[float], error: Optional[BaseException]) -> None:
+def meet(strategy: Strategy, timeout: float | None, error: BaseException | None) -> None:
     """Every worker waits (checkpoint timeout) for the writes, then learns whether any failed.
 
     The chief's failure is a :class:`CheckpointError` on every other worker; so is the failure
@@ -117,8 +131,10 @@ def meet(strategy: "Strategy", timeout: Optional[float], error: Optional[BaseExc
             raise CheckpointError(f"The chief could not write the checkpoint: {errors[0]}")
         failed = [(i, e) for i, e in enumerate(errors) if e is not None]
         if error is None and failed:
-            raise CheckpointError(f"Worker {failed[0][0]} could not write its own copy of the checkpoint (it was "
-                                  f"given a path other than the chief's): {failed[0][1]}")
+            raise CheckpointError(
+                f"Worker {failed[0][0]} could not write its own copy of the checkpoint (it was "
+                f"given a path other than the chief's): {failed[0][1]}"
+            )
     if error is not None:
         raise error
 
@@ -180,7 +196,7 @@ class Checkpoint:
         return self._save_counter
 
     # ------------------------------------------------------------------ writing
-    def save(self, file_prefix: "str | os.PathLike[str]", *, timeout: Optional[float] = None) -> str:
+    def save(self, file_prefix: str | os.PathLike[str], *, timeout: float | None = None) -> str:
         """Write ``<file_prefix>-<n>`` (n = save_counter + 1), make it the directory's latest, return it.
 
         ``timeout``: seconds the other workers wait for the chief to write (default
@@ -196,8 +212,13 @@ class Checkpoint:
         path = f"{os.fspath(file_prefix)}-{self._save_counter + 1}"
         return self.save_as(path, timeout=timeout, on_written=lambda: idx.record(path))
 
-    def save_as(self, path: "str | os.PathLike[str]", *, timeout: Optional[float] = None,
-                on_written: Optional[Callable[[], None]] = None) -> str:
+    def save_as(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        timeout: float | None = None,
+        on_written: Callable[[], None] | None = None,
+    ) -> str:
         """Write exactly ``<path>.pt`` as the next save, and return ``path``: the one write of every save.
 
         What :meth:`save` and ``CheckpointManager.save`` do with the path they choose. The
@@ -213,8 +234,9 @@ class Checkpoint:
         self._save_counter = n
         return path
 
-    def write(self, file_prefix: "str | os.PathLike[str]", *, timeout: Optional[float] = None,
-              update_latest: bool = False) -> str:
+    def write(
+        self, file_prefix: str | os.PathLike[str], *, timeout: float | None = None, update_latest: bool = False
+    ) -> str:
         """Write exactly ``<file_prefix>.pt`` and return ``file_prefix``; the save counter does not change.
 
         ``update_latest=True`` also makes it its directory's latest checkpoint, so that
@@ -227,14 +249,13 @@ class Checkpoint:
         self._write(path, self._save_counter, timeout, after=(lambda: idx.record(path)) if update_latest else None)
         return path
 
-    def _payload(self, strategy: "Strategy", writes: bool) -> dict[str, Any]:
+    def _payload(self, strategy: Strategy, writes: bool) -> dict[str, Any]:
         """Every tracked object's whole state, on the CPU where it is written (gathered on every worker:
         a strategy may need all of them to assemble a sharded value)."""
         states = {name: _state(strategy, obj) for name, obj in self._objects.items()}
         return {name: _to_cpu(state) for name, state in states.items()} if writes else states
 
-    def _write(self, path: str, counter: int, timeout: Optional[float],
-               after: Optional[Callable[[], None]] = None) -> None:
+    def _write(self, path: str, counter: int, timeout: float | None, after: Callable[[], None] | None = None) -> None:
         """Gather on every worker; the chief writes ``path.pt`` (then runs ``after``), and so does a worker
         given a path other than the chief's; all meet."""
         strategy = _strategy(self._objects)
@@ -244,7 +265,7 @@ class Checkpoint:
             return
         writes = writes_here(strategy, path)
         payload = self._payload(strategy, writes)
-        error: Optional[BaseException] = None
+        error: BaseException | None = None
         if writes:
             try:
                 write_data_file(path, counter, payload)
@@ -255,17 +276,20 @@ class Checkpoint:
                 error = e
         meet(strategy, timeout, error)
 
-    def _write_sharded(self, strategy: "Strategy", path: str, counter: int, timeout: Optional[float],
-                       after: Optional[Callable[[], None]]) -> None:
+    def _write_sharded(
+        self, strategy: Strategy, path: str, counter: int, timeout: float | None, after: Callable[[], None] | None
+    ) -> None:
         """Every worker writes its own shards into ``<path>.dcp`` (sharded_objects.py), in parallel, with no
         gather; the chief then runs ``after``; all meet. Every worker writes into the chief's directory."""
         path = strategy.communicator.broadcast_object(os.path.abspath(path) if strategy.is_chief else None)
-        states = {name: obj if isinstance(obj, torch.Tensor) else strategy.local_checkpoint_state(obj)
-                  for name, obj in self._objects.items()}
+        states = {
+            name: obj if isinstance(obj, torch.Tensor) else strategy.local_checkpoint_state(obj)
+            for name, obj in self._objects.items()
+        }
         failed = sharded_objects.write(strategy, path, counter, states, timeout)
         if failed is not None:  # every worker has it already (or lost its group): nothing to agree on
             raise failed
-        error: Optional[BaseException] = None
+        error: BaseException | None = None
         if strategy.is_chief:
             try:
                 idx.remove(path, keep=sharded_objects.SUFFIX)  # a plain file of that name would be found first
@@ -276,7 +300,7 @@ class Checkpoint:
         meet(strategy, timeout, error)
 
     # ------------------------------------------------------------------ reading
-    def restore(self, save_path: "str | os.PathLike[str] | None") -> LoadStatus:
+    def restore(self, save_path: str | os.PathLike[str] | None) -> LoadStatus:
         """Load ``save_path`` (as returned by ``save``) into the tracked objects and the save counter.
 
         The file may hold more objects than are tracked (restoring only the model from a
@@ -289,7 +313,7 @@ class Checkpoint:
             return LoadStatus(None)
         return self._load(os.fspath(save_path), restore_counter=True)
 
-    def read(self, save_path: "str | os.PathLike[str]") -> LoadStatus:
+    def read(self, save_path: str | os.PathLike[str]) -> LoadStatus:
         """Like :meth:`restore`, but the save counter keeps its value (pair with :meth:`write`)."""
         if save_path is None:
             raise TypeError("Checkpoint.read(None): give the path that write() returned")
@@ -311,15 +335,17 @@ class Checkpoint:
                 f"Checkpoint {data_file!r} does not hold {missing}, which this Checkpoint tracks (the file holds "
                 f"{sorted(stored)}; in the file but not tracked: {sorted(set(stored) - set(self._objects))}). "
                 "Track only names the file holds (e.g. Checkpoint(model=model) to restore just the model), "
-                "with the names used to save.")
+                "with the names used to save."
+            )
         validate(self._objects, stored, data_file)
         unused = sorted(set(stored) - set(self._objects))
         del data  # apply takes each state out of ``stored`` as it loads it: nothing else may keep it alive
         apply(strategy, self._objects, stored, data_file)
         if restore_counter:
             self._save_counter = counter
-        return LoadStatus(data_file, restored=list(self._objects) + (["save_counter"] if restore_counter else []),
-                          unused=unused)
+        return LoadStatus(
+            data_file, restored=list(self._objects) + (["save_counter"] if restore_counter else []), unused=unused
+        )
 
 
 def write_data_file(path: str, counter: int, payload: dict[str, Any]) -> None:
@@ -328,8 +354,9 @@ def write_data_file(path: str, counter: int, payload: dict[str, Any]) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"Cannot write checkpoint {path!r}: creating directory {directory!r} failed: "
-                              f"{describe_os_error(e)}") from e
+        raise CheckpointError(
+            f"Cannot write checkpoint {path!r}: creating directory {directory!r} failed: {describe_os_error(e)}"
+        ) from e
     remove_stale_temp_files(directory)
     data = fmt.encode(counter, payload)
     atomic_write(path + ".pt", lambda f: torch.save(data, f))

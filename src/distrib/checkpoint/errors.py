@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 __all__ = ["CheckpointError", "DEFAULT_CHECKPOINT_TIMEOUT", "TIMEOUT_ENV", "checkpoint_timeout"]
 
@@ -22,7 +21,7 @@ class CheckpointError(ValueError):
     """
 
 
-def checkpoint_timeout(timeout: Optional[float] = None) -> float:
+def checkpoint_timeout(timeout: float | None = None) -> float:
     """Seconds the workers wait for the chief to write a checkpoint.
 
     ``timeout`` if given, else ``$DISTRIB_CHECKPOINT_TIMEOUT``, else 1800. It is separate
@@ -42,6 +41,8 @@ def checkpoint_timeout(timeout: Optional[float] = None) -> float:
     except (TypeError, ValueError):
         value = math.nan
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{source}={raw!r} must be a positive number of seconds to wait for the chief to write "
-                         f"a checkpoint (default {DEFAULT_CHECKPOINT_TIMEOUT:.0f})")
+        raise ValueError(
+            f"{source}={raw!r} must be a positive number of seconds to wait for the chief to write "
+            f"a checkpoint (default {DEFAULT_CHECKPOINT_TIMEOUT:.0f})"
+        )
     return value

@@ -14,7 +14,8 @@ import errno
 import os
 import socket
 import tempfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from distrib.checkpoint.errors import CheckpointError
 
@@ -44,7 +45,7 @@ class _Sink:
 
     def __init__(self, file: Any) -> None:
         self._file = file
-        self.error: Optional[OSError] = None
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -71,9 +72,10 @@ def atomic_write(final: str, write: Callable[[Any], None]) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{_host()}-{os.getpid()}-", dir=directory)
     except OSError as e:
-        raise CheckpointError(f"Cannot write checkpoint file {final!r}: creating a file in {directory!r} failed: "
-                              f"{describe_os_error(e)}") from e
-    sink: Optional[_Sink] = None
+        raise CheckpointError(
+            f"Cannot write checkpoint file {final!r}: creating a file in {directory!r} failed: {describe_os_error(e)}"
+        ) from e
+    sink: _Sink | None = None
     try:
         with os.fdopen(fd, "wb") as f:
             sink = _Sink(f)
@@ -86,8 +88,10 @@ def atomic_write(final: str, write: Callable[[Any], None]) -> None:
             os.remove(tmp)
         cause = sink.error if sink is not None and sink.error is not None else e
         if isinstance(e, Exception) and isinstance(cause, OSError):
-            raise CheckpointError(f"Writing checkpoint file {final!r} failed: {describe_os_error(cause)}. "
-                                  "Nothing was replaced: the previous checkpoint is intact.") from cause
+            raise CheckpointError(
+                f"Writing checkpoint file {final!r} failed: {describe_os_error(cause)}. "
+                "Nothing was replaced: the previous checkpoint is intact."
+            ) from cause
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable (POSIX only)
         dir_fd = os.open(directory, os.O_RDONLY)
@@ -99,7 +103,7 @@ def atomic_write(final: str, write: Callable[[Any], None]) -> None:
 
 def _in_use(name: str) -> bool:
     """Whether the temporary file ``name`` may belong to a write still running (on this host)."""
-    host, _, pid = name[len(TEMP_PREFIX):].rpartition("-")[0].rpartition("-")  # .tmp-<host>-<pid>-<random>
+    host, _, pid = name[len(TEMP_PREFIX) :].rpartition("-")[0].rpartition("-")  # .tmp-<host>-<pid>-<random>
     if host != _host() or not pid.isdigit():
         return False  # a crash leftover of an older distrib, or of a chief on another host that is gone
     if int(pid) == os.getpid():

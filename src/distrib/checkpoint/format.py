@@ -27,7 +27,8 @@ import math
 import pickle
 import re
 import zlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -106,9 +107,11 @@ def _structure_crc(data: Mapping[str, Any]) -> int:
 def encode(save_counter: int, objects: dict[str, Any]) -> dict[str, Any]:
     """The dictionary ``torch.save`` writes for ``objects`` (whole CPU tensors), with its checksums."""
     data: dict[str, Any] = {"format": FORMAT, "version": VERSION, "save_counter": save_counter, "objects": objects}
-    data["checksums"] = {"algorithm": _ALGORITHM,
-                         "tensors": [[key, _tensor_crc(t)] for key, t in _tensors(objects, "")],
-                         "structure": _structure_crc(data)}
+    data["checksums"] = {
+        "algorithm": _ALGORITHM,
+        "tensors": [[key, _tensor_crc(t)] for key, t in _tensors(objects, "")],
+        "structure": _structure_crc(data),
+    }
     return data
 
 
@@ -116,27 +119,36 @@ def _verify(data: Mapping[str, Any], data_file: str) -> None:
     """Recompute every checksum of a version-2 file; CheckpointError naming the first that fails."""
     damaged = f"Checkpoint file {data_file!r} is damaged"
     checks = data.get("checksums")
-    if not (isinstance(checks, Mapping) and checks.get("algorithm") == _ALGORITHM
-            and isinstance(checks.get("tensors"), list) and isinstance(checks.get("structure"), int)):
+    if not (
+        isinstance(checks, Mapping)
+        and checks.get("algorithm") == _ALGORITHM
+        and isinstance(checks.get("tensors"), list)
+        and isinstance(checks.get("structure"), int)
+    ):
         raise CheckpointError(f"{damaged}: its checksum table is missing or unreadable")
     stored = checks["tensors"]
     found = list(_tensors(data["objects"], ""))
     for i, (key, tensor) in enumerate(found):
         if i >= len(stored):
-            raise CheckpointError(f"{damaged}: tensor {key!r} has no checksum ({len(found)} tensors, "
-                                  f"{len(stored)} checksums)")
+            raise CheckpointError(
+                f"{damaged}: tensor {key!r} has no checksum ({len(found)} tensors, {len(stored)} checksums)"
+            )
         entry = stored[i]
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == key and isinstance(entry[1], int)):
             raise CheckpointError(f"{damaged}: tensor {key!r} does not match checksum entry {i} ({entry!r:.120})")
         crc = _tensor_crc(tensor)
         if crc != entry[1]:
-            raise CheckpointError(f"{damaged}: tensor {key!r} fails its CRC-32 checksum (stored {entry[1]:#010x}, "
-                                  f"computed {crc:#010x}). Restore an earlier checkpoint.")
+            raise CheckpointError(
+                f"{damaged}: tensor {key!r} fails its CRC-32 checksum (stored {entry[1]:#010x}, "
+                f"computed {crc:#010x}). Restore an earlier checkpoint."
+            )
     if len(stored) != len(found):
         raise CheckpointError(f"{damaged}: it lists {len(stored)} tensor checksums but holds {len(found)} tensors")
     if _structure_crc(data) != checks["structure"]:
-        raise CheckpointError(f"{damaged}: its names, shapes, dtypes or settings (not the tensor values) fail their "
-                              "checksum. Restore an earlier checkpoint.")
+        raise CheckpointError(
+            f"{damaged}: its names, shapes, dtypes or settings (not the tensor values) fail their "
+            "checksum. Restore an earlier checkpoint."
+        )
 
 
 # --------------------------------------------------------------- reading
@@ -158,27 +170,37 @@ def load(data_file: str) -> dict[str, Any]:
             f"Checkpoint file {data_file!r} contains a pickled Python object{offending}; distrib "
             "refuses to load it because unpickling it could run arbitrary code. Re-save the "
             "checkpoint with distrib, or, only if you trust the file, load it yourself with "
-            "torch.load(..., weights_only=False).") from e
+            "torch.load(..., weights_only=False)."
+        ) from e
     except OSError as e:
         raise CheckpointError(f"{corrupt}: reading it failed: {describe_os_error(e)}") from e
     except Exception as e:  # zip errors, bad sizes, huge allocations from damaged headers
         first_line = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
         raise CheckpointError(f"{corrupt} ({type(e).__name__}: {first_line})") from e
-    if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("objects"), dict)
-            and all(isinstance(k, str) for k in data["objects"])):
+    if not (
+        isinstance(data, dict)
+        and data.get("format") == FORMAT
+        and isinstance(data.get("objects"), dict)
+        and all(isinstance(k, str) for k in data["objects"])
+    ):
         raise CheckpointError(corrupt)
     version = data.get("version")
     if type(version) is not int or version not in _READABLE:
-        raise CheckpointError(f"Checkpoint file {data_file!r} has format version {version!r}; this distrib reads "
-                              f"versions {list(_READABLE)}")
+        raise CheckpointError(
+            f"Checkpoint file {data_file!r} has format version {version!r}; this distrib reads "
+            f"versions {list(_READABLE)}"
+        )
     counter = data.get("save_counter", 0)
     if type(counter) is not int or counter < 0:
         raise CheckpointError(f"Checkpoint file {data_file!r} is damaged: save_counter is {counter!r}")
     if version == 1:
         if data_file not in _noted_v1:
             _noted_v1.add(data_file)
-            _log.warning("Checkpoint file %r has format version 1, written before distrib stored checksums: its "
-                         "contents cannot be verified. Saving again writes version 2.", data_file)
+            _log.warning(
+                "Checkpoint file %r has format version 1, written before distrib stored checksums: its "
+                "contents cannot be verified. Saving again writes version 2.",
+                data_file,
+            )
     else:
         _verify(data, data_file)
     return data

@@ -17,24 +17,40 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from distrib.checkpoint.errors import CheckpointError
 from distrib.checkpoint.fileio import TEMP_PREFIX, atomic_write
 from distrib.checkpoint.sharded_objects import SUFFIX as SHARDED_SUFFIX
 
-__all__ = ["INDEX", "read_index", "write_index", "record", "latest_checkpoint", "checkpoints_iterator", "data_file",
-           "exists", "remove"]
+__all__ = [
+    "INDEX",
+    "read_index",
+    "write_index",
+    "record",
+    "latest_checkpoint",
+    "checkpoints_iterator",
+    "data_file",
+    "exists",
+    "remove",
+]
 
 INDEX = "checkpoint"
 
 
 def _is_plain_name(name: str) -> bool:
-    return (bool(name) and name not in (".", "..") and "/" not in name and os.sep not in name
-            and (os.altsep is None or os.altsep not in name) and "\0" not in name)
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and os.sep not in name
+        and (os.altsep is None or os.altsep not in name)
+        and "\0" not in name
+    )
 
 
-def read_index(directory: str) -> Optional[dict[str, Any]]:
+def read_index(directory: str) -> dict[str, Any] | None:
     """The validated index of ``directory``, or None if there is none."""
     index = os.path.join(directory, INDEX)
     try:
@@ -58,7 +74,8 @@ def read_index(directory: str) -> Optional[dict[str, Any]]:
             raise CheckpointError(
                 f"Checkpoint index {index!r} names {name!r}, which is not a file inside {directory!r} (a path that "
                 "leaves the directory, an absolute path, or an empty name); distrib refuses to follow it. "
-                "The index is JSON: fix or delete the entry.")
+                "The index is JSON: fix or delete the entry."
+            )
     stamps = data.get("timestamps", {})
     if not (isinstance(stamps, dict) and all(isinstance(v, (int, float)) for v in stamps.values())):
         raise CheckpointError(f"{not_ours}: 'timestamps' must map names to times, got {stamps!r:.200}")
@@ -108,7 +125,8 @@ def data_file(path: str) -> str:
     directory = os.path.dirname(path) or "."
     raise FileNotFoundError(
         f"No checkpoint at {path!r} (looked for {path + '.pt'!r} and {path + SHARDED_SUFFIX!r}). To find the "
-        f"newest checkpoint use distrib.latest_checkpoint({directory!r}).")
+        f"newest checkpoint use distrib.latest_checkpoint({directory!r})."
+    )
 
 
 def exists(path: str) -> bool:
@@ -116,7 +134,7 @@ def exists(path: str) -> bool:
     return os.path.isfile(path + ".pt") or _is_sharded_dir(path + SHARDED_SUFFIX)
 
 
-def remove(path: str, keep: Optional[str] = None) -> None:
+def remove(path: str, keep: str | None = None) -> None:
     """Delete checkpoint ``path``'s data in either format (``keep``: ``".pt"`` or ``".dcp"``, the one to leave).
 
     A checkpoint rewritten in the other format must not leave the old one where :func:`data_file`
@@ -134,7 +152,7 @@ def remove(path: str, keep: Optional[str] = None) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def latest_checkpoint(checkpoint_dir: "str | os.PathLike[str]") -> Optional[str]:
+def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> str | None:
     """Path (without ``.pt`` or ``.dcp``) of the newest checkpoint in ``checkpoint_dir``, or None.
 
     Prefers the index's ``latest``, then the newest entry of ``all`` whose data file still
@@ -165,8 +183,9 @@ def latest_checkpoint(checkpoint_dir: "str | os.PathLike[str]") -> Optional[str]
     return None
 
 
-def _wait_for_new_checkpoint(checkpoint_dir: str, last_checkpoint: Optional[str], seconds_to_sleep: float,
-                             timeout: Optional[float]) -> Optional[str]:
+def _wait_for_new_checkpoint(
+    checkpoint_dir: str, last_checkpoint: str | None, seconds_to_sleep: float, timeout: float | None
+) -> str | None:
     """The newest checkpoint once it differs from ``last_checkpoint``; None after ``timeout`` seconds."""
     stop_time = time.time() + timeout if timeout is not None else None
     while True:
@@ -178,9 +197,12 @@ def _wait_for_new_checkpoint(checkpoint_dir: str, last_checkpoint: Optional[str]
         time.sleep(seconds_to_sleep)
 
 
-def checkpoints_iterator(checkpoint_dir: "str | os.PathLike[str]", min_interval_secs: float = 0,
-                         timeout: Optional[float] = None,
-                         timeout_fn: Optional[Callable[[], bool]] = None) -> Iterator[str]:
+def checkpoints_iterator(
+    checkpoint_dir: str | os.PathLike[str],
+    min_interval_secs: float = 0,
+    timeout: float | None = None,
+    timeout_fn: Callable[[], bool] | None = None,
+) -> Iterator[str]:
     """Yield each new checkpoint of ``checkpoint_dir`` as it appears (``tf.train.checkpoints_iterator``).
 
     Polls :func:`latest_checkpoint` every second. ``timeout``: seconds to wait for the next
@@ -200,7 +222,7 @@ def checkpoints_iterator(checkpoint_dir: "str | os.PathLike[str]", min_interval_
         []
     """
     directory = os.fspath(checkpoint_dir)
-    path: Optional[str] = None
+    path: str | None = None
     while True:
         new = _wait_for_new_checkpoint(directory, path, seconds_to_sleep=1.0, timeout=timeout)
         if new is None:

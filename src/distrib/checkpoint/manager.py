@@ -6,7 +6,8 @@ import logging
 import os
 import re
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from distrib.checkpoint import index as idx
 from distrib.checkpoint.core import Checkpoint, _strategy
@@ -44,21 +45,33 @@ class CheckpointManager:
         ['ckpt-2', 'ckpt-3']
     """
 
-    def __init__(self, checkpoint: Checkpoint, directory: "str | os.PathLike[str]", max_to_keep: Optional[int] = 5,
-                 keep_checkpoint_every_n_hours: Optional[float] = None, checkpoint_name: str = "ckpt",
-                 step_counter: Any = None, checkpoint_interval: Optional[int] = None,
-                 init_fn: Optional[Callable[[], Any]] = None, last_checkpoint_step: Optional[int] = None, *,
-                 timeout: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_name: str = "ckpt",
+        step_counter: Any = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], Any] | None = None,
+        last_checkpoint_step: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         if not checkpoint_name or os.sep in checkpoint_name or "/" in checkpoint_name:
             raise ValueError(f"checkpoint_name must be a plain file name, got {checkpoint_name!r}")
         if checkpoint_interval is not None and step_counter is None:
-            raise ValueError(f"checkpoint_interval={checkpoint_interval!r} needs a step_counter (e.g. a tensor you "
-                             "increment every step) to count the steps between checkpoints")
+            raise ValueError(
+                f"checkpoint_interval={checkpoint_interval!r} needs a step_counter (e.g. a tensor you "
+                "increment every step) to count the steps between checkpoints"
+            )
         if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
-            raise ValueError(f"keep_checkpoint_every_n_hours must be positive or None, got "
-                             f"{keep_checkpoint_every_n_hours!r}")
+            raise ValueError(
+                f"keep_checkpoint_every_n_hours must be positive or None, got {keep_checkpoint_every_n_hours!r}"
+            )
         checkpoint_timeout(timeout)
         self.checkpoint = checkpoint
         self.directory = os.fspath(directory)
@@ -82,8 +95,10 @@ class CheckpointManager:
         preserved = index.get("last_preserved_timestamp")
         self._last_preserved = float(preserved) if preserved is not None else 0.0
         if now < self._last_preserved:
-            _log.warning("time.time() returned a value %f seconds behind the last preserved checkpoint timestamp.",
-                         self._last_preserved - now)
+            _log.warning(
+                "time.time() returned a value %f seconds behind the last preserved checkpoint timestamp.",
+                self._last_preserved - now,
+            )
             self._last_preserved = now
         legacy = "timestamps" not in index  # an index of distrib < 0.2: what the pattern names was managed
         stamps = index.get("timestamps", {})
@@ -102,12 +117,12 @@ class CheckpointManager:
         return [os.path.join(self.directory, n) for n in self._managed]
 
     @property
-    def latest_checkpoint(self) -> Optional[str]:
+    def latest_checkpoint(self) -> str | None:
         """Path of the newest checkpoint in the directory, or None before the first save."""
         return self._latest
 
     @property
-    def checkpoint_interval(self) -> Optional[int]:
+    def checkpoint_interval(self) -> int | None:
         """Least number of steps between two checkpoints, or None."""
         return self._checkpoint_interval
 
@@ -126,7 +141,7 @@ class CheckpointManager:
                 deleted.append(name)
         return deleted, preserved
 
-    def save(self, checkpoint_number: Any = None, check_interval: bool = True) -> Optional[str]:
+    def save(self, checkpoint_number: Any = None, check_interval: bool = True) -> str | None:
         """Save ``<directory>/<name>-<n>`` and return it (n: ``checkpoint_number``, else the new save counter).
 
         With ``checkpoint_interval``, returns None without saving when fewer than
@@ -186,7 +201,7 @@ class CheckpointManager:
         index["last_preserved_timestamp"] = self._last_preserved
         idx.write_index(self.directory, index)
 
-    def restore_or_initialize(self) -> Optional[str]:
+    def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint and return its path; else call ``init_fn`` (if given) and return None."""
         if self._latest is not None:
             self.checkpoint.restore(self._latest)

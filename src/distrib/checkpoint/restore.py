@@ -19,7 +19,8 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,8 +50,10 @@ def _validate_tensor(where: str, obj: torch.Tensor, state: Any) -> None:
     if state.shape != obj.shape:
         raise CheckpointError(f"{where} has shape {tuple(obj.shape)} but the file holds shape {tuple(state.shape)}")
     if state.dtype != obj.dtype:
-        raise CheckpointError(f"{where} has dtype {obj.dtype} but the file holds {state.dtype}; create the tensor "
-                              f"with dtype={state.dtype} (tracked tensors are restored in place, without casting)")
+        raise CheckpointError(
+            f"{where} has dtype {obj.dtype} but the file holds {state.dtype}; create the tensor "
+            f"with dtype={state.dtype} (tracked tensors are restored in place, without casting)"
+        )
 
 
 def _validate_module(where: str, module: torch.nn.Module, state: Any) -> None:
@@ -64,40 +67,53 @@ def _validate_module(where: str, module: torch.nn.Module, state: Any) -> None:
     if missing or unexpected:
         raise CheckpointError(
             f"{where} does not match the module saved: missing from the file: [{_names(missing)}]; in the file "
-            f"but not in the module: [{_names(unexpected)}]. Build the same architecture that was saved.")
+            f"but not in the module: [{_names(unexpected)}]. Build the same architecture that was saved."
+        )
     for key, value in current.items():
         saved = state[key]
         if not isinstance(value, torch.Tensor) or is_lazy(value):
             continue
         if not isinstance(saved, torch.Tensor):
-            raise CheckpointError(f"{where}: {key!r} is a tensor in the module but the file holds a "
-                                  f"{type(saved).__name__}")
+            raise CheckpointError(
+                f"{where}: {key!r} is a tensor in the module but the file holds a {type(saved).__name__}"
+            )
         if saved.shape != value.shape:
-            raise CheckpointError(f"{where}: {key!r} has shape {tuple(value.shape)} in the module but "
-                                  f"{tuple(saved.shape)} in the file. Build the same architecture that was saved.")
+            raise CheckpointError(
+                f"{where}: {key!r} has shape {tuple(value.shape)} in the module but "
+                f"{tuple(saved.shape)} in the file. Build the same architecture that was saved."
+            )
         if saved.is_complex() and not value.is_complex():
             raise CheckpointError(f"{where}: {key!r} is {value.dtype} in the module but {saved.dtype} in the file")
 
 
 def _validate_optimizer(where: str, optimizer: torch.optim.Optimizer, state: Any) -> None:
     groups = state.get("param_groups") if isinstance(state, Mapping) else None
-    if not (isinstance(groups, list) and isinstance(state.get("state"), Mapping)
-            and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups)):
+    if not (
+        isinstance(groups, list)
+        and isinstance(state.get("state"), Mapping)
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups)
+    ):
         raise CheckpointError(f"{where} is an optimizer here but the file does not hold an optimizer's state_dict")
     live = optimizer.param_groups
     if len(groups) != len(live):
-        raise CheckpointError(f"{where}: the file holds {len(groups)} parameter group(s) but the optimizer has "
-                              f"{len(live)}. Build the optimizer with the same parameter groups that were saved.")
+        raise CheckpointError(
+            f"{where}: the file holds {len(groups)} parameter group(s) but the optimizer has "
+            f"{len(live)}. Build the optimizer with the same parameter groups that were saved."
+        )
     for i, (saved, group) in enumerate(zip(groups, live)):
         if len(saved["params"]) != len(group["params"]):
-            raise CheckpointError(f"{where}: parameter group {i} holds {len(saved['params'])} parameter(s) in the "
-                                  f"file but {len(group['params'])} in the optimizer. Build the optimizer over the "
-                                  "same parameters, in the same order, as when it was saved.")
+            raise CheckpointError(
+                f"{where}: parameter group {i} holds {len(saved['params'])} parameter(s) in the "
+                f"file but {len(group['params'])} in the optimizer. Build the optimizer over the "
+                "same parameters, in the same order, as when it was saved."
+            )
     ids = {p for g in groups for p in g["params"]}
     unknown = [k for k in state["state"] if k not in ids]
     if unknown:
-        raise CheckpointError(f"{where}: the file holds optimizer state for parameter id(s) [{_names(unknown)}] "
-                              "that no parameter group lists; the file is damaged or not an optimizer's state_dict")
+        raise CheckpointError(
+            f"{where}: the file holds optimizer state for parameter id(s) [{_names(unknown)}] "
+            "that no parameter group lists; the file is damaged or not an optimizer's state_dict"
+        )
 
 
 def validate(objects: Mapping[str, Any], stored: Mapping[str, Any], data_file: str) -> None:
@@ -119,14 +135,15 @@ def validate(objects: Mapping[str, Any], stored: Mapping[str, Any], data_file: s
 # --------------------------------------------------------------- applying, with rollback
 def _copy_state(state: Any) -> Any:
     """A CPU copy of ``state`` that shares nothing with the live object."""
-    out = pytree.tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor)
-                          else copy.deepcopy(x), state)
+    out = pytree.tree_map(
+        lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else copy.deepcopy(x), state
+    )
     if hasattr(state, "_metadata"):
         out._metadata = copy.deepcopy(state._metadata)
     return out
 
 
-def _load(strategy: "Strategy", obj: Any, state: Any) -> None:
+def _load(strategy: Strategy, obj: Any, state: Any) -> None:
     if isinstance(obj, torch.Tensor):
         with torch.no_grad():
             obj.copy_(state)
@@ -134,7 +151,7 @@ def _load(strategy: "Strategy", obj: Any, state: Any) -> None:
         strategy.restore_checkpoint_state(obj, state)
 
 
-def _rollback(strategy: "Strategy", obj: Any) -> Any:
+def _rollback(strategy: Strategy, obj: Any) -> Any:
     """What ``obj`` holds now, such that loading it puts ``obj`` back (a sharded strategy's shards: nothing gathered)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
@@ -146,7 +163,7 @@ def _rollback(strategy: "Strategy", obj: Any) -> Any:
     return _copy_state(state)
 
 
-def apply(strategy: "Strategy", objects: Mapping[str, Any], stored: MutableMapping[str, Any], data_file: str) -> None:
+def apply(strategy: Strategy, objects: Mapping[str, Any], stored: MutableMapping[str, Any], data_file: str) -> None:
     """Load every object's state; on a failure put back those already changed, then raise CheckpointError.
 
     Takes ``stored``'s entries for ``objects`` out of it as they are loaded, so that a state read is freed once it
@@ -164,10 +181,14 @@ def apply(strategy: "Strategy", objects: Mapping[str, Any], stored: MutableMappi
                     _load(strategy, target, state)
                 except Exception as again:  # an object that refuses even its own earlier state
                     failed.append(f"{other!r} ({type(again).__name__}: {again})")
-            outcome = ("every object was put back as it was" if not failed else
-                       f"putting back {', '.join(failed)} also failed: those objects are partly restored")
-            raise CheckpointError(f"Restoring {name!r} from {data_file!r} failed ({type(e).__name__}: {e}); "
-                                  f"{outcome}") from e
+            outcome = (
+                "every object was put back as it was"
+                if not failed
+                else f"putting back {', '.join(failed)} also failed: those objects are partly restored"
+            )
+            raise CheckpointError(
+                f"Restoring {name!r} from {data_file!r} failed ({type(e).__name__}: {e}); {outcome}"
+            ) from e
 
 
 # --------------------------------------------------------------- the status
@@ -179,7 +200,10 @@ def _warn_unused(path: str, unused: tuple[str, ...], silenced: list[bool]) -> No
         "are not tracked by this Checkpoint and were not used. If that is intended (e.g. "
         "restoring only the model for evaluation), call expect_partial() on the load status, "
         "e.g. ds.Checkpoint(model=model).restore(path).expect_partial(), to silence this "
-        "warning; use assert_consumed() to make it an error.", UserWarning, stacklevel=2)
+        "warning; use assert_consumed() to make it an error.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 class LoadStatus:
@@ -202,7 +226,7 @@ class LoadStatus:
         ['optimizer']
     """
 
-    def __init__(self, path: Optional[str], restored: Sequence[str] = (), unused: Sequence[str] = ()) -> None:
+    def __init__(self, path: str | None, restored: Sequence[str] = (), unused: Sequence[str] = ()) -> None:
         self._path = path
         self._restored = list(restored)
         self._unused = list(unused)
@@ -223,33 +247,38 @@ class LoadStatus:
     def _nothing(self) -> AssertionError:
         return AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
 
-    def expect_partial(self) -> "LoadStatus":
+    def expect_partial(self) -> LoadStatus:
         """Silence the warning about names in the file that were not used; returns self."""
         self._silenced[0] = True
         return self
 
-    def assert_consumed(self) -> "LoadStatus":
+    def assert_consumed(self) -> LoadStatus:
         """AssertionError unless every object in the file was restored into a tracked object; returns self."""
         self._silenced[0] = True
         if self._path is None:
             raise self._nothing()
         if self._unused:
-            raise AssertionError(f"Unused attributes in checkpoint {self._path!r}: {_names(self._unused)} "
-                                 f"(restored: {_names(self._restored)}). Track them in the Checkpoint, or call "
-                                 "expect_partial() if a partial restore is intended.")
+            raise AssertionError(
+                f"Unused attributes in checkpoint {self._path!r}: {_names(self._unused)} "
+                f"(restored: {_names(self._restored)}). Track them in the Checkpoint, or call "
+                "expect_partial() if a partial restore is intended."
+            )
         return self
 
-    def assert_existing_objects_matched(self) -> "LoadStatus":
+    def assert_existing_objects_matched(self) -> LoadStatus:
         """Every tracked object took a value from the file (always so after a successful restore); returns self."""
         if self._path is None:
             raise self._nothing()
         return self
 
-    def assert_nontrivial_match(self) -> "LoadStatus":
+    def assert_nontrivial_match(self) -> LoadStatus:
         """AssertionError if nothing at all was restored; returns self."""
         if self._path is None or not self._restored:
-            raise self._nothing() if self._path is None else AssertionError(
-                f"Nothing was restored from {self._path!r}: no tracked object matched")
+            raise (
+                self._nothing()
+                if self._path is None
+                else AssertionError(f"Nothing was restored from {self._path!r}: no tracked object matched")
+            )
         return self
 
     def run_restore_ops(self, session: Any = None) -> None:

@@ -47,7 +47,8 @@ import socket
 import uuid
 import warnings
 import zlib
-from typing import Any, Iterator, Optional, cast
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,8 +63,7 @@ from distrib.checkpoint import sharded_format as sf
 from distrib.checkpoint.errors import CheckpointError
 from distrib.checkpoint.fileio import describe_os_error
 
-__all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint", "read_item", "load_object",
-           "manifest_of"]
+__all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint", "read_item", "load_object", "manifest_of"]
 
 _PARTIAL = ".partial-"
 _REPLACED = ".replaced-"
@@ -80,14 +80,18 @@ def read_item(directory: str, span: sf.Span, what: str) -> bytes:
     except OSError as e:
         raise CheckpointError(f"Sharded checkpoint file {path!r} cannot be read: {describe_os_error(e)}") from e
     if len(data) != span.length:
-        raise CheckpointError(f"Sharded checkpoint file {path!r} is truncated: {what} needs bytes "
-                              f"{span.offset}..{span.offset + span.length}, the file ends before")
+        raise CheckpointError(
+            f"Sharded checkpoint file {path!r} is truncated: {what} needs bytes "
+            f"{span.offset}..{span.offset + span.length}, the file ends before"
+        )
     if span.crc is not None:
         crc = zlib.crc32(data)
         if crc != span.crc:
-            raise CheckpointError(f"Sharded checkpoint file {path!r} is damaged: {what} (bytes {span.offset}.."
-                                  f"{span.offset + span.length}) fails its CRC-32 checksum (stored {span.crc:#010x}, "
-                                  f"computed {crc:#010x}). Restore an earlier checkpoint.")
+            raise CheckpointError(
+                f"Sharded checkpoint file {path!r} is damaged: {what} (bytes {span.offset}.."
+                f"{span.offset + span.length}) fails its CRC-32 checksum (stored {span.crc:#010x}, "
+                f"computed {crc:#010x}). Restore an earlier checkpoint."
+            )
     return data
 
 
@@ -97,10 +101,15 @@ def load_object(data: bytes, path: str, what: str) -> Any:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        hint = ("; a value of your own type must be registered with torch.serialization.add_safe_globals "
-                "before loading") if "global" in str(e).lower() else ""
-        raise CheckpointError(f"Sharded checkpoint file {path!r}: {what} was refused or is unreadable "
-                              f"({type(e).__name__}: {first}){hint}. distrib never unpickles arbitrary objects.") from e
+        hint = (
+            ("; a value of your own type must be registered with torch.serialization.add_safe_globals before loading")
+            if "global" in str(e).lower()
+            else ""
+        )
+        raise CheckpointError(
+            f"Sharded checkpoint file {path!r}: {what} was refused or is unreadable "
+            f"({type(e).__name__}: {first}){hint}. distrib never unpickles arbitrary objects."
+        ) from e
 
 
 # --------------------------------------------------------------- DCP plug-ins
@@ -142,8 +151,10 @@ class _Writer(FileSystemWriter):
             covered[span.file] = covered.get(span.file, 0) + span.length
         for name, n in covered.items():  # the items cover every byte, so a flipped bit anywhere is found
             if n != files[name]["size"]:
-                raise CheckpointError(f"Sharded checkpoint file {os.path.join(self._temp, name)!r} holds "
-                                      f"{files[name]['size']} bytes but its items cover {n}")
+                raise CheckpointError(
+                    f"Sharded checkpoint file {os.path.join(self._temp, name)!r} holds "
+                    f"{files[name]['size']} bytes but its items cover {n}"
+                )
         _write_durably(os.path.join(self._temp, sf.MANIFEST), sf.encode_manifest(metadata, spans, files))
         _commit(self._temp, self._final)
 
@@ -174,8 +185,9 @@ class _Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         for req in sorted(plan.items, key=lambda r: (self._span(r).file, self._span(r).offset)):
             span = self._span(req)
-            what = f"{req.storage_index.fqn!r}" + ("" if req.storage_index.offset is None
-                                                   else f" (chunk at {list(req.storage_index.offset)})")
+            what = f"{req.storage_index.fqn!r}" + (
+                "" if req.storage_index.offset is None else f" (chunk at {list(req.storage_index.offset)})"
+            )
             data = read_item(self.directory, span, what)
             path = os.path.join(self.directory, span.file)
             obj = load_object(data, path, what)
@@ -192,8 +204,10 @@ class _Reader(StorageReader):
                 tensor = tensor.narrow(dim, start, length)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
-                raise CheckpointError(f"Sharded checkpoint file {path!r}: {what} has size {tuple(tensor.size())}, "
-                                      f"the load plan expects {tuple(target.size())}")
+                raise CheckpointError(
+                    f"Sharded checkpoint file {path!r}: {what} has size {tuple(tensor.size())}, "
+                    f"the load plan expects {tuple(target.size())}"
+                )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
         fut: Future[None] = Future()
@@ -251,8 +265,9 @@ def _commit(temp: str, final: str) -> None:
             os.rename(temp, final)
             shutil.rmtree(aside, ignore_errors=True)
     except OSError as e:
-        raise CheckpointError(f"Cannot put sharded checkpoint {final!r} in place (from {temp!r}): "
-                              f"{describe_os_error(e)}") from e
+        raise CheckpointError(
+            f"Cannot put sharded checkpoint {final!r} in place (from {temp!r}): {describe_os_error(e)}"
+        ) from e
     _fsync_dir(parent or ".")
 
 
@@ -283,7 +298,7 @@ def _remove_stale(parent: str, base: str) -> None:
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
-def is_sharded_checkpoint(directory: "str | os.PathLike[str]") -> bool:
+def is_sharded_checkpoint(directory: str | os.PathLike[str]) -> bool:
     """Whether ``directory`` holds a complete sharded checkpoint (distrib's manifest, or DCP's ``.metadata``).
 
     A save's temporary ``.<name>.partial-*`` directory never is, whatever it holds.
@@ -295,7 +310,7 @@ def is_sharded_checkpoint(directory: "str | os.PathLike[str]") -> bool:
 
 
 # --------------------------------------------------------------- collectives
-def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int, bool]:
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, bool]:
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -303,7 +318,7 @@ def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int, bool]:
     return dist.get_rank(group), dist.get_world_size(group), True
 
 
-def _share_errors(error: Optional[str], group: Optional[dist.ProcessGroup], distributed: bool, world: int) -> None:
+def _share_errors(error: str | None, group: dist.ProcessGroup | None, distributed: bool, world: int) -> None:
     """Every worker learns whether any failed; all raise the first failure (no worker waits in vain)."""
     errors = [error] * world
     if distributed and world > 1:
@@ -336,8 +351,9 @@ def _unwrap(e: BaseException) -> CheckpointError:
 
 
 # --------------------------------------------------------------- the API
-def save_sharded(directory: "str | os.PathLike[str]", state_dict: dict[str, Any], *,
-                 process_group: Optional[dist.ProcessGroup] = None) -> str:
+def save_sharded(
+    directory: str | os.PathLike[str], state_dict: dict[str, Any], *, process_group: dist.ProcessGroup | None = None
+) -> str:
     """Write ``state_dict`` as the sharded checkpoint ``directory``; every worker of the group calls it.
 
     ``state_dict`` holds tensors (DTensors of ``fully_shard``, plain tensors), nested dicts and
@@ -361,17 +377,24 @@ def save_sharded(directory: "str | os.PathLike[str]", state_dict: dict[str, Any]
             error = f"Cannot write sharded checkpoint {final!r}: creating its directory failed: {describe_os_error(e)}"
     if distributed and world > 1:
         box = [temp, error]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0,
-                                   group=process_group)
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
+        )
         temp, error = box
     if error is None and not os.path.isdir(str(temp)):
-        error = (f"Cannot write sharded checkpoint {final!r}: the chief's directory {temp!r} is not visible here. "
-                 "Every worker must see the checkpoint directory (shared storage).")
+        error = (
+            f"Cannot write sharded checkpoint {final!r}: the chief's directory {temp!r} is not visible here. "
+            "Every worker must see the checkpoint directory (shared storage)."
+        )
     _share_errors(error, process_group, distributed, world)
     try:
         with _quiet(distributed):
-            dcp.save(state_dict, storage_writer=_Writer(str(temp), final), process_group=process_group,
-                     no_dist=not distributed)
+            dcp.save(
+                state_dict,
+                storage_writer=_Writer(str(temp), final),
+                process_group=process_group,
+                no_dist=not distributed,
+            )
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         if rank == 0:  # every worker has stopped writing: DCP reports a failure to all of them
             shutil.rmtree(str(temp), ignore_errors=True)
@@ -386,14 +409,18 @@ def manifest_of(directory: str) -> sf.Manifest:
     if os.path.isfile(os.path.join(directory, sf.MANIFEST)):
         return sf.read_manifest(directory)
     if _PARTIAL in os.path.basename(directory):
-        raise CheckpointError(f"{directory!r} is an incomplete sharded checkpoint (a save that did not finish); "
-                              "load the checkpoint it was to become, or an earlier one")
+        raise CheckpointError(
+            f"{directory!r} is an incomplete sharded checkpoint (a save that did not finish); "
+            "load the checkpoint it was to become, or an earlier one"
+        )
     if os.path.isfile(os.path.join(directory, sf.DCP_METADATA)):
         return sf.safe_load_dcp_metadata(directory)
     if not os.path.isdir(directory):
         raise CheckpointError(f"Sharded checkpoint {directory!r} does not exist")
-    raise CheckpointError(f"{directory!r} is not a sharded checkpoint: it has neither {sf.MANIFEST!r} nor DCP's "
-                          f"{sf.DCP_METADATA!r} (an interrupted save leaves no manifest)")
+    raise CheckpointError(
+        f"{directory!r} is not a sharded checkpoint: it has neither {sf.MANIFEST!r} nor DCP's "
+        f"{sf.DCP_METADATA!r} (an interrupted save leaves no manifest)"
+    )
 
 
 def _blank(obj: Any) -> Any:
@@ -423,8 +450,13 @@ def _move(loaded: Any, into: Any) -> Any:
     return loaded
 
 
-def load_sharded(directory: "str | os.PathLike[str]", state_dict: dict[str, Any], *,
-                 process_group: Optional[dist.ProcessGroup] = None, all_or_nothing: bool = True) -> None:
+def load_sharded(
+    directory: str | os.PathLike[str],
+    state_dict: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    all_or_nothing: bool = True,
+) -> None:
     """Load the sharded checkpoint ``directory`` into ``state_dict`` in place; every worker calls it.
 
     ``state_dict`` is shaped like the saved one, its tensors sharded any way (DTensors of any
@@ -451,13 +483,16 @@ def load_sharded(directory: "str | os.PathLike[str]", state_dict: dict[str, Any]
     assert manifest is not None
     if not manifest.verified and rank == 0:
         import logging
+
         logging.getLogger("distrib.checkpoint").warning(
-            "Sharded checkpoint %r has no distrib manifest (plain DCP): its bytes cannot be verified", path)
+            "Sharded checkpoint %r has no distrib manifest (plain DCP): its bytes cannot be verified", path
+        )
     target = _blank(state_dict) if all_or_nothing else state_dict
     try:
         with _quiet(distributed):
-            dcp.load(target, storage_reader=_Reader(path, manifest), process_group=process_group,
-                     no_dist=not distributed)
+            dcp.load(
+                target, storage_reader=_Reader(path, manifest), process_group=process_group, no_dist=not distributed
+            )
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException

@@ -26,7 +26,8 @@ import os
 import struct
 import tempfile
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -51,17 +52,19 @@ def fill_tensor(directory: str, manifest: sf.Manifest, fqn: str, into: torch.Ten
         what = f"{fqn!r} (chunk at {list(chunk.offsets)})"
         piece = load_object(read_item(directory, span, what), os.path.join(directory, span.file), what)
         if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != tuple(chunk.sizes):
-            raise CheckpointError(f"Sharded checkpoint file {os.path.join(directory, span.file)!r}: {what} is not a "
-                                  f"tensor of shape {tuple(chunk.sizes)}")
+            raise CheckpointError(
+                f"Sharded checkpoint file {os.path.join(directory, span.file)!r}: {what} is not a "
+                f"tensor of shape {tuple(chunk.sizes)}"
+            )
         region = into
         for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
             region = region.narrow(dim, start, length)
         region.copy_(piece)
 
 
-def read_structure(directory: str, manifest: sf.Manifest,
-                   tensor_for: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
-                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_structure(
+    directory: str, manifest: sf.Manifest, tensor_for: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The saved state dict nested again, from the checked manifest alone, and its tensors by DCP key.
 
     Each tensor is what ``tensor_for(fqn, size, dtype)`` makes: a fake or ``meta`` one (a shape and a dtype,
@@ -75,8 +78,9 @@ def read_structure(directory: str, manifest: sf.Manifest,
             flat[fqn] = tensors[fqn] = tensor_for(fqn, tuple(entry.size), entry.properties.dtype)
         else:
             span = manifest.spans[MetadataIndex(fqn)]
-            flat[fqn] = load_object(read_item(directory, span, f"value {fqn!r}"), os.path.join(directory, span.file),
-                                    f"value {fqn!r}")
+            flat[fqn] = load_object(
+                read_item(directory, span, f"value {fqn!r}"), os.path.join(directory, span.file), f"value {fqn!r}"
+            )
     return sf.unflatten(flat, manifest.metadata.planner_data or {}), tensors
 
 
@@ -98,8 +102,9 @@ def _record_offsets(path: str, by_key: dict[str, str], flat: dict[str, Any]) -> 
                 name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
                 records[info.header_offset + 30 + name_len + extra_len] = info.file_size
     mapped = torch.load(path, mmap=True, weights_only=True)
-    found = [(by_key[key], t.untyped_storage().data_ptr()) for key, t in fmt._tensors(mapped["objects"], "")
-             if t.numel()]
+    found = [
+        (by_key[key], t.untyped_storage().data_ptr()) for key, t in fmt._tensors(mapped["objects"], "") if t.numel()
+    ]
     del mapped
     offsets = {fqn: 0 for fqn, t in flat.items() if isinstance(t, torch.Tensor)}
     if not found:
@@ -108,17 +113,18 @@ def _record_offsets(path: str, by_key: dict[str, str], flat: dict[str, Any]) -> 
     for fqn, ptr in found:
         nbytes = flat[fqn].numel() * flat[fqn].element_size()
         if records.get(ptr - base) != nbytes:
-            raise CheckpointError(f"Cannot consolidate: torch.save laid out {path!r} unlike what distrib expects "
-                                  f"(no record of {nbytes} bytes where {fqn!r} is mapped); a torch version it "
-                                  "does not know")
+            raise CheckpointError(
+                f"Cannot consolidate: torch.save laid out {path!r} unlike what distrib expects "
+                f"(no record of {nbytes} bytes where {fqn!r} is mapped); a torch version it "
+                "does not know"
+            )
         offsets[fqn] = ptr - base
     if len(set(offsets.values())) != len(offsets) and len(found) == len(offsets):
         raise CheckpointError(f"Cannot consolidate: two tensors share a record in {path!r}")
     return offsets
 
 
-def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLike[str]", *,
-                save_counter: int = 0) -> str:
+def consolidate(directory: str | os.PathLike[str], out_file: str | os.PathLike[str], *, save_counter: int = 0) -> str:
     """Write the sharded checkpoint ``directory`` as one distrib checkpoint file ``out_file``; return it.
 
     ``out_file`` is the data file itself (``<prefix>.pt``; ``Checkpoint.restore(<prefix>)`` reads
@@ -150,10 +156,17 @@ def consolidate(directory: "str | os.PathLike[str]", out_file: "str | os.PathLik
         crcs[fqn] = fmt._tensor_crc(whole)
         del whole
     keys = [(key, fqn_of[id(t)]) for key, t in fmt._tensors(objects, "")]
-    data: dict[str, Any] = {"format": fmt.FORMAT, "version": fmt.VERSION, "save_counter": save_counter,
-                            "objects": objects}
-    data["checksums"] = {"algorithm": "crc32", "tensors": [[key, crcs[fqn]] for key, fqn in keys],
-                         "structure": fmt._structure_crc(data)}
+    data: dict[str, Any] = {
+        "format": fmt.FORMAT,
+        "version": fmt.VERSION,
+        "save_counter": save_counter,
+        "objects": objects,
+    }
+    data["checksums"] = {
+        "algorithm": "crc32",
+        "tensors": [[key, crcs[fqn]] for key, fqn in keys],
+        "structure": fmt._structure_crc(data),
+    }
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)

@@ -30,18 +30,36 @@ import os
 import pickle
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from distrib.checkpoint.errors import CheckpointError
 from distrib.checkpoint.fileio import describe_os_error
 
-__all__ = ["MANIFEST", "DCP_METADATA", "FORMAT", "VERSION", "Span", "Manifest", "encode_manifest",
-           "read_manifest", "safe_load_dcp_metadata", "crc_of_file", "unflatten", "int_optimizer_keys"]
+__all__ = [
+    "MANIFEST",
+    "DCP_METADATA",
+    "FORMAT",
+    "VERSION",
+    "Span",
+    "Manifest",
+    "encode_manifest",
+    "read_manifest",
+    "safe_load_dcp_metadata",
+    "crc_of_file",
+    "unflatten",
+    "int_optimizer_keys",
+]
 
 MANIFEST = "distrib-sharded.json"
 DCP_METADATA = ".metadata"
@@ -56,7 +74,7 @@ class Span:
     file: str
     offset: int
     length: int
-    crc: Optional[int]
+    crc: int | None
 
 
 @dataclass
@@ -69,7 +87,7 @@ class Manifest:
     verified: bool  # False for a plain DCP directory: nothing to check its bytes against
 
 
-def crc_of_file(path: str, offset: int = 0, length: Optional[int] = None, chunk: int = 1 << 22) -> int:
+def crc_of_file(path: str, offset: int = 0, length: int | None = None, chunk: int = 1 << 22) -> int:
     """CRC-32 of ``length`` bytes of ``path`` from ``offset`` (to its end when None), read in chunks."""
     crc = 0
     with open(path, "rb") as f:
@@ -109,15 +127,29 @@ def encode_manifest(metadata: Metadata, spans: dict[MetadataIndex, Span], files:
             chunks = []
             for chunk in md.chunks:
                 span = spans[MetadataIndex(fqn, chunk.offsets)]
-                chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "file": span.file,
-                               "offset": span.offset, "length": span.length, "crc": span.crc})
+                chunks.append(
+                    {
+                        "offsets": list(chunk.offsets),
+                        "sizes": list(chunk.sizes),
+                        "file": span.file,
+                        "offset": span.offset,
+                        "length": span.length,
+                        "crc": span.crc,
+                    }
+                )
             tensors[fqn] = {"dtype": _dtype_name(md.properties.dtype), "size": list(md.size), "chunks": chunks}
         else:
             span = spans[MetadataIndex(fqn)]
             objects[fqn] = {"file": span.file, "offset": span.offset, "length": span.length, "crc": span.crc}
     planner_data = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
-    body = {"format": FORMAT, "version": VERSION, "tensors": tensors, "objects": objects,
-            "planner_data": planner_data, "files": files}
+    body = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tensors": tensors,
+        "objects": objects,
+        "planner_data": planner_data,
+        "files": files,
+    }
     body["checksum"] = zlib.crc32(_canonical(body))
     return json.dumps(body, indent=0, sort_keys=True).encode()
 
@@ -165,8 +197,9 @@ def read_manifest(directory: str) -> Manifest:
     if stored != zlib.crc32(_canonical(body)):
         raise CheckpointError(f"{damaged}: it fails its CRC-32 checksum. Restore an earlier checkpoint.")
     files = body.get("files")
-    if not (isinstance(files, dict)
-            and all(isinstance(v, dict) and type(v.get("size")) is int for v in files.values())):
+    if not (
+        isinstance(files, dict) and all(isinstance(v, dict) and type(v.get("size")) is int for v in files.values())
+    ):
         raise CheckpointError(f"{damaged}: its file list is unreadable")
     for name, entry in files.items():
         file = os.path.join(directory, name)
@@ -175,14 +208,19 @@ def read_manifest(directory: str) -> Manifest:
         try:
             size = os.path.getsize(file)
         except OSError as e:
-            raise CheckpointError(f"Sharded checkpoint file {file!r} is missing or unreadable: "
-                                  f"{describe_os_error(e)}") from e
+            raise CheckpointError(
+                f"Sharded checkpoint file {file!r} is missing or unreadable: {describe_os_error(e)}"
+            ) from e
         if size != entry["size"]:
-            raise CheckpointError(f"Sharded checkpoint file {file!r} is truncated or was changed: it has {size} "
-                                  f"bytes, the manifest says {entry['size']}. Restore an earlier checkpoint.")
+            raise CheckpointError(
+                f"Sharded checkpoint file {file!r} is truncated or was changed: it has {size} "
+                f"bytes, the manifest says {entry['size']}. Restore an earlier checkpoint."
+            )
         if "crc" in entry and crc_of_file(file) != entry["crc"]:
-            raise CheckpointError(f"Sharded checkpoint file {file!r} fails its CRC-32 checksum (it was changed "
-                                  "after the save). Restore an earlier checkpoint.")
+            raise CheckpointError(
+                f"Sharded checkpoint file {file!r} fails its CRC-32 checksum (it was changed "
+                "after the save). Restore an earlier checkpoint."
+            )
     state: dict[str, Any] = {}
     spans: dict[MetadataIndex, Span] = {}
     for fqn, t in (body.get("tensors") or {}).items():
@@ -196,29 +234,49 @@ def read_manifest(directory: str) -> Manifest:
             offsets, sizes = torch.Size(_ints(c.get("offsets"), where)), torch.Size(_ints(c.get("sizes"), where))
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
             spans[MetadataIndex(fqn, offsets, i)] = _span(c, files, f"{where}, chunk {i}")
-        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(t.get("dtype"), where)),
-                                           torch.Size(_ints(t.get("size"), where)), chunks)
+        state[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=_dtype(t.get("dtype"), where)), torch.Size(_ints(t.get("size"), where)), chunks
+        )
     for fqn, entry in (body.get("objects") or {}).items():
         state[fqn] = BytesStorageMetadata()
         spans[MetadataIndex(fqn)] = _span(entry, files, f"{damaged}: object {fqn!r}")
     planner_data = body.get("planner_data") or {}
-    if not (isinstance(planner_data, dict) and all(
-            isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in planner_data.values())):
+    if not (
+        isinstance(planner_data, dict)
+        and all(isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in planner_data.values())
+    ):
         raise CheckpointError(f"{damaged}: its planner_data is unreadable")
-    metadata = Metadata(state_dict_metadata=state, planner_data={k: tuple(v) for k, v in planner_data.items()},
-                        storage_data=spans, storage_meta=StorageMeta(checkpoint_id=directory))
+    metadata = Metadata(
+        state_dict_metadata=state,
+        planner_data={k: tuple(v) for k, v in planner_data.items()},
+        storage_data=spans,
+        storage_meta=StorageMeta(checkpoint_id=directory),
+    )
     return Manifest(metadata, spans, files, verified=True)
 
 
 # --------------------------------------------------------------- plain DCP directories
 #: the only globals a DCP ``.metadata`` pickle may name (torch 2.13 writes exactly these, and dtypes)
 _ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("collections", "OrderedDict")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -244,9 +302,11 @@ def safe_load_dcp_metadata(directory: str) -> Manifest:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"Checkpoint metadata {path!r} was refused: {e}. Unpickling it could run arbitrary "
-                              "code; distrib reads only DCP's own metadata classes from it. Load it with "
-                              "torch.distributed.checkpoint yourself only if you trust where it came from.") from e
+        raise CheckpointError(
+            f"Checkpoint metadata {path!r} was refused: {e}. Unpickling it could run arbitrary "
+            "code; distrib reads only DCP's own metadata classes from it. Load it with "
+            "torch.distributed.checkpoint yourself only if you trust where it came from."
+        ) from e
     except OSError as e:
         raise CheckpointError(f"Checkpoint metadata {path!r} cannot be read: {describe_os_error(e)}") from e
     except Exception as e:  # truncated or damaged pickles: EOFError, ValueError, ...
@@ -258,16 +318,19 @@ def safe_load_dcp_metadata(directory: str) -> Manifest:
     for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"Checkpoint {directory!r} was written with DCP stream extensions "
-                                  f"{info.transform_descriptors}, which distrib does not read")
+            raise CheckpointError(
+                f"Checkpoint {directory!r} was written with DCP stream extensions "
+                f"{info.transform_descriptors}, which distrib does not read"
+            )
         if not (isinstance(index, MetadataIndex) and isinstance(name, str) and os.path.basename(name) == name):
             raise CheckpointError(f"Checkpoint metadata {path!r} is damaged: bad storage entry {index!r:.80}")
         spans[index] = Span(name, int(info.offset), int(info.length), None)
         try:
             files[name] = {"size": os.path.getsize(os.path.join(directory, name))}
         except OSError as e:
-            raise CheckpointError(f"Checkpoint file {os.path.join(directory, name)!r} is missing: "
-                                  f"{describe_os_error(e)}") from e
+            raise CheckpointError(
+                f"Checkpoint file {os.path.join(directory, name)!r} is missing: {describe_os_error(e)}"
+            ) from e
     metadata.storage_data = spans
     return Manifest(metadata, spans, files, verified=False)
 
@@ -279,8 +342,11 @@ def unflatten(flat: dict[str, Any], planner_data: dict[str, tuple[Any, ...]]) ->
         path = planner_data.get(fqn, (fqn,))
         node: Any = root
         for key, nxt in zip(path[:-1], path[1:]):
-            child = node[key] if (isinstance(node, list) and key < len(node)) or (
-                isinstance(node, dict) and key in node) else None
+            child = (
+                node[key]
+                if (isinstance(node, list) and key < len(node)) or (isinstance(node, dict) and key in node)
+                else None
+            )
             if child is None:
                 child = [] if isinstance(nxt, int) else {}
                 if isinstance(node, list):

@@ -26,8 +26,8 @@ model.state_dict()}}, checkpoint_id="ckpt-1.dcp")``, or ``format_utils.dcp_to_to
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,8 +42,9 @@ __all__ = ["SUFFIX", "write", "read_whole", "read_like"]
 SUFFIX = ".dcp"
 
 
-def write(strategy: "Strategy", path: str, counter: int, states: dict[str, Any],
-          timeout: Optional[float]) -> Optional[CheckpointError]:
+def write(
+    strategy: Strategy, path: str, counter: int, states: dict[str, Any], timeout: float | None
+) -> CheckpointError | None:
     """Every worker writes its shards of ``states`` into ``<path>.dcp``; the error (on every worker), or None.
 
     DCP's collectives (the chief gathers every worker's plan and results) wait under the
@@ -51,18 +52,21 @@ def write(strategy: "Strategy", path: str, counter: int, states: dict[str, Any],
     """
     from distrib.checkpoint.sharded import save_sharded
 
-    def save() -> Optional[CheckpointError]:
+    def save() -> CheckpointError | None:
         try:
             save_sharded(path + SUFFIX, {"save_counter": counter, "objects": states})
         except CheckpointError as e:  # every worker raises it (save_sharded shares the failure)
-            error = CheckpointError(f"Writing the sharded checkpoint {path + SUFFIX!r} failed ({e}); the "
-                                    "checkpoints written before it are as they were")
+            error = CheckpointError(
+                f"Writing the sharded checkpoint {path + SUFFIX!r} failed ({e}); the "
+                "checkpoints written before it are as they were"
+            )
             error.__cause__ = e
             return error
         return None
 
-    return strategy.communicator.guarded(f"writing the sharded checkpoint {path + SUFFIX!r}", save,
-                                         timeout=checkpoint_timeout(timeout))
+    return strategy.communicator.guarded(
+        f"writing the sharded checkpoint {path + SUFFIX!r}", save, timeout=checkpoint_timeout(timeout)
+    )
 
 
 # --------------------------------------------------------------- reading
@@ -83,9 +87,11 @@ def _read(directory: str, tensor: str) -> dict[str, Any]:
 
     data, _ = read_structure(directory, manifest, make)
     if not (isinstance(data, dict) and isinstance(data.get("objects"), dict)):
-        raise CheckpointError(f"{directory!r} is a sharded checkpoint but not one of ds.Checkpoint (it holds "
-                              f"{sorted(data) if isinstance(data, dict) else type(data).__name__}, not 'objects'); "
-                              "load it with distrib.checkpoint.sharded.load_sharded")
+        raise CheckpointError(
+            f"{directory!r} is a sharded checkpoint but not one of ds.Checkpoint (it holds "
+            f"{sorted(data) if isinstance(data, dict) else type(data).__name__}, not 'objects'); "
+            "load it with distrib.checkpoint.sharded.load_sharded"
+        )
     from distrib.checkpoint import sharded_format as sf
 
     for state in data["objects"].values():
@@ -98,7 +104,7 @@ def read_whole(directory: str) -> dict[str, Any]:
     return _read(directory, "whole")
 
 
-def read_like(directory: str, objects: Mapping[str, Any], strategy: "Strategy") -> dict[str, Any]:
+def read_like(directory: str, objects: Mapping[str, Any], strategy: Strategy) -> dict[str, Any]:
     """``{"save_counter": n, "objects": {...}}`` read into tensors laid out as ``objects``' live states are
     (``strategy.local_checkpoint_state``): every worker calls it (DCP's collectives), each reads its shards."""
     from distrib.checkpoint.sharded import load_sharded
@@ -108,7 +114,7 @@ def read_like(directory: str, objects: Mapping[str, Any], strategy: "Strategy") 
     targets = {name: _target(obj, stored[name], strategy) for name, obj in objects.items() if name in stored}
     wanted = {**data, "objects": targets}  # what is not tracked is not read (its names stay, for the status)
 
-    def load() -> Optional[CheckpointError]:
+    def load() -> CheckpointError | None:
         try:
             load_sharded(directory, wanted, all_or_nothing=False)  # fresh targets: nothing live changes yet
         except CheckpointError as e:  # every worker has it: not a CollectiveError of the guard
@@ -140,12 +146,15 @@ def _like(meta: Any, live: Any) -> Any:
     return _empty(meta)
 
 
-def _target(obj: Any, saved: Any, strategy: "Strategy") -> Any:
+def _target(obj: Any, saved: Any, strategy: Strategy) -> Any:
     if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict) and isinstance(saved.get("state"), dict):
         params = [p for group in obj.param_groups for p in group["params"]]
-        state = {i: {k: _like(v, params[i] if isinstance(i, int) and i < len(params) else None)
-                     for k, v in entry.items()} if isinstance(entry, dict) else entry
-                 for i, entry in saved["state"].items()}
+        state = {
+            i: {k: _like(v, params[i] if isinstance(i, int) and i < len(params) else None) for k, v in entry.items()}
+            if isinstance(entry, dict)
+            else entry
+            for i, entry in saved["state"].items()
+        }
         return {**{k: _empty(v) for k, v in saved.items() if k != "state"}, "state": state}
     if isinstance(obj, torch.Tensor) or not isinstance(saved, dict):
         return _empty(saved)

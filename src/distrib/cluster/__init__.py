@@ -10,16 +10,36 @@ strategies need: this task's rank among the chief and workers, and where they me
 
 from __future__ import annotations
 
-from distrib.cluster.resolver import (ClusterResolver, SimpleClusterResolver, UnionClusterResolver, UnionResolver,
-                                     register_resolver, registered_resolvers, resolve, worker_rank)
+from distrib.cluster.resolver import (
+    ClusterResolver,
+    SimpleClusterResolver,
+    UnionClusterResolver,
+    UnionResolver,
+    register_resolver,
+    registered_resolvers,
+    resolve,
+    worker_rank,
+)
 from distrib.cluster.slurm import SlurmClusterResolver
 from distrib.cluster.spec import ClusterSpec
 from distrib.cluster.tf_config import TFConfigClusterResolver, TFConfigError
 from distrib.cluster.torchrun import TorchrunClusterResolver
 
-__all__ = ["ClusterResolver", "ClusterSpec", "SimpleClusterResolver", "SlurmClusterResolver",
-           "TFConfigClusterResolver", "TFConfigError", "TorchrunClusterResolver", "UnionClusterResolver",
-           "UnionResolver", "register_resolver", "registered_resolvers", "resolve", "worker_rank"]
+__all__ = [
+    "ClusterResolver",
+    "ClusterSpec",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "TFConfigError",
+    "TorchrunClusterResolver",
+    "UnionClusterResolver",
+    "UnionResolver",
+    "register_resolver",
+    "registered_resolvers",
+    "resolve",
+    "worker_rank",
+]
 
 for _resolver in (TFConfigClusterResolver, TorchrunClusterResolver, SlurmClusterResolver):  # resolve()'s order
     register_resolver(_resolver)

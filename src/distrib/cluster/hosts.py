@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Optional
 
 __all__ = ["is_loopback", "resolve", "route_source"]
 
@@ -39,7 +38,7 @@ def resolve(host: str) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-def route_source(address: str) -> Optional[str]:
+def route_source(address: str) -> str | None:
     """The local address the kernel picks to reach ``address`` (a UDP ``connect`` sends nothing), or None."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:

@@ -90,11 +90,20 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any
 
-__all__ = ["PREEMPTION_EXIT_CODE", "LaunchConfig", "launch", "free_ports", "make_cluster", "parse_workers", "torchrun_variables"]
+__all__ = [
+    "PREEMPTION_EXIT_CODE",
+    "LaunchConfig",
+    "launch",
+    "free_ports",
+    "make_cluster",
+    "parse_workers",
+    "torchrun_variables",
+]
 
 log = logging.getLogger("distrib.cluster.launch")
 
@@ -121,21 +130,25 @@ class LaunchConfig:
     #: make a throwaway CA and a certificate per task, and set ``DISTRIB_TLS_*`` for every task
     tls: bool = False
     #: the fewest workers the job may continue on (``--workers MIN:MAX``); None: a fixed size, ``workers``
-    min_workers: Optional[int] = None
+    min_workers: int | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("distrib launch needs a script to run, e.g. distrib launch --workers 2 train.py")
         if self.workers < 1 or self.ps < 0 or self.max_restarts < 0:
-            raise ValueError(f"need --workers >= 1, --ps >= 0, --max-restarts >= 0; got "
-                             f"{self.workers}, {self.ps}, {self.max_restarts}")
+            raise ValueError(
+                f"need --workers >= 1, --ps >= 0, --max-restarts >= 0; got "
+                f"{self.workers}, {self.ps}, {self.max_restarts}"
+            )
         if self.min_workers is not None:
             if not 1 <= self.min_workers <= self.workers:
                 raise ValueError(f"--workers {self.min_workers}:{self.workers}: need 1 <= MIN <= MAX")
             if self.ps:
-                raise ValueError(f"--workers {self.min_workers}:{self.workers} with --ps {self.ps}: an elastic size "
-                                 "is for worker-only clusters (a parameter-server cluster restarts a lost worker "
-                                 "server instead); give --workers N")
+                raise ValueError(
+                    f"--workers {self.min_workers}:{self.workers} with --ps {self.ps}: an elastic size "
+                    "is for worker-only clusters (a parameter-server cluster restarts a lost worker "
+                    "server instead); give --workers N"
+                )
         if not self.grace_seconds >= 0:
             raise ValueError(f"grace_seconds={self.grace_seconds!r}: must be >= 0 seconds")
 
@@ -176,8 +189,14 @@ def torchrun_variables(cluster: dict[str, list[str]], task_type: str, index: int
         return {}
     rank, world = ranked.index((task_type, index)), len(ranked)
     host, _, port = cluster[ranked[0][0]][0].rpartition(":")
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": host.strip("[]"), "MASTER_PORT": port}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": host.strip("[]"),
+        "MASTER_PORT": port,
+    }
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -212,16 +231,17 @@ class _Task:
         self.name = f"{task_type} {index}"
         self.task_type, self.index = task_type, index
         self.argv, self.env = argv, env
-        self.proc: Optional[subprocess.Popen[bytes]] = None
-        self.reader: Optional[threading.Thread] = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.reader: threading.Thread | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.reader = threading.Thread(target=_relay, args=(self.proc.stdout, f"[{self.name}] "), daemon=True)
         self.reader.start()
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
@@ -243,7 +263,7 @@ class _Task:
             self.reader.join(timeout=2)
 
 
-def _relay(stream: Optional[IO[bytes]], prefix: str) -> None:
+def _relay(stream: IO[bytes] | None, prefix: str) -> None:
     if stream is None:
         return
     for raw in iter(stream.readline, b""):
@@ -257,7 +277,7 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _threads_per_task(cluster: dict[str, list[str]], with_ps: bool, env: dict[str, str]) -> Optional[str]:
+def _threads_per_task(cluster: dict[str, list[str]], with_ps: bool, env: dict[str, str]) -> str | None:
     """``OMP_NUM_THREADS`` for each task: the usable CPUs shared among the training tasks; None if the user set it."""
     if "OMP_NUM_THREADS" in env:
         return None
@@ -269,8 +289,9 @@ def _threads_per_task(cluster: dict[str, list[str]], with_ps: bool, env: dict[st
 class _Group:
     """One start of the whole cluster."""
 
-    def __init__(self, config: LaunchConfig, token: str, restart: int, tls: Any = None,
-                 workers: Optional[int] = None) -> None:
+    def __init__(
+        self, config: LaunchConfig, token: str, restart: int, tls: Any = None, workers: int | None = None
+    ) -> None:
         self.config = config
         cluster = make_cluster(config.workers if workers is None else workers, config.ps, config.chief, config.host)
         script = [sys.executable, *config.command]
@@ -279,10 +300,16 @@ class _Group:
         self.tasks: list[_Task] = []
         for task_type, addresses in cluster.items():
             for index in range(len(addresses)):
-                env = {"GRPC_VERBOSITY": "ERROR", **os.environ, **config.env, "PYTHONUNBUFFERED": "1",
-                       "DISTRIB_CLUSTER_TOKEN": token,
-                       "DISTRIB_RESTART": str(restart), GRACE_ENV: f"{config.grace_seconds:g}",
-                       "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+                env = {
+                    "GRPC_VERBOSITY": "ERROR",
+                    **os.environ,
+                    **config.env,
+                    "PYTHONUNBUFFERED": "1",
+                    "DISTRIB_CLUSTER_TOKEN": token,
+                    "DISTRIB_RESTART": str(restart),
+                    GRACE_ENV: f"{config.grace_seconds:g}",
+                    "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}}),
+                }
                 if threads is not None:
                     env["OMP_NUM_THREADS"] = threads
                 if not config.ps:
@@ -314,8 +341,9 @@ class _Group:
 
     def all_preempted(self) -> bool:
         """Whether every script task exited with the preemption code (each saved its checkpoint)."""
-        return all(t.poll() is not None and _exit_code(t.poll() or 0) == PREEMPTION_EXIT_CODE
-                   for t in self.script_tasks)
+        return all(
+            t.poll() is not None and _exit_code(t.poll() or 0) == PREEMPTION_EXIT_CODE for t in self.script_tasks
+        )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Send ``sig`` to every task, wait the grace period, then SIGKILL every task's process group."""
@@ -379,16 +407,16 @@ class _SignalForwarding:
 
     def __init__(self) -> None:
         self.armed = True
-        self.received: Optional[int] = None
+        self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signum
         if self.armed:
             self.armed = False
             raise _Signalled(signum)
 
-    def __enter__(self) -> "_SignalForwarding":
+    def __enter__(self) -> _SignalForwarding:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -404,22 +432,29 @@ def _token(config: LaunchConfig) -> str:
     if given is None:
         return secrets.token_hex(16)
     if len(given) < 16:
-        raise ValueError(f"DISTRIB_CLUSTER_TOKEN has {len(given)} characters; it needs at least 16 (a short token "
-                         "can be guessed). Unset it to let distrib launch make one, or make one with "
-                         "python -c 'import secrets; print(secrets.token_hex(32))'")
+        raise ValueError(
+            f"DISTRIB_CLUSTER_TOKEN has {len(given)} characters; it needs at least 16 (a short token "
+            "can be guessed). Unset it to let distrib launch make one, or make one with "
+            "python -c 'import secrets; print(secrets.token_hex(32))'"
+        )
     return given
 
 
 def _certificates(config: LaunchConfig, directory: str) -> Any:
     from distrib.parameter_server.transport.certificates import make_cluster_certificates
 
-    tasks = ((["chief-0"] if config.chief or config.ps else []) + [f"worker-{i}" for i in range(config.workers)]
-             + [f"ps-{i}" for i in range(config.ps)])
+    tasks = (
+        (["chief-0"] if config.chief or config.ps else [])
+        + [f"worker-{i}" for i in range(config.workers)]
+        + [f"ps-{i}" for i in range(config.ps)]
+    )
     made = make_cluster_certificates(directory, tasks, [config.host])
     _say(f"TLS: a throwaway CA and {len(tasks)} task certificates (made with {made.backend}) in {directory}")
     if not config.ps:
-        _say("TLS covers parameter-server RPCs only; the collectives of a worker-only cluster (gloo) are not "
-             "encrypted: run it on a trusted network")
+        _say(
+            "TLS covers parameter-server RPCs only; the collectives of a worker-only cluster (gloo) are not "
+            "encrypted: run it on a trusted network"
+        )
     return made
 
 
@@ -436,7 +471,7 @@ def launch(config: LaunchConfig) -> int:
         return 2
     server_restarts = [config.max_restarts]
     tls_dir = tempfile.mkdtemp(prefix="distrib-tls-") if config.tls else None
-    group: Optional[_Group] = None
+    group: _Group | None = None
     code = 1
     with _SignalForwarding() as signals:
         try:
@@ -462,15 +497,19 @@ def launch(config: LaunchConfig) -> int:
                 if ok:
                     return 0
                 if preempted:
-                    _say(f"{who} exited with {code} after a preemption checkpoint: restarting the whole group from "
-                         "it (not counted against --max-restarts)")
+                    _say(
+                        f"{who} exited with {code} after a preemption checkpoint: restarting the whole group from "
+                        "it (not counted against --max-restarts)"
+                    )
                     starts += 1
                     continue
                 _say(f"{who} failed with exit code {code}")
                 if config.min_workers is not None and workers - 1 >= config.min_workers:
                     workers -= 1
-                    _say(f"{who} is lost: continuing on the {workers} surviving worker(s) (--workers "
-                         f"{config.min_workers}:{config.workers}), from the script's last checkpoint")
+                    _say(
+                        f"{who} is lost: continuing on the {workers} surviving worker(s) (--workers "
+                        f"{config.min_workers}:{config.workers}), from the script's last checkpoint"
+                    )
                 elif restarts < config.max_restarts:
                     restarts += 1
                     _say(f"restarting the whole group ({restarts} of {config.max_restarts})")
@@ -483,8 +522,10 @@ def launch(config: LaunchConfig) -> int:
             signals.armed = False
             name = signal.Signals(e.signum).name
             if group is not None:
-                _say(f"received {name}: forwarding it to every task, killing what remains after "
-                     f"{config.grace_seconds:g}s")
+                _say(
+                    f"received {name}: forwarding it to every task, killing what remains after "
+                    f"{config.grace_seconds:g}s"
+                )
                 group.stop(e.signum)
                 if group.all_preempted():
                     _say(f"every task saved a preemption checkpoint: exiting with {PREEMPTION_EXIT_CODE}")

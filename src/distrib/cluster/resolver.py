@@ -18,24 +18,34 @@ to :func:`register_resolver`, in order, and builds the first that detects its en
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping, Optional, TypeVar, Union
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from distrib.cluster.spec import ClusterSpec, parse_task_index
 
-__all__ = ["ClusterResolver", "SimpleClusterResolver", "UnionClusterResolver", "UnionResolver",
-           "format_master_url", "register_resolver", "registered_resolvers", "resolve", "worker_rank"]
+__all__ = [
+    "ClusterResolver",
+    "SimpleClusterResolver",
+    "UnionClusterResolver",
+    "UnionResolver",
+    "format_master_url",
+    "register_resolver",
+    "registered_resolvers",
+    "resolve",
+    "worker_rank",
+]
 
 
-def format_master_url(master: str, rpc_layer: Optional[str] = None) -> str:
+def format_master_url(master: str, rpc_layer: str | None = None) -> str:
     """``"grpc://host:port"`` for ``rpc_layer="grpc"``; ``master`` unchanged without a layer (as TF)."""
     return f"{rpc_layer}://{master}" if rpc_layer else master
 
 
-def _task_type(value: object) -> Optional[str]:
+def _task_type(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def _task_id(value: object, where: str = "task_id") -> Optional[int]:
+def _task_id(value: object, where: str = "task_id") -> int | None:
     return None if value is None else parse_task_index(value, where)
 
 
@@ -57,17 +67,17 @@ class ClusterResolver(abc.ABC):
         (1, 'w1:2222', 'w0:2222', False)
     """
 
-    _task_type: Optional[str] = None
-    _task_id: Optional[int] = None
-    _rpc_layer: Optional[str] = None
-    _environment: Optional[str] = ""
+    _task_type: str | None = None
+    _task_id: int | None = None
+    _rpc_layer: str | None = None
+    _environment: str | None = ""
 
     @abc.abstractmethod
     def cluster_spec(self) -> ClusterSpec:
         """The cluster as a ``ClusterSpec``."""
 
     @classmethod
-    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
+    def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
         """Whether ``environ`` (default ``os.environ``) describes a cluster this resolver reads.
 
         :func:`resolve` asks each registered resolver in turn. The base reads no
@@ -76,13 +86,13 @@ class ClusterResolver(abc.ABC):
         return False
 
     @classmethod
-    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "ClusterResolver":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> ClusterResolver:
         """This resolver read from ``environ`` (default ``os.environ``): what :func:`resolve` returns once
         :meth:`detect` is True. A resolver that reads an environment overrides both."""
         raise NotImplementedError(f"{cls.__name__} reads no environment: build it from its values")
 
     @property
-    def spans_hosts(self) -> Optional[bool]:
+    def spans_hosts(self) -> bool | None:
         """Whether the chief and workers run on several hosts; None when this resolver cannot tell.
 
         Strategies use it to choose the network interface (see ``comm/process_group.py``);
@@ -90,8 +100,7 @@ class ClusterResolver(abc.ABC):
         """
         return None
 
-    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-               rpc_layer: Optional[str] = None) -> str:
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The address of the given task, default this process's task, prefixed ``rpc_layer://``; ``""``
         when neither is known (TF's Slurm and base semantics). Not where collectives meet: see
         ``rendezvous_address()``."""
@@ -108,34 +117,34 @@ class ClusterResolver(abc.ABC):
         return spec.task_address(*spec.chief())
 
     @property
-    def task_type(self) -> Optional[str]:
+    def task_type(self) -> str | None:
         """This process's job (``"chief"``, ``"worker"``, ``"ps"``, ``"evaluator"``), or None."""
         return self._task_type
 
     @task_type.setter
-    def task_type(self, task_type: Optional[str]) -> None:
+    def task_type(self, task_type: str | None) -> None:
         self._task_type = _task_type(task_type)
 
     @property
-    def task_id(self) -> Optional[int]:
+    def task_id(self) -> int | None:
         """This process's index in its job, or None. Set from an int or a string of digits, as TF casts."""
         return self._task_id
 
     @task_id.setter
-    def task_id(self, task_id: Union[int, str, None]) -> None:
+    def task_id(self, task_id: int | str | None) -> None:
         self._task_id = _task_id(task_id)
 
     @property
-    def rpc_layer(self) -> Optional[str]:
+    def rpc_layer(self) -> str | None:
         """The protocol prefix ``master()`` puts before addresses (``"grpc"``), or None."""
         return self._rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: Optional[str]) -> None:
+    def rpc_layer(self, rpc_layer: str | None) -> None:
         self._rpc_layer = rpc_layer
 
     @property
-    def environment(self) -> Optional[str]:
+    def environment(self) -> str | None:
         """The environment TF runs in (``""`` outside Google); kept as given."""
         return self._environment
 
@@ -150,8 +159,9 @@ class ClusterResolver(abc.ABC):
             return False
         return (self.task_type, self.task_id or 0) == chief
 
-    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-                         config_proto: object = None) -> dict[str, int]:
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
+    ) -> dict[str, int]:
         """The accelerators of this machine, ``{"GPU": n}`` (``{}`` without CUDA).
 
         TF asks the given task through a session; distrib can only see this process's machine,
@@ -185,14 +195,18 @@ def worker_rank(resolver: ClusterResolver) -> tuple[int, int]:
         if indices != list(range(len(indices))):
             raise ValueError(
                 f"MultiWorkerMirroredStrategy needs every {job} task listed, but cluster.{job} has the indices "
-                f"{indices}: list all of them (0..n-1) in every task's TF_CONFIG")
+                f"{indices}: list all of them (0..n-1) in every task's TF_CONFIG"
+            )
     if resolver.task_type not in ("chief", "worker"):
         raise ValueError(
             f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, but this task is "
-            f"{resolver.task_type!r}: check TF_CONFIG's 'task.type'")
+            f"{resolver.task_type!r}: check TF_CONFIG's 'task.type'"
+        )
     task = (resolver.task_type, resolver.task_id or 0)
     if task not in tasks:
-        raise ValueError(f"this task ({task[0]} {task[1]}) is not in the cluster {spec!r}: check TF_CONFIG's 'task.index'")
+        raise ValueError(
+            f"this task ({task[0]} {task[1]}) is not in the cluster {spec!r}: check TF_CONFIG's 'task.index'"
+        )
     return tasks.index(task), len(tasks)
 
 
@@ -224,7 +238,7 @@ def registered_resolvers() -> tuple[type[ClusterResolver], ...]:
     return tuple(_REGISTERED)
 
 
-def resolve(environ: Optional[Mapping[str, str]] = None) -> Optional[ClusterResolver]:
+def resolve(environ: Mapping[str, str] | None = None) -> ClusterResolver | None:
     """The resolver for this process's environment (default ``os.environ``), or None outside any cluster.
 
     The first registered resolver whose ``detect(environ)`` is True is built with
@@ -259,9 +273,17 @@ class SimpleClusterResolver(ClusterResolver):
         (False, 'grpc://localhost:1111', 'localhost:1111')
     """
 
-    def __init__(self, cluster_spec: Union[ClusterSpec, Mapping[str, Any]], task_type: Optional[str] = None,
-                 task_id: Optional[int] = None, *, master: str = "", environment: str = "",
-                 num_accelerators: Optional[dict[str, int]] = None, rpc_layer: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        cluster_spec: ClusterSpec | Mapping[str, Any],
+        task_type: str | None = None,
+        task_id: int | None = None,
+        *,
+        master: str = "",
+        environment: str = "",
+        num_accelerators: dict[str, int] | None = None,
+        rpc_layer: str | None = None,
+    ) -> None:
         self._cluster_spec = cluster_spec if isinstance(cluster_spec, ClusterSpec) else ClusterSpec(cluster_spec)
         if not isinstance(master, str):
             raise TypeError(f"SimpleClusterResolver(master={master!r}): master must be a string")
@@ -271,7 +293,8 @@ class SimpleClusterResolver(ClusterResolver):
                 raise ValueError(
                     f"SimpleClusterResolver(task_type={task_type!r}): not a job of the cluster "
                     f"(jobs: {', '.join(self._cluster_spec.jobs) or 'none'}). distrib's positional order is "
-                    "(cluster_spec, task_type, task_id); pass TF's master by keyword: master='grpc://host:port'")
+                    "(cluster_spec, task_type, task_id); pass TF's master by keyword: master='grpc://host:port'"
+                )
             self._cluster_spec.task_address(self.task_type, self.task_id or 0)  # the index must be listed
         self._master = master
         self._environment = environment
@@ -281,8 +304,7 @@ class SimpleClusterResolver(ClusterResolver):
     def cluster_spec(self) -> ClusterSpec:
         return self._cluster_spec
 
-    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-               rpc_layer: Optional[str] = None) -> str:
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The given task's address, else the ``master`` given to the constructor (TF: the session
         master, ``""`` by default), prefixed ``rpc_layer://``."""
         if task_type is not None and task_id is not None:
@@ -291,8 +313,9 @@ class SimpleClusterResolver(ClusterResolver):
             address = self._master
         return format_master_url(address, rpc_layer or self._rpc_layer)
 
-    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-                         config_proto: object = None) -> dict[str, int]:
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
+    ) -> dict[str, int]:
         """The ``num_accelerators`` given to the constructor (``{}`` if none); nothing is detected, as TF."""
         return dict(self._num_accelerators or {})
 
@@ -319,8 +342,10 @@ class UnionClusterResolver(ClusterResolver):
         self._task_type = _task_type(kwargs.pop("task_type", None))
         self._task_id = _task_id(kwargs.pop("task_id", None))
         if kwargs:
-            raise ValueError(f"UnionClusterResolver: unexpected keyword arguments {kwargs!r} "
-                             "(it takes rpc_layer, task_type and task_id)")
+            raise ValueError(
+                f"UnionClusterResolver: unexpected keyword arguments {kwargs!r} "
+                "(it takes rpc_layer, task_type and task_id)"
+            )
         if not args:
             raise ValueError("UnionClusterResolver needs at least one ClusterResolver")
         for resolver in args:
@@ -330,11 +355,11 @@ class UnionClusterResolver(ClusterResolver):
 
     def cluster_spec(self) -> ClusterSpec:
         """The merged cluster; ``KeyError`` when two resolvers give the same index of a job."""
-        parts: dict[str, list[Union[list[str], dict[int, str]]]] = {}
+        parts: dict[str, list[list[str] | dict[int, str]]] = {}
         for resolver in self._cluster_resolvers:
             for job, tasks in resolver.cluster_spec().as_dict().items():
                 parts.setdefault(job, []).append(tasks)
-        merged: dict[str, Union[list[str], dict[int, str]]] = {}
+        merged: dict[str, list[str] | dict[int, str]] = {}
         for job, tasks_list in parts.items():
             lists = [tasks for tasks in tasks_list if isinstance(tasks, list)]
             if len(lists) == len(tasks_list):
@@ -345,50 +370,51 @@ class UnionClusterResolver(ClusterResolver):
                 part = dict(enumerate(tasks)) if isinstance(tasks, list) else dict(tasks)
                 clash = set(part) & set(as_dict)
                 if clash:
-                    raise KeyError(f"Duplicate keys detected when merging two ClusterSpecs: job {job!r} "
-                                   f"task index(es) {sorted(clash)} given twice")
+                    raise KeyError(
+                        f"Duplicate keys detected when merging two ClusterSpecs: job {job!r} "
+                        f"task index(es) {sorted(clash)} given twice"
+                    )
                 as_dict.update(part)
             merged[job] = as_dict
         return ClusterSpec(merged)
 
-    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-               rpc_layer: Optional[str] = None) -> str:
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The given task's address, else the first resolver's ``master(rpc_layer=...)`` (as TF)."""
         if task_type is not None and task_id is not None:
-            return format_master_url(self.cluster_spec().task_address(task_type, task_id),
-                                     rpc_layer or self._rpc_layer)
+            return format_master_url(self.cluster_spec().task_address(task_type, task_id), rpc_layer or self._rpc_layer)
         return self._cluster_resolvers[0].master(rpc_layer=rpc_layer)
 
     @property
-    def task_type(self) -> Optional[str]:
+    def task_type(self) -> str | None:
         return self._task_type if self._task_type is not None else self._cluster_resolvers[0].task_type
 
     @task_type.setter
-    def task_type(self, task_type: Optional[str]) -> None:
+    def task_type(self, task_type: str | None) -> None:
         self._task_type = _task_type(task_type)
 
     @property
-    def task_id(self) -> Optional[int]:
+    def task_id(self) -> int | None:
         return self._task_id if self._task_id is not None else self._cluster_resolvers[0].task_id
 
     @task_id.setter
-    def task_id(self, task_id: Union[int, str, None]) -> None:
+    def task_id(self, task_id: int | str | None) -> None:
         self._task_id = _task_id(task_id)
 
     @property
-    def rpc_layer(self) -> Optional[str]:
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer or self._cluster_resolvers[0].rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: Optional[str]) -> None:
+    def rpc_layer(self, rpc_layer: str | None) -> None:
         self._rpc_layer = rpc_layer
 
     @property
-    def environment(self) -> Optional[str]:
+    def environment(self) -> str | None:
         return self._cluster_resolvers[0].environment
 
-    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-                         config_proto: object = None) -> dict[str, int]:
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
+    ) -> dict[str, int]:
         return self._cluster_resolvers[0].num_accelerators(task_type, task_id, config_proto)
 
 

@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import warnings
-from typing import Mapping, MutableMapping, Optional, Union
+from collections.abc import Mapping, MutableMapping
 
 from distrib.cluster.resolver import ClusterResolver
 from distrib.cluster.spec import TASK_TYPES, ClusterSpec, parse_address
@@ -137,8 +137,9 @@ def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
     for part in tasks_per_node.split(","):
         m = re.fullmatch(r"\s*([0-9]{1,6})(?:\(x([0-9]{1,6})\))?\s*", part)
         if not m:
-            raise ValueError(f"invalid Slurm tasks-per-node list {tasks_per_node!r}: bad part {part!r} "
-                             "(expected e.g. '3(x2),2,1')")
+            raise ValueError(
+                f"invalid Slurm tasks-per-node list {tasks_per_node!r}: bad part {part!r} (expected e.g. '3(x2),2,1')"
+            )
         result += [int(m.group(1))] * int(m.group(2) or 1)
         if len(result) > _MAX_HOSTS:
             raise ValueError(f"invalid Slurm tasks-per-node list {tasks_per_node!r}: more than {_MAX_HOSTS} nodes")
@@ -191,10 +192,18 @@ class SlurmClusterResolver(ClusterResolver):
         ({'chief': ['node01:13608'], 'ps': ['node01:13609'], 'worker': ['node02:13608', 'node02:13609']}, 'ps', 0, 13608)
     """
 
-    def __init__(self, jobs: Optional[Mapping[str, int]] = None, port_base: Optional[int] = None,
-                 gpus_per_node: Optional[int] = None, gpus_per_task: Optional[int] = None,
-                 tasks_per_node: Union[int, Mapping[str, int], None] = None, auto_set_gpu: bool = True,
-                 rpc_layer: Optional[str] = "grpc", *, environ: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(
+        self,
+        jobs: Mapping[str, int] | None = None,
+        port_base: int | None = None,
+        gpus_per_node: int | None = None,
+        gpus_per_task: int | None = None,
+        tasks_per_node: int | Mapping[str, int] | None = None,
+        auto_set_gpu: bool = True,
+        rpc_layer: str | None = "grpc",
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         env: Mapping[str, str] = os.environ if environ is None else environ
         self._env = env
         in_step = "SLURM_STEP_NODELIST" in env or "SLURM_STEP_NUM_TASKS" in env
@@ -206,7 +215,8 @@ class SlurmClusterResolver(ClusterResolver):
                     f"this process runs in a Slurm allocation of {step_tasks or '?'} task(s) on {nodes or '?'} "
                     "node(s) but not inside a job step (SLURM_STEP_NODELIST is not set): start every task with "
                     "srun, e.g. `srun python train.py` in the batch script. Started directly, this process is the "
-                    "only task: the others would never come and the job would wait for its whole timeout")
+                    "only task: the others would never come and the job would wait for its whole timeout"
+                )
         if "SLURM_PROCID" not in env:
             raise RuntimeError("SLURM_PROCID is not set: not inside a Slurm job step; start the tasks with srun")
         rank = _int_var(env, "SLURM_PROCID")
@@ -214,12 +224,16 @@ class SlurmClusterResolver(ClusterResolver):
         config = self._task_configuration(env, tasks_per_node)
         num_tasks = sum(config.values())
         if step_tasks is not None and step_tasks != num_tasks:
-            raise RuntimeError(f"SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) is {step_tasks} but the tasks per node add up "
-                               f"to {num_tasks} ({_describe(config)}); pass tasks_per_node to match the step")
+            raise RuntimeError(
+                f"SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) is {step_tasks} but the tasks per node add up "
+                f"to {num_tasks} ({_describe(config)}); pass tasks_per_node to match the step"
+            )
         jobs = _check_jobs({"worker": num_tasks} if jobs is None else jobs)
         if sum(jobs.values()) != num_tasks:
-            raise RuntimeError(f"Requested {sum(jobs.values())} tasks (jobs={dict(jobs)}) but Slurm assigned "
-                               f"{num_tasks} ({_describe(config)}); make them agree")
+            raise RuntimeError(
+                f"Requested {sum(jobs.values())} tasks (jobs={dict(jobs)}) but Slurm assigned "
+                f"{num_tasks} ({_describe(config)}); make them agree"
+            )
         if not 0 <= rank < num_tasks:
             raise RuntimeError(f"SLURM_PROCID={rank} is out of range for the {num_tasks} tasks of this step")
         max_per_node = max(config.values())
@@ -229,8 +243,10 @@ class SlurmClusterResolver(ClusterResolver):
         if gpus_per_task is None:
             gpus_per_task = gpus_per_node // max_per_node
         if max_per_node * gpus_per_task > gpus_per_node:
-            raise RuntimeError(f"Requested more GPUs per node than available: {max_per_node} tasks per node x "
-                               f"gpus_per_task={gpus_per_task} > gpus_per_node={gpus_per_node}")
+            raise RuntimeError(
+                f"Requested more GPUs per node than available: {max_per_node} tasks per node x "
+                f"gpus_per_task={gpus_per_task} > gpus_per_node={gpus_per_node}"
+            )
         # GPU k of a node is the k-th visible one: Slurm may have made only some visible (e.g. "4,5,6,7")
         visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         names = visible if len(visible) >= max_per_node * gpus_per_task else [str(g) for g in range(gpus_per_node)]
@@ -240,13 +256,13 @@ class SlurmClusterResolver(ClusterResolver):
         for host, count in config.items():
             for k in range(count):
                 tasks.append(f"{host}:{port_base + k}")
-                gpus.append(",".join(names[k * gpus_per_task:(k + 1) * gpus_per_task]))
+                gpus.append(",".join(names[k * gpus_per_task : (k + 1) * gpus_per_task]))
                 hosts.append((host, k))
         self._check_placement(env, rank, *hosts[rank])
         cluster: dict[str, list[str]] = {}
         start = 0
         for job, count in sorted(jobs.items()):
-            cluster[job] = tasks[start:start + count]
+            cluster[job] = tasks[start : start + count]
             if start <= rank < start + count:
                 self.task_type, self.task_id = job, rank - start
             start += count
@@ -263,7 +279,7 @@ class SlurmClusterResolver(ClusterResolver):
         self._rpc_layer = rpc_layer
 
     @staticmethod
-    def _task_configuration(env: Mapping[str, str], tasks_per_node: Union[int, Mapping[str, int], None]) -> dict[str, int]:
+    def _task_configuration(env: Mapping[str, str], tasks_per_node: int | Mapping[str, int] | None) -> dict[str, int]:
         """Host -> number of tasks on it, in node order."""
         if isinstance(tasks_per_node, Mapping):
             config = dict(tasks_per_node)
@@ -282,14 +298,18 @@ class SlurmClusterResolver(ClusterResolver):
                 except ValueError as e:
                     raise RuntimeError(f"{counts_name}={counts_text!r}: {e}") from None
                 if len(counts) != len(hosts):
-                    raise RuntimeError(f"{counts_name}={counts_text!r} gives {len(counts)} node(s) but "
-                                       f"{name}={nodelist!r} lists {len(hosts)}")
+                    raise RuntimeError(
+                        f"{counts_name}={counts_text!r} gives {len(counts)} node(s) but "
+                        f"{name}={nodelist!r} lists {len(hosts)}"
+                    )
                 config = dict(zip(hosts, counts))
         for host, count in config.items():
             parse_address(f"{host}:1", f"Slurm node {host!r}")
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ValueError(f"SlurmClusterResolver(tasks_per_node=...): the count for {host!r} must be a "
-                                 f"non-negative integer, got {count!r}")
+                raise ValueError(
+                    f"SlurmClusterResolver(tasks_per_node=...): the count for {host!r} must be a "
+                    f"non-negative integer, got {count!r}"
+                )
         if not config or not sum(config.values()):
             raise RuntimeError(f"the Slurm step has no tasks ({_describe(config)})")
         return config
@@ -306,15 +326,16 @@ class SlurmClusterResolver(ClusterResolver):
         if wrong:
             raise RuntimeError(
                 f"SLURM_PROCID={rank} runs {' and '.join(wrong)}: the tasks are not laid out block by block in "
-                "node order. Use `srun --distribution=block` (the default), or give tasks_per_node to match")
+                "node order. Use `srun --distribution=block` (the default), or give tasks_per_node to match"
+            )
 
     @classmethod
-    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "SlurmClusterResolver":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> SlurmClusterResolver:
         """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
         return cls(environ=environ)
 
     @classmethod
-    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
+    def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
         """True inside an ``srun`` job step, and in an allocation of several tasks or nodes started without
         srun (the constructor then says to use srun, at once)."""
         env = os.environ if environ is None else environ
@@ -322,8 +343,10 @@ class SlurmClusterResolver(ClusterResolver):
             return True
         if "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
             return False
-        several = [env.get(name, "").strip() for name in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_JOB_NUM_NODES",
-                                                          "SLURM_NNODES")]
+        several = [
+            env.get(name, "").strip()
+            for name in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+        ]
         return any(value not in ("", "0", "1") for value in several)
 
     def cluster_spec(self) -> ClusterSpec:
@@ -331,12 +354,14 @@ class SlurmClusterResolver(ClusterResolver):
         if self._auto_set_gpu and self._gpus_per_task > 0:
             visible = self._gpu_allocation[self._rank]
             torch = sys.modules.get("torch")
-            if (self._env.get("CUDA_VISIBLE_DEVICES") != visible and torch is not None
-                    and torch.cuda.is_initialized()):
-                warnings.warn(f"SlurmClusterResolver sets CUDA_VISIBLE_DEVICES={visible} after CUDA was initialised: "
-                              "it takes effect only in processes started later. Create the resolver (or the "
-                              "strategy) before any CUDA call, or pass auto_set_gpu=False and pick devices yourself",
-                              RuntimeWarning, stacklevel=2)
+            if self._env.get("CUDA_VISIBLE_DEVICES") != visible and torch is not None and torch.cuda.is_initialized():
+                warnings.warn(
+                    f"SlurmClusterResolver sets CUDA_VISIBLE_DEVICES={visible} after CUDA was initialised: "
+                    "it takes effect only in processes started later. Create the resolver (or the "
+                    "strategy) before any CUDA call, or pass auto_set_gpu=False and pick devices yourself",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             if isinstance(self._env, MutableMapping):
                 self._env["CUDA_VISIBLE_DEVICES"] = visible
         return self._spec
@@ -346,17 +371,18 @@ class SlurmClusterResolver(ClusterResolver):
         """The first port on each node: node *n*'s *k*-th task listens on ``port_base + k`` (distrib's)."""
         return self._port_base
 
-    def get_task_info(self) -> tuple[Optional[str], Optional[int]]:
+    def get_task_info(self) -> tuple[str | None, int | None]:
         """``(task_type, task_id)`` of this process."""
         return self.task_type, self.task_id
 
-    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-                         config_proto: object = None) -> dict[str, int]:
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
+    ) -> dict[str, int]:
         """``{"GPU": gpus_per_task}`` (the arguments are unused, as in TF)."""
         return {"GPU": self._gpus_per_task}
 
 
-def _port_base(env: Mapping[str, str], port_base: Optional[int], max_per_node: int) -> int:
+def _port_base(env: Mapping[str, str], port_base: int | None, max_per_node: int) -> int:
     """``port_base`` if given, else ``MASTER_PORT``, else this job step's own block (:func:`default_port_base`)."""
     where = f"SlurmClusterResolver(port_base={port_base!r})"
     if port_base is None and env.get("MASTER_PORT", "").strip():
@@ -367,8 +393,10 @@ def _port_base(env: Mapping[str, str], port_base: Optional[int], max_per_node: i
         step = _step_id(env)
         return default_port_base(job, step, max_per_node)
     if isinstance(port_base, bool) or not isinstance(port_base, int) or not 0 < port_base <= 65536 - max_per_node:
-        raise ValueError(f"{where}: the ports of this node's {max_per_node} task(s) would run from {port_base!r} to "
-                         f"{port_base!r}+{max_per_node - 1}; need 1 <= port and port + {max_per_node - 1} <= 65535")
+        raise ValueError(
+            f"{where}: the ports of this node's {max_per_node} task(s) would run from {port_base!r} to "
+            f"{port_base!r}+{max_per_node - 1}; need 1 <= port and port + {max_per_node - 1} <= 65535"
+        )
     return port_base
 
 
@@ -382,11 +410,12 @@ def _var(env: Mapping[str, str], *names: str) -> tuple[str, str]:
     for name in names:
         if env.get(name, "").strip():
             return name, env[name].strip()
-    raise RuntimeError(f"{names[0]} is not set (nor {', '.join(names[1:])}): not inside a Slurm job step? "
-                       "Start the tasks with srun")
+    raise RuntimeError(
+        f"{names[0]} is not set (nor {', '.join(names[1:])}): not inside a Slurm job step? Start the tasks with srun"
+    )
 
 
-def _int_var(env: Mapping[str, str], *names: str) -> Optional[int]:
+def _int_var(env: Mapping[str, str], *names: str) -> int | None:
     for name in names:
         text = env.get(name, "").strip()
         if text:
@@ -398,14 +427,17 @@ def _int_var(env: Mapping[str, str], *names: str) -> Optional[int]:
 
 def _check_jobs(jobs: Mapping[str, int]) -> dict[str, int]:
     if not isinstance(jobs, Mapping) or not jobs:
-        raise ValueError(f"SlurmClusterResolver(jobs={jobs!r}): expected a dict of job name -> task count, "
-                         "e.g. {'ps': 1, 'worker': 2}")
+        raise ValueError(
+            f"SlurmClusterResolver(jobs={jobs!r}): expected a dict of job name -> task count, "
+            "e.g. {'ps': 1, 'worker': 2}"
+        )
     for job, count in jobs.items():
         if job not in TASK_TYPES:
             raise ValueError(f"SlurmClusterResolver(jobs=...): unknown job {job!r}; use {', '.join(TASK_TYPES)}")
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"SlurmClusterResolver(jobs=...): the count of {job!r} must be a non-negative integer, "
-                             f"got {count!r}")
+            raise ValueError(
+                f"SlurmClusterResolver(jobs=...): the count of {job!r} must be a non-negative integer, got {count!r}"
+            )
     return dict(jobs)
 
 

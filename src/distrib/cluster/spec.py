@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["ClusterSpec", "TASK_TYPES", "parse_address", "parse_task_index"]
 
@@ -23,13 +24,16 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _DIGITS = re.compile(r"[0-9]{1,9}")
 _ZONE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
-Tasks = Union[Sequence[str], Mapping[Any, str]]
+Tasks = Sequence[str] | Mapping[Any, str]
 
 
 def _check_host(host: str, where: str, address: str) -> None:
     """Raise ValueError unless ``host`` is a host name, an IPv4 address or a bracketed IPv6 address."""
+
     def bad(why: str) -> ValueError:
-        return ValueError(f"{where}: {why} in the address {address!r}; expected 'host:port', e.g. 'worker0.example.com:2222'")
+        return ValueError(
+            f"{where}: {why} in the address {address!r}; expected 'host:port', e.g. 'worker0.example.com:2222'"
+        )
 
     if host.startswith("["):
         inner, _, zone = host[1:-1].partition("%")
@@ -50,8 +54,10 @@ def _check_host(host: str, where: str, address: str) -> None:
     name = host[:-1] if host.endswith(".") and len(host) > 1 else host
     labels = name.split(".")
     if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
-        raise bad(f"the host {host!r} is not a valid host name (dot-separated labels of 1-63 letters, digits, "
-                  "'-' or '_', not starting or ending with '-')")
+        raise bad(
+            f"the host {host!r} is not a valid host name (dot-separated labels of 1-63 letters, digits, "
+            "'-' or '_', not starting or ending with '-')"
+        )
     if all(label.isdigit() for label in labels):
         try:
             ipaddress.IPv4Address(name)
@@ -74,8 +80,10 @@ def parse_address(address: object, where: str) -> tuple[str, int]:
     if not isinstance(address, str):
         raise ValueError(f"{where}: expected an address 'host:port' (a string), got {address!r}")
     if "://" in address:
-        raise ValueError(f"{where}: expected 'host:port' without a scheme, got {address!r} "
-                         "(the protocol goes in TF_CONFIG's 'rpc_layer', not in the address)")
+        raise ValueError(
+            f"{where}: expected 'host:port' without a scheme, got {address!r} "
+            "(the protocol goes in TF_CONFIG's 'rpc_layer', not in the address)"
+        )
     host, colon, port = address.rpartition(":")
     if not colon:
         raise ValueError(f"{where}: expected an address 'host:port', got {address!r} (the port is missing)")
@@ -123,7 +131,7 @@ class ClusterSpec:
         ClusterSpec({'ps': {0: 'ps0:2222', 3: 'ps3:2222'}, 'worker': ['localhost:12345', 'localhost:23456']})
     """
 
-    def __init__(self, cluster: Union[Mapping[str, Tasks], "ClusterSpec", None] = None) -> None:
+    def __init__(self, cluster: Mapping[str, Tasks] | ClusterSpec | None = None) -> None:
         self._cluster_spec: dict[str, dict[int, str]] = {}
         if isinstance(cluster, ClusterSpec):
             self._cluster_spec = {job: dict(tasks) for job, tasks in cluster._cluster_spec.items()}
@@ -131,8 +139,10 @@ class ClusterSpec:
         if cluster is None:
             return
         if not isinstance(cluster, Mapping):
-            raise TypeError(f"ClusterSpec(cluster): expected a dict of job name -> list of 'host:port' addresses "
-                            f"(or -> {{index: address}}), got {type(cluster).__name__}")
+            raise TypeError(
+                f"ClusterSpec(cluster): expected a dict of job name -> list of 'host:port' addresses "
+                f"(or -> {{index: address}}), got {type(cluster).__name__}"
+            )
         for job, tasks in cluster.items():
             if not isinstance(job, str):
                 raise TypeError(f"ClusterSpec(cluster): job name {job!r} must be a string")
@@ -147,7 +157,9 @@ class ClusterSpec:
         try:
             return self._cluster_spec[job_name]
         except (KeyError, TypeError):
-            raise ValueError(f"No such job in cluster: {job_name!r} (jobs: {', '.join(map(repr, self.jobs)) or 'none'})") from None
+            raise ValueError(
+                f"No such job in cluster: {job_name!r} (jobs: {', '.join(map(repr, self.jobs)) or 'none'})"
+            ) from None
 
     def num_tasks(self, job_name: str) -> int:
         """How many tasks ``job_name`` lists; ValueError if the cluster has no such job."""
@@ -163,8 +175,9 @@ class ClusterSpec:
         try:
             return job[task_index]
         except (KeyError, TypeError):
-            raise ValueError(f"No task with index {task_index!r} in job {job_name!r} "
-                             f"(its indices: {sorted(job) or 'none'})") from None
+            raise ValueError(
+                f"No task with index {task_index!r} in job {job_name!r} (its indices: {sorted(job) or 'none'})"
+            ) from None
 
     def job_tasks(self, job_name: str) -> list[Any]:
         """The addresses of ``job_name`` by index, ``None`` where a sparse job has a hole (as TF).
@@ -173,14 +186,14 @@ class ClusterSpec:
         can first check ``task_indices(job) == list(range(num_tasks(job)))``.
         """
         job = self._job(job_name)
-        tasks: list[Optional[str]] = [None] * (max(job) + 1 if job else 0)
+        tasks: list[str | None] = [None] * (max(job) + 1 if job else 0)
         for index, address in job.items():
             tasks[index] = address
         return tasks
 
-    def as_dict(self) -> dict[str, Union[list[str], dict[int, str]]]:
+    def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
         """Job -> a list when its indices are dense, else a dict ``{index: address}`` (an empty job gives ``{}``)."""
-        result: dict[str, Union[list[str], dict[int, str]]] = {}
+        result: dict[str, list[str] | dict[int, str]] = {}
         for job, tasks in self._cluster_spec.items():
             indices = sorted(tasks)
             if indices and indices[-1] + 1 == len(indices):
@@ -225,8 +238,10 @@ def _job_tasks(job: str, tasks: object) -> dict[int, str]:
             seen[index] = key
             items.append((index, tasks[key]))
     else:
-        raise TypeError(f"cluster.{job}: the tasks of a job must be a list of 'host:port' addresses or a dict "
-                        f"{{index: address}}, got {tasks!r}")
+        raise TypeError(
+            f"cluster.{job}: the tasks of a job must be a list of 'host:port' addresses or a dict "
+            f"{{index: address}}, got {tasks!r}"
+        )
     result: dict[int, str] = {}
     for index, address in sorted(items, key=lambda item: item[0]):
         parse_address(address, f"cluster.{job}[{index}]")

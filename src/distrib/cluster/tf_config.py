@@ -13,8 +13,9 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 from distrib.cluster.resolver import ClusterResolver, format_master_url
 from distrib.cluster.spec import TASK_TYPES, ClusterSpec, parse_address, parse_task_index
@@ -77,11 +78,11 @@ class TFConfig:
     """A validated ``TF_CONFIG``."""
 
     cluster_spec: ClusterSpec
-    task_type: Optional[str]
-    task_id: Optional[int]
-    rpc_layer: Optional[str]
-    session_master: Optional[str]
-    environment: Optional[str]
+    task_type: str | None
+    task_id: int | None
+    rpc_layer: str | None
+    session_master: str | None
+    environment: str | None
 
 
 def parse_tf_config(text: str) -> TFConfig:
@@ -103,8 +104,10 @@ def parse_tf_config(text: str) -> TFConfig:
     except TFConfigError:
         raise
     except json.JSONDecodeError as e:
-        raise TFConfigError(f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
-                            f"{text[:200]!r}; expected e.g. {_EXAMPLE}") from None
+        raise TFConfigError(
+            f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+            f"{text[:200]!r}; expected e.g. {_EXAMPLE}"
+        ) from None
     except (ValueError, RecursionError) as e:
         raise TFConfigError(f"TF_CONFIG is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(config, Mapping):
@@ -136,26 +139,36 @@ def _parse_cluster(cluster: Any) -> ClusterSpec:
             items: list[tuple[int, Any]] = []
             for key, address in tasks.items():
                 if not isinstance(key, str) or not key.isascii() or not key.isdigit():
-                    raise TFConfigError(f"TF_CONFIG field 'cluster.{job}': the task index {key!r} is not a "
-                                        "non-negative integer; a sparse job is {\"0\": \"host:port\", \"3\": ...}")
+                    raise TFConfigError(
+                        f"TF_CONFIG field 'cluster.{job}': the task index {key!r} is not a "
+                        'non-negative integer; a sparse job is {"0": "host:port", "3": ...}'
+                    )
                 index = _wrap(parse_task_index, key, f"cluster.{job}")
                 if index in dict(items):
-                    raise TFConfigError(f"TF_CONFIG field 'cluster.{job}': the task index {index} is given twice "
-                                        f"(as {key!r} and another spelling); give each index once")
+                    raise TFConfigError(
+                        f"TF_CONFIG field 'cluster.{job}': the task index {index} is given twice "
+                        f"(as {key!r} and another spelling); give each index once"
+                    )
                 items.append((index, address))
         elif isinstance(tasks, list):
             items = list(enumerate(tasks))
         else:
-            raise TFConfigError(f"TF_CONFIG field 'cluster.{job}' must be a list of 'host:port' addresses "
-                                f"(or an object {{index: address}}), got {tasks!r}")
+            raise TFConfigError(
+                f"TF_CONFIG field 'cluster.{job}' must be a list of 'host:port' addresses "
+                f"(or an object {{index: address}}), got {tasks!r}"
+            )
         if job in ("chief", "evaluator") and len(items) > 1:
-            raise TFConfigError(f"TF_CONFIG field 'cluster.{job}' lists {len(items)} tasks; a cluster has at most one {job}")
+            raise TFConfigError(
+                f"TF_CONFIG field 'cluster.{job}' lists {len(items)} tasks; a cluster has at most one {job}"
+            )
         for index, address in items:
             host, port = _wrap(parse_address, address, f"cluster.{job}[{index}]")
             key = (host.lower(), port)
             if key in seen:
-                raise TFConfigError(f"TF_CONFIG field 'cluster.{job}[{index}]': the address {address!r} is also used by "
-                                    f"{seen[key]}; every task needs its own host:port")
+                raise TFConfigError(
+                    f"TF_CONFIG field 'cluster.{job}[{index}]': the address {address!r} is also used by "
+                    f"{seen[key]}; every task needs its own host:port"
+                )
             seen[key] = f"cluster.{job}[{index}]"
     try:
         return ClusterSpec(cluster)
@@ -163,7 +176,7 @@ def _parse_cluster(cluster: Any) -> ClusterSpec:
         raise TFConfigError(f"TF_CONFIG field {e}") from None
 
 
-def _parse_task(task: Any, spec: ClusterSpec) -> tuple[Optional[str], Optional[int]]:
+def _parse_task(task: Any, spec: ClusterSpec) -> tuple[str | None, int | None]:
     task = _check_object(task, "task", 'like {"type": "worker", "index": 0}')
     for key in task:
         if key not in _TASK_KEYS:
@@ -171,27 +184,37 @@ def _parse_task(task: Any, spec: ClusterSpec) -> tuple[Optional[str], Optional[i
     task_type = task.get("type")
     if task_type is None:
         if task.get("index") is not None:
-            raise TFConfigError("TF_CONFIG field 'task.type' is missing while 'task.index' is given; "
-                                'write e.g. "task": {"type": "worker", "index": 0}')
+            raise TFConfigError(
+                "TF_CONFIG field 'task.type' is missing while 'task.index' is given; "
+                'write e.g. "task": {"type": "worker", "index": 0}'
+            )
         return None, None
     if not isinstance(task_type, (str, int)) or isinstance(task_type, bool):
         raise TFConfigError(f"TF_CONFIG field 'task.type' must be a task type string, got {task_type!r}")
     task_type = str(task_type)  # TF casts the type to a string
     if task_type not in TASK_TYPES:
-        raise TFConfigError(f"TF_CONFIG field 'task.type': unknown task type {task_type!r}{_hint(task_type, TASK_TYPES)}")
+        raise TFConfigError(
+            f"TF_CONFIG field 'task.type': unknown task type {task_type!r}{_hint(task_type, TASK_TYPES)}"
+        )
     in_cluster = task_type in spec.jobs and spec.num_tasks(task_type) > 0
     if not in_cluster and task_type != "evaluator":  # TF runs an evaluator outside the cluster
-        raise TFConfigError(f"TF_CONFIG field 'task.type': {task_type!r} has no tasks in 'cluster' "
-                            f"(jobs: {', '.join(spec.jobs) or 'none'})")
+        raise TFConfigError(
+            f"TF_CONFIG field 'task.type': {task_type!r} has no tasks in 'cluster' "
+            f"(jobs: {', '.join(spec.jobs) or 'none'})"
+        )
     if "index" not in task or task["index"] is None:
-        raise TFConfigError(f"TF_CONFIG field 'task.index' is missing; write e.g. \"task\": {{\"type\": {task_type!r}, \"index\": 0}}")
+        raise TFConfigError(
+            f'TF_CONFIG field \'task.index\' is missing; write e.g. "task": {{"type": {task_type!r}, "index": 0}}'
+        )
     task_id = _wrap(parse_task_index, task["index"], "TF_CONFIG field 'task.index'")
     if in_cluster and task_id not in spec.task_indices(task_type):
         indices = spec.task_indices(task_type)
         dense = indices == list(range(len(indices)))
         allowed = f"0..{len(indices) - 1}" if dense else ", ".join(map(str, indices))
-        raise TFConfigError(f"TF_CONFIG field 'task.index': {task_id} is out of range; cluster.{task_type} has "
-                            f"{len(indices)} task(s), so the index must be one of {allowed}")
+        raise TFConfigError(
+            f"TF_CONFIG field 'task.index': {task_id} is out of range; cluster.{task_type} has "
+            f"{len(indices)} task(s), so the index must be one of {allowed}"
+        )
     return task_type, task_id
 
 
@@ -202,8 +225,11 @@ def _wrap(parse: Any, value: Any, where: str) -> Any:
     except ValueError as e:
         message = str(e)
         if not message.startswith("TF_CONFIG"):
-            message = f"TF_CONFIG field '{where}'{message[len(where):]}" if message.startswith(where) else \
-                f"TF_CONFIG field {message}"
+            message = (
+                f"TF_CONFIG field '{where}'{message[len(where) :]}"
+                if message.startswith(where)
+                else f"TF_CONFIG field {message}"
+            )
         raise TFConfigError(message) from None
 
 
@@ -224,9 +250,15 @@ class TFConfigClusterResolver(ClusterResolver):
         ('worker', 1, False, 'grpc://localhost:23456', 'localhost:12345')
     """
 
-    def __init__(self, task_type: Optional[str] = None, task_id: Union[int, str, None] = None,
-                 rpc_layer: Optional[str] = None, environment: Optional[str] = None, *,
-                 environ: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(
+        self,
+        task_type: str | None = None,
+        task_id: int | str | None = None,
+        rpc_layer: str | None = None,
+        environment: str | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         env = os.environ if environ is None else environ
         text = env.get("TF_CONFIG", "")
         config = parse_tf_config(text) if text.strip() else TFConfig(ClusterSpec({}), None, None, None, None, None)
@@ -238,24 +270,25 @@ class TFConfigClusterResolver(ClusterResolver):
         self._environment = environment
         if (task_type is not None or task_id is not None) and self.task_type not in (None, "evaluator"):
             if self.task_type not in self._spec.jobs or self.task_id not in self._spec.task_indices(self.task_type):
-                raise ValueError(f"TFConfigClusterResolver(task_type={task_type!r}, task_id={task_id!r}): task "
-                                 f"{self.task_type} {self.task_id} is not in the cluster {self._spec!r}")
+                raise ValueError(
+                    f"TFConfigClusterResolver(task_type={task_type!r}, task_id={task_id!r}): task "
+                    f"{self.task_type} {self.task_id} is not in the cluster {self._spec!r}"
+                )
 
     @classmethod
-    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "TFConfigClusterResolver":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> TFConfigClusterResolver:
         """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
         return cls(environ=environ)
 
     @classmethod
-    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
+    def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
         """True when ``TF_CONFIG`` is set and not blank."""
         return bool((os.environ if environ is None else environ).get("TF_CONFIG", "").strip())
 
     def cluster_spec(self) -> ClusterSpec:
         return self._spec
 
-    def master(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-               rpc_layer: Optional[str] = None) -> str:
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """TF's session master: ``session_master`` if ``TF_CONFIG`` has one; ``""`` for a cluster of at most
         one task; else the given task's (default: this task's) address, prefixed ``rpc_layer://``."""
         if self._session_master is not None:
@@ -266,13 +299,20 @@ class TFConfigClusterResolver(ClusterResolver):
         task_type = task_type if task_type is not None else self.task_type
         task_id = task_id if task_id is not None else self.task_id
         if task_type is None or task_id is None:
-            raise ValueError("master(): TF_CONFIG names no task for this process and none was given; "
-                             "pass master(task_type, task_id) or add \"task\" to TF_CONFIG")
-        return format_master_url(spec.task_address(task_type, task_id),
-                                 rpc_layer if rpc_layer is not None else self.rpc_layer)
+            raise ValueError(
+                "master(): TF_CONFIG names no task for this process and none was given; "
+                'pass master(task_type, task_id) or add "task" to TF_CONFIG'
+            )
+        return format_master_url(
+            spec.task_address(task_type, task_id), rpc_layer if rpc_layer is not None else self.rpc_layer
+        )
 
-    def num_accelerators(self, task_type: Optional[str] = None, task_id: Optional[int] = None,
-                         config_proto: object = None) -> dict[str, int]:
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
+    ) -> dict[str, int]:
         """This machine's GPUs (see ``ClusterResolver.num_accelerators``)."""
-        return super().num_accelerators(task_type if task_type is not None else self.task_type,
-                                        task_id if task_id is not None else self.task_id, config_proto)
+        return super().num_accelerators(
+            task_type if task_type is not None else self.task_type,
+            task_id if task_id is not None else self.task_id,
+            config_proto,
+        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from distrib.cluster.resolver import ClusterResolver
 from distrib.cluster.spec import ClusterSpec
@@ -36,7 +36,7 @@ class TorchrunClusterResolver(ClusterResolver):
         ('worker', 1, 'h:29500', 'h:29501')
     """
 
-    def __init__(self, environ: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         missing = [v for v in _VARS if v not in env]
         if missing:
@@ -44,13 +44,17 @@ class TorchrunClusterResolver(ClusterResolver):
         try:
             rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
         except ValueError:
-            raise ValueError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers, got "
-                             f"{env['RANK']!r}, {env['WORLD_SIZE']!r}, {env['MASTER_PORT']!r}") from None
+            raise ValueError(
+                f"RANK, WORLD_SIZE and MASTER_PORT must be integers, got "
+                f"{env['RANK']!r}, {env['WORLD_SIZE']!r}, {env['MASTER_PORT']!r}"
+            ) from None
         if not 0 <= rank < world:
             raise ValueError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
         if not 0 < port <= 65536 - world:
-            raise ValueError(f"MASTER_PORT={port} must be in 1..{65536 - world} (workers are listed at "
-                             f"MASTER_PORT..MASTER_PORT+WORLD_SIZE-1)")
+            raise ValueError(
+                f"MASTER_PORT={port} must be in 1..{65536 - world} (workers are listed at "
+                f"MASTER_PORT..MASTER_PORT+WORLD_SIZE-1)"
+            )
         host = env["MASTER_ADDR"]
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 address (torchrun may give one bare): bracketed in host:port
@@ -61,14 +65,20 @@ class TorchrunClusterResolver(ClusterResolver):
         self.task_type, self.task_id = "worker", rank
         self.local_rank = _optional_int(env, "LOCAL_RANK")
         self.local_world_size = _optional_int(env, "LOCAL_WORLD_SIZE")
-        if self.local_rank is not None and self.local_world_size is not None and not (
-                0 <= self.local_rank < self.local_world_size <= world):
-            raise ValueError(f"LOCAL_RANK={self.local_rank} and LOCAL_WORLD_SIZE={self.local_world_size} do not fit "
-                             f"in WORLD_SIZE={world}: need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE")
+        if (
+            self.local_rank is not None
+            and self.local_world_size is not None
+            and not (0 <= self.local_rank < self.local_world_size <= world)
+        ):
+            raise ValueError(
+                f"LOCAL_RANK={self.local_rank} and LOCAL_WORLD_SIZE={self.local_world_size} do not fit "
+                f"in WORLD_SIZE={world}: need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE"
+            )
 
     @classmethod
-    def from_process_group(cls, rank: int, world_size: int,
-                           environ: Optional[Mapping[str, str]] = None) -> "TorchrunClusterResolver":
+    def from_process_group(
+        cls, rank: int, world_size: int, environ: Mapping[str, str] | None = None
+    ) -> TorchrunClusterResolver:
         """The cluster of a process group that is already initialised (rank ``rank`` of ``world_size``).
 
         Its rendezvous point is ``MASTER_ADDR:MASTER_PORT`` when set (the ``mp.spawn``
@@ -85,11 +95,17 @@ class TorchrunClusterResolver(ClusterResolver):
         port = env.get("MASTER_PORT", "29500")
         if not port.isdigit() or not 0 < int(port) <= 65536 - world_size:
             port = "29500"
-        return cls({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "MASTER_ADDR": env.get("MASTER_ADDR", "localhost"), "MASTER_PORT": port})
+        return cls(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": env.get("MASTER_ADDR", "localhost"),
+                "MASTER_PORT": port,
+            }
+        )
 
     @property
-    def spans_hosts(self) -> Optional[bool]:
+    def spans_hosts(self) -> bool | None:
         """Whether the workers run on several hosts: ``WORLD_SIZE > LOCAL_WORLD_SIZE`` (None when unknown).
 
         A loopback ``MASTER_ADDR`` (``localhost``, ``127.0.0.1``, ``::1``: torchrun ``--standalone``,
@@ -110,12 +126,12 @@ class TorchrunClusterResolver(ClusterResolver):
         return self.cluster_spec().num_tasks("worker") > self.local_world_size
 
     @classmethod
-    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> "TorchrunClusterResolver":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> TorchrunClusterResolver:
         """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
         return cls(environ)
 
     @classmethod
-    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
+    def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
         """True when ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are all set."""
         env = os.environ if environ is None else environ
         return all(v in env for v in _VARS)
@@ -133,7 +149,7 @@ def _is_loopback_host(host: str) -> bool:
         return False
 
 
-def _optional_int(env: Mapping[str, str], name: str) -> Optional[int]:
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
     if name not in env:
         return None
     try:

@@ -13,12 +13,25 @@
 """
 
 from distrib.comm.communicator import CollectiveError, Communicator, LocalCommunicator
-from distrib.comm.gradient_reducer import BucketedGradientReducer, reduce_gradients
 from distrib.comm.compression import CastHook
+from distrib.comm.gradient_reducer import BucketedGradientReducer, reduce_gradients
 from distrib.comm.hooks import CommHook, DeferredFuture, GradBucket, allreduce_hook
 from distrib.comm.options import CommunicationImplementation, CommunicationOptions
 from distrib.comm.powersgd import PowerSGD, PowerSGDHook
 
-__all__ = ["BucketedGradientReducer", "CastHook", "CollectiveError", "CommHook", "CommunicationImplementation",
-           "CommunicationOptions", "Communicator", "DeferredFuture", "GradBucket", "LocalCommunicator", "PowerSGD",
-           "PowerSGDHook", "allreduce_hook", "reduce_gradients"]
+__all__ = [
+    "BucketedGradientReducer",
+    "CastHook",
+    "CollectiveError",
+    "CommHook",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "Communicator",
+    "DeferredFuture",
+    "GradBucket",
+    "LocalCommunicator",
+    "PowerSGD",
+    "PowerSGDHook",
+    "allreduce_hook",
+    "reduce_gradients",
+]

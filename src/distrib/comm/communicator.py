@@ -13,7 +13,8 @@ nothing divides by the number of workers.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch.futures import Future
@@ -46,7 +47,7 @@ class Communicator(Protocol):
         ...
 
     @property
-    def backend(self) -> Optional[str]:
+    def backend(self) -> str | None:
         """torch.distributed's backend of the collectives (``"gloo"``, ``"nccl"``), or None without a process group."""
         ...
 
@@ -85,7 +86,7 @@ class Communicator(Protocol):
         """
         ...
 
-    def barrier(self, timeout: Optional[float] = None) -> None:
+    def barrier(self, timeout: float | None = None) -> None:
         """Return once every worker has called it (``timeout`` seconds at most; None: the default)."""
         ...
 
@@ -98,7 +99,7 @@ class Communicator(Protocol):
         """
         ...
 
-    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+    def guarded(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         """``fn()``, whose collectives torch issues itself (FSDP's, inside forward and backward; DCP's while a
         sharded checkpoint is written): a peer that died or hung becomes a :class:`CollectiveError` naming
         ``what``, as this communicator's own calls do. ``timeout``: seconds each of those collectives may wait,
@@ -135,7 +136,7 @@ class LocalCommunicator:
         return 1
 
     @property
-    def backend(self) -> Optional[str]:
+    def backend(self) -> str | None:
         return None
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -162,20 +163,20 @@ class LocalCommunicator:
     def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def barrier(self, timeout: Optional[float] = None) -> None:
+    def barrier(self, timeout: float | None = None) -> None:
         return None
 
     def verify_same(self, signature: str, what: str) -> None:
         return None
 
-    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+    def guarded(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         return fn()
 
     def __repr__(self) -> str:
         return "LocalCommunicator()"
 
 
-def describe_tensors(tensors: Sequence[torch.Tensor], skip_dim: Optional[int] = None) -> str:
+def describe_tensors(tensors: Sequence[torch.Tensor], skip_dim: int | None = None) -> str:
     """A signature of tensors for :meth:`Communicator.verify_same`: dtypes and shapes (``skip_dim`` left out).
 
     Example::

@@ -32,7 +32,8 @@ holds the same tensors on both, so a hook that keeps state per ``bucket.index``
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.futures import Future
@@ -53,11 +54,11 @@ class _Bucket:
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        self.delta: Optional[torch.Tensor] = None  # new contributions, while accumulating
+        self.delta: torch.Tensor | None = None  # new contributions, while accumulating
 
     def view(self, i: int, flat: torch.Tensor) -> torch.Tensor:
         p = self.params[i]
-        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
 def bucket_layout(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
@@ -82,8 +83,12 @@ def bucket_layout(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[li
     size = 0
     for i in reversed(range(len(tensors))):
         t = tensors[i]
-        if not groups or size >= bucket_bytes or t.dtype != tensors[groups[-1][0]].dtype or \
-                t.device != tensors[groups[-1][0]].device:
+        if (
+            not groups
+            or size >= bucket_bytes
+            or t.dtype != tensors[groups[-1][0]].dtype
+            or t.device != tensors[groups[-1][0]].device
+        ):
             groups.append([])
             size = 0
         groups[-1].append(i)
@@ -99,15 +104,26 @@ class BucketedGradientReducer:
     autograd hooks).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], communicator: Communicator, bucket_bytes: int,
-                 hook: CommHook = allreduce_hook) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        communicator: Communicator,
+        bucket_bytes: int,
+        hook: CommHook = allreduce_hook,
+    ) -> None:
         self._comm = communicator
         self._hook = hook
         trainable = [p for p in params if p.requires_grad]
         self._buckets = [_Bucket([trainable[i] for i in group]) for group in bucket_layout(trainable, bucket_bytes)]
         self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
-        self._handles = [h for p in trainable for h in (p.register_post_accumulate_grad_hook(self._on_grad_ready),
-                                                         p.register_hook(self._make_contribution_hook(p)))]
+        self._handles = [
+            h
+            for p in trainable
+            for h in (
+                p.register_post_accumulate_grad_hook(self._on_grad_ready),
+                p.register_hook(self._make_contribution_hook(p)),
+            )
+        ]
         self._synced = False
         self._reset_pass()
 
@@ -118,7 +134,7 @@ class BucketedGradientReducer:
     def _reset_pass(self) -> None:
         self._ready = [0] * len(self._buckets)
         self._seen: set[int] = set()
-        self._work: list[Optional[Future[torch.Tensor]]] = [None] * len(self._buckets)
+        self._work: list[Future[torch.Tensor] | None] = [None] * len(self._buckets)
         self._next = 0
         self._callback_queued = False
 
@@ -130,6 +146,7 @@ class BucketedGradientReducer:
                 if bucket.delta is None:
                     bucket.delta = torch.zeros_like(bucket.buffer)
                 bucket.view(i, bucket.delta).copy_(grad)
+
         return hook
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -150,7 +167,9 @@ class BucketedGradientReducer:
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self._buckets) and (force or self._ready[self._next] == len(self._buckets[self._next].params)):
+        while self._next < len(self._buckets) and (
+            force or self._ready[self._next] == len(self._buckets[self._next].params)
+        ):
             self._launch(self._next)
             self._next += 1
 
@@ -221,8 +240,13 @@ class BucketedGradientReducer:
         self._handles = []
 
 
-def reduce_gradients(communicator: Communicator, grads: Sequence[torch.Tensor], bucket_bytes: int,
-                     hook: CommHook = allreduce_hook, parameters: Optional[Sequence[torch.Tensor]] = None) -> None:
+def reduce_gradients(
+    communicator: Communicator,
+    grads: Sequence[torch.Tensor],
+    bucket_bytes: int,
+    hook: CommHook = allreduce_hook,
+    parameters: Sequence[torch.Tensor] | None = None,
+) -> None:
     """Sum complete gradients over all workers in place, bucket by bucket through ``hook``.
 
     ``grads`` are in the parameters' registration order (the optimizer's), the order
@@ -242,9 +266,9 @@ def reduce_gradients(communicator: Communicator, grads: Sequence[torch.Tensor], 
         flat = torch.cat([g.reshape(-1) for g in group])
         pending.append((group, flat, hook(communicator, GradBucket(index, flat, [owners[i] for i in members]))))
     with torch.no_grad():
-        for group, flat, future in pending:
+        for group, _flat, future in pending:
             result = communicator.wait(future)
             offset = 0
             for g in group:
-                g.copy_(result[offset:offset + g.numel()].view_as(g))
+                g.copy_(result[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()

@@ -18,8 +18,8 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from distrib.cluster.hosts import is_loopback, resolve, route_source
 from distrib.comm.communicator import CollectiveError
@@ -33,13 +33,19 @@ log = logging.getLogger("distrib.comm")
 class InterfaceChoice:
     """The network interface gloo should bind to (``name``; None: leave gloo's default) and why."""
 
-    name: Optional[str]
+    name: str | None
     reason: str
 
 
-def choose_interface(chief_host: str, peer_hosts: Iterable[str], across_hosts: Optional[bool], *,
-                     resolve: Callable[[str], list[str]], route: Callable[[str], Optional[str]],
-                     interfaces: Mapping[str, Sequence[str]]) -> InterfaceChoice:
+def choose_interface(
+    chief_host: str,
+    peer_hosts: Iterable[str],
+    across_hosts: bool | None,
+    *,
+    resolve: Callable[[str], list[str]],
+    route: Callable[[str], str | None],
+    interfaces: Mapping[str, Sequence[str]],
+) -> InterfaceChoice:
     """The interface this worker's gloo should use to reach the others; a pure function, so it is unit-tested.
 
     ``resolve(host)`` gives a host's addresses, ``route(address)`` the local address the
@@ -58,6 +64,7 @@ def choose_interface(chief_host: str, peer_hosts: Iterable[str], across_hosts: O
         ...                  route=lambda a: "10.0.0.2", interfaces={"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"]}).name
         'eth0'
     """
+
     def resolved(host: str) -> list[str]:
         try:
             return resolve(host)
@@ -84,17 +91,22 @@ def choose_interface(chief_host: str, peer_hosts: Iterable[str], across_hosts: O
                 return InterfaceChoice(name, f"{name} ({local}) routes to {host} ({address})")
     if not across_hosts:
         return InterfaceChoice(loopback, f"every worker runs on this host ({chief_host} resolves to loopback here)")
-    others = sorted(n for n, addresses in interfaces.items() if addresses and not all(is_loopback(a) for a in addresses))
+    others = sorted(
+        n for n, addresses in interfaces.items() if addresses and not all(is_loopback(a) for a in addresses)
+    )
     if len(others) == 1:
-        return InterfaceChoice(others[0], f"{others[0]} is this host's only non-loopback interface "
-                                          f"(no route to the other workers was found)")
+        return InterfaceChoice(
+            others[0],
+            f"{others[0]} is this host's only non-loopback interface (no route to the other workers was found)",
+        )
     raise ValueError(
         f"the workers run on several hosts, but from this host only loopback routes to the chief {chief_host!r} "
         f"({', '.join(chief)}) and to the other workers' hosts ({', '.join(peers) or 'none listed'}): the other "
         f"hosts could not reach this worker. This is usual when this host's name resolves to 127.0.1.1 "
         f"(Debian's /etc/hosts). Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME with NCCL) to the interface "
         f"that reaches the other hosts ({', '.join(others) or 'this host has no other interface'}), or give the "
-        f"hosts' routable addresses in the cluster")
+        f"hosts' routable addresses in the cluster"
+    )
 
 
 def _interfaces() -> dict[str, list[str]]:
@@ -115,19 +127,21 @@ def _interfaces() -> dict[str, list[str]]:
                 if len(fields) >= 6:
                     raw = fields[0]
                     found.setdefault(fields[5], []).append(
-                        str(ipaddress.IPv6Address(":".join(raw[i:i + 4] for i in range(0, 32, 4)))))
+                        str(ipaddress.IPv6Address(":".join(raw[i : i + 4] for i in range(0, 32, 4))))
+                    )
     except OSError:
         pass
     return found
 
 
-def configure_interface(chief_host: str, hosts: Sequence[str], across_hosts: Optional[bool], backend: str) -> None:
+def configure_interface(chief_host: str, hosts: Sequence[str], across_hosts: bool | None, backend: str) -> None:
     """Set ``GLOO_SOCKET_IFNAME`` (and across hosts with NCCL, ``NCCL_SOCKET_IFNAME``) unless the user did."""
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return
     try:
-        choice = choose_interface(chief_host, hosts, across_hosts, resolve=resolve, route=route_source,
-                                  interfaces=_interfaces())
+        choice = choose_interface(
+            chief_host, hosts, across_hosts, resolve=resolve, route=route_source, interfaces=_interfaces()
+        )
     except ValueError as e:
         raise CollectiveError(str(e)) from None
     if choice.name is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from distrib.comm.hooks import CommHook
 from distrib.comm.powersgd import PowerSGD
@@ -55,9 +54,9 @@ class CommunicationOptions:
     """
 
     bytes_per_pack: int = 0
-    timeout_seconds: Optional[float] = None
-    implementation: "str | CommunicationImplementation" = "auto"
-    compression: Union[None, str, PowerSGD] = None
+    timeout_seconds: float | None = None
+    implementation: str | CommunicationImplementation = "auto"
+    compression: None | str | PowerSGD = None
 
     def __post_init__(self) -> None:
         if isinstance(self.implementation, CommunicationImplementation):
@@ -101,14 +100,16 @@ class CommunicationOptions:
         return "gloo"
 
 
-def _check_compression(value: object) -> Union[None, str, PowerSGD]:
+def _check_compression(value: object) -> None | str | PowerSGD:
     """``compression`` as stored (``"fp16"``/``"bf16"`` in lower case), or a ValueError that says what is accepted."""
     accepted = "None, 'fp16', 'bf16' or ds.PowerSGD(rank=..., start_iter=...)"
     if value is None or isinstance(value, PowerSGD):
         return value
     if value is PowerSGD:
-        raise ValueError(f"CommunicationOptions(compression=PowerSGD): pass an instance, e.g. "
-                         f"compression=ds.PowerSGD(rank=2, start_iter=10); accepted: {accepted}")
+        raise ValueError(
+            f"CommunicationOptions(compression=PowerSGD): pass an instance, e.g. "
+            f"compression=ds.PowerSGD(rank=2, start_iter=10); accepted: {accepted}"
+        )
     if isinstance(value, str) and value.lower() in ("fp16", "bf16"):
         return value.lower()
     hint = ""

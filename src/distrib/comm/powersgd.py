@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch.futures import Future
@@ -72,14 +71,18 @@ warm_start=True, seed=0))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"PowerSGD(rank={self.rank!r}): rank must be an integer >= 1 (1-4 is usual)")
         if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
-            raise ValueError(f"PowerSGD(start_iter={self.start_iter!r}): start_iter must be an integer >= 0, the "
-                             "number of steps reduced exactly before compression starts")
+            raise ValueError(
+                f"PowerSGD(start_iter={self.start_iter!r}): start_iter must be an integer >= 0, the "
+                "number of steps reduced exactly before compression starts"
+            )
         if not isinstance(self.min_compression_rate, (int, float)) or not self.min_compression_rate >= 1:
-            raise ValueError(f"PowerSGD(min_compression_rate={self.min_compression_rate!r}): it must be a number "
-                             ">= 1 (a matrix is compressed only if it shrinks at least this much)")
+            raise ValueError(
+                f"PowerSGD(min_compression_rate={self.min_compression_rate!r}): it must be a number "
+                ">= 1 (a matrix is compressed only if it shrinks at least this much)"
+            )
         object.__setattr__(self, "min_compression_rate", float(self.min_compression_rate))
 
-    def hook(self) -> "PowerSGDHook":
+    def hook(self) -> PowerSGDHook:
         """A new comm hook with these settings and empty state (one per model being trained)."""
         return PowerSGDHook(self)
 
@@ -104,7 +107,7 @@ class _BucketState:
     exact: list[tuple[int, int]]  # (offset, numel) of the tensors summed uncompressed
     first: torch.Tensor  # [P of every matrix | the uncompressed tensors]: the first all-reduce
     q: torch.Tensor  # Q^T of every matrix, (rank x cols) each: the second all-reduce, kept for warm start
-    error: Optional[torch.Tensor]
+    error: torch.Tensor | None
     reductions: int = 0  # how many times this bucket was reduced (plain or compressed)
     draws: int = 0  # random starts of Q so far
     has_q: bool = False
@@ -151,7 +154,8 @@ class PowerSGDHook:
                 raise ValueError(
                     f"PowerSGD: bucket {bucket.index} was {state.signature} and is now {signature}. A PowerSGD hook "
                     "keeps error feedback per bucket of one model: give each model (each optimizer) its own hook "
-                    "(PowerSGD(...).hook()), and keep the parameters' shapes fixed")
+                    "(PowerSGD(...).hook()), and keep the parameters' shapes fixed"
+                )
             return state
         matrices, exact = [], []
         offset = p_size = q_size = e_size = 0
@@ -171,15 +175,18 @@ class PowerSGDHook:
                 exact.append((offset, numel))
             offset += numel
         if offset != flat.numel():
-            raise ValueError(f"PowerSGD: bucket {bucket.index} holds {flat.numel()} numbers but its tensors "
-                             f"{shapes} have {offset}")
+            raise ValueError(
+                f"PowerSGD: bucket {bucket.index} holds {flat.numel()} numbers but its tensors {shapes} have {offset}"
+            )
         exact_size = sum(n for _, n in exact)
         new = _BucketState(
-            signature, matrices, exact,
+            signature,
+            matrices,
+            exact,
             first=torch.zeros(p_size + exact_size, dtype=flat.dtype, device=flat.device),
             q=torch.zeros(q_size, dtype=flat.dtype, device=flat.device),
-            error=(torch.zeros(e_size, dtype=flat.dtype, device=flat.device)
-                   if self.settings.error_feedback else None))
+            error=(torch.zeros(e_size, dtype=flat.dtype, device=flat.device) if self.settings.error_feedback else None),
+        )
         self._state[bucket.index] = new
         return new
 
@@ -192,20 +199,23 @@ class PowerSGDHook:
         flat = bucket.buffer.view(-1)
         workers = communicator.world_size
         with torch.no_grad():
-            ms = [flat[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols) for m in state.matrices]
-            ps = [state.first[m.p_offset:m.p_offset + m.rows * m.rank].view(m.rows, m.rank) for m in state.matrices]
-            qs = [state.q[m.q_offset:m.q_offset + m.rank * m.cols].view(m.rank, m.cols) for m in state.matrices]
-            es = ([state.error[m.e_offset:m.e_offset + m.rows * m.cols].view(m.rows, m.cols) for m in state.matrices]
-                  if state.error is not None else [])
+            ms = [flat[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols) for m in state.matrices]
+            ps = [state.first[m.p_offset : m.p_offset + m.rows * m.rank].view(m.rows, m.rank) for m in state.matrices]
+            qs = [state.q[m.q_offset : m.q_offset + m.rank * m.cols].view(m.rank, m.cols) for m in state.matrices]
+            es = (
+                [state.error[m.e_offset : m.e_offset + m.rows * m.cols].view(m.rows, m.cols) for m in state.matrices]
+                if state.error is not None
+                else []
+            )
             for m, e in zip(ms, es):
                 m.add_(e)
             self._start_q(bucket.index, state, qs)
             for m, p, q in zip(ms, ps, qs):
                 torch.mm(m, q.t(), out=p)  # Q is kept transposed (rank x cols): the fast layout for both products
-            exact_out = state.first[sum(p.numel() for p in ps):]
+            exact_out = state.first[sum(p.numel() for p in ps) :]
             at = 0
             for offset, numel in state.exact:
-                exact_out[at:at + numel].copy_(flat[offset:offset + numel])
+                exact_out[at : at + numel].copy_(flat[offset : offset + numel])
                 at += numel
         first = communicator.all_reduce_async(state.first)
 
@@ -214,7 +224,7 @@ class PowerSGDHook:
             with torch.no_grad():
                 at = 0
                 for offset, numel in state.exact:
-                    flat[offset:offset + numel].copy_(exact_out[at:at + numel])
+                    flat[offset : offset + numel].copy_(exact_out[at : at + numel])
                     at += numel
                 for p in ps:
                     _orthonormalize_rows(p.t())
@@ -262,12 +272,12 @@ def _orthonormalize_rows(a: torch.Tensor) -> bool:
     for i in range(a.shape[0]):
         row = a[i]
         norm = torch.linalg.vector_norm(row)
-        if float(norm) <= tiny ** 0.5:
+        if float(norm) <= tiny**0.5:
             row.zero_()
             full = False
         else:
             row.div_(norm)
         if i + 1 < a.shape[0]:
-            rest = a[i + 1:]
+            rest = a[i + 1 :]
             rest.sub_(torch.outer(rest @ row, row))
     return full

@@ -32,7 +32,8 @@ import socket
 import threading
 import time
 import zlib
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,15 @@ from distrib.comm.interfaces import InterfaceChoice, choose_interface, configure
 from distrib.comm.options import CommunicationOptions
 from distrib.comm.rendezvous import attempt_store, tcp_store, uses_agent_store
 
-__all__ = ["InterfaceChoice", "ProcessGroupCommunicator", "choose_interface", "current_group", "gpu_identity",
-           "shared_gpus", "uses_agent_store"]
+__all__ = [
+    "InterfaceChoice",
+    "ProcessGroupCommunicator",
+    "choose_interface",
+    "current_group",
+    "gpu_identity",
+    "shared_gpus",
+    "uses_agent_store",
+]
 
 log = logging.getLogger("distrib.comm")
 
@@ -65,10 +73,17 @@ class ProcessGroupCommunicator:
     so that a finished job exits cleanly.
     """
 
-    def __init__(self, master_address: str, rank: int, world_size: int,
-                 options: CommunicationOptions, uses_cuda: bool = False,
-                 hosts: Sequence[str] = (), across_hosts: Optional[bool] = None,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        master_address: str,
+        rank: int,
+        world_size: int,
+        options: CommunicationOptions,
+        uses_cuda: bool = False,
+        hosts: Sequence[str] = (),
+        across_hosts: bool | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.options = options
         self._rank, self._world_size = rank, world_size
         self._long_groups: dict[float, Any] = {}  # barrier timeout -> its gloo group (torch without set_timeout)
@@ -79,17 +94,33 @@ class ProcessGroupCommunicator:
                     f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                     f"{dist.get_world_size()}, but this cluster says rank {rank} of {world_size}: build the "
                     "strategy without a cluster_resolver to use the initialised group as the cluster, or "
-                    "destroy the group (torch.distributed.destroy_process_group()) first")
+                    "destroy the group (torch.distributed.destroy_process_group()) first"
+                )
             self.backend = str(dist.get_backend())
             return
         host, _, port = master_address.rpartition(":")
         host = host.strip("[]")
         configure_interface(host, hosts, across_hosts, self.backend)
-        log.info("worker %d/%d joining at %s (%s, timeout %.0fs)", rank, world_size, master_address,
-                 self.backend, options.timeout)
-        self.backend = _join(self.backend, host, int(port), rank, world_size, options.timeout, master_address,
-                             agent_store=uses_agent_store(master_address), gpu=gpu_identity(device),
-                             nccl_asked=options.implementation.lower() == "nccl")
+        log.info(
+            "worker %d/%d joining at %s (%s, timeout %.0fs)",
+            rank,
+            world_size,
+            master_address,
+            self.backend,
+            options.timeout,
+        )
+        self.backend = _join(
+            self.backend,
+            host,
+            int(port),
+            rank,
+            world_size,
+            options.timeout,
+            master_address,
+            agent_store=uses_agent_store(master_address),
+            gpu=gpu_identity(device),
+            nccl_asked=options.implementation.lower() == "nccl",
+        )
         atexit.register(_shutdown)
 
     @property
@@ -107,7 +138,8 @@ class ProcessGroupCommunicator:
         return CollectiveError(
             f"{what} across {self._world_size} workers failed on worker {self._rank}: {error}. A peer died "
             f"or did not answer within {self.options.timeout:.0f}s (CommunicationOptions(timeout_seconds=...)); "
-            "see the other workers' logs")
+            "see the other workers' logs"
+        )
 
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -115,7 +147,7 @@ class ProcessGroupCommunicator:
         except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, timeouts, a dead store
             raise self._failed(what, e) from e
 
-    def _settable_gloo(self, timeout: Optional[float]) -> Any:
+    def _settable_gloo(self, timeout: float | None) -> Any:
         """The gloo backend whose timeout can be set for one call, or None: no timeout asked, NCCL (bounded by
         the group's own watchdog timeout), or an older torch (2.4 has no ProcessGroupGloo.set_timeout)."""
         if timeout is None or self.backend != "gloo":
@@ -123,7 +155,7 @@ class ProcessGroupCommunicator:
         backend = torch_patches.group_backend(dist.group.WORLD, torch.device("cpu"))
         return backend if hasattr(backend, "set_timeout") else None
 
-    def guarded(self, what: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+    def guarded(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         backend = self._settable_gloo(timeout)
         if backend is None or timeout is None:
             return self._guard(what, fn)
@@ -145,7 +177,7 @@ class ProcessGroupCommunicator:
         offset = 0
         with torch.no_grad():
             for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
@@ -183,7 +215,7 @@ class ProcessGroupCommunicator:
         self._guard("all-gather", lambda: dist.all_gather(sizes, size))
         out, offset = [], 0
         for n in (int(s.item()) for s in sizes):
-            out.append(pickle.loads(gathered[offset:offset + n].numpy().tobytes()))
+            out.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))
             offset += n
         return out
 
@@ -193,8 +225,11 @@ class ProcessGroupCommunicator:
         bucket: list[torch.Tensor] = []
         size = 0
         for t in tensors:
-            if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device
-                           or size + t.numel() * t.element_size() > BROADCAST_BUCKET_BYTES):
+            if bucket and (
+                t.dtype != bucket[0].dtype
+                or t.device != bucket[0].device
+                or size + t.numel() * t.element_size() > BROADCAST_BUCKET_BYTES
+            ):
                 self._broadcast_bucket(bucket, src)
                 bucket, size = [], 0
             bucket.append(t)
@@ -211,7 +246,7 @@ class ProcessGroupCommunicator:
         offset = 0
         with torch.no_grad():
             for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -219,8 +254,10 @@ class ProcessGroupCommunicator:
 
     def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.shape[0] % self._world_size:
-            raise ValueError(f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the number of "
-                             f"workers ({self._world_size})")
+            raise ValueError(
+                f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the number of "
+                f"workers ({self._world_size})"
+            )
         out = tensor.new_empty((tensor.shape[0] // self._world_size, *tensor.shape[1:]))
         self._guard("reduce-scatter", lambda: dist.reduce_scatter_tensor(out, tensor.contiguous()))
         return out
@@ -233,10 +270,12 @@ class ProcessGroupCommunicator:
         if bool((rows[:, 0] == 1).all()) and bool((rows[:, 1] == rows[0, 1]).all()):
             return
         signatures = self.all_gather_object(signature)  # every worker found the mismatch: all take this path
-        raise CollectiveError(f"{what} differs between workers ({_difference(signatures)}); every worker must "
-                              "call it with the same structure, shapes and dtypes")
+        raise CollectiveError(
+            f"{what} differs between workers ({_difference(signatures)}); every worker must "
+            "call it with the same structure, shapes and dtypes"
+        )
 
-    def barrier(self, timeout: Optional[float] = None) -> None:
+    def barrier(self, timeout: float | None = None) -> None:
         if timeout is None or self.backend != "gloo" or self._settable_gloo(timeout) is not None:
             # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
             self.guarded("barrier", lambda: dist.barrier(), timeout=timeout)
@@ -248,14 +287,13 @@ class ProcessGroupCommunicator:
 
         def long_barrier() -> None:  # the group's making waits for the others too: inside the guard
             if timeout not in self._long_groups:
-                self._long_groups[timeout] = dist.new_group(backend="gloo",
-                                                            timeout=datetime.timedelta(seconds=timeout))
+                self._long_groups[timeout] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
             dist.barrier(group=self._long_groups[timeout])
 
         self._guard("barrier", long_barrier)
 
 
-def current_group() -> Optional[tuple[int, int, str]]:
+def current_group() -> tuple[int, int, str] | None:
     """``(rank, world_size, backend)`` of the default process group when one is initialised, else None.
 
     A group the user (``mp.spawn`` tutorials) or a framework initialised is the cluster
@@ -266,7 +304,7 @@ def current_group() -> Optional[tuple[int, int, str]]:
     return dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
 
 
-def gpu_identity(device: Optional[torch.device]) -> Optional[str]:
+def gpu_identity(device: torch.device | None) -> str | None:
     """``host/GPU-uuid`` of a CUDA ``device`` (None for another device): two ranks with the same one share a GPU."""
     if device is None or device.type != "cuda":
         return None
@@ -275,11 +313,11 @@ def gpu_identity(device: Optional[torch.device]) -> Optional[str]:
     return f"{socket.gethostname()}/{uuid if uuid is not None else f'cuda:{index}'}"
 
 
-def shared_gpus(identities: Sequence[Optional[str]]) -> dict[str, list[int]]:
+def shared_gpus(identities: Sequence[str | None]) -> dict[str, list[int]]:
     """The GPUs that several ranks use, each with its ranks (``identities``: :func:`gpu_identity` of each rank).
 
-        >>> shared_gpus(["h/GPU-1", "h/GPU-1", "h/GPU-2"]), shared_gpus(["a/GPU-1", "b/GPU-1"])
-        ({'h/GPU-1': [0, 1]}, {})
+    >>> shared_gpus(["h/GPU-1", "h/GPU-1", "h/GPU-2"]), shared_gpus(["a/GPU-1", "b/GPU-1"])
+    ({'h/GPU-1': [0, 1]}, {})
     """
     ranks: dict[str, list[int]] = {}
     for rank, key in enumerate(identities):
@@ -288,7 +326,7 @@ def shared_gpus(identities: Sequence[Optional[str]]) -> dict[str, list[int]]:
     return {key: r for key, r in ranks.items() if len(r) > 1}
 
 
-def _nccl_or_gloo(store: Any, rank: int, world_size: int, gpu: Optional[str], nccl_asked: bool) -> str:
+def _nccl_or_gloo(store: Any, rank: int, world_size: int, gpu: str | None, nccl_asked: bool) -> str:
     """The backend to initialise where NCCL was chosen: NCCL refuses two ranks on one GPU.
 
     Every rank publishes its GPU in the store and reads the others'. Where ranks share a GPU
@@ -308,15 +346,29 @@ def _nccl_or_gloo(store: Any, rank: int, world_size: int, gpu: Optional[str], nc
         raise CollectiveError(
             f"NCCL cannot run two ranks on one GPU ({described}): give each worker its own GPU "
             "(devices=['cuda:N'], CUDA_VISIBLE_DEVICES), or use CommunicationOptions(implementation='ring') "
-            "for gloo, which all-reduces CUDA tensors on a shared GPU")
+            "for gloo, which all-reduces CUDA tensors on a shared GPU"
+        )
     if rank == 0:
-        log.warning("NCCL cannot run two ranks on one GPU (%s): using gloo instead (slower on GPUs); give each "
-                    "worker its own GPU to use NCCL", described)
+        log.warning(
+            "NCCL cannot run two ranks on one GPU (%s): using gloo instead (slower on GPUs); give each "
+            "worker its own GPU to use NCCL",
+            described,
+        )
     return "gloo"
 
 
-def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeout: float, address: str,
-          agent_store: bool = False, gpu: Optional[str] = None, nccl_asked: bool = False) -> str:
+def _join(
+    backend: str,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout: float,
+    address: str,
+    agent_store: bool = False,
+    gpu: str | None = None,
+    nccl_asked: bool = False,
+) -> str:
     """``init_process_group``, bounded by ``timeout`` whatever phase hangs (store connect retries, gloo's mesh).
 
     Rank 0 hosts the store at ``host:port`` and the others connect to it, as torch's
@@ -330,13 +382,15 @@ def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeou
     def rendezvous() -> None:
         try:
             if agent_store:
-                store = attempt_store(host, port, rank, world_size, deadline,
-                                       os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+                store = attempt_store(
+                    host, port, rank, world_size, deadline, os.environ.get("TORCHELASTIC_RUN_ID", "none")
+                )
             else:
                 store = tcp_store(host, port, world_size, rank == 0, timeout)
             chosen = _nccl_or_gloo(store, rank, world_size, gpu, nccl_asked) if backend == "nccl" else backend
-            dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(
+                chosen, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            )
             outcome["backend"] = chosen
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             outcome["error"] = e
@@ -352,17 +406,20 @@ def _join(backend: str, host: str, port: int, rank: int, world_size: int, timeou
         raise CollectiveError(
             f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:.0f}s"
             f"{detail}. Check that every worker is started with the same cluster and that the chief's address "
-            "is reachable from this host (CommunicationOptions(timeout_seconds=...) sets the bound)") from error
+            "is reachable from this host (CommunicationOptions(timeout_seconds=...) sets the bound)"
+        ) from error
     return str(outcome["backend"])
 
 
 def _difference(signatures: list[str]) -> str:
     """Each worker's signature, or for long ``"; "``-separated ones the first entry where they differ."""
     items = [sig.split("; ") for sig in signatures]
-    first = next((i for i in range(max(map(len, items))) if len({tuple(x[i:i + 1]) for x in items}) > 1), 0)
+    first = next((i for i in range(max(map(len, items))) if len({tuple(x[i : i + 1]) for x in items}) > 1), 0)
     if len(items[0]) > 1:
-        described = [f"worker {w}: {x[first] if first < len(x) else f'nothing after {len(x)} entries'}"
-                     for w, x in enumerate(items)]
+        described = [
+            f"worker {w}: {x[first] if first < len(x) else f'nothing after {len(x)} entries'}"
+            for w, x in enumerate(items)
+        ]
         return f"entry {first}: " + "; ".join(described)
     return "; ".join(f"worker {w}: {sig[:300]}" for w, sig in enumerate(signatures))
 
@@ -371,7 +428,7 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _gloo_threads_busy() -> Optional[bool]:
+def _gloo_threads_busy() -> bool | None:
     """Whether a gloo worker thread of this process is running (None where /proc cannot tell)."""
     try:
         tasks = os.listdir("/proc/self/task")

@@ -19,14 +19,14 @@ import os
 import secrets
 import socket
 import time
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
 __all__ = ["attempt_store", "tcp_store", "uses_agent_store"]
 
 
-def uses_agent_store(master_address: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+def uses_agent_store(master_address: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``master_address`` is the store of a torchrun agent that outlives its workers.
 
     torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` (unless
@@ -49,9 +49,16 @@ _ANNOUNCEMENT = "distrib/attempt_store"
 _NONCE = "distrib/nonce"
 
 
-def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: float) -> "dist.TCPStore":
-    return dist.TCPStore(host, port, world_size, is_master, timeout=datetime.timedelta(seconds=max(timeout, 0.1)),
-                         wait_for_workers=False, multi_tenant=is_master)
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master,
+        timeout=datetime.timedelta(seconds=max(timeout, 0.1)),
+        wait_for_workers=False,
+        multi_tenant=is_master,
+    )
 
 
 def _listening(host: str, port: int, timeout: float = 1.0) -> bool:
@@ -63,8 +70,7 @@ def _listening(host: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
-def attempt_store(host: str, port: int, rank: int, world_size: int, deadline: float,
-                   run_id: str) -> "dist.Store":
+def attempt_store(host: str, port: int, rank: int, world_size: int, deadline: float, run_id: str) -> dist.Store:
     """A store of this attempt's own, found through the torchrun agent's long-lived store at ``host:port``.
 
     Rank 0 opens a store on a free port (it listens on every interface; rank 0 runs on

@@ -22,16 +22,17 @@ would therefore be frozen at capture, and each is handled here:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
 __all__ = ["make_capturable", "undo_capturable", "OptimizerWatch", "state_version"]
 
-_versions: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_versions: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 #: what make_capturable changed, per optimizer: each group's (capturable, learning rate) as they were
-_originals: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[bool, Any]]]" = weakref.WeakKeyDictionary()
-_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_originals: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[bool, Any]]] = weakref.WeakKeyDictionary()
+_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def state_version(optimizer: torch.optim.Optimizer) -> int:
@@ -50,7 +51,7 @@ def _watch_loads(optimizer: torch.optim.Optimizer) -> None:
         _hooked.add(optimizer)
 
 
-def _device_of(optimizer: torch.optim.Optimizer) -> Optional[torch.device]:
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device | None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             return p.device
@@ -110,7 +111,8 @@ def undo_capturable(optimizer: torch.optim.Optimizer) -> None:
 
 def _frozen(value: Any) -> bool:
     return isinstance(value, (bool, int, float, str, type(None))) or (
-        isinstance(value, tuple) and all(_frozen(v) for v in value))
+        isinstance(value, tuple) and all(_frozen(v) for v in value)
+    )
 
 
 class OptimizerWatch:
@@ -119,8 +121,11 @@ class OptimizerWatch:
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self._optimizers = [weakref.ref(o) for o in optimizers]
         self._rates: list[tuple[dict[str, Any], torch.Tensor]] = [
-            (group, group["lr"]) for o in optimizers for group in o.param_groups
-            if isinstance(group["lr"], torch.Tensor)]
+            (group, group["lr"])
+            for o in optimizers
+            for group in o.param_groups
+            if isinstance(group["lr"], torch.Tensor)
+        ]
         self.guard = self.current_guard()
 
     def sync(self) -> None:

@@ -25,7 +25,8 @@ same as an eager call:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -43,19 +44,24 @@ class CaptureError(RuntimeError):
 class HostWorkGuard(torch_patches.TorchDispatchMode):
     """While capturing: refuse the ops whose effect a replay would not repeat (see the module docstring)."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = str(func)
         if name.startswith(("aten._to_copy", "aten.copy_", "aten.to.", "aten._copy_from")):
             self._check_copy(name, args, kwargs)
         schema = torch_patches.op_schema(func)
         for arg, value in zip(schema.arguments, args):
-            if (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor)
-                    and value.device.type == "cpu"):
+            if (
+                arg.alias_info is not None
+                and arg.alias_info.is_write
+                and isinstance(value, torch.Tensor)
+                and value.device.type == "cpu"
+            ):
                 raise CaptureError(
                     f"{name} writes a CPU tensor inside the step: a CUDA graph would do it once, at capture, "
                     "and never again. Keep that state on the device (e.g. torch.zeros(..., device='cuda')) "
-                    "or update it outside the ds.function")
+                    "or update it outside the ds.function"
+                )
         return func(*args, **kwargs)
 
     @staticmethod
@@ -79,7 +85,8 @@ def _host_copy_error(name: str, src: torch.Tensor) -> CaptureError:
         f"{name} copies a CPU tensor of shape {list(src.shape)} to the GPU inside the step: a CUDA graph would "
         "read its host memory again at every replay, after the CPU tensor is gone. Make it on the device "
         "(torch.full((), value, device='cuda') instead of torch.tensor(value, device='cuda')), or pass it as an "
-        "argument of the ds.function (arguments are copied into the graph's buffers at each call)")
+        "argument of the ds.function (arguments are copied into the graph's buffers at each call)"
+    )
 
 
 def _clone_output(value: Any) -> Any:
@@ -93,9 +100,16 @@ class CapturedGraph:
     so the graph is replayed once at its end).
     """
 
-    def __init__(self, graph: "torch.cuda.CUDAGraph", static_leaves: list[Any], inputs: Inputs,
-                 params: Sequence[torch.Tensor], entry_grads: list[Optional[torch.Tensor]],
-                 exit_grads: list[Optional[torch.Tensor]], output: Any) -> None:
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        static_leaves: list[Any],
+        inputs: Inputs,
+        params: Sequence[torch.Tensor],
+        entry_grads: list[torch.Tensor | None],
+        exit_grads: list[torch.Tensor | None],
+        output: Any,
+    ) -> None:
         self._graph = graph
         self._static_leaves = static_leaves
         self._positions = inputs.tensor_positions
@@ -106,8 +120,9 @@ class CapturedGraph:
         self._out_leaves, self._out_spec = pytree.tree_flatten(output)
 
     @classmethod
-    def capture(cls, fn: Callable[..., Any], inputs: Inputs, device: torch.device,
-                params: Sequence[torch.Tensor]) -> tuple["CapturedGraph", Any]:
+    def capture(
+        cls, fn: Callable[..., Any], inputs: Inputs, device: torch.device, params: Sequence[torch.Tensor]
+    ) -> tuple[CapturedGraph, Any]:
         """Capture ``fn`` on ``inputs`` (copied into static buffers on ``device``); returns the graph and this
         call's result. Raises :class:`CaptureError` (the step's ``.grad`` state put back) when it cannot."""
         static_leaves = list(inputs.leaves)

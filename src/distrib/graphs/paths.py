@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,16 +20,16 @@ from distrib.graphs.signature import Inputs
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["capture_device", "input_blocker", "strategy_blocker", "host_syncs", "sync_blocker", "pays_here",
-           "MODES"]
+__all__ = ["capture_device", "input_blocker", "strategy_blocker", "host_syncs", "sync_blocker", "pays_here", "MODES"]
 
 #: ``ds.function(mode=...)``: "auto" captures where it can; "eager" never does; "cuda_graph" makes a
 #: failure to capture an error instead of a fallback
 MODES = ("auto", "eager", "cuda_graph")
 
 
-def capture_device(inputs: Inputs, strategies: Iterable["Strategy"],
-                   params: Iterable[torch.Tensor] = ()) -> Optional[torch.device]:
+def capture_device(
+    inputs: Inputs, strategies: Iterable[Strategy], params: Iterable[torch.Tensor] = ()
+) -> torch.device | None:
     """The one CUDA device the step computes on (its tensors', its strategies', its parameters'), or None."""
     devices = {t.device for t in inputs.tensors if t.device.type == "cuda"}
     devices.update(p.device for p in params if p.device.type == "cuda")
@@ -40,29 +41,32 @@ def capture_device(inputs: Inputs, strategies: Iterable["Strategy"],
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pays_here(strategy: "Strategy", params: Iterable[torch.Tensor] = ()) -> bool:
+def pays_here(strategy: Strategy, params: Iterable[torch.Tensor] = ()) -> bool:
     """Whether a step under ``strategy`` (over ``params``) would be captured: it computes on a GPU (its strategy's
     devices, else its parameters') and the strategy can be captured. The default of ``distrib train --function`` and
     of ``fit(jit_compile="auto")``; elsewhere a ``ds.function`` would only run the step eagerly."""
-    on_gpu = any(d is not None and d.type == "cuda" for d in strategy.local_devices) or any(
-        p.is_cuda for p in params)
+    on_gpu = any(d is not None and d.type == "cuda" for d in strategy.local_devices) or any(p.is_cuda for p in params)
     return on_gpu and torch.cuda.is_available() and strategy.graph_capture_blocker is None
 
 
-def input_blocker(inputs: Inputs) -> Optional[str]:
+def input_blocker(inputs: Inputs) -> str | None:
     """Why these arguments cannot go into a graph's buffers, or None."""
     if inputs.has_per_replica:
-        return ("its arguments hold per-replica values: several replicas run in this process, on threads, and a "
-                "CUDA graph holds one thread's kernels")
+        return (
+            "its arguments hold per-replica values: several replicas run in this process, on threads, and a "
+            "CUDA graph holds one thread's kernels"
+        )
     if any(t.requires_grad for t in inputs.tensors):
         return "an argument requires a gradient, which a graph's input buffer cannot carry"
     if any(t.is_sparse for t in inputs.tensors):
         return "an argument is a sparse tensor"
     for leaf in inputs.leaves:
         if _is_data_source(leaf):
-            return (f"an argument is a {type(leaf).__name__}: the batches the function reads from it would be the "
-                    "capture's at every replay (TF's `for x in dataset` inside a tf.function becomes a graph loop; "
-                    "a CUDA graph cannot read new data). Decorate the step that takes one batch instead")
+            return (
+                f"an argument is a {type(leaf).__name__}: the batches the function reads from it would be the "
+                "capture's at every replay (TF's `for x in dataset` inside a tf.function becomes a graph loop; "
+                "a CUDA graph cannot read new data). Decorate the step that takes one batch instead"
+            )
     return None
 
 
@@ -73,8 +77,7 @@ def _is_data_source(leaf: object) -> bool:
     return hasattr(leaf, "__iter__") or hasattr(leaf, "__next__")
 
 
-def strategy_blocker(inputs: Inputs, strategies: Iterable["Strategy"],
-                     params: Iterable[torch.Tensor] = ()) -> Optional[str]:
+def strategy_blocker(inputs: Inputs, strategies: Iterable[Strategy], params: Iterable[torch.Tensor] = ()) -> str | None:
     """Why the step cannot be captured, given what its warm-up calls ran on and trained; None when it can."""
     strategies = list(strategies)
     for strategy in strategies:
@@ -86,8 +89,10 @@ def strategy_blocker(inputs: Inputs, strategies: Iterable["Strategy"],
     params = list(params)
     if capture_device(inputs, strategies, params) is None:
         devices = sorted({str(t.device) for t in inputs.tensors} | {str(p.device) for p in params}) or ["none"]
-        return (f"its tensors are on {', '.join(devices)}, not on one CUDA device, and CUDA graphs need one "
-                "(place the batches on the GPU, e.g. through strategy.experimental_distribute_dataset)")
+        return (
+            f"its tensors are on {', '.join(devices)}, not on one CUDA device, and CUDA graphs need one "
+            "(place the batches on the GPU, e.g. through strategy.experimental_distribute_dataset)"
+        )
     return None
 
 
@@ -115,11 +120,13 @@ def host_syncs(found: list[str], watch: bool = True) -> Iterator[None]:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-def sync_blocker(syncs: list[str]) -> Optional[str]:
+def sync_blocker(syncs: list[str]) -> str | None:
     """Why a step that waited for the GPU cannot be captured, naming where it waited; None when it did not."""
     if not syncs:
         return None
     where = ", ".join(dict.fromkeys(syncs))
-    return (f"the step makes the host wait for the GPU (at {where}: .item(), float(t), print(t), a blocking copy, "
-            "or a GradScaler with an optimizer whose step cannot skip on the device: build it with fused=True), "
-            "which a CUDA graph cannot hold; move that out of the ds.function")
+    return (
+        f"the step makes the host wait for the GPU (at {where}: .item(), float(t), print(t), a blocking copy, "
+        "or a GradScaler with an optimizer whose step cannot skip on the device: build it with fused=True), "
+        "which a CUDA graph cannot hold; move that out of the ds.function"
+    )

@@ -8,8 +8,9 @@ be hashed counts by identity. The structure (which tuple, list, dict) counts too
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree

@@ -37,7 +37,8 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Hashable, Optional, TypeVar, Union, overload
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.utils._pytree as pytree
@@ -46,7 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distrib import context
 from distrib.graphs import capturable, paths
-from distrib.graphs.cuda_graph import CaptureError, CapturedGraph
+from distrib.graphs.cuda_graph import CapturedGraph, CaptureError
 from distrib.graphs.signature import Inputs, describe, flatten_inputs
 
 __all__ = ["Function", "function"]
@@ -61,14 +62,16 @@ class _Seen:
     """What a step's warm-up calls touched: strategies, optimizers stepped, modules run (weakly held)."""
 
     def __init__(self) -> None:
-        self.strategies: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self.modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self.strategies: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``fn``, noting what it touches through torch's public global hooks."""
-        hooks = [register_optimizer_step_pre_hook(self._optimizer_stepped),
-                 register_module_forward_pre_hook(self._module_ran)]
+        hooks = [
+            register_optimizer_step_pre_hook(self._optimizer_stepped),
+            register_module_forward_pre_hook(self._module_ran),
+        ]
         context.run_observers.append(self.strategies.add)
         try:
             return fn(*args, **kwargs)
@@ -99,16 +102,16 @@ class _Seen:
 class _Signature:
     """One input signature of a :class:`Function` (tf.function's concrete function): its path and graphs."""
 
-    def __init__(self, owner: "Function", inputs: Inputs) -> None:
+    def __init__(self, owner: Function, inputs: Inputs) -> None:
         self.owner = owner
         self.description = describe(inputs)
         self.warmups_left = owner.warmup_steps
-        self.eager_reason: Optional[str] = paths.input_blocker(inputs) if owner.mode != "eager" else "mode='eager'"
+        self.eager_reason: str | None = paths.input_blocker(inputs) if owner.mode != "eager" else "mode='eager'"
         #: (guard at entry, the graph, the modules' train/eval modes it leaves)
         self.graphs: list[tuple[tuple[Hashable, Hashable, bool], CapturedGraph, tuple[bool, ...]]] = []
         self.seen = _Seen()
-        self.device: Optional[torch.device] = None
-        self.watch: Optional[capturable.OptimizerWatch] = None
+        self.device: torch.device | None = None
+        self.watch: capturable.OptimizerWatch | None = None
         self.modules: list[torch.nn.Module] = []
         self.params: list[torch.Tensor] = []
 
@@ -121,8 +124,11 @@ class _Signature:
 
     def _warm_up(self, inputs: Inputs) -> Any:
         self.warmups_left -= 1
-        device = (paths.capture_device(inputs, self.seen.strategies, self.seen.params())
-                  if torch.cuda.is_available() else None)
+        device = (
+            paths.capture_device(inputs, self.seen.strategies, self.seen.params())
+            if torch.cuda.is_available()
+            else None
+        )
         syncs: list[str] = []
         _tracing[0] += 1
         try:
@@ -159,8 +165,10 @@ class _Signature:
 
     def _run_eagerly(self, reason: str) -> None:
         if self.owner.mode == "cuda_graph":
-            raise CaptureError(f"ds.function({self.owner.name}, mode='cuda_graph'): cannot capture the signature "
-                               f"{self.description}: {reason}")
+            raise CaptureError(
+                f"ds.function({self.owner.name}, mode='cuda_graph'): cannot capture the signature "
+                f"{self.description}: {reason}"
+            )
         self.eager_reason = reason
         self.owner.say_once(f"ds.function({self.owner.name}): runs eagerly for {self.description}: {reason}")
         if self.owner.captures == 0:  # no graph of this function steps them: they train as they were built
@@ -178,7 +186,7 @@ class _Signature:
             if graph_guard == guard and graph.matches():
                 result = graph.replay(inputs)
                 for module, training in zip(self.modules, modes):  # a model.train() inside runs at capture only:
-                    module.training = training                      # its Python effect is put back, as .grad's
+                    module.training = training  # its Python effect is put back, as .grad's
                 return result
         if not self.owner.may_capture(inputs):
             return self.owner.eager(inputs)
@@ -199,8 +207,11 @@ class _Signature:
         self.owner.captures += 1
         self.graphs.append((guard, graph, tuple(m.training for m in self.modules)))
         if self.owner.captures == 1:
-            log.info("ds.function(%s): the step is captured as a CUDA graph for %s and replayed from now on",
-                     self.owner.name, self.description)
+            log.info(
+                "ds.function(%s): the step is captured as a CUDA graph for %s and replayed from now on",
+                self.owner.name,
+                self.description,
+            )
         return result
 
 
@@ -218,16 +229,26 @@ class Function:
     ``mode``: ``"auto"``, ``"eager"`` (never capture) or ``"cuda_graph"`` (a failure to capture raises).
     """
 
-    def __init__(self, python_function: Callable[..., Any], *, warmup_steps: int = 2, max_captures: int = 8,
-                 reduce_retracing: bool = False, mode: str = "auto") -> None:
+    def __init__(
+        self,
+        python_function: Callable[..., Any],
+        *,
+        warmup_steps: int = 2,
+        max_captures: int = 8,
+        reduce_retracing: bool = False,
+        mode: str = "auto",
+    ) -> None:
         if mode not in paths.MODES:
             raise ValueError(f"ds.function(mode={mode!r}): use one of {', '.join(map(repr, paths.MODES))}")
         if warmup_steps < 1:
-            raise ValueError(f"ds.function(warmup_steps={warmup_steps}): at least 1 eager call must come before a "
-                             "capture (it creates the optimizer's state)")
+            raise ValueError(
+                f"ds.function(warmup_steps={warmup_steps}): at least 1 eager call must come before a "
+                "capture (it creates the optimizer's state)"
+            )
         if max_captures < 1:
-            raise ValueError(f"ds.function(max_captures={max_captures}): must be at least 1 (mode='eager' "
-                             "captures nothing)")
+            raise ValueError(
+                f"ds.function(max_captures={max_captures}): must be at least 1 (mode='eager' captures nothing)"
+            )
         self.python_function = python_function
         self.warmup_steps = warmup_steps
         self.max_captures = max_captures
@@ -264,17 +285,21 @@ class Function:
     def may_capture(self, inputs: Inputs) -> bool:
         """Whether another graph may be captured for ``inputs`` (``max_captures``, ``reduce_retracing``)."""
         if self.captures >= self.max_captures:
-            self.say_once(f"ds.function({self.name}) has captured {self.captures} graphs (max_captures="
-                          f"{self.max_captures}); new signatures run eagerly. Frequent new signatures come from "
-                          "changing shapes (pad the batches, drop the last one) or Python arguments that change "
-                          "at each call (pass them as tensors) [TF: 'triggered tf.function retracing']")
+            self.say_once(
+                f"ds.function({self.name}) has captured {self.captures} graphs (max_captures="
+                f"{self.max_captures}); new signatures run eagerly. Frequent new signatures come from "
+                "changing shapes (pad the batches, drop the last one) or Python arguments that change "
+                "at each call (pass them as tensors) [TF: 'triggered tf.function retracing']"
+            )
             return False
         if self.reduce_retracing:
             shapeless = (inputs.spec, tuple((t.dtype, t.device) for t in inputs.tensors))
             first = self._first_captured.setdefault(shapeless, inputs.key)
             if first != inputs.key:
-                self.say_once(f"ds.function({self.name}, reduce_retracing=True): other shapes than the captured "
-                              "signature's run eagerly")
+                self.say_once(
+                    f"ds.function({self.name}, reduce_retracing=True): other shapes than the captured "
+                    "signature's run eagerly"
+                )
                 return False
         return True
 
@@ -299,17 +324,35 @@ class Function:
 
 
 @overload
-def function(python_function: F, *, warmup_steps: int = ..., max_captures: int = ...,
-             reduce_retracing: bool = ..., mode: str = ...) -> F: ...
+def function(
+    python_function: F,
+    *,
+    warmup_steps: int = ...,
+    max_captures: int = ...,
+    reduce_retracing: bool = ...,
+    mode: str = ...,
+) -> F: ...
 
 
 @overload
-def function(python_function: None = None, *, warmup_steps: int = ..., max_captures: int = ...,
-             reduce_retracing: bool = ..., mode: str = ...) -> Callable[[F], F]: ...
+def function(
+    python_function: None = None,
+    *,
+    warmup_steps: int = ...,
+    max_captures: int = ...,
+    reduce_retracing: bool = ...,
+    mode: str = ...,
+) -> Callable[[F], F]: ...
 
 
-def function(python_function: Optional[Callable[..., Any]] = None, *, warmup_steps: int = 2, max_captures: int = 8,
-             reduce_retracing: bool = False, mode: str = "auto") -> Union[Callable[..., Any], Callable[[F], F]]:
+def function(
+    python_function: Callable[..., Any] | None = None,
+    *,
+    warmup_steps: int = 2,
+    max_captures: int = 8,
+    reduce_retracing: bool = False,
+    mode: str = "auto",
+) -> Callable[..., Any] | Callable[[F], F]:
     """Capture the decorated step once per signature as a CUDA graph and replay it (``tf.function``).
 
     See :mod:`distrib.graphs.step_function` for what a call does. On a CPU the step runs eagerly, and the
@@ -325,8 +368,10 @@ def function(python_function: Optional[Callable[..., Any]] = None, *, warmup_ste
         >>> list(double.paths().values())[0] if not torch.cuda.is_available() else "eager: CUDA is not available"
         'eager: CUDA is not available here, and CUDA graphs need a CUDA device'
     """
+
     def wrap(fn: Callable[..., Any]) -> Any:
-        return Function(fn, warmup_steps=warmup_steps, max_captures=max_captures,
-                        reduce_retracing=reduce_retracing, mode=mode)
+        return Function(
+            fn, warmup_steps=warmup_steps, max_captures=max_captures, reduce_retracing=reduce_retracing, mode=mode
+        )
 
     return wrap(python_function) if python_function is not None else wrap

@@ -30,6 +30,17 @@ from distrib.input.iterators import DistributedIterator, OptionalValue, OutOfRan
 from distrib.input.options import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
 from distrib.input.per_worker import DistributedDatasetsFromFunction
 
-__all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "InputReplicationMode", "DistributedDataset",
-           "DistributedDatasetsFromFunction", "DistributedIterator", "OptionalValue", "OutOfRangeError", "TensorSpec",
-           "split_batch", "spec_of"]
+__all__ = [
+    "AutoShardPolicy",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "OptionalValue",
+    "OutOfRangeError",
+    "TensorSpec",
+    "split_batch",
+    "spec_of",
+]

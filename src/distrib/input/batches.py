@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from distrib.tensor_bytes import byte_view
 
-__all__ = ["TensorSpec", "batch_len", "empty_like", "fingerprint", "part_bounds", "peek_spec", "shapes_fingerprint",
-           "spec_of", "split_batch", "to_device"]
+__all__ = [
+    "TensorSpec",
+    "batch_len",
+    "empty_like",
+    "fingerprint",
+    "part_bounds",
+    "peek_spec",
+    "shapes_fingerprint",
+    "spec_of",
+    "split_batch",
+    "to_device",
+]
 
 
 def _as_tensor(leaf: Any) -> Any:
@@ -32,9 +43,11 @@ def split_batch(batch: Any, num_parts: int) -> list[Any]:
     leaves, spec = pytree.tree_flatten(batch)
     leaves = [_as_tensor(x) for x in leaves]
     if num_parts > 1 and any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in leaves):
-        raise ValueError(f"a batch holds a 0-d tensor, which cannot be split across {num_parts} replicas: batch "
-                         "the input first (e.g. DataLoader(dataset, batch_size=...)), so that every tensor has a "
-                         "batch dimension")
+        raise ValueError(
+            f"a batch holds a 0-d tensor, which cannot be split across {num_parts} replicas: batch "
+            "the input first (e.g. DataLoader(dataset, batch_size=...)), so that every tensor has a "
+            "batch dimension"
+        )
     sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) > 1:
         raise ValueError(f"cannot split a batch whose tensors have different sizes along dim 0: {sorted(sizes)}")
@@ -62,7 +75,7 @@ def part_bounds(length: int, num_parts: int, first: int, count: int) -> tuple[in
     return start(first), start(first + count)
 
 
-def to_device(batch: Any, device: Optional[torch.device], pin: bool = False) -> Any:
+def to_device(batch: Any, device: torch.device | None, pin: bool = False) -> Any:
     """``batch`` with every tensor on ``device`` (None: as it is). From pinned host memory the copy is
     ``non_blocking``; ``pin`` first pins host tensors bound for a CUDA device (TF's ``fetch_to_device``)."""
     if device is None:
@@ -114,7 +127,7 @@ def shapes_fingerprint(batch: Any) -> int:
 class TensorSpec:
     """The shape (``None`` for the batch dimension) and dtype of a tensor (``tf.TensorSpec``)."""
 
-    shape: tuple[Optional[int], ...]
+    shape: tuple[int | None, ...]
     dtype: torch.dtype
 
 
@@ -122,15 +135,18 @@ def spec_of(batch: Any) -> Any:
     """``batch``'s structure with every tensor replaced by its :class:`TensorSpec` (batch dimension None)."""
     return pytree.tree_map(
         lambda x: TensorSpec((None, *x.shape[1:]) if x.dim() else (), x.dtype) if isinstance(x, torch.Tensor) else x,
-        batch)
+        batch,
+    )
 
 
 def peek_spec(dataset: Iterable[Any]) -> Any:
     """The spec of a re-iterable dataset's first batch (a fresh iterator: iteration is not disturbed)."""
     iterator = iter(dataset)
     if iterator is dataset:
-        raise ValueError("element_spec of a one-pass iterator would consume its first batch: take it from the "
-                         "distributed iterator instead (it = iter(dist_dataset); it.element_spec)")
+        raise ValueError(
+            "element_spec of a one-pass iterator would consume its first batch: take it from the "
+            "distributed iterator instead (it = iter(dist_dataset); it.element_spec)"
+        )
     first = next(iterator, None)
     if first is None:
         raise ValueError("element_spec of an empty dataset is unknown")

@@ -9,13 +9,13 @@ step, with one small all-reduce, that they are reading the same global batches.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distrib.comm import CollectiveError
-from distrib.input.batches import (batch_len, empty_like, fingerprint, peek_spec, shapes_fingerprint,
-                                   split_batch)
+from distrib.input.batches import batch_len, empty_like, fingerprint, peek_spec, shapes_fingerprint, split_batch
 from distrib.input.iterators import DistributedIterator, prefetching
 from distrib.input.options import AutoShardPolicy, InputReplicationMode, resolve_options
 from distrib.input.positions import numbered_batches, split_xy
@@ -44,22 +44,26 @@ class DistributedDataset:
     original loader (same order, same content, from the same seeds).
     """
 
-    def __init__(self, dataset: Iterable[Any], strategy: "Strategy", options: Any = None) -> None:
+    def __init__(self, dataset: Iterable[Any], strategy: Strategy, options: Any = None) -> None:
         self._options = resolve_options(options, "experimental_distribute_dataset")
         policy = self._options.experimental_auto_shard_policy
         if policy in (AutoShardPolicy.FILE, AutoShardPolicy.HINT):
-            raise ValueError(f"AutoShardPolicy.{policy.name} has no DataLoader counterpart (a DataLoader has no files "
-                             "or shard hints): use AUTO (a DataLoader over a map-style dataset is sharded by index) "
-                             "or DATA, or read each worker's files in distribute_datasets_from_function")
+            raise ValueError(
+                f"AutoShardPolicy.{policy.name} has no DataLoader counterpart (a DataLoader has no files "
+                "or shard hints): use AUTO (a DataLoader over a map-style dataset is sharded by index) "
+                "or DATA, or read each worker's files in distribute_datasets_from_function"
+            )
         if self._options.experimental_replication_mode is not InputReplicationMode.PER_WORKER:
-            raise ValueError("experimental_replication_mode=PER_REPLICA is for distribute_datasets_from_function "
-                             "(one pipeline per replica), as in TF; experimental_distribute_dataset splits global "
-                             "batches")
+            raise ValueError(
+                "experimental_replication_mode=PER_REPLICA is for distribute_datasets_from_function "
+                "(one pipeline per replica), as in TF; experimental_distribute_dataset splits global "
+                "batches"
+            )
         _refuse_per_worker_sampler(dataset, strategy)
         self._dataset = dataset
         self._strategy = strategy
         self._spec: Any = None
-        self._sharded: Optional[ShardedLoader] = None
+        self._sharded: ShardedLoader | None = None
         if strategy.num_workers > 1 and policy is AutoShardPolicy.AUTO:
             reason = why_not_shardable(dataset)
             if reason is None:
@@ -71,7 +75,9 @@ class DistributedDataset:
                     "loads every global batch and keeps its replicas' part (AutoShardPolicy.DATA): the input work "
                     "is done once per worker. Say so to silence this with options=ds.InputOptions("
                     "experimental_auto_shard_policy=ds.AutoShardPolicy.DATA), or give each worker its own data "
-                    "with strategy.distribute_datasets_from_function", stacklevel=3)
+                    "with strategy.distribute_datasets_from_function",
+                    stacklevel=3,
+                )
 
     @property
     def auto_sharded(self) -> bool:
@@ -94,8 +100,12 @@ class DistributedDataset:
         else:
             parts = self._read_all_parts(start, cycle, numbered)
         options = self._options
-        elements = prefetching(parts, self._strategy.local_devices, bool(options.experimental_fetch_to_device),
-                               options.experimental_per_replica_buffer_size)
+        elements = prefetching(
+            parts,
+            self._strategy.local_devices,
+            bool(options.experimental_fetch_to_device),
+            options.experimental_per_replica_buffer_size,
+        )
         return DistributedIterator(elements, self._strategy)
 
     def _read_all_parts(self, start: int, cycle: bool, numbered: bool) -> Iterator[list[Any]]:
@@ -105,7 +115,7 @@ class DistributedDataset:
         n, total = s.num_local_replicas, s.num_replicas_in_sync
         first = s.worker_index * n
         for batch in _agreed(batches, s):
-            yield [batch] if total == 1 else split_batch(batch, total)[first:first + n]
+            yield [batch] if total == 1 else split_batch(batch, total)[first : first + n]
 
     def _sharded_parts(self, sharded: ShardedLoader, start: int, cycle: bool, numbered: bool) -> Iterator[list[Any]]:
         """This worker's loaded share of each global batch, split over its local replicas."""
@@ -147,12 +157,12 @@ class _ShardAgreement:
     of dimensions and dtypes), and the data ends at the same step everywhere. One all-reduce of a few integers per worker per step; a worker whose share
     of a step is empty but never held one learns the batch structure from a worker that did (once)."""
 
-    def __init__(self, strategy: "Strategy") -> None:
+    def __init__(self, strategy: Strategy) -> None:
         self._strategy = strategy
         self._template: Any = None
         self._step = 0
 
-    def check(self, item: Optional[tuple[GlobalBatch, Optional[Any]]]) -> Optional[Any]:
+    def check(self, item: tuple[GlobalBatch, Any | None] | None) -> Any | None:
         """This worker's share of the step (an empty batch where it holds none), or None at the agreed end."""
         s = self._strategy
         share = None if item is None else item[1]
@@ -174,17 +184,20 @@ class _ShardAgreement:
             raise CollectiveError(
                 f"experimental_distribute_dataset: the data of worker(s) {[i for i, h in enumerate(has) if not h]} "
                 f"ended after {step} global batches while worker(s) {[i for i, h in enumerate(has) if h]} have "
-                "more. Every worker must read the same global batches: give every worker the same dataset")
+                "more. Every worker must read the same global batches: give every worker the same dataset"
+            )
         if bool((rows[:, 1:3] != rows[0, 1:3]).any()):
             raise CollectiveError(
                 f"experimental_distribute_dataset: global batch {step} differs between workers (sizes "
                 f"{rows[:, 1].tolist()}, or the indices drawn). Every worker must draw the same global batches: seed "
                 "the shuffle the same way on every worker (DataLoader(..., generator=torch.Generator()."
-                "manual_seed(seed))), or give each worker its own data with strategy.distribute_datasets_from_function")
+                "manual_seed(seed))), or give each worker its own data with strategy.distribute_datasets_from_function"
+            )
         if len({v for v in rows[:, 3].tolist() if v}) > 1:
             raise CollectiveError(
                 f"experimental_distribute_dataset: the examples of global batch {step} have tensors of different "
-                "ranks or dtypes on different workers: every worker must read the same dataset")
+                "ranks or dtypes on different workers: every worker must read the same dataset"
+            )
         if bool(rows[:, 4].any()):
             templates = s.communicator.all_gather_object(self._template)
             if self._template is None:
@@ -199,7 +212,8 @@ class _ShardAgreement:
 
 # --------------------------------------------------------------------------- checks
 
-def _refuse_per_worker_sampler(dataset: Any, strategy: "Strategy") -> None:
+
+def _refuse_per_worker_sampler(dataset: Any, strategy: Strategy) -> None:
     """A DataLoader that already shards per worker must not be split again over the workers."""
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
@@ -214,10 +228,11 @@ def _refuse_per_worker_sampler(dataset: Any, strategy: "Strategy") -> None:
             "each worker would train on a fraction of its fraction. Either give the DataLoader the whole data "
             "(no DistributedSampler; distrib shards it by index so that each worker loads only its own examples), "
             "or build per-worker data with strategy.distribute_datasets_from_function(lambda ctx: DataLoader(..., "
-            "sampler=DistributedSampler(data, ctx.num_input_pipelines, ctx.input_pipeline_id)))")
+            "sampler=DistributedSampler(data, ctx.num_input_pipelines, ctx.input_pipeline_id)))"
+        )
 
 
-def _agreed(batches: Iterator[Any], strategy: "Strategy") -> Iterator[Any]:
+def _agreed(batches: Iterator[Any], strategy: Strategy) -> Iterator[Any]:
     """The global batches of one worker, checked against every other worker's at each step.
 
     Every worker must read the same global batches: a worker whose data ends while others
@@ -243,12 +258,14 @@ def _agreed(batches: Iterator[Any], strategy: "Strategy") -> Iterator[Any]:
                 f"experimental_distribute_dataset: the data of worker(s) {ended} ended after {step} global "
                 f"batches while worker(s) {[i for i, h in enumerate(has) if h]} have more. Every worker must read "
                 "the same global batches (same data, same order); for per-worker data use "
-                "strategy.distribute_datasets_from_function")
+                "strategy.distribute_datasets_from_function"
+            )
         if bool((rows[:, 1:] != rows[0, 1:]).any()):
             raise CollectiveError(
                 f"experimental_distribute_dataset: global batch {step} differs between workers (sizes "
                 f"{rows[:, 1].tolist()}). Every worker must read the same global batches: seed the shuffle the "
                 "same way on every worker, or give each worker its own data with "
-                "strategy.distribute_datasets_from_function")
+                "strategy.distribute_datasets_from_function"
+            )
         step += 1
         yield batch

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -52,13 +53,13 @@ class DistributedIterator:
         False
     """
 
-    def __init__(self, elements: Iterator[Any], strategy: "Strategy") -> None:
+    def __init__(self, elements: Iterator[Any], strategy: Strategy) -> None:
         self._elements = elements
         self._strategy = strategy
         self._peeked: list[Any] = []
         self._spec: Any = None
 
-    def __iter__(self) -> "DistributedIterator":
+    def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
@@ -91,7 +92,7 @@ class DistributedIterator:
         return self._spec
 
 
-def place(parts: Sequence[Any], devices: Sequence[Optional[torch.device]], fetch_to_device: bool) -> Any:
+def place(parts: Sequence[Any], devices: Sequence[torch.device | None], fetch_to_device: bool) -> Any:
     """The element ``strategy.run`` takes from the local replicas' ``parts``: each on its replica's device
     (unless ``fetch_to_device`` is False), grouped as a PerReplica structure when there are several."""
     if fetch_to_device:
@@ -110,7 +111,7 @@ class DevicePrefetcher:
     recorded on that stream so that their memory is not reused while the step still reads it.
     """
 
-    def __init__(self, parts: Iterator[Sequence[Any]], devices: Sequence[Optional[torch.device]], depth: int) -> None:
+    def __init__(self, parts: Iterator[Sequence[Any]], devices: Sequence[torch.device | None], depth: int) -> None:
         self._parts = parts
         self._devices = list(devices)
         self._depth = depth
@@ -118,7 +119,7 @@ class DevicePrefetcher:
         self._ended = False
         self._streams = {d: torch.cuda.Stream(d) for d in self._devices if d is not None and d.type == "cuda"}
 
-    def __iter__(self) -> "DevicePrefetcher":
+    def __iter__(self) -> DevicePrefetcher:
         return self
 
     def _start(self, parts: Sequence[Any]) -> tuple[list[Any], list[tuple[torch.device, Any]]]:
@@ -156,8 +157,9 @@ class DevicePrefetcher:
         return moved[0] if len(moved) == 1 else regroup(moved)
 
 
-def prefetching(parts: Iterator[Sequence[Any]], devices: Sequence[Optional[torch.device]], fetch_to_device: bool,
-                depth: int) -> Iterator[Any]:
+def prefetching(
+    parts: Iterator[Sequence[Any]], devices: Sequence[torch.device | None], fetch_to_device: bool, depth: int
+) -> Iterator[Any]:
     """The elements of ``parts`` placed on ``devices``: through a :class:`DevicePrefetcher` where it helps (some
     device is a GPU, fetching is on, ``depth`` > 0), else one by one (on the CPU there is no copy to overlap)."""
     if fetch_to_device and depth > 0 and any(d is not None and d.type == "cuda" for d in devices):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "InputReplicationMode", "resolve_options"]
 
@@ -72,7 +72,7 @@ class InputOptions:
         True
     """
 
-    experimental_fetch_to_device: Optional[bool] = None
+    experimental_fetch_to_device: bool | None = None
     experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
@@ -81,21 +81,27 @@ class InputOptions:
     def __post_init__(self) -> None:
         if self.experimental_fetch_to_device is None:
             object.__setattr__(self, "experimental_fetch_to_device", not self.experimental_place_dataset_on_device)
-        object.__setattr__(self, "experimental_replication_mode",
-                           InputReplicationMode(self.experimental_replication_mode))
-        object.__setattr__(self, "experimental_auto_shard_policy",
-                           AutoShardPolicy(self.experimental_auto_shard_policy))
+        object.__setattr__(
+            self, "experimental_replication_mode", InputReplicationMode(self.experimental_replication_mode)
+        )
+        object.__setattr__(self, "experimental_auto_shard_policy", AutoShardPolicy(self.experimental_auto_shard_policy))
         if self.experimental_per_replica_buffer_size < 0:
-            raise ValueError(f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size}: "
-                             "use 0 (no prefetch) or more")
+            raise ValueError(
+                f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size}: "
+                "use 0 (no prefetch) or more"
+            )
         if self.experimental_place_dataset_on_device:
             if self.experimental_fetch_to_device:
-                raise ValueError("experimental_place_dataset_on_device=True and experimental_fetch_to_device=True "
-                                 "cannot both be set: a pipeline already on the device has nothing to fetch "
-                                 "(as in TF)")
+                raise ValueError(
+                    "experimental_place_dataset_on_device=True and experimental_fetch_to_device=True "
+                    "cannot both be set: a pipeline already on the device has nothing to fetch "
+                    "(as in TF)"
+                )
             if self.experimental_replication_mode is not InputReplicationMode.PER_REPLICA:
-                raise ValueError("experimental_place_dataset_on_device=True needs experimental_replication_mode="
-                                 "InputReplicationMode.PER_REPLICA (one pipeline per replica device), as in TF")
+                raise ValueError(
+                    "experimental_place_dataset_on_device=True needs experimental_replication_mode="
+                    "InputReplicationMode.PER_REPLICA (one pipeline per replica device), as in TF"
+                )
 
 
 def resolve_options(options: Any, entry: str) -> InputOptions:
@@ -103,8 +109,10 @@ def resolve_options(options: Any, entry: str) -> InputOptions:
     if options is None:
         return InputOptions()
     if not isinstance(options, InputOptions):
-        raise TypeError(f"{entry}(..., options=...) takes a ds.InputOptions, not a {type(options).__name__}: "
-                        "e.g. ds.InputOptions(experimental_auto_shard_policy=ds.AutoShardPolicy.DATA)")
+        raise TypeError(
+            f"{entry}(..., options=...) takes a ds.InputOptions, not a {type(options).__name__}: "
+            "e.g. ds.InputOptions(experimental_auto_shard_policy=ds.AutoShardPolicy.DATA)"
+        )
     return options
 
 

@@ -4,7 +4,8 @@ batches are per-replica batches."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,20 +33,30 @@ class DistributedDatasetsFromFunction:
     its device (``torch.device(replica_device)``), so the tensors it creates are made there and never copied.
     """
 
-    def __init__(self, dataset_fn: Callable[[InputContext], Iterable[Any]], strategy: "Strategy",
-                 options: Any = None) -> None:
+    def __init__(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], strategy: Strategy, options: Any = None
+    ) -> None:
         self._strategy = strategy
         self._options = resolve_options(options, "distribute_datasets_from_function")
         self._per_replica = self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
         if self._per_replica:
             n = strategy.num_local_replicas
-            self._contexts = [InputContext(num_input_pipelines=strategy.num_replicas_in_sync,
-                                           input_pipeline_id=strategy.worker_index * n + k,
-                                           num_replicas_in_sync=strategy.num_replicas_in_sync) for k in range(n)]
+            self._contexts = [
+                InputContext(
+                    num_input_pipelines=strategy.num_replicas_in_sync,
+                    input_pipeline_id=strategy.worker_index * n + k,
+                    num_replicas_in_sync=strategy.num_replicas_in_sync,
+                )
+                for k in range(n)
+            ]
         else:
-            self._contexts = [InputContext(num_input_pipelines=strategy.num_workers,
-                                           input_pipeline_id=strategy.worker_index,
-                                           num_replicas_in_sync=strategy.num_replicas_in_sync)]
+            self._contexts = [
+                InputContext(
+                    num_input_pipelines=strategy.num_workers,
+                    input_pipeline_id=strategy.worker_index,
+                    num_replicas_in_sync=strategy.num_replicas_in_sync,
+                )
+            ]
         self.input_context = self._contexts[0]
         self._datasets = []
         for k, context in enumerate(self._contexts):
@@ -69,8 +80,12 @@ class DistributedDatasetsFromFunction:
                 iterators.append(iter(dataset))
         parts = _PerReplicaIterator(iterators, self._strategy, self._on_device)
         options = self._options
-        elements = prefetching(parts, self._strategy.local_devices, bool(options.experimental_fetch_to_device),
-                               options.experimental_per_replica_buffer_size)
+        elements = prefetching(
+            parts,
+            self._strategy.local_devices,
+            bool(options.experimental_fetch_to_device),
+            options.experimental_per_replica_buffer_size,
+        )
         return DistributedIterator(elements, self._strategy)
 
     def __len__(self) -> int:
@@ -82,8 +97,10 @@ class DistributedDatasetsFromFunction:
         try:
             batches = [len(d) for d in self._datasets]  # type: ignore[arg-type]
         except TypeError:
-            raise TypeError(f"the dataset_fn returned a {type(self._dataset).__name__}, which has no len(); "
-                            "return a DataLoader (or another sized iterable) to count steps") from None
+            raise TypeError(
+                f"the dataset_fn returned a {type(self._dataset).__name__}, which has no len(); "
+                "return a DataLoader (or another sized iterable) to count steps"
+            ) from None
         if self._per_replica:
             return max(batches)
         return -(-batches[0] // self._strategy.num_local_replicas)
@@ -106,17 +123,21 @@ class _PerReplicaIterator:
     collective is left waiting and every example is seen exactly once.
     """
 
-    def __init__(self, iterators: list[Iterator[Any]], strategy: "Strategy",
-                 on_device: Callable[[int], contextlib.AbstractContextManager[Any]]) -> None:
-        self._its: list[Optional[Iterator[Any]]] = list(iterators)
+    def __init__(
+        self,
+        iterators: list[Iterator[Any]],
+        strategy: Strategy,
+        on_device: Callable[[int], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        self._its: list[Iterator[Any] | None] = list(iterators)
         self._strategy = strategy
         self._on_device = on_device
         self._template: Any = None
 
-    def __iter__(self) -> "_PerReplicaIterator":
+    def __iter__(self) -> _PerReplicaIterator:
         return self
 
-    def _next_local(self, pipeline: int) -> Optional[Any]:
+    def _next_local(self, pipeline: int) -> Any | None:
         it = self._its[pipeline]
         if it is None:
             return None
@@ -132,7 +153,7 @@ class _PerReplicaIterator:
     def __next__(self) -> list[Any]:
         s = self._strategy
         replicas = len(s.local_devices)
-        batches: list[Optional[Any]] = []
+        batches: list[Any | None] = []
         if len(self._its) == 1:  # PER_WORKER: local replicas take consecutive batches
             for _ in range(replicas):
                 batch = self._next_local(0)

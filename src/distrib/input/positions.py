@@ -8,7 +8,8 @@ parameter-server one, import it from here, never the reverse).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 __all__ = ["numbered_batches", "split_xy"]
 
@@ -34,7 +35,7 @@ def numbered_batches(data: Iterable[Any], start: int = 0, cycle: bool = False) -
         [([0.0, 0.0, 0.0], 3)]
     """
     skip = start
-    passes: Iterable[Optional[int]] = itertools.count() if cycle else [None]
+    passes: Iterable[int | None] = itertools.count() if cycle else [None]
     for n_pass in passes:
         if n_pass is not None and hasattr(data, "set_epoch"):
             data.set_epoch(n_pass)

@@ -19,8 +19,9 @@ import weakref
 import zlib
 from array import array
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -86,18 +87,22 @@ class ShardedBatchSampler:
                 yield indices[lo:hi]
 
 
-def why_not_shardable(dataset: Any) -> Optional[str]:
+def why_not_shardable(dataset: Any) -> str | None:
     """None when ``dataset`` is a ``DataLoader`` this module can shard; else why not (for the warning)."""
     from torch.utils.data import DataLoader, IterableDataset
 
     if not isinstance(dataset, DataLoader):
         return f"a {type(dataset).__name__} is not a DataLoader"
     if type(dataset) is not DataLoader:
-        return (f"{type(dataset).__name__} is a subclass of DataLoader, which distrib cannot rebuild with a sharded "
-                "batch sampler without losing what the subclass adds")
+        return (
+            f"{type(dataset).__name__} is a subclass of DataLoader, which distrib cannot rebuild with a sharded "
+            "batch sampler without losing what the subclass adds"
+        )
     if isinstance(dataset.dataset, IterableDataset):
-        return ("its dataset is an IterableDataset: its examples have no indices to share out (shard it yourself "
-                "with distribute_datasets_from_function, e.g. by InputContext.input_pipeline_id)")
+        return (
+            "its dataset is an IterableDataset: its examples have no indices to share out (shard it yourself "
+            "with distribute_datasets_from_function, e.g. by InputContext.input_pipeline_id)"
+        )
     if dataset.batch_sampler is None:
         return "it does not batch (batch_size=None): its elements are not global batches of indexed examples"
     if not getattr(dataset, "in_order", True):
@@ -116,19 +121,27 @@ class ShardedLoader:
         self.sampler = ShardedBatchSampler(loader.batch_sampler, num_parts, first, count)
         workers = loader.num_workers
         self.loader = DataLoader(
-            loader.dataset, batch_sampler=self.sampler, num_workers=workers, collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            loader.dataset,
+            batch_sampler=self.sampler,
+            num_workers=workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
             multiprocessing_context=loader.multiprocessing_context if workers else None,
-            generator=loader.generator, prefetch_factor=loader.prefetch_factor if workers else None,
-            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
-            in_order=getattr(loader, "in_order", True))
+            generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor if workers else None,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+            in_order=getattr(loader, "in_order", True),
+        )
 
-    def steps(self, start: int = 0, cycle: bool = False) -> Iterator[tuple[GlobalBatch, Optional[Any]]]:
+    def steps(self, start: int = 0, cycle: bool = False) -> Iterator[tuple[GlobalBatch, Any | None]]:
         """``(global batch, this worker's loaded share of it or None when its share is empty)`` for every global
         batch from position ``start`` (with ``cycle``, passes over the data follow each other for ever, calling the
         original loader's ``set_epoch(pass)`` when it has one, as ``numbered_batches`` does)."""
         skip = start
-        passes: Iterable[Optional[int]] = itertools.count() if cycle else [None]
+        passes: Iterable[int | None] = itertools.count() if cycle else [None]
         for n_pass in passes:
             original = self._original()
             if n_pass is not None and original is not None and hasattr(original, "set_epoch"):
@@ -155,7 +168,7 @@ class ShardedLoader:
                 return
 
 
-_SHARDED: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], ShardedLoader]]" = weakref.WeakKeyDictionary()
+_SHARDED: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], ShardedLoader]] = weakref.WeakKeyDictionary()
 
 
 def sharded_loader(loader: Any, num_parts: int, first: int, count: int) -> ShardedLoader:

@@ -21,34 +21,44 @@ in modules of their own without importing one another.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from distrib.keras.loop import Loop
 
-__all__ = ["Callback", "CallbackList", "History", "Logs", "as_learning_rate", "first_learning_rate",
-           "set_learning_rate"]
+__all__ = [
+    "Callback",
+    "CallbackList",
+    "History",
+    "Logs",
+    "as_learning_rate",
+    "first_learning_rate",
+    "set_learning_rate",
+]
 
 Logs = dict[str, Any]
 
 
-def _groups_with_lr(optimizer: Optional[torch.optim.Optimizer], who: str) -> list[dict[str, Any]]:
+def _groups_with_lr(optimizer: torch.optim.Optimizer | None, who: str) -> list[dict[str, Any]]:
     """``optimizer``'s parameter groups, each with an ``lr``; a ValueError naming the fix otherwise."""
     if optimizer is None or not optimizer.param_groups or "lr" not in optimizer.param_groups[0]:
-        raise ValueError(f"{who} needs an optimizer whose param_groups have an 'lr', got "
-                         f"{type(optimizer).__name__}: give fit an optimizer such as torch.optim.SGD(..., lr=...) "
-                         "(evaluate and predict train nothing, so their callbacks have no optimizer)")
+        raise ValueError(
+            f"{who} needs an optimizer whose param_groups have an 'lr', got "
+            f"{type(optimizer).__name__}: give fit an optimizer such as torch.optim.SGD(..., lr=...) "
+            "(evaluate and predict train nothing, so their callbacks have no optimizer)"
+        )
     return optimizer.param_groups
 
 
-def first_learning_rate(optimizer: Optional[torch.optim.Optimizer], who: str = "learning_rate") -> float:
+def first_learning_rate(optimizer: torch.optim.Optimizer | None, who: str = "learning_rate") -> float:
     """The first parameter group's learning rate, a float (a tensor rate is read with ``float``)."""
     return float(_groups_with_lr(optimizer, who)[0]["lr"])
 
 
-def as_learning_rate(value: Any) -> Optional[float]:
+def as_learning_rate(value: Any) -> float | None:
     """``value`` as a learning rate (a finite number or 0-d float tensor, as a float); None if it is not one."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
         value = float(value)
@@ -57,7 +67,7 @@ def as_learning_rate(value: Any) -> Optional[float]:
     return float(value)
 
 
-def set_learning_rate(optimizer: Optional[torch.optim.Optimizer], value: Any, who: str = "learning_rate") -> float:
+def set_learning_rate(optimizer: torch.optim.Optimizer | None, value: Any, who: str = "learning_rate") -> float:
     """Set every parameter group's learning rate to ``value`` (see :func:`as_learning_rate`); return it.
 
     A tensor rate (a capturable optimizer's) stays a tensor and is filled in place, so the
@@ -96,17 +106,19 @@ class Callback:
         Learning rate for epoch 2 is 0.0001
     """
 
-    loop: "Loop"
+    loop: Loop
 
-    def set_loop(self, loop: "Loop") -> None:
+    def set_loop(self, loop: Loop) -> None:
         self.loop = loop
 
-    def _running(self, what: str) -> "Loop":
+    def _running(self, what: str) -> Loop:
         loop = self.__dict__.get("loop")
         if loop is None:
-            raise AttributeError(f"{type(self).__name__}.{what} is the running loop's, set when fit, evaluate or "
-                                 f"predict starts (it is not available in __init__); keep a value of your own under "
-                                 f"another name")
+            raise AttributeError(
+                f"{type(self).__name__}.{what} is the running loop's, set when fit, evaluate or "
+                f"predict starts (it is not available in __init__); keep a value of your own under "
+                f"another name"
+            )
         return loop
 
     @property
@@ -115,14 +127,16 @@ class Callback:
         return self._running("model").model
 
     @property
-    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+    def optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer ``fit`` trains with (Keras' ``self.model.optimizer``); None under evaluate and predict."""
         return self._running("optimizer").optimizer
 
     @optimizer.setter
     def optimizer(self, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__}.optimizer is the optimizer fit trains with, not settable; keep an "
-                             "optimizer of your own under another name")
+        raise AttributeError(
+            f"{type(self).__name__}.optimizer is the optimizer fit trains with, not settable; keep an "
+            "optimizer of your own under another name"
+        )
 
     @property
     def learning_rate(self) -> float:
@@ -137,35 +151,36 @@ class Callback:
     def learning_rate(self, value: Any) -> None:
         set_learning_rate(self._running("learning_rate").optimizer, value, f"{type(self).__name__}.learning_rate")
 
-    def on_train_begin(self, logs: Optional[Logs] = None) -> None: ...
-    def on_train_end(self, logs: Optional[Logs] = None) -> None: ...
-    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_begin(self, logs: Logs | None = None) -> None: ...
+    def on_train_end(self, logs: Logs | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         """Keras' older name of :meth:`on_train_batch_begin`, which calls it (as Keras' does)."""
 
-    def on_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         """Keras' older name of :meth:`on_train_batch_end`, which calls it (as Keras' does)."""
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         self.on_batch_begin(batch, logs)
 
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self.on_batch_end(batch, logs)
 
-    def on_test_begin(self, logs: Optional[Logs] = None) -> None: ...
-    def on_test_end(self, logs: Optional[Logs] = None) -> None: ...
-    def on_test_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_test_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_begin(self, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_end(self, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None: ...
-    def on_predict_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None: ...
+    def on_test_begin(self, logs: Logs | None = None) -> None: ...
+    def on_test_end(self, logs: Logs | None = None) -> None: ...
+    def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_predict_begin(self, logs: Logs | None = None) -> None: ...
+    def on_predict_end(self, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
 
 
 #: the hooks whose only argument is ``logs`` (the others take a batch or epoch number first)
-_LOGS_ONLY = frozenset({"on_train_begin", "on_train_end", "on_test_begin", "on_test_end", "on_predict_begin",
-                        "on_predict_end"})
+_LOGS_ONLY = frozenset(
+    {"on_train_begin", "on_train_end", "on_test_begin", "on_test_end", "on_predict_begin", "on_predict_end"}
+)
 
 
 class CallbackList:
@@ -180,7 +195,7 @@ class CallbackList:
     def __init__(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = list(callbacks)
 
-    def set_loop(self, loop: "Loop") -> None:
+    def set_loop(self, loop: Loop) -> None:
         for c in self.callbacks:
             c.set_loop(loop)
 
@@ -205,7 +220,7 @@ class History(Callback):
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         self.epoch.append(epoch)
         for k, v in (logs or {}).items():
             self.history.setdefault(k, []).append(v)

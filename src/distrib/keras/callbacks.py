@@ -16,17 +16,36 @@ import math
 import os
 import shutil
 import time
-from typing import IO, Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
 
 from distrib.checkpoint import Checkpoint, CheckpointManager
-from distrib.keras.callback_base import (Callback, CallbackList, History, Logs, as_learning_rate, first_learning_rate,
-                                        set_learning_rate)
+from distrib.keras.callback_base import (
+    Callback,
+    CallbackList,
+    History,
+    Logs,
+    as_learning_rate,
+    first_learning_rate,
+    set_learning_rate,
+)
 from distrib.keras.tensorboard import TensorBoard
 
-__all__ = ["Callback", "CallbackList", "History", "ModelCheckpoint", "BackupAndRestore", "EarlyStopping",
-           "TensorBoard", "JsonlLogger", "LearningRateScheduler", "TerminateOnNaN", "CSVLogger"]
+__all__ = [
+    "Callback",
+    "CallbackList",
+    "History",
+    "ModelCheckpoint",
+    "BackupAndRestore",
+    "EarlyStopping",
+    "TensorBoard",
+    "JsonlLogger",
+    "LearningRateScheduler",
+    "TerminateOnNaN",
+    "CSVLogger",
+]
 
 
 def _better(mode: str, monitor: str) -> Any:
@@ -68,18 +87,30 @@ class ModelCheckpoint(Callback):
         True
     """
 
-    def __init__(self, filepath: "str | os.PathLike[str]", monitor: str = "val_loss", verbose: int = 0,
-                 save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
-                 save_freq: Union[str, int] = "epoch", initial_value_threshold: Optional[float] = None) -> None:
-        if save_freq != "epoch" and not (isinstance(save_freq, int) and not isinstance(save_freq, bool)
-                                         and save_freq > 0):
-            raise ValueError(f"ModelCheckpoint(save_freq={save_freq!r}): expected 'epoch' or a positive number "
-                             "of batches")
+    def __init__(
+        self,
+        filepath: str | os.PathLike[str],
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        initial_value_threshold: float | None = None,
+    ) -> None:
+        if save_freq != "epoch" and not (
+            isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0
+        ):
+            raise ValueError(
+                f"ModelCheckpoint(save_freq={save_freq!r}): expected 'epoch' or a positive number of batches"
+            )
         self.filepath = os.fspath(filepath)
         if os.path.isdir(self.filepath):  # Keras 2 wrote a SavedModel into it; a distrib checkpoint is one file
-            raise ValueError(f"ModelCheckpoint(filepath={self.filepath!r}): that is a directory, and a checkpoint is "
-                             f"a file <filepath>.pt: give a file name in it, e.g. "
-                             f"{os.path.join(self.filepath, 'ckpt-{epoch}')!r}")
+            raise ValueError(
+                f"ModelCheckpoint(filepath={self.filepath!r}): that is a directory, and a checkpoint is "
+                f"a file <filepath>.pt: give a file name in it, e.g. "
+                f"{os.path.join(self.filepath, 'ckpt-{epoch}')!r}"
+            )
         self.monitor, self.verbose, self.save_freq = monitor, verbose, save_freq
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self._better = _better(mode, monitor)
@@ -95,7 +126,7 @@ class ModelCheckpoint(Callback):
         if self.verbose and self.loop.is_chief:
             print(message, flush=True)
 
-    def _path(self, epoch: int, batch: Optional[int], logs: Logs) -> str:
+    def _path(self, epoch: int, batch: int | None, logs: Logs) -> str:
         values = dict(logs)
         values.setdefault("epoch", epoch + 1)
         if batch is not None:
@@ -103,22 +134,29 @@ class ModelCheckpoint(Callback):
         try:
             path = self.filepath.format(**values)
         except (KeyError, IndexError, ValueError) as e:
-            raise KeyError(f"ModelCheckpoint could not format filepath {self.filepath!r} with epoch, batch and the "
-                           f"logs {sorted(logs)}: {type(e).__name__}: {e}") from e
+            raise KeyError(
+                f"ModelCheckpoint could not format filepath {self.filepath!r} with epoch, batch and the "
+                f"logs {sorted(logs)}: {type(e).__name__}: {e}"
+            ) from e
         return path[:-3] if path.endswith(".pt") else path
 
-    def _verdict(self, logs: Logs) -> Optional[tuple[bool, float]]:
+    def _verdict(self, logs: Logs) -> tuple[bool, float] | None:
         """(improved?, current value) of ``monitor``; None (with a warning) when the logs lack it."""
         current = logs.get(self.monitor)
         if current is None:
             import warnings
-            warnings.warn(f"ModelCheckpoint can save the best model only with {self.monitor!r} available; the "
-                          f"logs hold {sorted(logs)}: skipping. Pass monitor= one of them (validation metrics "
-                          "need validation_data).", UserWarning, stacklevel=4)
+
+            warnings.warn(
+                f"ModelCheckpoint can save the best model only with {self.monitor!r} available; the "
+                f"logs hold {sorted(logs)}: skipping. Pass monitor= one of them (validation metrics "
+                "need validation_data).",
+                UserWarning,
+                stacklevel=4,
+            )
             return None
         return bool(self._better(float(current), self.best)), float(current)
 
-    def _save(self, epoch: int, batch: Optional[int], logs: Logs) -> None:
+    def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
         if self.save_best_only:
             strategy = self.loop.strategy
             if batch is not None and strategy.num_workers > 1:  # per-batch logs differ between workers
@@ -132,8 +170,10 @@ class ModelCheckpoint(Callback):
                 self._say(f"\nEpoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}")
                 return
             path = self._path(epoch, batch, logs)
-            self._say(f"\nEpoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to {current:.5f}, "
-                      f"saving model to {path}")
+            self._say(
+                f"\nEpoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to {current:.5f}, "
+                f"saving model to {path}"
+            )
             self.best = current
         else:
             path = self._path(epoch, batch, logs)
@@ -143,15 +183,15 @@ class ModelCheckpoint(Callback):
             objects["optimizer"] = self.loop.optimizer
         Checkpoint(**objects).write(path, update_latest=True)
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._current_epoch = epoch
 
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._steps += 1
         if isinstance(self.save_freq, int) and self._steps % self.save_freq == 0:
             self._save(self._current_epoch, batch, logs or {})
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq == "epoch":
             self._save(epoch, None, logs or {})
 
@@ -173,51 +213,63 @@ class BackupAndRestore(Callback):
     ``termination_config`` (distrib's) configures it (signal, exit code, grace period).
     """
 
-    def __init__(self, backup_dir: str, save_freq: Union[str, int] = "epoch", delete_checkpoint: bool = True,
-                 save_before_preemption: bool = False, *, termination_config: Any = None) -> None:
+    def __init__(
+        self,
+        backup_dir: str,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        save_before_preemption: bool = False,
+        *,
+        termination_config: Any = None,
+    ) -> None:
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}")
         if termination_config is not None and not save_before_preemption:
-            raise ValueError("BackupAndRestore(termination_config=...) configures save_before_preemption=True; "
-                             "pass that too")
+            raise ValueError(
+                "BackupAndRestore(termination_config=...) configures save_before_preemption=True; pass that too"
+            )
         self.backup_dir, self.save_freq, self.delete_checkpoint = backup_dir, save_freq, delete_checkpoint
         self.save_before_preemption, self.termination_config = save_before_preemption, termination_config
-        self._manager: Optional[CheckpointManager] = None
+        self._manager: CheckpointManager | None = None
         self._handler: Any = None
         self._steps = 0
 
-    def on_train_begin(self, logs: Optional[Logs] = None) -> None:
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         loop = self.loop
-        checkpoint = Checkpoint(model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch,
-                                step_in_epoch=loop.step_in_epoch)
+        checkpoint = Checkpoint(
+            model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch, step_in_epoch=loop.step_in_epoch
+        )
         self._manager = CheckpointManager(checkpoint, self.backup_dir, max_to_keep=1)
         if not self.save_before_preemption:
             self._manager.restore_or_initialize()
             return
         if loop.scheduled:
-            raise ValueError("BackupAndRestore(save_before_preemption=True) under ParameterServerStrategy: fit's "
-                             "steps run on the workers and finish out of the loop's sight; use a custom loop with "
-                             "ds.experimental.PreemptionCheckpointHandler.run around coordinator.schedule instead")
+            raise ValueError(
+                "BackupAndRestore(save_before_preemption=True) under ParameterServerStrategy: fit's "
+                "steps run on the workers and finish out of the loop's sight; use a custom loop with "
+                "ds.experimental.PreemptionCheckpointHandler.run around coordinator.schedule instead"
+            )
         from distrib.preemption import PreemptionCheckpointHandler
 
         # restores the backup (and the count of batches it was saved at) as restore_or_initialize would
-        self._handler = PreemptionCheckpointHandler(loop.strategy.cluster_resolver, self._manager,
-                                                    termination_config=self.termination_config)
+        self._handler = PreemptionCheckpointHandler(
+            loop.strategy.cluster_resolver, self._manager, termination_config=self.termination_config
+        )
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         if self._handler is not None:  # before the batch: a save here resumes at this batch, never past an epoch
             self._handler.save_checkpoint_if_preempted()
 
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._steps += 1
         if isinstance(self.save_freq, int) and self._steps % self.save_freq == 0 and self._manager is not None:
             self._manager.save()  # the loop already counted this step: a restore resumes after it
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self._manager is not None:
             self._manager.save()  # the loop already moved to (epoch + 1, step 0)
 
-    def on_train_end(self, logs: Optional[Logs] = None) -> None:
+    def on_train_end(self, logs: Logs | None = None) -> None:
         if self._handler is not None:
             self._handler.close()
             self._handler = None
@@ -228,20 +280,27 @@ class BackupAndRestore(Callback):
 class EarlyStopping(Callback):
     """Stop training when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
 
-    def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 0, mode: str = "auto",
-                 baseline: Optional[float] = None, restore_best_weights: bool = False) -> None:
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+    ) -> None:
         self.monitor, self.min_delta, self.patience = monitor, abs(min_delta), patience
         self.baseline, self.restore_best_weights = baseline, restore_best_weights
         self._better = _better(mode, monitor)
         self._sign = -1.0 if self._better(0.0, 1.0) else 1.0  # min: -1, max: +1
         self.wait, self.stopped_epoch = 0, 0
-        self.best: Optional[float] = None
-        self._best_state: Optional[dict[str, torch.Tensor]] = None
+        self.best: float | None = None
+        self._best_state: dict[str, torch.Tensor] | None = None
 
-    def on_train_begin(self, logs: Optional[Logs] = None) -> None:
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         self.wait, self.best, self.stopped_epoch = 0, self.baseline, 0
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         value = (logs or {}).get(self.monitor)
         if value is None or math.isnan(value):
             return
@@ -292,16 +351,22 @@ class JsonlLogger(Callback):
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch = epoch
 
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._step += 1
         if self.log_every and self._step % self.log_every == 0 and self.loop.is_chief:
-            self._write({"step": self._step, "epoch": self._epoch + 1, **(logs or {}),
-                         "seconds": round(time.time() - self._start, 3)})
+            self._write(
+                {
+                    "step": self._step,
+                    "epoch": self._epoch + 1,
+                    **(logs or {}),
+                    "seconds": round(time.time() - self._start, 3),
+                }
+            )
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if not self.loop.is_chief:
             return
         row: Logs = {"epoch": epoch + 1, **(logs or {}), "seconds": round(time.time() - self._start, 3)}
@@ -347,18 +412,20 @@ class LearningRateScheduler(Callback):
         self.schedule, self.verbose = schedule, verbose
         self._with_lr = _positional_arity(schedule) >= 2
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         current = first_learning_rate(self.loop.optimizer, "LearningRateScheduler")
         output = self.schedule(epoch, current) if self._with_lr else self.schedule(epoch)
         lr = as_learning_rate(output)
         if lr is None:
-            raise ValueError(f"The output of the schedule function should be a finite float: schedule returned "
-                             f"{output!r} for epoch {epoch}")
+            raise ValueError(
+                f"The output of the schedule function should be a finite float: schedule returned "
+                f"{output!r} for epoch {epoch}"
+            )
         set_learning_rate(self.loop.optimizer, lr, "LearningRateScheduler")
         if self.verbose > 0 and self.loop.is_chief:
             print(f"\nEpoch {epoch + 1:05d}: LearningRateScheduler setting learning rate to {lr}.", flush=True)
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if logs is not None:
             logs["lr"] = first_learning_rate(self.loop.optimizer, "LearningRateScheduler")
 
@@ -382,7 +449,7 @@ class TerminateOnNaN(Callback):
         [0]
     """
 
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         loss = (logs or {}).get("loss")
         invalid = loss is not None and not math.isfinite(float(loss))
         strategy = self.loop.strategy
@@ -417,12 +484,12 @@ class CSVLogger(Callback):
 
     def __init__(self, filename: str, separator: str = ",", append: bool = False) -> None:
         self.filename, self.sep, self.append = os.fspath(filename), separator, append
-        self.keys: Optional[list[str]] = None
-        self._file: Optional[IO[str]] = None
-        self._writer: Optional[csv.DictWriter] = None
+        self.keys: list[str] | None = None
+        self._file: IO[str] | None = None
+        self._writer: csv.DictWriter | None = None
         self._header = True
 
-    def on_train_begin(self, logs: Optional[Logs] = None) -> None:
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         if not self.loop.is_chief:
             return
         self._header = True
@@ -442,7 +509,7 @@ class CSVLogger(Callback):
             return f'"[{", ".join(map(str, v))}]"'
         return v
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self._file is None:
             return
         logs = dict(logs or {})
@@ -451,14 +518,15 @@ class CSVLogger(Callback):
         if self.loop.stop_training:  # keys missing in a stopped run's last epoch: NA, so CSV readers do not fail
             logs = {k: logs.get(k, "NA") for k in self.keys}
         if self._writer is None:
-            self._writer = csv.DictWriter(self._file, fieldnames=["epoch", *self.keys], delimiter=self.sep,
-                                          extrasaction="ignore")
+            self._writer = csv.DictWriter(
+                self._file, fieldnames=["epoch", *self.keys], delimiter=self.sep, extrasaction="ignore"
+            )
             if self._header:
                 self._writer.writeheader()
         self._writer.writerow({"epoch": epoch, **{k: self._value(logs.get(k, "NA")) for k in self.keys}})
         self._file.flush()
 
-    def on_train_end(self, logs: Optional[Logs] = None) -> None:
+    def on_train_end(self, logs: Logs | None = None) -> None:
         if self._file is not None:
             self._file.close()
         self._file, self._writer = None, None

@@ -33,12 +33,14 @@ Example::
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
-from distrib import context, metrics as metrics_lib
+from distrib import context
+from distrib import metrics as metrics_lib
 from distrib.keras.callback_base import Callback, CallbackList, History
 from distrib.keras.progress import Progbar, data_length
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
@@ -49,8 +51,11 @@ from distrib.strategies.execution import EndOfData, StepExecutor, StepFn
 __all__ = ["fit", "evaluate", "predict", "Loop"]
 
 Logs = dict[str, float]
+#: fit and evaluate compute in full precision unless told otherwise
+FULL_PRECISION = Precision.parse("32")
+
 #: what fit/evaluate read: an iterable of ``(x, y)`` batches, or (parameter servers) a per-worker dataset function
-Data = Union[Iterable[Any], Callable[..., Iterable[Any]]]
+Data = Iterable[Any] | Callable[..., Iterable[Any]]
 
 
 @dataclass
@@ -62,9 +67,9 @@ class Loop:
     """
 
     model: torch.nn.Module
-    optimizer: Optional[torch.optim.Optimizer]
+    optimizer: torch.optim.Optimizer | None
     strategy: Strategy
-    steps_per_epoch: Optional[int] = None
+    steps_per_epoch: int | None = None
     epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
     step_in_epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
     scheduled: bool = False
@@ -88,7 +93,7 @@ class Loop:
     def stop_training(self, value: bool) -> None:
         self._stop = bool(value)
         if not value and vars(self.model).get("stop_training") is True:
-            setattr(self.model, "stop_training", False)  # the user's attribute (Module types it as a submodule)
+            setattr(self.model, "stop_training", False)  # noqa: B010 the user's attribute (Module types it as a submodule)
 
 
 class _Tracked:
@@ -98,7 +103,7 @@ class _Tracked:
     that their result covers every worker too.
     """
 
-    def __init__(self, strategy: Strategy, metrics: Sequence[Any], loss: Optional[LossLike] = None) -> None:
+    def __init__(self, strategy: Strategy, metrics: Sequence[Any], loss: LossLike | None = None) -> None:
         self.strategy = strategy
         threshold = 0.0 if _takes_logits(loss) else 0.5  # binary accuracy of logits: positive means class 1
         with strategy.scope():
@@ -146,8 +151,16 @@ class _Driven:
     ended: bool = False
 
 
-def _drive(executor: StepExecutor, inputs: Iterable[Any], step: StepFn, *, begin: Callable[[int], None],
-           done: Callable[[Any], None], first: int = 0, stop: Callable[[], bool] = lambda: False) -> _Driven:
+def _drive(
+    executor: StepExecutor,
+    inputs: Iterable[Any],
+    step: StepFn,
+    *,
+    begin: Callable[[int], None],
+    done: Callable[[Any], None],
+    first: int = 0,
+    stop: Callable[[], bool] = lambda: False,
+) -> _Driven:
     """The one step driver of ``fit``, ``evaluate`` and ``predict``: submit a step per input, settle results in order.
 
     ``begin(index)`` runs before step ``index`` (from ``first``) is submitted; ``done(result)``
@@ -177,13 +190,16 @@ def _drive(executor: StepExecutor, inputs: Iterable[Any], step: StepFn, *, begin
     return driven
 
 
-def _ran_out(done: str, consequence: str, steps_name: Optional[str], stacklevel: int) -> None:
+def _ran_out(done: str, consequence: str, steps_name: str | None, stacklevel: int) -> None:
     """Warn, as Keras does, that the data ended early: ``done`` says what ran, ``consequence`` what happens now."""
     lower = f"; or lower {steps_name}" if steps_name else ""
-    warnings.warn(f"Your input ran out of data: {done}. {consequence}. Give data that can supply every step: a "
-                  f"list, a DataLoader or another iterable that can be read again (it is read again from the start "
-                  f"when a pass ends, as dataset.repeat() would), not a one-shot iterator or generator{lower}.",
-                  UserWarning, stacklevel=stacklevel + 1)
+    warnings.warn(
+        f"Your input ran out of data: {done}. {consequence}. Give data that can supply every step: a "
+        f"list, a DataLoader or another iterable that can be read again (it is read again from the start "
+        f"when a pass ends, as dataset.repeat() would), not a one-shot iterator or generator{lower}.",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def _has(data: Any, gave: int) -> str:
@@ -194,8 +210,10 @@ def _has(data: Any, gave: int) -> str:
 def _no_data(what: str, data: Any) -> ValueError:
     length = data_length(data)
     given = type(data).__name__ + (f" of length {length}" if length is not None else "")
-    return ValueError(f"{what}: the data gave no batch ({given}): expected a non-empty iterable of (x, y) batches "
-                      "(or, under parameter servers, a dataset function whose iterator gives batches)")
+    return ValueError(
+        f"{what}: the data gave no batch ({given}): expected a non-empty iterable of (x, y) batches "
+        "(or, under parameter servers, a dataset function whose iterator gives batches)"
+    )
 
 
 def _check_batches(data: Any, what: str) -> None:
@@ -204,15 +222,20 @@ def _check_batches(data: Any, what: str) -> None:
     ``fit``/``evaluate`` read an iterable of ``(x, y)`` batches; ``(x_val, y_val)`` would be read as
     two "batches" that are single tensors, which fails later with an error about something else.
     """
-    if isinstance(data, (tuple, list)) and data and all(
-            isinstance(b, torch.Tensor) and (b.dim() == 0 or b.shape[0] != 2) for b in data):
-        raise ValueError(f"{what}=({', '.join('tensor' for _ in data)}) looks like Keras' arrays form "
-                         f"(x=..., y=..., validation_data=(x_val, y_val)): distrib's fit and evaluate read batches. "
-                         f"Give [(x, y)] for one batch, or DataLoader(TensorDataset(x, y), batch_size=32) for Keras' "
-                         "default batches")
+    if (
+        isinstance(data, (tuple, list))
+        and data
+        and all(isinstance(b, torch.Tensor) and (b.dim() == 0 or b.shape[0] != 2) for b in data)
+    ):
+        raise ValueError(
+            f"{what}=({', '.join('tensor' for _ in data)}) looks like Keras' arrays form "
+            f"(x=..., y=..., validation_data=(x_val, y_val)): distrib's fit and evaluate read batches. "
+            f"Give [(x, y)] for one batch, or DataLoader(TensorDataset(x, y), batch_size=32) for Keras' "
+            "default batches"
+        )
 
 
-def _graphs_wanted(jit_compile: Union[bool, str], strategy: Any, model: torch.nn.Module) -> bool:
+def _graphs_wanted(jit_compile: bool | str, strategy: Any, model: torch.nn.Module) -> bool:
     """``jit_compile``: ``"auto"`` is True where a graph would be captured (``graphs.paths.pays_here``)."""
     if jit_compile == "auto":
         from distrib.graphs.paths import pays_here
@@ -223,7 +246,7 @@ def _graphs_wanted(jit_compile: Union[bool, str], strategy: Any, model: torch.nn
     return jit_compile
 
 
-def _verbosity(executor: StepExecutor, verbose: Union[str, int]) -> int:
+def _verbosity(executor: StepExecutor, verbose: str | int) -> int:
     """Keras' ``verbose``: ``"auto"`` is 1 (a progress bar), 2 (a line per epoch) where steps are scheduled.
 
     As tf.keras (``Model._get_verbosity``: 2 under parameter servers), every worker shows what it
@@ -233,8 +256,9 @@ def _verbosity(executor: StepExecutor, verbose: Union[str, int]) -> int:
     if verbose == "auto":
         return 2 if executor.scheduled else 1
     if not isinstance(verbose, int) or verbose not in (0, 1, 2):  # bools are ints: True is 1, as in Keras
-        raise ValueError(f"verbose={verbose!r}: expected 'auto', 0 (silent), 1 (progress bar) or 2 (one line per "
-                         "epoch), as Keras")
+        raise ValueError(
+            f"verbose={verbose!r}: expected 'auto', 0 (silent), 1 (progress bar) or 2 (one line per epoch), as Keras"
+        )
     return int(verbose)
 
 
@@ -248,17 +272,32 @@ def _device_type(x: Any, model: torch.nn.Module) -> str:
 
 def _float(value: Any) -> Any:
     """A prediction back in float32 for the metrics (autocast leaves bfloat16/float16 outputs)."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32 \
-            and value.dtype != torch.float64:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dtype != torch.float32
+        and value.dtype != torch.float64
+    ):
         return value.float()
     return value
 
 
-def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer, loss: LossLike,
-        epochs: int = 1, steps_per_epoch: Optional[int] = None, validation_data: Optional[Data] = None,
-        validation_steps: Optional[int] = None, metrics: Sequence[Any] = (), callbacks: Sequence[Callback] = (),
-        verbose: Union[str, int] = "auto", precision: Union[str, int] = "32",
-        jit_compile: Union[bool, str] = "auto") -> History:
+def fit(
+    model: torch.nn.Module,
+    data: Data,
+    *,
+    optimizer: torch.optim.Optimizer,
+    loss: LossLike,
+    epochs: int = 1,
+    steps_per_epoch: int | None = None,
+    validation_data: Data | None = None,
+    validation_steps: int | None = None,
+    metrics: Sequence[Any] = (),
+    callbacks: Sequence[Callback] = (),
+    verbose: str | int = "auto",
+    precision: str | int = "32",
+    jit_compile: bool | str = "auto",
+) -> History:
     """Train ``model`` on ``data`` (an iterable of global ``(x, y)`` batches); return the History.
 
     ``steps_per_epoch``: steps per epoch, reading ``data`` again from the start when it
@@ -329,8 +368,9 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
         bar = Progbar(steps_per_epoch or data_length(data), verbosity)
         first = int(loop.step_in_epoch)
         if steps_per_epoch:
-            inputs = executor.feed(data, start=epoch * steps_per_epoch + first, steps=steps_per_epoch - first,
-                                   cycle=True, per_worker=True)
+            inputs = executor.feed(
+                data, start=epoch * steps_per_epoch + first, steps=steps_per_epoch - first, cycle=True, per_worker=True
+            )
         else:
             if hasattr(data, "set_epoch"):
                 data.set_epoch(epoch)
@@ -341,11 +381,18 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
             loop.step_in_epoch += 1
             step_logs = tracked.logs(synced=False)
             cbs.on_train_batch_end(int(loop.step_in_epoch) - 1, step_logs)
-            bar.update(int(loop.step_in_epoch), step_logs)
+            bar.update(int(loop.step_in_epoch), step_logs)  # noqa: B023 (called within this epoch only)
 
         # a batch hook may stop training (TerminateOnNaN): no further step is submitted
-        driven = _drive(executor, inputs, train_step, first=first, begin=cbs.on_train_batch_begin, done=trained_one,
-                        stop=lambda: loop.stop_training)
+        driven = _drive(
+            executor,
+            inputs,
+            train_step,
+            first=first,
+            begin=cbs.on_train_batch_begin,
+            done=trained_one,
+            stop=lambda: loop.stop_training,
+        )
         ran, submitted, ended = driven.ran, driven.submitted, driven.ended
         trained += ran
         short = steps_per_epoch is not None and first + submitted < steps_per_epoch and not loop.stop_training
@@ -353,19 +400,42 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
             if trained == 0:
                 raise _no_data("fit", data)
             if not warned:
-                _ran_out(f"epoch {epoch + 1} of fit got no batch, after {trained} in the epochs before (a one-shot "
-                         "iterator or generator is read once)", "Training stops here", None, stacklevel=2)
+                _ran_out(
+                    f"epoch {epoch + 1} of fit got no batch, after {trained} in the epochs before (a one-shot "
+                    "iterator or generator is read once)",
+                    "Training stops here",
+                    None,
+                    stacklevel=2,
+                )
             break  # an epoch without a batch: training stops, no epoch of zeros is recorded
         if (short or ended) and not warned:
             warned = True
-            _ran_out(f"epoch {epoch + 1} of fit ran {first + ran} of steps_per_epoch={steps_per_epoch} steps "
-                     f"({_has(data, first + ran)})", "The epoch ends here", "steps_per_epoch", stacklevel=2)
+            _ran_out(
+                f"epoch {epoch + 1} of fit ran {first + ran} of steps_per_epoch={steps_per_epoch} steps "
+                f"({_has(data, first + ran)})",
+                "The epoch ends here",
+                "steps_per_epoch",
+                stacklevel=2,
+            )
         logs = tracked.logs()
         if validation_data is not None:
-            logs.update(_evaluate(model, validation_data, loss_fn, tracked, validation_steps, cbs, verbosity=0,
-                                  graphs=graphs,
-                                  prefix="val_", what="the validation of fit", steps_name="validation_steps",
-                                  stacklevel=3, precision=mixed))
+            logs.update(
+                _evaluate(
+                    model,
+                    validation_data,
+                    loss_fn,
+                    tracked,
+                    validation_steps,
+                    cbs,
+                    verbosity=0,
+                    graphs=graphs,
+                    prefix="val_",
+                    what="the validation of fit",
+                    steps_name="validation_steps",
+                    stacklevel=3,
+                    precision=mixed,
+                )
+            )
         bar.update(int(loop.step_in_epoch), logs, finalize=True)
         loop.epoch += 1
         loop.step_in_epoch.zero_()
@@ -374,10 +444,21 @@ def fit(model: torch.nn.Module, data: Data, *, optimizer: torch.optim.Optimizer,
     return history
 
 
-def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked, steps: Optional[int],
-              cbs: CallbackList, verbosity: int, prefix: str = "", what: str = "evaluate",
-              steps_name: str = "steps", stacklevel: int = 3,
-              precision: Precision = Precision.parse("32"), graphs: bool = False) -> Logs:
+def _evaluate(
+    model: torch.nn.Module,
+    data: Any,
+    loss_fn: Any,
+    tracked: _Tracked,
+    steps: int | None,
+    cbs: CallbackList,
+    verbosity: int,
+    prefix: str = "",
+    what: str = "evaluate",
+    steps_name: str = "steps",
+    stacklevel: int = 3,
+    precision: Precision = FULL_PRECISION,
+    graphs: bool = False,
+) -> Logs:
     """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras."""
     executor: StepExecutor = tracked.strategy.step_executor()
     executor.use_graphs(graphs)
@@ -400,24 +481,42 @@ def _evaluate(model: torch.nn.Module, data: Any, loss_fn: Any, tracked: _Tracked
         cbs.on_test_batch_end(done - 1, tracked.logs(synced=False))
         bar.update(done, tracked.logs(synced=False))
 
-    driven = _drive(executor, executor.feed(data, steps=steps, cycle=steps is not None, per_worker=True), test_step,
-                    begin=cbs.on_test_batch_begin, done=tested_one)
+    driven = _drive(
+        executor,
+        executor.feed(data, steps=steps, cycle=steps is not None, per_worker=True),
+        test_step,
+        begin=cbs.on_test_batch_begin,
+        done=tested_one,
+    )
     submitted, ended = driven.submitted, driven.ended
     if done == 0:
         raise _no_data(what, data)
     if ended or (steps is not None and submitted < steps):
-        _ran_out(f"{what} ran {done} of {steps_name}={steps} steps ({_has(data, done)})", "Evaluation stops here",
-                 steps_name, stacklevel)
+        _ran_out(
+            f"{what} ran {done} of {steps_name}={steps} steps ({_has(data, done)})",
+            "Evaluation stops here",
+            steps_name,
+            stacklevel,
+        )
     logs = tracked.logs()
     bar.update(done, logs, finalize=True)
     cbs.on_test_end(logs)  # unprefixed, as Keras' evaluate gives them to on_test_end inside fit too
     return {prefix + k: v for k, v in logs.items()}
 
 
-def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optional[int] = None,
-             metrics: Sequence[Any] = (), return_dict: bool = False, verbose: Union[str, int] = "auto",
-             callbacks: Sequence[Callback] = (), precision: Union[str, int] = "32",
-             jit_compile: Union[bool, str] = "auto") -> Any:
+def evaluate(
+    model: torch.nn.Module,
+    data: Data,
+    *,
+    loss: LossLike,
+    steps: int | None = None,
+    metrics: Sequence[Any] = (),
+    return_dict: bool = False,
+    verbose: str | int = "auto",
+    callbacks: Sequence[Callback] = (),
+    precision: str | int = "32",
+    jit_compile: bool | str = "auto",
+) -> Any:
     """The loss and metrics of ``model`` over ``data`` (``steps`` batches, or all), over every replica.
 
     Returns what Keras' ``Model.evaluate`` returns: by default the list ``[loss, *metrics]``
@@ -434,17 +533,31 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss: LossLike, steps: Optio
     strategy = context.strategy_of(model)
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
-    logs = _evaluate(model, data, per_example_loss(loss), _Tracked(strategy, metrics, loss), steps, cbs,
-                     _verbosity(strategy.step_executor(), verbose), stacklevel=3, precision=mixed,
-                     graphs=_graphs_wanted(jit_compile, strategy, model))
+    logs = _evaluate(
+        model,
+        data,
+        per_example_loss(loss),
+        _Tracked(strategy, metrics, loss),
+        steps,
+        cbs,
+        _verbosity(strategy.step_executor(), verbose),
+        stacklevel=3,
+        precision=mixed,
+        graphs=_graphs_wanted(jit_compile, strategy, model),
+    )
     if return_dict:
         return logs
     values = list(logs.values())
     return values[0] if len(values) == 1 else values
 
 
-def predict(model: torch.nn.Module, data: Iterable[Any], steps: Optional[int] = None,
-            callbacks: Sequence[Callback] = (), precision: Union[str, int] = "32") -> torch.Tensor:
+def predict(
+    model: torch.nn.Module,
+    data: Iterable[Any],
+    steps: int | None = None,
+    callbacks: Sequence[Callback] = (),
+    precision: str | int = "32",
+) -> torch.Tensor:
     """``model``'s outputs for every example of ``data`` (batches of ``x`` or ``(x, y)``), in order, on every worker.
 
     Data that gives no batch is a ValueError; fewer batches than ``steps`` a warning. ``precision``: as
@@ -468,12 +581,17 @@ def predict(model: torch.nn.Module, data: Iterable[Any], steps: Optional[int] = 
         cbs.on_predict_batch_end(len(outputs) - 1, {"outputs": outputs[-1]})
 
     cbs.on_predict_begin()
-    _drive(executor, executor.feed(data, steps=steps), predict_step, begin=cbs.on_predict_batch_begin,
-           done=predicted_one)
+    _drive(
+        executor, executor.feed(data, steps=steps), predict_step, begin=cbs.on_predict_batch_begin, done=predicted_one
+    )
     if not outputs:
         raise _no_data("predict", data)
     if steps is not None and len(outputs) < steps:
-        _ran_out(f"predict ran {len(outputs)} of steps={steps} steps ({_has(data, len(outputs))})",
-                 "Prediction stops here", "steps", stacklevel=2)
+        _ran_out(
+            f"predict ran {len(outputs)} of steps={steps} steps ({_has(data, len(outputs))})",
+            "Prediction stops here",
+            "steps",
+            stacklevel=2,
+        )
     cbs.on_predict_end()
     return torch.cat(outputs)

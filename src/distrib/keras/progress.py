@@ -24,7 +24,8 @@ import os
 import shutil
 import sys
 import time
-from typing import IO, Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import IO, Any
 
 __all__ = ["Progbar", "format_logs", "LINE_INTERVAL", "line_interval", "data_length"]
 
@@ -42,12 +43,14 @@ def line_interval() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise ValueError(f"DISTRIB_PROGRESS_INTERVAL={text!r}: give the seconds between two progress lines "
-                         f"(a number, 0 or more; unset: {LINE_INTERVAL:g})")
+        raise ValueError(
+            f"DISTRIB_PROGRESS_INTERVAL={text!r}: give the seconds between two progress lines "
+            f"(a number, 0 or more; unset: {LINE_INTERVAL:g})"
+        )
     return value
 
 
-def data_length(data: Any) -> Optional[int]:
+def data_length(data: Any) -> int | None:
     """``len(data)``, the steps of a progress bar, or None when ``data`` has no length (an iterator, a function)."""
     try:
         return len(data)
@@ -105,10 +108,18 @@ class Progbar:
     True
     """
 
-    def __init__(self, target: Optional[int], verbose: int = 1, width: int = 30,
-                 stream: Optional[IO[str]] = None, interval: float = 0.05,
-                 line_interval: Optional[float] = None, style: str = "keras", desc: str = "",
-                 postfix: Optional[Callable[[Mapping[str, float]], Mapping[str, str]]] = None) -> None:
+    def __init__(
+        self,
+        target: int | None,
+        verbose: int = 1,
+        width: int = 30,
+        stream: IO[str] | None = None,
+        interval: float = 0.05,
+        line_interval: float | None = None,
+        style: str = "keras",
+        desc: str = "",
+        postfix: Callable[[Mapping[str, float]], Mapping[str, str]] | None = None,
+    ) -> None:
         if style not in ("keras", "tqdm"):
             raise ValueError(f"Progbar(style={style!r}): expected 'keras' or 'tqdm'")
         self.target, self.width, self.interval = target, width, interval
@@ -128,10 +139,17 @@ class Progbar:
             if self.dynamic:  # on stderr, as tqdm's own bars; cleared at the end (leave=False)
                 self._tqdm = tqdm(total=target, desc=desc, leave=False, unit="batch", dynamic_ncols=True)
             else:
-                self._tqdm = tqdm(total=target, desc=desc, unit="batch", file=_NullStream(), ascii=True, ncols=100,
-                                  mininterval=self.line_interval)
+                self._tqdm = tqdm(
+                    total=target,
+                    desc=desc,
+                    unit="batch",
+                    file=_NullStream(),
+                    ascii=True,
+                    ncols=100,
+                    mininterval=self.line_interval,
+                )
 
-    def update(self, current: int, logs: Optional[Mapping[str, float]] = None, finalize: bool = False) -> None:
+    def update(self, current: int, logs: Mapping[str, float] | None = None, finalize: bool = False) -> None:
         """Show ``current`` steps done; ``finalize`` ends the line."""
         logs = logs or {}
         now = time.monotonic()
@@ -153,7 +171,7 @@ class Progbar:
             excess = len(line) - (_columns(self.stream) - 1)
             if excess > 0 and self.target:  # a narrower bar rather than a line the terminal wraps
                 narrow = self._bar(current, max(self.width - excess, 10))
-                line = narrow + line[len(self._bar(current)):]
+                line = narrow + line[len(self._bar(current)) :]
             pad = max(self._last_len - len(line), 0)
             self.stream.write("\r" + line + " " * pad + ("\n" if finalize else ""))
             self._last_len = len(line)
@@ -190,7 +208,7 @@ class Progbar:
         if finalize:
             self._tqdm.close()
 
-    def _bar(self, current: int, width: Optional[int] = None) -> str:
+    def _bar(self, current: int, width: int | None = None) -> str:
         width = width or self.width
         if not self.target:
             return f"{current}/Unknown"

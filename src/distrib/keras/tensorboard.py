@@ -6,7 +6,7 @@ import contextlib
 import io
 import os
 import warnings
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -40,17 +40,23 @@ class TensorBoard(Callback):
     order: ``TensorBoard(log_dir, histogram_freq, write_graph, ..., update_freq)``.
     """
 
-    def __init__(self, log_dir: "str | os.PathLike[str]" = "logs", histogram_freq: int = 0, write_graph: bool = True,
-                 update_freq: Union[str, int] = "epoch") -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] = "logs",
+        histogram_freq: int = 0,
+        write_graph: bool = True,
+        update_freq: str | int = "epoch",
+    ) -> None:
         if isinstance(histogram_freq, bool) or not isinstance(histogram_freq, int) or histogram_freq < 0:
-            raise ValueError(f"TensorBoard(histogram_freq={histogram_freq!r}): give 0 (no histograms) or a number of "
-                             "epochs")
+            raise ValueError(
+                f"TensorBoard(histogram_freq={histogram_freq!r}): give 0 (no histograms) or a number of epochs"
+            )
         self.log_dir, self.update_freq, self.write_graph = os.fspath(log_dir), update_freq, write_graph
         self.histogram_freq = histogram_freq
         self._writers: dict[str, Any] = {}
         self._step = 0
-        self._hook: Optional[torch.utils.hooks.RemovableHandle] = None
-        self._example: Optional[tuple[Any, ...]] = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._example: tuple[Any, ...] | None = None
 
     def _writer(self, kind: str) -> Any:
         if kind not in self._writers:
@@ -60,7 +66,7 @@ class TensorBoard(Callback):
         return self._writers[kind]
 
     # ------------------------------------------------------------------ the graph
-    def on_train_begin(self, logs: Optional[Logs] = None) -> None:
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         if self.write_graph and self.loop.is_chief and self._hook is None:
             self._example = None
             self._hook = self.loop.model.register_forward_pre_hook(self._catch_input)
@@ -79,15 +85,22 @@ class TensorBoard(Callback):
         devices = sorted({a.device.index or 0 for a in example if isinstance(a, torch.Tensor) and a.is_cuda})
         printed = io.StringIO()  # add_graph prints the tracer's error before raising it
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), contextlib.redirect_stdout(printed), \
-                    warnings.catch_warnings():
+            with (
+                torch.random.fork_rng(devices=devices),
+                torch.no_grad(),
+                contextlib.redirect_stdout(printed),
+                warnings.catch_warnings(),
+            ):
                 warnings.simplefilter("ignore")  # TracerWarnings about Python values: the graph is for display
                 self._writer("train").add_graph(model, example[0] if len(example) == 1 else example)
         except Exception as e:  # any tracing failure: the graph is an extra, training goes on
-            warnings.warn(f"TensorBoard(write_graph=True): the graph of {type(model).__name__} could not be traced "
-                          f"with torch.jit.trace, so none is written ({type(e).__name__}: {str(e).strip()[:300]}). "
-                          "Training goes on; pass write_graph=False to skip it.", UserWarning,
-                          stacklevel=6)  # the user's fit: _trace_graph, the hook, CallbackList, settle, fit
+            warnings.warn(
+                f"TensorBoard(write_graph=True): the graph of {type(model).__name__} could not be traced "
+                f"with torch.jit.trace, so none is written ({type(e).__name__}: {str(e).strip()[:300]}). "
+                "Training goes on; pass write_graph=False to skip it.",
+                UserWarning,
+                stacklevel=6,
+            )  # the user's fit: _trace_graph, the hook, CallbackList, settle, fit
         self._writer("train").flush()
 
     def _release_hook(self) -> None:
@@ -96,7 +109,7 @@ class TensorBoard(Callback):
             self._hook = None
 
     # ------------------------------------------------------------------ scalars
-    def on_train_batch_end(self, batch: int, logs: Optional[Logs] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._step += 1
         if self._hook is not None and self._example is not None:
             self._release_hook()
@@ -105,7 +118,7 @@ class TensorBoard(Callback):
             for k, v in (logs or {}).items():
                 self._writer("train").add_scalar(f"batch_{k}", v, self._step)
 
-    def on_epoch_end(self, epoch: int, logs: Optional[Logs] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if not self.loop.is_chief:
             return
         for k, v in (logs or {}).items():
@@ -118,15 +131,19 @@ class TensorBoard(Callback):
         for w in self._writers.values():
             w.flush()
 
-    def on_train_end(self, logs: Optional[Logs] = None) -> None:
+    def on_train_end(self, logs: Logs | None = None) -> None:
         if self._hook is not None:  # the model never ran in this process
             self._release_hook()
             if self.loop.scheduled:  # the executor's word: steps ran on other processes
                 reason = "under ParameterServerStrategy the model runs on the workers, not in this process"
             else:
                 reason = "the model was not called during training"
-            warnings.warn(f"TensorBoard(write_graph=True): no graph is written: {reason}. Pass write_graph=False "
-                          "to silence this.", UserWarning, stacklevel=4)  # the user's fit: the hook, CallbackList, fit
+            warnings.warn(
+                f"TensorBoard(write_graph=True): no graph is written: {reason}. Pass write_graph=False "
+                "to silence this.",
+                UserWarning,
+                stacklevel=4,
+            )  # the user's fit: the hook, CallbackList, fit
         for w in self._writers.values():
             w.close()
         self._writers = {}

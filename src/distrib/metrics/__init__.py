@@ -18,19 +18,40 @@ implement ``deltas`` and ``_compute`` (:mod:`distrib.metrics.base`).
 synchronise through ``torch.distributed`` themselves.
 """
 
-from distrib.metrics.accuracy import (Accuracy, BinaryAccuracy, CategoricalAccuracy, SparseCategoricalAccuracy,
-                                      SparseTopKCategoricalAccuracy, TopKCategoricalAccuracy, accuracy,
-                                      binary_accuracy, categorical_accuracy, sparse_categorical_accuracy,
-                                      sparse_top_k_categorical_accuracy, top_k_categorical_accuracy)
+from distrib.metrics.accuracy import (
+    Accuracy,
+    BinaryAccuracy,
+    CategoricalAccuracy,
+    SparseCategoricalAccuracy,
+    SparseTopKCategoricalAccuracy,
+    TopKCategoricalAccuracy,
+    accuracy,
+    binary_accuracy,
+    categorical_accuracy,
+    sparse_categorical_accuracy,
+    sparse_top_k_categorical_accuracy,
+    top_k_categorical_accuracy,
+)
 from distrib.metrics.base import Metric
 from distrib.metrics.reduce import Mean, MeanMetricWrapper, Sum
 from distrib.metrics.registry import get
 
 __all__ = [
-    "Metric", "Mean", "Sum", "MeanMetricWrapper",
-    "Accuracy", "BinaryAccuracy", "CategoricalAccuracy", "SparseCategoricalAccuracy", "TopKCategoricalAccuracy",
+    "Metric",
+    "Mean",
+    "Sum",
+    "MeanMetricWrapper",
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "SparseCategoricalAccuracy",
+    "TopKCategoricalAccuracy",
     "SparseTopKCategoricalAccuracy",
-    "accuracy", "binary_accuracy", "categorical_accuracy", "sparse_categorical_accuracy",
-    "top_k_categorical_accuracy", "sparse_top_k_categorical_accuracy",
+    "accuracy",
+    "binary_accuracy",
+    "categorical_accuracy",
+    "sparse_categorical_accuracy",
+    "top_k_categorical_accuracy",
+    "sparse_top_k_categorical_accuracy",
     "get",
 ]

@@ -11,16 +11,26 @@ worker. Argument order is Keras': ``update_state(y_true, y_pred, sample_weight=N
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from distrib.metrics.reduce import MeanMetricWrapper, squeeze_pair
 
-__all__ = ["Accuracy", "BinaryAccuracy", "CategoricalAccuracy", "SparseCategoricalAccuracy",
-           "TopKCategoricalAccuracy", "SparseTopKCategoricalAccuracy", "accuracy", "binary_accuracy",
-           "categorical_accuracy", "sparse_categorical_accuracy", "top_k_categorical_accuracy",
-           "sparse_top_k_categorical_accuracy"]
+__all__ = [
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "SparseCategoricalAccuracy",
+    "TopKCategoricalAccuracy",
+    "SparseTopKCategoricalAccuracy",
+    "accuracy",
+    "binary_accuracy",
+    "categorical_accuracy",
+    "sparse_categorical_accuracy",
+    "top_k_categorical_accuracy",
+    "sparse_top_k_categorical_accuracy",
+]
 
 
 def _pair(y_true: Any, y_pred: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,8 +40,9 @@ def _pair(y_true: Any, y_pred: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _same_shape(name: str, y_true: torch.Tensor, y_pred: torch.Tensor, hint: str) -> None:
     if y_true.shape != y_pred.shape:
-        raise ValueError(f"{name}: y_true of shape {list(y_true.shape)} and y_pred of shape {list(y_pred.shape)} "
-                         f"differ; {hint}")
+        raise ValueError(
+            f"{name}: y_true of shape {list(y_true.shape)} and y_pred of shape {list(y_pred.shape)} differ; {hint}"
+        )
 
 
 def accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
@@ -75,8 +86,12 @@ def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
         tensor([0., 1.], dtype=torch.float64)
     """
     t, p = _pair(y_true, y_pred)
-    _same_shape("categorical_accuracy", t, p, "y_true must be one-hot, of y_pred's shape (for integer labels "
-                "use SparseCategoricalAccuracy)")
+    _same_shape(
+        "categorical_accuracy",
+        t,
+        p,
+        "y_true must be one-hot, of y_pred's shape (for integer labels use SparseCategoricalAccuracy)",
+    )
     return (t.argmax(-1) == p.argmax(-1)).to(torch.float64)
 
 
@@ -87,9 +102,11 @@ def _sparse_labels(name: str, y_true: torch.Tensor, y_pred: torch.Tensor) -> tor
         y_true = y_true.squeeze(-1)
     if y_true.shape != batch_shape:
         if y_true.numel() != math.prod(batch_shape):
-            raise ValueError(f"{name}: y_true of shape {list(y_true.shape)} does not hold one integer label per "
-                             f"row of y_pred {list(y_pred.shape)}; give labels of shape {list(batch_shape)} (for "
-                             "one-hot labels use the non-sparse metric)")
+            raise ValueError(
+                f"{name}: y_true of shape {list(y_true.shape)} does not hold one integer label per "
+                f"row of y_pred {list(y_pred.shape)}; give labels of shape {list(batch_shape)} (for "
+                "one-hot labels use the non-sparse metric)"
+            )
         y_true = y_true.reshape(batch_shape)
     return y_true
 
@@ -142,8 +159,12 @@ def top_k_categorical_accuracy(y_true: Any, y_pred: Any, k: int = 5) -> torch.Te
         tensor([1., 1.], dtype=torch.float64)
     """
     t, p = _pair(y_true, y_pred)
-    _same_shape("top_k_categorical_accuracy", t, p, "y_true must be one-hot, of y_pred's shape (for integer "
-                "labels use SparseTopKCategoricalAccuracy)")
+    _same_shape(
+        "top_k_categorical_accuracy",
+        t,
+        p,
+        "y_true must be one-hot, of y_pred's shape (for integer labels use SparseTopKCategoricalAccuracy)",
+    )
     return sparse_top_k_categorical_accuracy(t.argmax(-1), p, k=k)
 
 
@@ -166,7 +187,7 @@ class Accuracy(MeanMetricWrapper):
 
     default_name = "accuracy"
 
-    def __init__(self, name: Optional[str] = None, dtype: Any = None) -> None:
+    def __init__(self, name: str | None = None, dtype: Any = None) -> None:
         super().__init__(accuracy, name=name, dtype=dtype)
 
 
@@ -186,10 +207,12 @@ class BinaryAccuracy(MeanMetricWrapper):
 
     default_name = "binary_accuracy"
 
-    def __init__(self, name: Optional[str] = None, dtype: Any = None, threshold: float = 0.5) -> None:
+    def __init__(self, name: str | None = None, dtype: Any = None, threshold: float = 0.5) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
-            raise ValueError(f"threshold must be a finite number (0.5 for probabilities, 0.0 for logits), "
-                             f"got threshold={threshold!r}")
+            raise ValueError(
+                f"threshold must be a finite number (0.5 for probabilities, 0.0 for logits), "
+                f"got threshold={threshold!r}"
+            )
         super().__init__(binary_accuracy, name=name, dtype=dtype, threshold=float(threshold))
         self.threshold = float(threshold)
 
@@ -207,7 +230,7 @@ class CategoricalAccuracy(MeanMetricWrapper):
 
     default_name = "categorical_accuracy"
 
-    def __init__(self, name: Optional[str] = None, dtype: Any = None) -> None:
+    def __init__(self, name: str | None = None, dtype: Any = None) -> None:
         super().__init__(categorical_accuracy, name=name, dtype=dtype)
 
 
@@ -224,7 +247,7 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
 
     default_name = "sparse_categorical_accuracy"
 
-    def __init__(self, name: Optional[str] = None, dtype: Any = None) -> None:
+    def __init__(self, name: str | None = None, dtype: Any = None) -> None:
         super().__init__(sparse_categorical_accuracy, name=name, dtype=dtype)
 
 
@@ -241,7 +264,7 @@ class TopKCategoricalAccuracy(MeanMetricWrapper):
 
     default_name = "top_k_categorical_accuracy"
 
-    def __init__(self, k: int = 5, name: Optional[str] = None, dtype: Any = None) -> None:
+    def __init__(self, k: int = 5, name: str | None = None, dtype: Any = None) -> None:
         super().__init__(top_k_categorical_accuracy, name=name, dtype=dtype, k=_check_k(k))
         self.k = k
 
@@ -259,6 +282,6 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
 
     default_name = "sparse_top_k_categorical_accuracy"
 
-    def __init__(self, k: int = 5, name: Optional[str] = None, dtype: Any = None) -> None:
+    def __init__(self, k: int = 5, name: str | None = None, dtype: Any = None) -> None:
         super().__init__(sparse_top_k_categorical_accuracy, name=name, dtype=dtype, k=_check_k(k))
         self.k = k

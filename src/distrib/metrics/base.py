@@ -20,7 +20,7 @@ dimensions down to the weight's rank.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,7 +37,7 @@ def divide_no_nan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(b != 0, a / torch.where(b != 0, b, torch.ones_like(b)), torch.zeros_like(a))
 
 
-def _as_float(value: Any, device: Optional[torch.device] = None) -> torch.Tensor:
+def _as_float(value: Any, device: torch.device | None = None) -> torch.Tensor:
     return torch.as_tensor(value, device=device).to(torch.float64)
 
 
@@ -58,9 +58,11 @@ def _adjust_weight_rank(values: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     diff = weight.dim() - values.dim()
     if diff == 1:
         if weight.shape[-1] != 1:
-            raise ValueError(f"sample_weight of shape {list(weight.shape)} does not fit values of shape "
-                             f"{list(values.shape)}: its last dimension must be 1 to be squeezed; give one weight "
-                             "per example (shape [batch]) or the values' shape")
+            raise ValueError(
+                f"sample_weight of shape {list(weight.shape)} does not fit values of shape "
+                f"{list(values.shape)}: its last dimension must be 1 to be squeezed; give one weight "
+                "per example (shape [batch]) or the values' shape"
+            )
         return weight.squeeze(-1)
     if diff == -1:
         return weight.unsqueeze(-1)
@@ -99,9 +101,11 @@ def weighted_total(values: Any, sample_weight: Any = None, reduce: str = "mean")
             trailing = list(range(w.dim(), v.dim()))
             v = v.sum(trailing) if reduce == "sum" else v.mean(trailing)
         if w.dim() != v.dim() or not _broadcasts_to(w.shape, v.shape):
-            raise ValueError(f"sample_weight of shape {list(w.shape)} does not fit values of shape "
-                             f"{list(_as_float(values).shape)}: give one weight per example (shape [batch]) or "
-                             "the values' shape")
+            raise ValueError(
+                f"sample_weight of shape {list(w.shape)} does not fit values of shape "
+                f"{list(_as_float(values).shape)}: give one weight per example (shape [batch]) or "
+                "the values' shape"
+            )
     w = torch.broadcast_to(w, v.shape)
     return (v * w).sum(), w.sum()
 
@@ -132,7 +136,7 @@ class Metric:
     #: the Keras name a metric gets when none is given (``"sparse_categorical_accuracy"``)
     default_name: str = ""
 
-    def __init__(self, name: Optional[str] = None, dtype: Any = None) -> None:
+    def __init__(self, name: str | None = None, dtype: Any = None) -> None:
         self.name = name or self.default_name or type(self).__name__.lower()
         self.dtype = _resolve_dtype(dtype)
         self._strategy = context.get_strategy()
@@ -143,11 +147,11 @@ class Metric:
 
     # ------------------------------------------------------------------ which workers
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Strategy:
         """The strategy whose workers ``result()`` sums over (the default strategy: this process only)."""
         return self._strategy
 
-    def set_strategy(self, strategy: "Strategy") -> None:
+    def set_strategy(self, strategy: Strategy) -> None:
         """Sum this metric over ``strategy``'s workers from now on, as building it under its scope would.
 
         Done automatically when the metric is updated inside ``strategy.run`` or
@@ -160,7 +164,8 @@ class Metric:
             raise ValueError(
                 f"metric {self.name!r} was created under {self._strategy!r} and is now used under {strategy!r}: "
                 f"a metric sums its state over the workers of one strategy. Create it under the scope of the "
-                f"strategy that updates it (`with strategy.scope(): metric = ...`), one metric per strategy")
+                f"strategy that updates it (`with strategy.scope(): metric = ...`), one metric per strategy"
+            )
         with self._lock:
             device = strategy.local_devices[0]
             if device is not None:
@@ -265,7 +270,7 @@ class Metric:
         return {"name": self.name, "dtype": str(self.dtype).replace("torch.", "")}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Metric":
+    def from_config(cls, config: dict[str, Any]) -> Metric:
         """A new metric (empty state) from :meth:`get_config`'s dictionary."""
         return cls(**config)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -80,9 +81,8 @@ class MeanMetricWrapper(Mean):
         tensor(0.2500)
     """
 
-    def __init__(self, fn: Callable[..., Any], name: Optional[str] = None, dtype: Any = None, **kwargs: Any) -> None:
-        super().__init__(name=name or self.default_name or getattr(fn, "__name__", "mean_metric_wrapper"),
-                         dtype=dtype)
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, dtype: Any = None, **kwargs: Any) -> None:
+        super().__init__(name=name or self.default_name or getattr(fn, "__name__", "mean_metric_wrapper"), dtype=dtype)
         self._fn = fn
         self._fn_kwargs = kwargs
 
@@ -91,7 +91,8 @@ class MeanMetricWrapper(Mean):
         return torch.as_tensor(self._fn(torch.as_tensor(y_true), torch.as_tensor(y_pred), **self._fn_kwargs))
 
     def deltas(  # type: ignore[override]
-            self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, torch.Tensor]:
+        self, y_true: Any, y_pred: Any, sample_weight: Any = None
+    ) -> dict[str, torch.Tensor]:
         return super().deltas(self.matches(y_true, y_pred), sample_weight)
 
     def get_config(self) -> dict[str, Any]:

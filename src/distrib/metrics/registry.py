@@ -8,14 +8,23 @@ shapes of ``y_true`` and ``y_pred`` (decided on each batch, as Keras decides onc
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from distrib.losses import PER_EXAMPLE_LOSSES
-from distrib.metrics.accuracy import (Accuracy, BinaryAccuracy, CategoricalAccuracy, SparseCategoricalAccuracy,
-                                      SparseTopKCategoricalAccuracy, TopKCategoricalAccuracy, binary_accuracy,
-                                      categorical_accuracy, sparse_categorical_accuracy)
+from distrib.metrics.accuracy import (
+    Accuracy,
+    BinaryAccuracy,
+    CategoricalAccuracy,
+    SparseCategoricalAccuracy,
+    SparseTopKCategoricalAccuracy,
+    TopKCategoricalAccuracy,
+    binary_accuracy,
+    categorical_accuracy,
+    sparse_categorical_accuracy,
+)
 from distrib.metrics.base import Metric
 from distrib.metrics.reduce import Mean, MeanMetricWrapper, Sum
 
@@ -43,8 +52,17 @@ def accuracy_by_shape(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch
 
 
 _CLASSES: dict[str, Callable[[], Metric]] = {
-    cls.__name__: cls for cls in (Accuracy, BinaryAccuracy, CategoricalAccuracy, SparseCategoricalAccuracy,
-                                  TopKCategoricalAccuracy, SparseTopKCategoricalAccuracy, Mean, Sum)
+    cls.__name__: cls
+    for cls in (
+        Accuracy,
+        BinaryAccuracy,
+        CategoricalAccuracy,
+        SparseCategoricalAccuracy,
+        TopKCategoricalAccuracy,
+        SparseTopKCategoricalAccuracy,
+        Mean,
+        Sum,
+    )
 }
 
 
@@ -87,11 +105,15 @@ def get(identifier: Any, *, binary_threshold: float = 0.5) -> Metric:
         if identifier.lower() in names:
             return names[identifier.lower()]()
     elif isinstance(identifier, torch.nn.Module):  # a torchmetrics metric: it keeps its own state, not deltas
-        raise ValueError(f"{type(identifier).__name__} is not a ds.metrics metric: fit and evaluate merge metric "
-                         "deltas from every step, which only ds.metrics metrics give. Use it in your own loop "
-                         "(it works inside strategy.run), or pass a ds.metrics metric or a function")
+        raise ValueError(
+            f"{type(identifier).__name__} is not a ds.metrics metric: fit and evaluate merge metric "
+            "deltas from every step, which only ds.metrics metrics give. Use it in your own loop "
+            "(it works inside strategy.run), or pass a ds.metrics metric or a function"
+        )
     elif callable(identifier):
         return MeanMetricWrapper(identifier)
-    raise ValueError(f"unknown metric {identifier!r}: use one of {sorted(names)}, a class name "
-                     f"({', '.join(sorted(_CLASSES))}), a ds.metrics.Metric, or a function fn(y_true, y_pred) "
-                     "of per-example values")
+    raise ValueError(
+        f"unknown metric {identifier!r}: use one of {sorted(names)}, a class name "
+        f"({', '.join(sorted(_CLASSES))}), a ds.metrics.Metric, or a function fn(y_true, y_pred) "
+        "of per-example values"
+    )

@@ -32,9 +32,13 @@ if TYPE_CHECKING:
     from distrib.parameter_server.client.coordinator import ClusterCoordinator, PerWorkerDataset, PerWorkerIterator
     from distrib.parameter_server.client.failure_policy import FailurePolicy
     from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
-    from distrib.parameter_server.errors import (AuthenticationError, ClosureCancelledError,
-                                                 ParameterServerUnavailableError, ScheduledFunctionError,
-                                                 WorkerUnavailableError)
+    from distrib.parameter_server.errors import (
+        AuthenticationError,
+        ClosureCancelledError,
+        ParameterServerUnavailableError,
+        ScheduledFunctionError,
+        WorkerUnavailableError,
+    )
     from distrib.parameter_server.server.server import Server
     from distrib.parameter_server.strategy import ParameterServerStrategy
     from distrib.parameter_server.transport.rpc import TLSConfig
@@ -72,8 +76,9 @@ def __getattr__(name: str) -> Any:
     except ModuleNotFoundError as e:
         if e.name not in ("grpc", "cloudpickle"):
             raise
-        raise ImportError(f"distrib's parameter servers need {e.name!r}, which is not installed: "
-                          "pip install 'distrib[ps]'") from e
+        raise ImportError(
+            f"distrib's parameter servers need {e.name!r}, which is not installed: pip install 'distrib[ps]'"
+        ) from e
     value = module if name == "coordinator" else getattr(module, name)
     globals()[name] = value
     return value

@@ -13,10 +13,10 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from distrib.cluster import TFConfigClusterResolver, TFConfigError
     from distrib.parameter_server.server.server import Server
 
@@ -26,16 +26,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"distrib.parameter_server: {e}", file=sys.stderr)
         return 2
     task = f"/job:{resolver.task_type}/task:{resolver.task_id}"
-    logging.basicConfig(level=os.environ.get("DISTRIB_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {task} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("DISTRIB_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {task} %(levelname)s %(name)s: %(message)s",
+    )
     if not TFConfigClusterResolver.detect():
-        print("distrib.parameter_server: TF_CONFIG is not set; it must name the cluster and this task, e.g. "
-              '{"cluster": {"chief": [...], "worker": [...], "ps": [...]}, "task": {"type": "ps", "index": 0}}',
-              file=sys.stderr)
+        print(
+            "distrib.parameter_server: TF_CONFIG is not set; it must name the cluster and this task, e.g. "
+            '{"cluster": {"chief": [...], "worker": [...], "ps": [...]}, "task": {"type": "ps", "index": 0}}',
+            file=sys.stderr,
+        )
         return 2
     if resolver.task_type not in ("ps", "worker"):
-        print(f"distrib.parameter_server: TF_CONFIG task.type must be 'ps' or 'worker' (got "
-              f"{resolver.task_type!r}); the chief runs the training script itself", file=sys.stderr)
+        print(
+            f"distrib.parameter_server: TF_CONFIG task.type must be 'ps' or 'worker' (got "
+            f"{resolver.task_type!r}); the chief runs the training script itself",
+            file=sys.stderr,
+        )
         return 2
     try:
         server = Server(resolver.cluster_spec(), resolver.task_type, resolver.task_id or 0)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from distrib.input import InputContext
 from distrib.strategies.execution import numbered_batches, split_xy
@@ -28,7 +29,7 @@ class DatasetSource:
     Iterating it directly (on the coordinator) gives the batches as they are.
     """
 
-    def __init__(self, dataset: Any = None, dataset_fn: Optional[Callable[[InputContext], Any]] = None) -> None:
+    def __init__(self, dataset: Any = None, dataset_fn: Callable[[InputContext], Any] | None = None) -> None:
         self._dataset = dataset
         self._dataset_fn = dataset_fn
 
@@ -52,8 +53,11 @@ def call_dataset_fn(dataset_fn: Any, context: InputContext) -> Any:
     if not callable(dataset_fn) or hasattr(dataset_fn, "__iter__"):
         return dataset_fn
     try:
-        params = [p for p in inspect.signature(dataset_fn).parameters.values()
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(dataset_fn).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         params = []
     dataset = dataset_fn(context) if params else dataset_fn()
@@ -78,7 +82,9 @@ def warn_if_forked_loader(dataset: Any) -> None:
             "a per-worker DataLoader with num_workers > 0 forks its worker processes from a process running gRPC "
             "(a parameter-server task), and a forked child can abort on gRPC's locks: pass "
             "multiprocessing_context='forkserver' (or 'spawn'), with a dataset importable on the workers, or "
-            "num_workers=0", stacklevel=3)
+            "num_workers=0",
+            stacklevel=3,
+        )
 
 
 class WorkerBatches:

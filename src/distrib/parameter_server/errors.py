@@ -11,7 +11,6 @@ that is a Python builtin (so ``except ValueError`` still works).
 from __future__ import annotations
 
 import builtins
-from typing import Optional
 
 __all__ = [
     "PeerUnavailableError",
@@ -28,7 +27,7 @@ __all__ = [
 class PeerUnavailableError(ConnectionError):
     """A task of the cluster could not be reached (dead, restarting, or not started yet)."""
 
-    def __init__(self, address: str, detail: str = "", task: Optional[str] = None) -> None:
+    def __init__(self, address: str, detail: str = "", task: str | None = None) -> None:
         self.address = address
         self.task = task
         where = f"{task} at {address}" if task else address
@@ -42,11 +41,13 @@ class ParameterServerUnavailableError(PeerUnavailableError):
     latest checkpoint (``ds.CheckpointManager(...).restore_or_initialize()``).
     """
 
-    def __init__(self, address: str, detail: str = "", task: Optional[str] = None) -> None:
+    def __init__(self, address: str, detail: str = "", task: str | None = None) -> None:
         super().__init__(address, detail, task)
-        self.args = (f"{self.args[0]}. A parameter server holds the only copy of its variables, so training "
-                     "cannot continue: restart the cluster (every ps and worker task) and restore the latest "
-                     "checkpoint, e.g. ds.CheckpointManager(checkpoint, dir).restore_or_initialize()",)
+        self.args = (
+            f"{self.args[0]}. A parameter server holds the only copy of its variables, so training "
+            "cannot continue: restart the cluster (every ps and worker task) and restore the latest "
+            "checkpoint, e.g. ds.CheckpointManager(checkpoint, dir).restore_or_initialize()",
+        )
 
 
 class WorkerUnavailableError(PeerUnavailableError):
@@ -80,7 +81,9 @@ class ClosureCancelledError(RuntimeError):
 _subclasses: dict[str, type] = {}
 
 
-def scheduled_function_error(remote_type: str, message: str, remote_traceback: str, worker: str) -> ScheduledFunctionError:
+def scheduled_function_error(
+    remote_type: str, message: str, remote_traceback: str, worker: str
+) -> ScheduledFunctionError:
     """A :class:`ScheduledFunctionError` for a remote exception, also an instance of its builtin class."""
     cls: type = ScheduledFunctionError
     base = getattr(builtins, remote_type, None)
@@ -93,8 +96,10 @@ def scheduled_function_error(remote_type: str, message: str, remote_traceback: s
                 known = ScheduledFunctionError
             _subclasses[remote_type] = known
         cls = known
-    text = (f"scheduled function raised {remote_type} on {worker}: {message}\n\n"
-            f"Remote traceback (most recent call last, on {worker}):\n{remote_traceback.rstrip()}")
+    text = (
+        f"scheduled function raised {remote_type} on {worker}: {message}\n\n"
+        f"Remote traceback (most recent call last, on {worker}):\n{remote_traceback.rstrip()}"
+    )
     try:
         error = cls(text)
     except TypeError:  # a builtin whose constructor needs more arguments (UnicodeDecodeError, ...)

@@ -10,7 +10,8 @@ that received no sparse gradient in a step does not count it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,8 +40,10 @@ def merge_shard_states(spec: VariableSpec, states: Sequence[dict]) -> dict:
         present = [(i, v) for i, v in enumerate(values) if v is not None]
         i0, first = present[0]
         if _is_row_state(spec, first, i0):
-            parts = [v if v is not None else torch.zeros(_shard_shape(spec, i), dtype=first.dtype)
-                     for i, v in enumerate(values)]
+            parts = [
+                v if v is not None else torch.zeros(_shard_shape(spec, i), dtype=first.dtype)
+                for i, v in enumerate(values)
+            ]
             merged[key] = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
         elif isinstance(first, torch.Tensor) and first.dim() == 0:
             merged[key] = max((v for _, v in present), key=lambda t: t.item()).clone()

@@ -28,16 +28,16 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
 __all__ = ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner"]
 
-ShapeLike = Union[Sequence[int], torch.Size]
+ShapeLike = Sequence[int] | torch.Size
 
 
-def _element_size(dtype: Union[torch.dtype, str, None], bytes_per_string: int) -> int:
+def _element_size(dtype: torch.dtype | str | None, bytes_per_string: int) -> int:
     if dtype is None:
         dtype = torch.get_default_dtype()
     if isinstance(dtype, str):  # TF's "string" dtype has no torch equivalent; priced like TF
@@ -55,7 +55,7 @@ def _dims(shape: ShapeLike) -> list[int]:
 class Partitioner:
     """Base class: ``__call__(shape, dtype, axis=0)`` returns the number of shards per dimension."""
 
-    def __call__(self, shape: ShapeLike, dtype: Union[torch.dtype, str, None] = None, axis: int = 0) -> list[int]:
+    def __call__(self, shape: ShapeLike, dtype: torch.dtype | str | None = None, axis: int = 0) -> list[int]:
         raise NotImplementedError
 
 
@@ -73,7 +73,7 @@ class FixedShardsPartitioner(Partitioner):
             raise ValueError(f"FixedShardsPartitioner(num_shards={num_shards!r}): num_shards must be a positive int")
         self.num_shards = num_shards
 
-    def __call__(self, shape: ShapeLike, dtype: Union[torch.dtype, str, None] = None, axis: int = 0) -> list[int]:
+    def __call__(self, shape: ShapeLike, dtype: torch.dtype | str | None = None, axis: int = 0) -> list[int]:
         dims = _dims(shape)
         result = [1] * len(dims)
         result[axis] = min(self.num_shards, dims[axis])
@@ -103,7 +103,7 @@ class MinSizePartitioner(Partitioner):
         self.max_shards = max_shards
         self.bytes_per_string = bytes_per_string
 
-    def __call__(self, shape: ShapeLike, dtype: Union[torch.dtype, str, None] = None, axis: int = 0) -> list[int]:
+    def __call__(self, shape: ShapeLike, dtype: torch.dtype | str | None = None, axis: int = 0) -> list[int]:
         dims = _dims(shape)
         if axis >= len(dims):
             raise ValueError(f"cannot partition along axis {axis} a shape of rank {len(dims)}: {tuple(dims)}")
@@ -127,7 +127,7 @@ class MaxSizePartitioner(Partitioner):
         [1, 1]
     """
 
-    def __init__(self, max_shard_bytes: int, max_shards: Optional[int] = None, bytes_per_string: int = 16) -> None:
+    def __init__(self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16) -> None:
         if max_shard_bytes < 1:
             raise ValueError(f"MaxSizePartitioner(max_shard_bytes={max_shard_bytes!r}): must be positive")
         if max_shards is not None and max_shards < 1:
@@ -138,7 +138,7 @@ class MaxSizePartitioner(Partitioner):
         self.max_shards = max_shards
         self.bytes_per_string = bytes_per_string
 
-    def __call__(self, shape: ShapeLike, dtype: Union[torch.dtype, str, None] = None, axis: int = 0) -> list[int]:
+    def __call__(self, shape: ShapeLike, dtype: torch.dtype | str | None = None, axis: int = 0) -> list[int]:
         dims = _dims(shape)
         element = _element_size(dtype, self.bytes_per_string)
         result = [1] * len(dims)

@@ -49,14 +49,14 @@ Example (the coordinator's side, replaying what workers reported)::
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler
 
+from distrib import torch_patches
 from distrib.parameter_server.errors import RemoteProtocolError
 from distrib.parameter_server.weak_names import WeakNames
-from distrib import torch_patches
 
 __all__ = ["Acknowledgements", "ScalerAuthority", "WorkerScalers", "scaler_state", "replay"]
 
@@ -131,7 +131,7 @@ class ScalerAuthority:
         """The name ``scaler`` travels under (the same for the same scaler, for the function's digest)."""
         return self._scalers.name(scaler)
 
-    def snapshot(self, acks: Acknowledgements) -> Optional[dict[str, Any]]:
+    def snapshot(self, acks: Acknowledgements) -> dict[str, Any] | None:
         """Every live scaler's state, for one worker's request (None while no function uses a scaler)."""
         with self._lock:
             states = {key: scaler_state(scaler) for key, scaler in self._scalers.live()}  # a dropped one: not sent
@@ -152,7 +152,7 @@ class ScalerAuthority:
         if not isinstance(worker, str) or any(kind not in _KINDS for _, _, kind, _ in checked):
             raise RemoteProtocolError(f"a worker sent malformed GradScaler outcomes: {info!r:.200}")
         with self._lock:
-            for key, seq, kind, value in checked:
+            for key, _seq, kind, value in checked:
                 scaler = self._scalers.get(key)
                 if scaler is not None:  # a scaler garbage-collected since is skipped
                     replay(scaler, kind, value)
@@ -165,12 +165,12 @@ class ScalerAuthority:
 class _WorkerScaler(GradScaler):
     """A worker's copy of a coordinator's GradScaler: torch's own, recording each ``update()``'s outcome."""
 
-    def __init__(self, owner: "WorkerScalers", key: str, device: str) -> None:
+    def __init__(self, owner: WorkerScalers, key: str, device: str) -> None:
         super().__init__(device)
         self._owner = owner
         self._key = key
 
-    def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if self.is_enabled():
             if new_scale is not None:
                 self._owner.record(self._key, "set", float(new_scale))
@@ -232,9 +232,15 @@ class WorkerScalers:
         if bundle is None:
             return
         acks = bundle.get("acks") if isinstance(bundle, dict) else None
-        if not (isinstance(bundle, dict) and isinstance(bundle.get("session"), str)
-                and isinstance(bundle.get("stamp"), int) and isinstance(bundle.get("states"), dict)
-                and isinstance(acks, list) and len(acks) == 2 and isinstance(acks[1], list)):
+        if not (
+            isinstance(bundle, dict)
+            and isinstance(bundle.get("session"), str)
+            and isinstance(bundle.get("stamp"), int)
+            and isinstance(bundle.get("states"), dict)
+            and isinstance(acks, list)
+            and len(acks) == 2
+            and isinstance(acks[1], list)
+        ):
             raise TypeError(f"malformed GradScaler snapshot in a Run request: {bundle!r:.200}")
         session = bundle["session"]
         current = self._bundles.get(session)
@@ -255,8 +261,10 @@ class WorkerScalers:
         for key, scaler in copies:
             state = self._bundles.get(_session(key), {}).get("states", {}).get(key)
             if state is None:
-                raise RuntimeError(f"the coordinator sent no state for its GradScaler {key!r} (the scheduled "
-                                   "function captured a scaler the coordinator no longer holds)")
+                raise RuntimeError(
+                    f"the coordinator sent no state for its GradScaler {key!r} (the scheduled "
+                    "function captured a scaler the coordinator no longer holds)"
+                )
             torch_patches.set_enabled(scaler, bool(state["enabled"]))
             if scaler.is_enabled():
                 scaler.load_state_dict({k: v for k, v in state.items() if k != "enabled"})
@@ -273,7 +281,7 @@ class WorkerScalers:
         if len(self._pending) > _MAX_PENDING:
             del self._pending[0]
 
-    def finish(self, mark: int, copies: list[tuple[str, GradScaler]]) -> Optional[dict[str, Any]]:
+    def finish(self, mark: int, copies: list[tuple[str, GradScaler]]) -> dict[str, Any] | None:
         """What a completed call's reply carries: its outcomes and the acknowledgements to echo (None: nothing)."""
         recorded = [[key, seq, kind, value] for seq, key, kind, value in self._pending if seq > mark]
         echoed: set[int] = set()

@@ -69,7 +69,8 @@ import logging
 import sys
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import torch
@@ -79,18 +80,18 @@ from torch.amp.grad_scaler import GradScaler
 from distrib import context
 from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
-from distrib.strategies.replication import optimizer_params
-from distrib.torch_patches import mark_metric_updated, replace_load_state_dict, scaler_device, wrap_optimizer
-from distrib.parameter_server.transport import rpc
-from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.datasets import DatasetSource
 from distrib.parameter_server.scaler import Acknowledgements, ScalerAuthority
+from distrib.parameter_server.transport import rpc
+from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
 from distrib.parameter_server.weak_names import WeakNames
 from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 from distrib.strategies.base import Strategy
 from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
+from distrib.strategies.replication import optimizer_params
 from distrib.strategies.run_options import RunOptions
+from distrib.torch_patches import mark_metric_updated, replace_load_state_dict, scaler_device, wrap_optimizer
 
 if TYPE_CHECKING:
     from distrib.strategies.execution import StepExecutor
@@ -103,7 +104,7 @@ log = logging.getLogger("distrib.parameter_server")
 class _Hook:
     """A module hook of the coordinator; on a worker (after pickling) it does nothing."""
 
-    def __init__(self, strategy: Optional["ParameterServerStrategy"], kind: str) -> None:
+    def __init__(self, strategy: ParameterServerStrategy | None, kind: str) -> None:
         self.strategy = strategy
         self.kind = kind
 
@@ -128,14 +129,25 @@ class ParameterServerStrategy(Strategy):
 
     should_use_with_coordinator = True
 
-    def __init__(self, cluster_resolver: Any, variable_partitioner: Optional[Callable[..., Sequence[int]]] = None,
-                 *, token: Optional[str] = None, tls: Optional[TLSConfig] = None, connect_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        cluster_resolver: Any,
+        variable_partitioner: Callable[..., Sequence[int]] | None = None,
+        *,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
+        connect_timeout: float = 60.0,
+    ) -> None:
         if cluster_resolver is None or not hasattr(cluster_resolver, "cluster_spec"):
-            raise ValueError("ParameterServerStrategy(cluster_resolver) needs a cluster resolver, e.g. "
-                             "ds.cluster_resolver.TFConfigClusterResolver() or ds.testing.create_in_process_cluster(2, 1)")
+            raise ValueError(
+                "ParameterServerStrategy(cluster_resolver) needs a cluster resolver, e.g. "
+                "ds.cluster_resolver.TFConfigClusterResolver() or ds.testing.create_in_process_cluster(2, 1)"
+            )
         spec = cluster_resolver.cluster_spec()
         _check_cluster(spec, getattr(cluster_resolver, "task_type", None))
-        super().__init__([None], cluster_resolver=cluster_resolver, device_names=["/job:chief/replica:0/task:0/device:CPU:0"])
+        super().__init__(
+            [None], cluster_resolver=cluster_resolver, device_names=["/job:chief/replica:0/task:0/device:CPU:0"]
+        )
         self._spec = spec
         self._replica = ReplicaContext(self, 0, InPlaceMerger())
         self._token = rpc.cluster_token(token)
@@ -180,17 +192,19 @@ class ParameterServerStrategy(Strategy):
         return self._token
 
     @property
-    def tls(self) -> Optional[TLSConfig]:
+    def tls(self) -> TLSConfig | None:
         """The TLS certificates for calls to the cluster's tasks, if any."""
         return self._tls
 
     @property
-    def graph_capture_blocker(self) -> Optional[str]:
+    def graph_capture_blocker(self) -> str | None:
         """Scheduled steps pull and push parameters over RPC, on the host: ``ds.function`` runs them eagerly."""
-        return ("ParameterServerStrategy's steps pull parameters from and push gradients to the ps tasks over "
-                "RPC, on the host, which a CUDA graph cannot hold")
+        return (
+            "ParameterServerStrategy's steps pull parameters from and push gradients to the ps tasks over "
+            "RPC, on the host, which a CUDA graph cannot hold"
+        )
 
-    def step_executor(self) -> "StepExecutor":
+    def step_executor(self) -> StepExecutor:
         """Steps of ``fit``/``evaluate``/``predict`` are scheduled on the workers through the ClusterCoordinator."""
         from distrib.parameter_server.client.coordinator import ClusterCoordinator
         from distrib.parameter_server.client.step_executor import ScheduledExecutor
@@ -204,12 +218,14 @@ class ParameterServerStrategy(Strategy):
     def __repr__(self) -> str:
         return f"ParameterServerStrategy(ps={self._num_ps}, workers={self._spec.num_tasks('worker')}, on coordinator)"
 
-    def __deepcopy__(self, memo: dict) -> "ParameterServerStrategy":
+    def __deepcopy__(self, memo: dict) -> ParameterServerStrategy:
         return self  # a copied module (``copy.deepcopy(model)``) still names its strategy
 
     def __reduce__(self) -> tuple:
-        raise TypeError("a ParameterServerStrategy can only be sent inside a function scheduled with "
-                        "ClusterCoordinator.schedule (where it becomes the worker's strategy)")
+        raise TypeError(
+            "a ParameterServerStrategy can only be sent inside a function scheduled with "
+            "ClusterCoordinator.schedule (where it becomes the worker's strategy)"
+        )
 
     def _ensure_connected(self) -> None:
         if not self._connected:
@@ -224,8 +240,10 @@ class ParameterServerStrategy(Strategy):
         for sub in module.modules():
             owner = context.owner_of(sub)
             if owner is not None and owner is not self:
-                raise ValueError(f"module {type(module).__name__} contains {type(sub).__name__}, which another "
-                                 "strategy distributes; build the whole model inside one strategy.scope()")
+                raise ValueError(
+                    f"module {type(module).__name__} contains {type(sub).__name__}, which another "
+                    "strategy distributes; build the whole model inside one strategy.scope()"
+                )
         self._ensure_connected()
         new: list[LocalVariable] = []
         for name, p in module.named_parameters():
@@ -243,8 +261,12 @@ class ParameterServerStrategy(Strategy):
                 sub.register_state_dict_pre_hook(_Hook(self, "read"))
                 sub.register_load_state_dict_post_hook(_Hook(self, "write"))
         module.register_forward_pre_hook(_Hook(self, "forward"))
-        log.debug("placed %s on %d ps task(s): %s", type(module).__name__, self._num_ps,
-                  ", ".join(f"{v.spec.name}->{[s.ps for s in v.spec.shards]}" for v in new))
+        log.debug(
+            "placed %s on %d ps task(s): %s",
+            type(module).__name__,
+            self._num_ps,
+            ", ".join(f"{v.spec.name}->{[s.ps for s in v.spec.shards]}" for v in new),
+        )
 
     def _module_hook(self, kind: str, module: nn.Module) -> None:
         if kind == "forward":
@@ -269,8 +291,11 @@ class ParameterServerStrategy(Strategy):
 
     def variable_placement(self, module: nn.Module) -> dict[str, list[tuple[int, int, int]]]:
         """Where each parameter of ``module`` lives: name -> [(ps task, first row, end row), ...] per shard."""
-        return {name: [(s.ps, s.start, s.stop) for s in self._variables[id(p)].spec.shards]
-                for name, p in module.named_parameters() if id(p) in self._variables}
+        return {
+            name: [(s.ps, s.start, s.stop) for s in self._variables[id(p)].spec.shards]
+            for name, p in module.named_parameters()
+            if id(p) in self._variables
+        }
 
     def variable_shards(self, module: nn.Module) -> dict[str, list[torch.Tensor]]:
         """Each parameter's shards, read from the ps tasks that hold them (TF's ``ShardedVariable.variables``).
@@ -286,8 +311,11 @@ class ParameterServerStrategy(Strategy):
             [(3, 2), (2, 2)]
             >>> ds.testing.stop_in_process_cluster(resolver)
         """
-        return {name: self._ps.read_shards(self._variables[id(p)].spec)
-                for name, p in module.named_parameters() if id(p) in self._variables}
+        return {
+            name: self._ps.read_shards(self._variables[id(p)].spec)
+            for name, p in module.named_parameters()
+            if id(p) in self._variables
+        }
 
     # ------------------------------------------------------------------ optimizers
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -297,35 +325,45 @@ class ParameterServerStrategy(Strategy):
         if foreign:
             raise ValueError(
                 f"{type(optimizer).__name__} was created under ParameterServerStrategy.scope() over {len(foreign)} "
-                "parameter(s) not placed on the ps tasks; build the model inside the same strategy.scope()")
+                "parameter(s) not placed on the ps tasks; build the model inside the same strategy.scope()"
+            )
         opt_id = f"{self._session}/opt{len(self._optimizers)}"
-        entries = [(self._variables[id(p)].spec, _options(group))
-                   for group in optimizer.param_groups for p in group["params"]]
+        entries = [
+            (self._variables[id(p)].spec, _options(group)) for group in optimizer.param_groups for p in group["params"]
+        ]
         self._ps.create_optimizer(opt_id, cloudpickle.dumps(type(optimizer)), entries)
         self._optimizers[id(optimizer)] = (optimizer, opt_id)
         wrap_optimizer(optimizer, self._coordinator_step, lambda opt, zero_grad, set_to_none: zero_grad(set_to_none))
         # torch's public hook: the servers' state replaces the (empty) local one in every state_dict()
         optimizer.register_state_dict_post_hook(lambda opt, sd: self._optimizer_state_dict(opt, opt_id, sd))
-        replace_load_state_dict(optimizer, lambda opt, state_dict: self._optimizer_load_state_dict(opt, opt_id,
-                                                                                                   state_dict))
+        replace_load_state_dict(
+            optimizer, lambda opt, state_dict: self._optimizer_load_state_dict(opt, opt_id, state_dict)
+        )
 
-    def _coordinator_step(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple,
-                          kwargs: dict) -> Any:
+    def _coordinator_step(
+        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         """``optimizer.step()`` called on the coordinator itself: push its local gradients."""
         closure = kwargs.get("closure", args[0] if args else None)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = [(self._variables[id(p)], p.grad, g) for g, group in enumerate(optimizer.param_groups)
-                 for p in group["params"] if p.grad is not None]
+        items = [
+            (self._variables[id(p)], p.grad, g)
+            for g, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+            if p.grad is not None
+        ]
         if items:
             self._ps.push(self._optimizers[id(optimizer)][1], items, [_options(g) for g in optimizer.param_groups])
         return loss
 
     def optimizer_options(self) -> dict[str, list[dict[str, Any]]]:
         """Every optimizer's current options per group, sent to the workers with each batch of calls."""
-        return {opt_id: [_options(g) for g in optimizer.param_groups] for optimizer, opt_id in self._optimizers.values()}
+        return {
+            opt_id: [_options(g) for g in optimizer.param_groups] for optimizer, opt_id in self._optimizers.values()
+        }
 
     def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str, sd: dict) -> dict:
         """``optimizer.state_dict()``'s post-hook: torch's dict, its ``state`` read from the ps tasks."""
@@ -347,11 +385,14 @@ class ParameterServerStrategy(Strategy):
         from distrib.parameter_server.optimizer_state import split_state
 
         groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
-        if len(groups) != len(saved_groups) or any(len(g["params"]) != len(s["params"])
-                                                   for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded optimizer state has a different number of parameter groups or parameters "
-                             f"({[len(s['params']) for s in saved_groups]}) than this optimizer "
-                             f"({[len(g['params']) for g in groups]})")
+        if len(groups) != len(saved_groups) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+        ):
+            raise ValueError(
+                "loaded optimizer state has a different number of parameter groups or parameters "
+                f"({[len(s['params']) for s in saved_groups]}) than this optimizer "
+                f"({[len(g['params']) for g in groups]})"
+            )
         saved_state = state_dict.get("state", {})
         for group, saved in zip(groups, saved_groups):
             options = {k: v for k, v in saved.items() if k != "params"}
@@ -383,7 +424,7 @@ class ParameterServerStrategy(Strategy):
                     mark_metric_updated(metric)  # it has seen an update: compute() must not warn
 
     # ------------------------------------------------------------------ GradScalers
-    def scaler_snapshot(self, acks: Acknowledgements) -> Optional[dict[str, Any]]:
+    def scaler_snapshot(self, acks: Acknowledgements) -> dict[str, Any] | None:
         """The state of every GradScaler scheduled functions use, for a request to one worker (see
         :mod:`distrib.parameter_server.scaler`); ``acks``: that worker's outcomes replayed here."""
         return self._scalers.snapshot(acks)
@@ -393,7 +434,7 @@ class ParameterServerStrategy(Strategy):
         self._scalers.merge(info, acks)
 
     # ------------------------------------------------------------------ pickling for workers
-    def persistent_id(self, obj: Any) -> Optional[tuple[Any, ...]]:
+    def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         """How ``obj`` travels inside a scheduled function (None: pickled as usual)."""
         if obj is self:
             return ("strategy",)
@@ -411,15 +452,21 @@ class ParameterServerStrategy(Strategy):
         return None
 
     # ------------------------------------------------------------------ run, input
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
-            options: Optional[RunOptions] = None) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        options: RunOptions | None = None,
+    ) -> Any:
         """Run ``fn`` once, here, on the coordinator, with TF's warning: inside a function scheduled with
         ``ClusterCoordinator.schedule`` (the normal use) ``strategy.run`` runs on the worker instead."""
         self._warn_on_coordinator("run")
         return super().run(fn, args, kwargs, options)
 
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                              options: RunOptions) -> Any:
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
+    ) -> Any:
         return run_in_place(self._replica, fn, args, kwargs)
 
     def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
@@ -429,17 +476,20 @@ class ParameterServerStrategy(Strategy):
 
     @staticmethod
     def _warn_on_coordinator(method: str) -> None:
-        log.warning(f"A `ParameterServerStrategy` method ({method}) is invoked without using "
-                    "`ClusterCoordinator.schedule`: it runs here, on the coordinator, which can be slow. To "
-                    "dispatch functions to the workers, call `run` or `reduce` within a function passed to "
-                    "`ds.coordinator.ClusterCoordinator.schedule`.")
+        log.warning(
+            f"A `ParameterServerStrategy` method ({method}) is invoked without using "
+            "`ClusterCoordinator.schedule`: it runs here, on the coordinator, which can be slow. To "
+            "dispatch functions to the workers, call `run` or `reduce` within a function passed to "
+            "`ds.coordinator.ClusterCoordinator.schedule`."
+        )
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DatasetSource:
         """A dataset to give to ``coordinator.create_per_worker_dataset`` (each worker iterates all of it)."""
         return DatasetSource(dataset=dataset)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]],
-                                          options: Any = None) -> DatasetSource:
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
+    ) -> DatasetSource:
         """``dataset_fn(input_context)`` is called on every worker by ``coordinator.create_per_worker_dataset``."""
         return DatasetSource(dataset_fn=dataset_fn)
 
@@ -452,28 +502,37 @@ def _options(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _check_cluster(spec: ClusterSpec, task_type: Optional[str]) -> None:
+def _check_cluster(spec: ClusterSpec, task_type: str | None) -> None:
     """TF's checks of a parameter-server cluster, with TF's messages and what to do."""
     allowed = ("chief", "worker", "ps", "evaluator")
     jobs = sorted(spec.jobs)
     unknown = [j for j in jobs if j not in allowed]
     if unknown:
-        raise ValueError(f"Disallowed task type found in cluster spec: {unknown[0]!r}; a parameter-server cluster "
-                         f"has only {', '.join(repr(a) for a in allowed)} jobs ({spec})")
+        raise ValueError(
+            f"Disallowed task type found in cluster spec: {unknown[0]!r}; a parameter-server cluster "
+            f"has only {', '.join(repr(a) for a in allowed)} jobs ({spec})"
+        )
     if task_type is not None and task_type not in allowed:
-        raise ValueError(f"Unrecognized task_type: {task_type}; the coordinator is the 'chief' task (this process), "
-                         "and 'ps'/'worker' tasks run ds.Server")
+        raise ValueError(
+            f"Unrecognized task_type: {task_type}; the coordinator is the 'chief' task (this process), "
+            "and 'ps'/'worker' tasks run ds.Server"
+        )
+
     def count(job: str) -> int:  # ClusterSpec.num_tasks raises for a job the cluster lacks (as TF)
         return spec.num_tasks(job) if job in spec.jobs else 0
 
     if count("chief") > 1:
         raise ValueError(f"There must be at most one 'chief' job; the cluster has {count('chief')} ({spec})")
     if not count("worker"):
-        raise ValueError(f"There must be at least one worker. The cluster has no 'worker' task ({spec}); "
-                         "ParameterServerStrategy needs at least one 'ps' and one 'worker'")
+        raise ValueError(
+            f"There must be at least one worker. The cluster has no 'worker' task ({spec}); "
+            "ParameterServerStrategy needs at least one 'ps' and one 'worker'"
+        )
     if not count("ps"):
-        raise ValueError(f"There must be at least one ps. The cluster has no 'ps' task ({spec}); "
-                         "ParameterServerStrategy needs at least one 'ps' and one 'worker'")
+        raise ValueError(
+            f"There must be at least one ps. The cluster has no 'ps' task ({spec}); "
+            "ParameterServerStrategy needs at least one 'ps' and one 'worker'"
+        )
 
 
 def _is_metric(obj: Any) -> bool:
@@ -489,11 +548,14 @@ class _MetricCopy:
     """Pickles as a copy of ``metric`` with a fresh state (the metric's own pickling rules)."""
 
     def __init__(self, metric: Any) -> None:
-        if not hasattr(metric, "merge_deltas") and (metric.full_state_update or metric.full_state_update is None
-                                                    or metric.dist_sync_on_step):
-            raise TypeError(f"{type(metric).__name__} (torchmetrics, full_state_update or dist_sync_on_step) cannot "
-                            "add up updates made on several workers; use a metric whose states merge "
-                            "(full_state_update=False), or a ds.metrics one")
+        if not hasattr(metric, "merge_deltas") and (
+            metric.full_state_update or metric.full_state_update is None or metric.dist_sync_on_step
+        ):
+            raise TypeError(
+                f"{type(metric).__name__} (torchmetrics, full_state_update or dist_sync_on_step) cannot "
+                "add up updates made on several workers; use a metric whose states merge "
+                "(full_state_update=False), or a ds.metrics one"
+            )
         self.metric = metric
 
     def __reduce_ex__(self, protocol: Any) -> Any:

@@ -20,20 +20,25 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any
 
 import torch
 
 from distrib import torch_patches
-from distrib.parameter_server.transport import wire
 from distrib.parameter_server.errors import ParameterServerUnavailableError
 from distrib.parameter_server.partitioners import shard_offsets
-from distrib.parameter_server.transport.rpc import (MESSAGE_MARGIN_BYTES, PS_SERVICE, Connection, TLSConfig,
-                                                    max_message_bytes)
+from distrib.parameter_server.transport import wire
+from distrib.parameter_server.transport.rpc import (
+    MESSAGE_MARGIN_BYTES,
+    PS_SERVICE,
+    Connection,
+    TLSConfig,
+    max_message_bytes,
+)
 
 __all__ = ["ShardSpec", "VariableSpec", "Placer", "LocalVariable", "ParameterClient"]
-
 
 
 @dataclass(frozen=True)
@@ -66,20 +71,24 @@ class VariableSpec:
         if not self.shape:
             return tensor
         s = self.shards[index]
-        return tensor[s.start:s.stop]
+        return tensor[s.start : s.stop]
 
 
 def _num_shards(partitioner: Callable[..., Any], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """The shard count ``partitioner`` gives; a ValueError that explains when its answer is unusable."""
     parts = partitioner(shape, dtype)
-    valid = isinstance(parts, (list, tuple)) and len(parts) == len(shape) and all(
-        isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in parts)
+    valid = (
+        isinstance(parts, (list, tuple))
+        and len(parts) == len(shape)
+        and all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in parts)
+    )
     if not valid or int(parts[0]) < 1 or any(int(p) != 1 for p in parts[1:]):
         raise ValueError(
             f"variable_partitioner {partitioner!r} returned {parts!r} for {name} of shape {shape}; it must return a "
             f"list of {len(shape)} int(s), [n, 1, ...] with n >= 1 shards along dim 0 (e.g. "
             f"{[2] + [1] * (len(shape) - 1)}). Partitioners are called as partitioner(shape, dtype), like "
-            "ds.partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)")
+            "ds.partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)"
+        )
     return min(int(parts[0]), shape[0]) if shape[0] else 1
 
 
@@ -92,8 +101,13 @@ class Placer:
     ValueError that says how to partition the parameter.
     """
 
-    def __init__(self, num_ps: int, partitioner: Optional[Callable[..., Sequence[int]]], prefix: str,
-                 max_shard_bytes: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        num_ps: int,
+        partitioner: Callable[..., Sequence[int]] | None,
+        prefix: str,
+        max_shard_bytes: int | None = None,
+    ) -> None:
         self.num_ps = num_ps
         self.partitioner = partitioner
         self.prefix = prefix
@@ -116,7 +130,8 @@ class Placer:
                     f"{self.max_shard_bytes} bytes a message to a ps may carry (DISTRIB_MAX_MESSAGE_BYTES less a margin). "
                     f"Partition it, e.g. ParameterServerStrategy(..., variable_partitioner="
                     f"ds.partitioners.MaxSizePartitioner(max_shard_bytes={self.max_shard_bytes // 2})), or raise "
-                    "DISTRIB_MAX_MESSAGE_BYTES on every task")
+                    "DISTRIB_MAX_MESSAGE_BYTES on every task"
+                )
         var_id = f"{self.prefix}/v{self._variables}"
         self._variables += 1
         shards = []
@@ -153,7 +168,7 @@ class LocalVariable:
         self.versions = [0] * len(self.spec.shards)
 
 
-def split_gradient(spec: VariableSpec, grad: torch.Tensor) -> list[Optional[torch.Tensor]]:
+def split_gradient(spec: VariableSpec, grad: torch.Tensor) -> list[torch.Tensor | None]:
     """Per-shard parts of a whole gradient; sparse gradients keep only each shard's touched rows."""
     if not grad.is_sparse:
         return [spec.shard_view(grad, i) for i in range(len(spec.shards))]
@@ -161,21 +176,34 @@ def split_gradient(spec: VariableSpec, grad: torch.Tensor) -> list[Optional[torc
     rows, values = grad.indices()[0], grad.values()
     if len(spec.shards) == 1:
         s = spec.shards[0]
-        return [torch.sparse_coo_tensor(rows.unsqueeze(0), values, (s.stop - s.start, *spec.shape[1:]),
-                                        check_invariants=False, is_coalesced=True)]
-    parts: list[Optional[torch.Tensor]] = []
+        return [
+            torch.sparse_coo_tensor(
+                rows.unsqueeze(0),
+                values,
+                (s.stop - s.start, *spec.shape[1:]),
+                check_invariants=False,
+                is_coalesced=True,
+            )
+        ]
+    parts: list[torch.Tensor | None] = []
     for s in spec.shards:
         mask = (rows >= s.start) & (rows < s.stop)
         if not bool(mask.any()):
             parts.append(None)
             continue
-        parts.append(torch.sparse_coo_tensor((rows[mask] - s.start).unsqueeze(0), values[mask],
-                                             (s.stop - s.start, *spec.shape[1:]), check_invariants=False,
-                                             is_coalesced=True))
+        parts.append(
+            torch.sparse_coo_tensor(
+                (rows[mask] - s.start).unsqueeze(0),
+                values[mask],
+                (s.stop - s.start, *spec.shape[1:]),
+                check_invariants=False,
+                is_coalesced=True,
+            )
+        )
     return parts
 
 
-def _nbytes(t: Optional[torch.Tensor]) -> int:
+def _nbytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
     if t.is_sparse:
@@ -199,11 +227,21 @@ class ParameterClient:
     calls to the same ps (every single shard fits: the :class:`Placer` made sure).
     """
 
-    def __init__(self, ps_addresses: Sequence[str], token: str, tls: Optional[TLSConfig] = None,
-                 max_message: Optional[int] = None) -> None:
-        self._conns = [Connection(a, PS_SERVICE, token, tls, task=f"/job:ps/task:{i}",
-                                  unavailable=ParameterServerUnavailableError, max_message=max_message)
-                       for i, a in enumerate(ps_addresses)]
+    def __init__(
+        self, ps_addresses: Sequence[str], token: str, tls: TLSConfig | None = None, max_message: int | None = None
+    ) -> None:
+        self._conns = [
+            Connection(
+                a,
+                PS_SERVICE,
+                token,
+                tls,
+                task=f"/job:ps/task:{i}",
+                unavailable=ParameterServerUnavailableError,
+                max_message=max_message,
+            )
+            for i, a in enumerate(ps_addresses)
+        ]
         limit = self._conns[0].max_message if self._conns else max_message_bytes(max_message)
         #: how many bytes of tensors one call carries at most
         self.budget = limit - MESSAGE_MARGIN_BYTES
@@ -228,11 +266,17 @@ class ParameterClient:
             try:
                 conn.call("Health", wire.encode({}), timeout=left, wait_for_ready=True)
             except ParameterServerUnavailableError as e:
-                raise ParameterServerUnavailableError(conn.address, f"did not answer within {timeout:.0f}s ({e})",
-                                                      conn.task) from None
+                raise ParameterServerUnavailableError(
+                    conn.address, f"did not answer within {timeout:.0f}s ({e})", conn.task
+                ) from None
 
-    def _fanout(self, method: str, common: dict[int, dict], entries: dict[int, list[tuple[int, dict]]],
-                reply_field: Optional[str] = None) -> dict[int, list]:
+    def _fanout(
+        self,
+        method: str,
+        common: dict[int, dict],
+        entries: dict[int, list[tuple[int, dict]]],
+        reply_field: str | None = None,
+    ) -> dict[int, list]:
         """Send ``entries`` (``(bytes, fields)`` per item) to each ps, as few calls as the message limit allows.
 
         Each call carries ``common[ps]`` and, for every field, the list of its entries' values.
@@ -265,8 +309,9 @@ class ParameterClient:
     def _raise(self, ps: int, error: dict) -> None:
         conn = self._conns[ps]
         if error.get("type") == "UnknownVariable":
-            raise ParameterServerUnavailableError(conn.address, f"it lost its variables ({error.get('message')}); "
-                                                  "it was probably restarted", conn.task)
+            raise ParameterServerUnavailableError(
+                conn.address, f"it lost its variables ({error.get('message')}); it was probably restarted", conn.task
+            )
         raise RuntimeError(f"{conn.task} ({conn.address}) failed: {error.get('type')}: {error.get('message')}")
 
     # ------------------------------------------------------------------ variables
@@ -285,15 +330,20 @@ class ParameterClient:
         targets: dict[int, list[tuple[LocalVariable, int]]] = {}
         for var in variables:
             for i, s in enumerate(var.spec.shards):
-                entries.setdefault(s.ps, []).append((_shard_nbytes(var.spec, i),
-                                                     {"keys": s.key, "since": var.versions[i]}))
+                entries.setdefault(s.ps, []).append(
+                    (_shard_nbytes(var.spec, i), {"keys": s.key, "since": var.versions[i]})
+                )
                 targets.setdefault(s.ps, []).append((var, i))
         for ps, shard_replies in self._fanout("Pull", {}, entries, "shards").items():
             for (var, i), shard_reply in zip(targets[ps], shard_replies):
                 var.apply(i, shard_reply)
 
-    def push(self, optimizer_id: str, items: Sequence[tuple[LocalVariable, torch.Tensor, int]],
-             options: Optional[Sequence[dict]] = None) -> None:
+    def push(
+        self,
+        optimizer_id: str,
+        items: Sequence[tuple[LocalVariable, torch.Tensor, int]],
+        options: Sequence[dict] | None = None,
+    ) -> None:
         """Apply gradients with the ps-side optimizer ``optimizer_id``; refresh the local copies.
 
         ``items`` are ``(variable, gradient, param group index)``; ``options`` (one dict per
@@ -307,8 +357,9 @@ class ParameterClient:
                 s = var.spec.shards[i]
                 # None: no row of this shard was touched; just refresh it
                 nbytes = max(_nbytes(part), _shard_nbytes(var.spec, i))  # the reply may hold the whole shard
-                entries.setdefault(s.ps, []).append((nbytes, {"keys": s.key, "grads": part, "since": var.versions[i],
-                                                              "groups": group}))
+                entries.setdefault(s.ps, []).append(
+                    (nbytes, {"keys": s.key, "grads": part, "since": var.versions[i], "groups": group})
+                )
                 targets.setdefault(s.ps, []).append((var, i))
         common = {ps: {"opt": optimizer_id, "options": options} for ps in entries}
         for ps, shard_replies in self._fanout("Push", common, entries, "shards").items():
@@ -320,7 +371,9 @@ class ParameterClient:
         entries: dict[int, list[tuple[int, dict]]] = {}
         for spec, value in items:
             if tuple(value.shape) != spec.shape:
-                raise ValueError(f"cannot assign a value of shape {tuple(value.shape)} to {spec.name} of shape {spec.shape}")
+                raise ValueError(
+                    f"cannot assign a value of shape {tuple(value.shape)} to {spec.name} of shape {spec.shape}"
+                )
             value = value.to(spec.torch_dtype)
             for i, s in enumerate(spec.shards):
                 view = spec.shard_view(value, i)
@@ -328,8 +381,7 @@ class ParameterClient:
         self._fanout("Assign", {}, entries)
 
     # ------------------------------------------------------------------ optimizer state
-    def create_optimizer(self, optimizer_id: str, factory: bytes,
-                         entries: Sequence[tuple[VariableSpec, dict]]) -> None:
+    def create_optimizer(self, optimizer_id: str, factory: bytes, entries: Sequence[tuple[VariableSpec, dict]]) -> None:
         """Create, beside every shard, an optimizer of the pickled class ``factory`` with its group's options."""
         per_ps: dict[int, list[tuple[int, dict]]] = {}
         for spec, options in entries:
@@ -370,4 +422,3 @@ class ParameterClient:
     def close(self) -> None:
         for c in self._conns:
             c.close()
-

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["WeakNames"]
 
@@ -48,7 +48,7 @@ class WeakNames:
             self._by_name[key] = weakref.ref(obj)
             return key
 
-    def get(self, key: str) -> Optional[Any]:
+    def get(self, key: str) -> Any | None:
         """The object named ``key``; None if there is none, or it was garbage-collected."""
         with self._lock:
             ref = self._by_name.get(key)

@@ -9,7 +9,8 @@ subclass, registered by :mod:`distrib.parameter_server.strategy`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,8 +33,11 @@ class ParameterServerWorkerStrategy(Strategy):
     should_use_with_coordinator = True
 
     def __init__(self, cluster_spec: ClusterSpec, worker_index: int) -> None:
-        super().__init__([None], cluster_resolver=SimpleClusterResolver(cluster_spec, "worker", worker_index),
-                         device_names=[f"/job:worker/replica:0/task:{worker_index}/device:CPU:0"])
+        super().__init__(
+            [None],
+            cluster_resolver=SimpleClusterResolver(cluster_spec, "worker", worker_index),
+            device_names=[f"/job:worker/replica:0/task:{worker_index}/device:CPU:0"],
+        )
         self._spec = cluster_spec
         self._replica = ReplicaContext(self, 0, InPlaceMerger())
         #: a worker schedules nothing: always None (the coordinator's strategy holds its ClusterCoordinator)
@@ -55,11 +59,14 @@ class ParameterServerWorkerStrategy(Strategy):
         return self._spec
 
     def __repr__(self) -> str:
-        return (f"ParameterServerStrategy(ps={self._spec.num_tasks('ps')}, workers={self._spec.num_tasks('worker')}, "
-                f"on {self._device_names[0]})")
+        return (
+            f"ParameterServerStrategy(ps={self._spec.num_tasks('ps')}, workers={self._spec.num_tasks('worker')}, "
+            f"on {self._device_names[0]})"
+        )
 
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                              options: RunOptions) -> Any:
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
+    ) -> Any:
         """``fn`` once, here, on this worker (one replica per worker)."""
         return run_in_place(self._replica, fn, args, kwargs)
 
@@ -73,16 +80,19 @@ class ParameterServerWorkerStrategy(Strategy):
         """A dataset source, as on the coordinator (per-worker datasets are made there)."""
         return DatasetSource(dataset=dataset)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]],
-                                          options: Any = None) -> DatasetSource:
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
+    ) -> DatasetSource:
         """A dataset source, as on the coordinator (per-worker datasets are made there)."""
         return DatasetSource(dataset_fn=dataset_fn)
 
     @property
-    def graph_capture_blocker(self) -> Optional[str]:
+    def graph_capture_blocker(self) -> str | None:
         """Scheduled steps pull and push parameters over RPC, on the host: ``ds.function`` runs them eagerly."""
-        return ("A scheduled function's steps pull parameters from and push gradients to the ps tasks over "
-                "RPC, on the host, which a CUDA graph cannot hold")
+        return (
+            "A scheduled function's steps pull parameters from and push gradients to the ps tasks over "
+            "RPC, on the host, which a CUDA graph cannot hold"
+        )
 
-    def step_executor(self) -> "StepExecutor":
+    def step_executor(self) -> StepExecutor:
         raise RuntimeError("fit/evaluate/predict run on the coordinator, not inside a scheduled function")

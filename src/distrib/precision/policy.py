@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler
@@ -21,8 +22,12 @@ from distrib.precision.speed import Slowdown
 __all__ = ["Precision", "backward_and_step"]
 
 #: Lightning's precision names (``Trainer(precision=...)``) and the autocast dtype of each (None: no autocast)
-_PRECISIONS: dict[str, Optional[torch.dtype]] = {
-    "32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_PRECISIONS: dict[str, torch.dtype | None] = {
+    "32": None,
+    "32-true": None,
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+}
 #: Lightning's older names, accepted with its warning
 _LEGACY = {"16": "16-mixed", "bf16": "bf16-mixed"}
 
@@ -50,20 +55,25 @@ class Precision:
     """
 
     name: str
-    dtype: Optional[torch.dtype]
+    dtype: torch.dtype | None
 
     @classmethod
-    def parse(cls, precision: Union[str, int], argument: str = "precision") -> "Precision":
+    def parse(cls, precision: str | int, argument: str = "precision") -> Precision:
         """The precision named ``precision``; a ValueError naming ``argument`` for an unknown one."""
         name = str(precision)
         if name in _LEGACY:
-            warnings.warn(f"{argument}={precision!r} is Lightning's older name; use {argument}={_LEGACY[name]!r}",
-                          UserWarning, stacklevel=3)
+            warnings.warn(
+                f"{argument}={precision!r} is Lightning's older name; use {argument}={_LEGACY[name]!r}",
+                UserWarning,
+                stacklevel=3,
+            )
             name = _LEGACY[name]
         if name not in _PRECISIONS:
-            raise ValueError(f"{argument}={precision!r} is not a precision distrib knows: give '32' (full float32), "
-                             "'bf16-mixed' (autocast to bfloat16) or '16-mixed' (autocast to float16 with a "
-                             "GradScaler), Lightning's names")
+            raise ValueError(
+                f"{argument}={precision!r} is not a precision distrib knows: give '32' (full float32), "
+                "'bf16-mixed' (autocast to bfloat16) or '16-mixed' (autocast to float16 with a "
+                "GradScaler), Lightning's names"
+            )
         return cls(name, _PRECISIONS[name])
 
     @property
@@ -77,11 +87,11 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=self.dtype)
 
-    def grad_scaler(self, device_type: str) -> Optional[GradScaler]:
+    def grad_scaler(self, device_type: str) -> GradScaler | None:
         """A new ``GradScaler`` for float16 training on ``device_type``; None where no scaling applies."""
         return GradScaler(device_type) if self.dtype is torch.float16 else None
 
-    def slow_here(self, device_type: str, slowdown: "Optional[SlowdownProbe]" = None) -> Optional[str]:
+    def slow_here(self, device_type: str, slowdown: SlowdownProbe | None = None) -> str | None:
         """A note naming the faster choice when this precision is correct but slow on ``device_type``, else None.
 
         Whether a CPU runs bfloat16 or float16 autocast fast depends on the kernels oneDNN and ATen
@@ -99,10 +109,15 @@ class Precision:
         if self.dtype is None:
             return None
         if device_type == "cuda":
-            if self.dtype is torch.bfloat16 and torch.cuda.is_available() \
-                    and not torch.cuda.is_bf16_supported(including_emulation=False):
-                return ("bfloat16 autocast is slow on this GPU (no bfloat16 arithmetic: "
-                        "torch.cuda.is_bf16_supported() is False); '16-mixed' is the faster choice here")
+            if (
+                self.dtype is torch.bfloat16
+                and torch.cuda.is_available()
+                and not torch.cuda.is_bf16_supported(including_emulation=False)
+            ):
+                return (
+                    "bfloat16 autocast is slow on this GPU (no bfloat16 arithmetic: "
+                    "torch.cuda.is_bf16_supported() is False); '16-mixed' is the faster choice here"
+                )
             return None
         if device_type != "cpu":
             return None
@@ -112,11 +127,15 @@ class Precision:
             return None
         other_dtype = torch.float16 if self.dtype is torch.bfloat16 else torch.bfloat16
         other = slowdown(other_dtype, device_type)
-        said = (f"{_NAMES[self.dtype]} autocast is slow on this CPU: a small convolution and linear step took "
-                f"{mine.ratio:.1f}x its float32 time here")
+        said = (
+            f"{_NAMES[self.dtype]} autocast is slow on this CPU: a small convolution and linear step took "
+            f"{mine.ratio:.1f}x its float32 time here"
+        )
         if other is not None and not other.slow:
-            return (f"{said}; '{_MIXED[other_dtype]}' is the faster choice here ({_NAMES[other_dtype]} took "
-                    f"{other.ratio:.1f}x float32's time)")
+            return (
+                f"{said}; '{_MIXED[other_dtype]}' is the faster choice here ({_NAMES[other_dtype]} took "
+                f"{other.ratio:.1f}x float32's time)"
+            )
         if other is not None:
             said += f", and {_NAMES[other_dtype]} is slow here too ({other.ratio:.1f}x)"
         return f"{said}; '32' (float32) is the faster choice here"
@@ -126,10 +145,10 @@ class Precision:
 _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MIXED = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 #: the measurement :meth:`Precision.slow_here` consults: ``(dtype, device_type) -> Slowdown or None``
-SlowdownProbe = Callable[[torch.dtype, str], Optional[Slowdown]]
+SlowdownProbe = Callable[[torch.dtype, str], Slowdown | None]
 
 
-def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Optional[GradScaler]) -> None:
+def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: GradScaler | None) -> None:
     """``loss.backward(); optimizer.step()``, through ``scaler`` when one is given (float16): PyTorch's own
     ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``. The loops of ``ds.fit`` and
     ``distrib train`` share it."""

@@ -39,8 +39,8 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ class Slowdown:
         return self.ratio >= SLOW_RATIO
 
 
-def _probe_step() -> Callable[[Optional[torch.dtype]], None]:
+def _probe_step() -> Callable[[torch.dtype | None], None]:
     """One small training step (convolution + linear, forward and backward) at a dtype; None: float32.
 
     The tensors come from a private generator, so the user's random stream is untouched.
@@ -77,7 +77,7 @@ def _probe_step() -> Callable[[Optional[torch.dtype]], None]:
     linear = (torch.randn(256, 512, generator=g) * 0.05).requires_grad_()
     leaves = (x, conv, h, linear)
 
-    def step(dtype: Optional[torch.dtype]) -> None:
+    def step(dtype: torch.dtype | None) -> None:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             y = F.conv2d(x, conv).float().sum() + F.linear(h, linear).float().sum()
         y.backward()
@@ -87,7 +87,7 @@ def _probe_step() -> Callable[[Optional[torch.dtype]], None]:
     return step
 
 
-def _time(step: Callable[[Optional[torch.dtype]], None], dtype: Optional[torch.dtype]) -> float:
+def _time(step: Callable[[torch.dtype | None], None], dtype: torch.dtype | None) -> float:
     start = time.thread_time()
     step(dtype)
     return time.thread_time() - start
@@ -108,8 +108,8 @@ def _measure(dtype: torch.dtype) -> Slowdown:
     return Slowdown(statistics.median(ratios), time.thread_time() - start)
 
 
-@functools.lru_cache(maxsize=None)
-def measured_slowdown(dtype: torch.dtype, device_type: str) -> Optional[Slowdown]:
+@functools.cache
+def measured_slowdown(dtype: torch.dtype, device_type: str) -> Slowdown | None:
     """How much slower a small step runs under autocast to ``dtype`` than in float32 on ``device_type``.
 
     Measured once per process and dtype (cached). None where nothing is measured: devices other

@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -42,8 +43,9 @@ class StepAgreement:
     ``on_step(step)`` is called from the watcher thread once a step is proposed.
     """
 
-    def __init__(self, strategy: "Strategy", host: str, on_step: Callable[[int], None],
-                 poll: float = 0.1, timeout: float = 60.0) -> None:
+    def __init__(
+        self, strategy: Strategy, host: str, on_step: Callable[[int], None], poll: float = 0.1, timeout: float = 60.0
+    ) -> None:
         from distrib.comm.rendezvous import tcp_store  # imports torch.distributed: only when a cluster is there
 
         self.rank, self.world_size = strategy.worker_index, strategy.num_workers
@@ -52,8 +54,7 @@ class StepAgreement:
         server: Any = tcp_store(host, 0, self.world_size, True, timeout) if self.rank == 0 else None
         port = strategy.communicator.broadcast_object(server.port if server is not None else None)
         self._server = server  # the chief keeps its server alive as long as the handler
-        self._store: Any = server if server is not None else tcp_store(host, int(port), self.world_size, False,
-                                                                        timeout)
+        self._store: Any = server if server is not None else tcp_store(host, int(port), self.world_size, False, timeout)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="distrib-preemption-watcher", daemon=True)
         self._thread.start()
@@ -88,8 +89,9 @@ class StepAgreement:
             except Exception as e:  # noqa: BLE001 - the chief's store is gone
                 raise TimeoutError(f"the step to save at ({agreed}) could not be agreed: {e}") from e
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not every worker acknowledged the step to save at ({agreed}) within "
-                                   f"{timeout:.1f}s")
+                raise TimeoutError(
+                    f"not every worker acknowledged the step to save at ({agreed}) within {timeout:.1f}s"
+                )
             time.sleep(0.002)
 
     def close(self) -> None:
@@ -106,7 +108,7 @@ class StepAgreement:
         return f"StepAgreement(rank={self.rank}, world_size={self.world_size}, watching={self.watching})"
 
 
-def store_host(strategy: "Strategy") -> Optional[str]:
+def store_host(strategy: Strategy) -> str | None:
     """Where the chief's store is reached: the host of the cluster's rendezvous address, else ``MASTER_ADDR``."""
     import os
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import signal as signal_module
 import sys
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["DEFAULT_GRACE_PERIOD", "GRACE_ENV", "PREEMPTION_EXIT_CODE", "TerminationConfig", "exit_deadline"]
 
@@ -33,21 +34,24 @@ DEFAULT_GRACE_PERIOD = 30.0
 _UNCATCHABLE = {signal_module.SIGKILL, signal_module.SIGSTOP}
 
 
-def _signals(value: Union[int, Iterable[int], None]) -> tuple[int, ...]:
+def _signals(value: int | Iterable[int] | None) -> tuple[int, ...]:
     if value is None:
         return (int(signal_module.SIGTERM),)
     items = (value,) if isinstance(value, int) else tuple(value)
     if not items:
-        raise ValueError("TerminationConfig(signals=()): give at least one signal, e.g. signal.SIGTERM, or a "
-                         "termination_watcher_fn")
+        raise ValueError(
+            "TerminationConfig(signals=()): give at least one signal, e.g. signal.SIGTERM, or a termination_watcher_fn"
+        )
     out = []
     for sig in items:
         if not isinstance(sig, int) or isinstance(sig, bool):
             raise TypeError(f"TerminationConfig(signals=...): {sig!r} is not a signal number (e.g. signal.SIGUSR1)")
         if sig in _UNCATCHABLE:
-            raise ValueError(f"TerminationConfig(signals=...): {signal_module.Signals(sig).name} cannot be caught; "
-                             "use SIGTERM, or the signal your scheduler sends ahead of the kill (Slurm: "
-                             "--signal=USR1@120 and signals=signal.SIGUSR1)")
+            raise ValueError(
+                f"TerminationConfig(signals=...): {signal_module.Signals(sig).name} cannot be caught; "
+                "use SIGTERM, or the signal your scheduler sends ahead of the kill (Slurm: "
+                "--signal=USR1@120 and signals=signal.SIGUSR1)"
+            )
         out.append(int(sig))
     return tuple(out)
 
@@ -71,13 +75,20 @@ class TerminationConfig:
         (True, 42, 118.0)
     """
 
-    def __init__(self, termination_watcher_fn: Optional[Callable[[], bool]] = None,
-                 exit_fn: Optional[Callable[[], Any]] = None, grace_period: Optional[float] = None,
-                 save_fn: Optional[Callable[..., Any]] = None, *,
-                 signals: Union[int, Iterable[int], None] = None, exit_code: int = PREEMPTION_EXIT_CODE) -> None:
+    def __init__(
+        self,
+        termination_watcher_fn: Callable[[], bool] | None = None,
+        exit_fn: Callable[[], Any] | None = None,
+        grace_period: float | None = None,
+        save_fn: Callable[..., Any] | None = None,
+        *,
+        signals: int | Iterable[int] | None = None,
+        exit_code: int = PREEMPTION_EXIT_CODE,
+    ) -> None:
         if termination_watcher_fn is not None and not callable(termination_watcher_fn):
-            raise TypeError(f"termination_watcher_fn must be callable (returning True on a notice), "
-                            f"got {termination_watcher_fn!r}")
+            raise TypeError(
+                f"termination_watcher_fn must be callable (returning True on a notice), got {termination_watcher_fn!r}"
+            )
         if exit_fn is not None and not callable(exit_fn):
             raise TypeError(f"exit_fn must be callable, e.g. lambda: sys.exit(42), got {exit_fn!r}")
         if save_fn is not None and not callable(save_fn):
@@ -85,8 +96,10 @@ class TerminationConfig:
         if grace_period is not None and not (isinstance(grace_period, (int, float)) and grace_period >= 0):
             raise ValueError(f"grace_period={grace_period!r}: give the seconds from the notice to the kill (>= 0)")
         if not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
-            raise ValueError(f"exit_code={exit_code!r}: give a process exit code from 1 to 255 (0 would read as a "
-                             "finished job, which no launcher restarts)")
+            raise ValueError(
+                f"exit_code={exit_code!r}: give a process exit code from 1 to 255 (0 would read as a "
+                "finished job, which no launcher restarts)"
+            )
         self.termination_watcher_fn = termination_watcher_fn
         self.exit_fn = exit_fn if exit_fn is not None else (lambda: sys.exit(exit_code))
         self.grace_period = grace_period
@@ -114,8 +127,10 @@ class TerminationConfig:
 
     def __repr__(self) -> str:
         names = ", ".join(signal_module.Signals(s).name for s in self.signals)
-        return (f"TerminationConfig(grace_period={self.grace_period!r}, signals=({names}), "
-                f"exit_code={self.exit_code}, watcher={'yes' if self.termination_watcher_fn else 'no'})")
+        return (
+            f"TerminationConfig(grace_period={self.grace_period!r}, signals=({names}), "
+            f"exit_code={self.exit_code}, watcher={'yes' if self.termination_watcher_fn else 'no'})"
+        )
 
 
 def exit_deadline(grace: float) -> float:

@@ -37,8 +37,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -73,10 +74,13 @@ class PreemptionCheckpointHandler:
     without the handler lacks ``checkpointed_runs`` and is refused at restore.
     """
 
-    def __init__(self, cluster_resolver: Optional["ClusterResolver"],
-                 checkpoint_or_checkpoint_manager: Union[Checkpoint, CheckpointManager],
-                 checkpoint_dir: Optional[str] = None,
-                 termination_config: Optional[TerminationConfig] = None) -> None:
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        checkpoint_or_checkpoint_manager: Checkpoint | CheckpointManager,
+        checkpoint_dir: str | None = None,
+        termination_config: TerminationConfig | None = None,
+    ) -> None:
         config = termination_config if termination_config is not None else TerminationConfig()
         if not isinstance(config, TerminationConfig):
             raise TypeError(f"termination_config must be a ds.experimental.TerminationConfig, got {config!r}")
@@ -85,12 +89,16 @@ class PreemptionCheckpointHandler:
             manager = target
         elif isinstance(target, Checkpoint):
             if not checkpoint_dir:
-                raise ValueError("PreemptionCheckpointHandler(cluster_resolver, checkpoint): a Checkpoint needs a "
-                                 "checkpoint_dir to save in (or pass a CheckpointManager)")
+                raise ValueError(
+                    "PreemptionCheckpointHandler(cluster_resolver, checkpoint): a Checkpoint needs a "
+                    "checkpoint_dir to save in (or pass a CheckpointManager)"
+                )
             manager = CheckpointManager(target, checkpoint_dir, max_to_keep=1)
         else:
-            raise TypeError(f"checkpoint_or_checkpoint_manager must be a ds.Checkpoint or ds.CheckpointManager, "
-                            f"got {type(target).__qualname__}")
+            raise TypeError(
+                f"checkpoint_or_checkpoint_manager must be a ds.Checkpoint or ds.CheckpointManager, "
+                f"got {type(target).__qualname__}"
+            )
         self._config = config
         self._manager = manager
         self._cluster_resolver = cluster_resolver
@@ -100,8 +108,10 @@ class PreemptionCheckpointHandler:
             counter = torch.zeros((), dtype=torch.int64)
             setattr(checkpoint, _ITERATION_VARIABLE, counter)
         elif not isinstance(counter, torch.Tensor) or counter.numel() != 1:
-            raise TypeError(f"the checkpoint tracks {_ITERATION_VARIABLE!r} as {counter!r}: the handler keeps its "
-                            "count of run calls there; rename your object")
+            raise TypeError(
+                f"the checkpoint tracks {_ITERATION_VARIABLE!r} as {counter!r}: the handler keeps its "
+                "count of run calls there; rename your object"
+            )
         self._checkpointed_runs: torch.Tensor = counter
         self._strategy = context.strategy_of(*checkpoint.objects.values())
         self._restore()
@@ -109,25 +119,27 @@ class PreemptionCheckpointHandler:
 
         # the state a notice changes; run() reads only _pending
         self._pending = False
-        self._notice: Optional[float] = None  # time.monotonic() of this worker's own notice
+        self._notice: float | None = None  # time.monotonic() of this worker's own notice
         self._notice_name = ""
-        self._step_to_save: Optional[int] = None
+        self._step_to_save: int | None = None
         self._closed = False
         self._deadline_armed = threading.Event()
         self._deadline_from = 0.0
         self._done = threading.Event()
 
         self._parameter_servers = bool(getattr(self._strategy, "should_use_with_coordinator", False))
-        self._agreement: Optional[StepAgreement] = None
+        self._agreement: StepAgreement | None = None
         if not self._parameter_servers and self._strategy.num_workers > 1:
             host = store_host(self._strategy)
             if not host:
-                raise ValueError("PreemptionCheckpointHandler: cannot tell where the chief is (no cluster resolver "
-                                 "and no MASTER_ADDR): build the strategy with a cluster resolver")
+                raise ValueError(
+                    "PreemptionCheckpointHandler: cannot tell where the chief is (no cluster resolver "
+                    "and no MASTER_ADDR): build the strategy with a cluster resolver"
+                )
             self._agreement = StepAgreement(self._strategy, host, self._peer_step)
         threading.Thread(target=self._watchdog, name="distrib-preemption-deadline", daemon=True).start()
         self._previous: dict[int, Any] = {}
-        self._poller: Optional[threading.Thread] = None
+        self._poller: threading.Thread | None = None
         if config.termination_watcher_fn is not None:
             self._poller = threading.Thread(target=self._poll, name="distrib-preemption-poll", daemon=True)
             self._poller.start()
@@ -135,11 +147,18 @@ class PreemptionCheckpointHandler:
             for sig in config.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         else:
-            raise RuntimeError("PreemptionCheckpointHandler: signal handlers can only be installed from the main "
-                               "thread; make the handler there, or give TerminationConfig(termination_watcher_fn=...)")
+            raise RuntimeError(
+                "PreemptionCheckpointHandler: signal handlers can only be installed from the main "
+                "thread; make the handler there, or give TerminationConfig(termination_watcher_fn=...)"
+            )
         atexit.register(self.close)
-        log.info("PreemptionCheckpointHandler ready on worker %d of %d at run %d (%s)", self._strategy.worker_index,
-                 self._strategy.num_workers, self._run_counter, config)
+        log.info(
+            "PreemptionCheckpointHandler ready on worker %d of %d at run %d (%s)",
+            self._strategy.worker_index,
+            self._strategy.num_workers,
+            self._run_counter,
+            config,
+        )
 
     # ------------------------------------------------------------------ TF's API
     @property
@@ -175,7 +194,7 @@ class PreemptionCheckpointHandler:
         yield
 
     # ------------------------------------------------------------------ notices
-    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: records the notice, nothing else (it runs between two bytecodes of the main thread)."""
         self._own_notice(signal.Signals(signum).name)
 
@@ -216,13 +235,17 @@ class PreemptionCheckpointHandler:
         self._deadline_armed.wait()
         if self._done.wait(max(0.0, self._deadline_from + self._config.deadline_seconds() - time.monotonic())):
             return
-        _force_exit(self._config.exit_code,
-                    f"PreemptionCheckpointHandler: no checkpoint saved within {self._config.deadline_seconds():.1f}s "
-                    f"of the termination notice (grace period {self._config.grace_seconds():g}s; a peer hung or the "
-                    f"save was too slow): exiting with {self._config.exit_code} before the kill; "
-                    + (f"the last complete checkpoint ({self._manager.latest_checkpoint}) stays the one a restart "
-                       "resumes from" if self._manager.latest_checkpoint else "no checkpoint yet: a restart starts "
-                       "from the beginning"))
+        _force_exit(
+            self._config.exit_code,
+            f"PreemptionCheckpointHandler: no checkpoint saved within {self._config.deadline_seconds():.1f}s "
+            f"of the termination notice (grace period {self._config.grace_seconds():g}s; a peer hung or the "
+            f"save was too slow): exiting with {self._config.exit_code} before the kill; "
+            + (
+                f"the last complete checkpoint ({self._manager.latest_checkpoint}) stays the one a restart resumes from"
+                if self._manager.latest_checkpoint
+                else "no checkpoint yet: a restart starts from the beginning"
+            ),
+        )
 
     # ------------------------------------------------------------------ agreeing, saving, exiting
     def _remaining(self) -> float:
@@ -238,10 +261,18 @@ class PreemptionCheckpointHandler:
                 try:
                     self._step_to_save = self._agreement.propose(self._run_counter + 1, self._remaining())
                 except TimeoutError as e:
-                    _force_exit(self._config.exit_code, f"PreemptionCheckpointHandler: {e}; exiting with "
-                                f"{self._config.exit_code} without a new checkpoint")
-            log.warning("worker %d: termination notice (%s) at run %d: every worker saves at run %d",
-                        self._strategy.worker_index, self._notice_name, self._run_counter, self._step_to_save)
+                    _force_exit(
+                        self._config.exit_code,
+                        f"PreemptionCheckpointHandler: {e}; exiting with "
+                        f"{self._config.exit_code} without a new checkpoint",
+                    )
+            log.warning(
+                "worker %d: termination notice (%s) at run %d: every worker saves at run %d",
+                self._strategy.worker_index,
+                self._notice_name,
+                self._run_counter,
+                self._step_to_save,
+            )
         step = self._step_to_save
         if step is None:
             return
@@ -249,7 +280,8 @@ class PreemptionCheckpointHandler:
             raise RuntimeError(
                 f"PreemptionCheckpointHandler: worker {self._strategy.worker_index} is at run {self._run_counter}, "
                 f"past the run {step} the workers agreed to save at: the workers' run() calls are not in step. "
-                "Give run() one synchronous training step (one that all-reduces), called equally often everywhere")
+                "Give run() one synchronous training step (one that all-reduces), called equally often everywhere"
+            )
         if self._run_counter == step:
             self._save_and_exit(*args, **kwargs)
 
@@ -266,13 +298,20 @@ class PreemptionCheckpointHandler:
         else:
             where = str(self._manager.save(*args, **kwargs))
         noticed = self._notice if self._notice is not None else self._deadline_from
-        log.warning("worker %d: preemption checkpoint at run %d saved (%s) in %.2fs, %.2fs after the notice; "
-                    "exiting", self._strategy.worker_index, self._run_counter, where, time.monotonic() - start,
-                    time.monotonic() - noticed)
+        log.warning(
+            "worker %d: preemption checkpoint at run %d saved (%s) in %.2fs, %.2fs after the notice; exiting",
+            self._strategy.worker_index,
+            self._run_counter,
+            where,
+            time.monotonic() - start,
+            time.monotonic() - noticed,
+        )
         self.close()
         self._config.exit_fn()
-        log.warning("PreemptionCheckpointHandler: exit_fn returned; training goes on and further notices are not "
-                    "handled (give an exit_fn that exits, e.g. lambda: sys.exit(42), for a restart)")
+        log.warning(
+            "PreemptionCheckpointHandler: exit_fn returned; training goes on and further notices are not "
+            "handled (give an exit_fn that exits, e.g. lambda: sys.exit(42), for a restart)"
+        )
 
     def _restore(self) -> None:
         try:
@@ -281,7 +320,8 @@ class PreemptionCheckpointHandler:
             if _ITERATION_VARIABLE in str(e):
                 raise CheckpointError(
                     f"{e}\nPreemptionCheckpointHandler: the newest checkpoint in {self._manager.directory!r} was "
-                    "not saved with a handler: give the handler a directory of its own (TF's advice too)") from e
+                    "not saved with a handler: give the handler a directory of its own (TF's advice too)"
+                ) from e
             raise
         if path is not None:
             log.warning("PreemptionCheckpointHandler: restored %s (run %d)", path, int(self._checkpointed_runs))
@@ -306,8 +346,10 @@ class PreemptionCheckpointHandler:
             pass
 
     def __repr__(self) -> str:
-        return (f"PreemptionCheckpointHandler(total_run_calls={self._run_counter}, workers="
-                f"{self._strategy.num_workers}, directory={self._manager.directory!r}, {self._config})")
+        return (
+            f"PreemptionCheckpointHandler(total_run_calls={self._run_counter}, workers="
+            f"{self._strategy.num_workers}, directory={self._manager.directory!r}, {self._config})"
+        )
 
 
 def _force_exit(code: int, message: str) -> None:

@@ -9,7 +9,6 @@ in :mod:`distrib.parameter_server`.
 """
 
 from distrib.strategies.base import Strategy
-from distrib.strategies.synchronous import SynchronousStrategy
 from distrib.strategies.central_storage import CentralStorageStrategy
 from distrib.strategies.default import DefaultStrategy
 from distrib.strategies.mirrored import MirroredStrategy
@@ -17,6 +16,16 @@ from distrib.strategies.multi_worker import MultiWorkerMirroredStrategy
 from distrib.strategies.one_device import OneDeviceStrategy
 from distrib.strategies.sharded import ShardedStrategy
 from distrib.strategies.sharding_policy import ShardingPolicy
+from distrib.strategies.synchronous import SynchronousStrategy
 
-__all__ = ["Strategy", "SynchronousStrategy", "CentralStorageStrategy", "DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "ShardedStrategy",
-           "ShardingPolicy"]
+__all__ = [
+    "Strategy",
+    "SynchronousStrategy",
+    "CentralStorageStrategy",
+    "DefaultStrategy",
+    "OneDeviceStrategy",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "ShardedStrategy",
+    "ShardingPolicy",
+]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 __all__ = ["RECIPE", "OPT_OUT", "recommended_env", "warn_if_untuned"]
 
@@ -33,7 +33,7 @@ OPT_OUT = "DISTRIB_MALLOC"
 _warned = False
 
 
-def _chosen(environ: Mapping[str, str]) -> Optional[str]:
+def _chosen(environ: Mapping[str, str]) -> str | None:
     """What says the allocator was chosen already (the variable), or None."""
     if environ.get(OPT_OUT, "").strip().lower() == "default":
         return OPT_OUT
@@ -45,7 +45,7 @@ def _chosen(environ: Mapping[str, str]) -> Optional[str]:
     return None
 
 
-def recommended_env(environ: Optional[Mapping[str, str]] = None, libc: Optional[str] = None) -> dict[str, str]:
+def recommended_env(environ: Mapping[str, str] | None = None, libc: str | None = None) -> dict[str, str]:
     """The variables to add to a sharded CPU worker's environment: :data:`RECIPE`, or nothing when the C library is
     not glibc or the allocator was chosen (``MALLOC_MMAP_THRESHOLD_``, ``LD_PRELOAD``, a ``glibc.malloc``
     tunable, ``DISTRIB_MALLOC=default``). Other tunables in ``GLIBC_TUNABLES`` are kept.
@@ -61,8 +61,10 @@ def recommended_env(environ: Optional[Mapping[str, str]] = None, libc: Optional[
     if (libc if libc is not None else platform.libc_ver()[0]) != "glibc" or _chosen(environ) is not None:
         return {}
     tunables = environ.get("GLIBC_TUNABLES", "")
-    return {**RECIPE, "GLIBC_TUNABLES": f"{tunables}:{RECIPE['GLIBC_TUNABLES']}" if tunables else
-            RECIPE["GLIBC_TUNABLES"]}
+    return {
+        **RECIPE,
+        "GLIBC_TUNABLES": f"{tunables}:{RECIPE['GLIBC_TUNABLES']}" if tunables else RECIPE["GLIBC_TUNABLES"],
+    }
 
 
 def warn_if_untuned(device_type: str, num_workers: int, chief: bool) -> None:
@@ -73,8 +75,12 @@ def warn_if_untuned(device_type: str, num_workers: int, chief: bool) -> None:
         return
     _warned = True
     setting = " ".join(f"{k}={v}" for k, v in RECIPE.items())
-    log.warning("ShardedStrategy on the CPU with glibc's allocator as it comes: each worker will hold about 1.3x "
-                "the memory of MultiWorkerMirroredStrategy (FSDP's freed unit buffers stay in glibc's heap). Start "
-                "the workers with %s (distrib train --strategy sharded does; docs/performance.md: 0.55x at 2 "
-                "workers, 0.33x at 4, for 17-19%% of the step's CPU time), or set %s=default to keep glibc as it "
-                "is and silence this", setting, OPT_OUT)
+    log.warning(
+        "ShardedStrategy on the CPU with glibc's allocator as it comes: each worker will hold about 1.3x "
+        "the memory of MultiWorkerMirroredStrategy (FSDP's freed unit buffers stay in glibc's heap). Start "
+        "the workers with %s (distrib train --strategy sharded does; docs/performance.md: 0.55x at 2 "
+        "workers, 0.33x at 4, for 17-19%% of the step's CPU time), or set %s=default to keep glibc as it "
+        "is and silence this",
+        setting,
+        OPT_OUT,
+    )

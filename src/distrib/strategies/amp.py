@@ -77,13 +77,13 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler
 
-from distrib import context
-from distrib import torch_patches
+from distrib import context, torch_patches
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -91,7 +91,7 @@ if TYPE_CHECKING:
 __all__ = ["SCALER_METHODS"]
 
 
-def _merging_strategy(scaler: GradScaler, optimizer: Any) -> Optional["Strategy"]:
+def _merging_strategy(scaler: GradScaler, optimizer: Any) -> Strategy | None:
     """The strategy that merges ``optimizer``'s steps, when ``scaler`` is enabled; else None (torch's behaviour)."""
     if not scaler.is_enabled():
         return None
@@ -99,13 +99,15 @@ def _merging_strategy(scaler: GradScaler, optimizer: Any) -> Optional["Strategy"
     return owner if owner is not None and owner.extended.merges_optimizer_steps(optimizer) else None
 
 
-def _once(strategy: "Strategy", what: str, values: list[Any], fn: Callable[[], Any]) -> list[Any]:
+def _once(strategy: Strategy, what: str, values: list[Any], fn: Callable[[], Any]) -> list[Any]:
     """A merge function: check every replica passed the same scaler and optimizer, run ``fn`` once, cross-replica."""
     scaler, optimizer = values[0][0], values[0][1]
     if any(v[0] is not scaler or v[1] is not optimizer for v in values):
-        raise ValueError(f"scaler.{what}(optimizer) was called with different GradScalers or optimizers on the "
-                         f"replicas of {type(strategy).__name__}; build one GradScaler outside strategy.run and "
-                         "use it with the strategy's optimizer on every replica")
+        raise ValueError(
+            f"scaler.{what}(optimizer) was called with different GradScalers or optimizers on the "
+            f"replicas of {type(strategy).__name__}; build one GradScaler outside strategy.run and "
+            "use it with the strategy's optimizer on every replica"
+        )
     strategy.extended.warn_if_loss_unscaled([v[2] for v in values])
     previous = context.set_current_replica(None)  # optimizer.step() inside fn is the cross-replica step
     try:
@@ -115,17 +117,15 @@ def _once(strategy: "Strategy", what: str, values: list[Any], fn: Callable[[], A
     return [result] * len(values)
 
 
-def _as_merge_point(strategy: "Strategy", what: str, scaler: GradScaler, optimizer: Any,
-                    fn: Callable[[], Any]) -> Any:
+def _as_merge_point(strategy: Strategy, what: str, scaler: GradScaler, optimizer: Any, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` once per step: at a merge point inside ``run``, or directly in cross-replica context."""
     ctx = context.current_replica()
     if ctx is None or ctx.strategy is not strategy:
         return fn()
-    return ctx.merge((scaler, optimizer, ctx.scaled_loss_recorded),
-                     lambda values: _once(strategy, what, values, fn))
+    return ctx.merge((scaler, optimizer, ctx.scaled_loss_recorded), lambda values: _once(strategy, what, values, fn))
 
 
-def _agree(strategy: "Strategy", scaler: GradScaler, optimizer: Any) -> None:
+def _agree(strategy: Strategy, scaler: GradScaler, optimizer: Any) -> None:
     """Sum the inf flags of ``optimizer``'s unscaled gradients over the workers: one decision everywhere."""
     if strategy.num_workers == 1:
         return
@@ -138,7 +138,7 @@ def _agree(strategy: "Strategy", scaler: GradScaler, optimizer: Any) -> None:
     torch_patches.set_found_inf_per_device(scaler, optimizer, {total.device: total.clamp_(max=1.0)})
 
 
-def _unscale_summed(strategy: "Strategy", scaler: GradScaler, optimizer: Any) -> None:
+def _unscale_summed(strategy: Strategy, scaler: GradScaler, optimizer: Any) -> None:
     def unscale() -> None:
         torch_patches.torch_unscale_(scaler, optimizer)
         _agree(strategy, scaler, optimizer)
@@ -154,26 +154,27 @@ def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
     _as_merge_point(strategy, "unscale_", self, optimizer, lambda: _unscale_summed(strategy, self, optimizer))
 
 
-def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[float]:
+def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
     """``GradScaler.step``: under a strategy, one decision over the summed gradients, one step (or none) everywhere."""
     strategy = _merging_strategy(self, optimizer)
     if strategy is None or "closure" in kwargs:  # torch refuses a closure itself
         return torch_patches.torch_scaler_step(self, optimizer, *args, **kwargs)
 
-    def merged_step() -> Optional[float]:
+    def merged_step() -> float | None:
         try:
             # torch's step: unscale_ (the replacement above, on summed gradients) unless the user called it,
             # then optimizer.step() only if no worker found an inf
             return strategy.extended.reduce_gradients_then(
-                optimizer, lambda: torch_patches.torch_scaler_step(self, optimizer, *args, **kwargs))
+                optimizer, lambda: torch_patches.torch_scaler_step(self, optimizer, *args, **kwargs)
+            )
         finally:
             strategy.extended.end_gradient_reduction(optimizer)
 
-    result: Optional[float] = _as_merge_point(strategy, "step", self, optimizer, merged_step)
+    result: float | None = _as_merge_point(strategy, "step", self, optimizer, merged_step)
     return result
 
 
-def update(self: GradScaler, new_scale: "Optional[float | torch.Tensor]" = None) -> None:
+def update(self: GradScaler, new_scale: float | torch.Tensor | None = None) -> None:
     """``GradScaler.update``: with several local replicas, once per step (the first replica to arrive waits)."""
     ctx = context.current_replica()
     if ctx is None or ctx.strategy.num_local_replicas == 1 or not self.is_enabled():

@@ -27,7 +27,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,8 +51,9 @@ _NO_OPTIONS = RunOptions()  # run's default, made once: a frozen dataclass costs
 
 
 def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"strategy.{old} is TF's deprecated name of strategy.{new}; use {new}", DeprecationWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"strategy.{old} is TF's deprecated name of strategy.{new}; use {new}", DeprecationWarning, stacklevel=3
+    )
 
 
 class Strategy(abc.ABC):
@@ -66,14 +68,14 @@ class Strategy(abc.ABC):
 
     def __init__(
         self,
-        devices: Sequence[Optional[torch.device]],
-        communicator: Optional[Communicator] = None,
-        cluster_resolver: Optional["ClusterResolver"] = None,
-        device_names: Optional[Sequence[str]] = None,
+        devices: Sequence[torch.device | None],
+        communicator: Communicator | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+        device_names: Sequence[str] | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a strategy needs at least one device")
-        self._devices: tuple[Optional[torch.device], ...] = tuple(devices)
+        self._devices: tuple[torch.device | None, ...] = tuple(devices)
         self._device_names = tuple(device_names) if device_names else tuple(str(d) for d in devices)
         self._communicator: Communicator = communicator or LocalCommunicator()
         self._cluster_resolver = cluster_resolver
@@ -83,8 +85,9 @@ class Strategy(abc.ABC):
 
     # ------------------------------------------------------------------ what each strategy decides
     @abc.abstractmethod
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                              options: RunOptions) -> Any:
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
+    ) -> Any:
         """Call ``fn`` once per local replica (``run``'s work, after its checks): the plain result with one
         local replica, else a structure of :class:`~distrib.PerReplica` (TF's ``extended.call_for_each_replica``)."""
 
@@ -101,22 +104,21 @@ class Strategy(abc.ABC):
         """Distribute ``dataset``'s global batches over the replicas in sync."""
 
     @abc.abstractmethod
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
-                                          options: Any = None) -> Any:
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None) -> Any:
         """Call ``dataset_fn(input_context)`` for this worker's input pipeline."""
 
     @abc.abstractmethod
-    def step_executor(self) -> "StepExecutor":
+    def step_executor(self) -> StepExecutor:
         """How ``fit``/``evaluate``/``predict`` run a step under this strategy (``strategies/execution.py``)."""
 
     @property
-    def gradient_merge(self) -> Optional[GradientMerge]:
+    def gradient_merge(self) -> GradientMerge | None:
         """What merges this strategy's optimizer steps over replicas and workers (``extended``'s seam); None
         where no step is merged."""
         return None
 
     @property
-    def graph_capture_blocker(self) -> Optional[str]:
+    def graph_capture_blocker(self) -> str | None:
         """Why ``ds.function`` cannot capture this strategy's steps as one CUDA graph, or None where it can.
 
         A graph captures the kernels one thread launches on one GPU, NCCL's collectives included: the
@@ -124,17 +126,21 @@ class Strategy(abc.ABC):
         """
         n = self.num_local_replicas
         if n > 1:
-            return (f"{type(self).__name__} runs {n} replicas in this process, on threads, and a CUDA graph "
-                    "holds one thread's kernels; one replica per process (distrib launch / torchrun, "
-                    "MultiWorkerMirroredStrategy over NCCL) can be captured")
+            return (
+                f"{type(self).__name__} runs {n} replicas in this process, on threads, and a CUDA graph "
+                "holds one thread's kernels; one replica per process (distrib launch / torchrun, "
+                "MultiWorkerMirroredStrategy over NCCL) can be captured"
+            )
         device = self._devices[0]
         if device is not None and device.type != "cuda":
             return f"{type(self).__name__} computes on {device}, and CUDA graphs need a CUDA device"
         backend = self._communicator.backend
         if self.num_workers > 1 and backend != "nccl":
-            return (f"the workers' collectives run over {backend}, on the host, and a CUDA graph captures only "
-                    "NCCL's (MultiWorkerMirroredStrategy(communication_options=CommunicationOptions("
-                    "implementation='NCCL')))")
+            return (
+                f"the workers' collectives run over {backend}, on the host, and a CUDA graph captures only "
+                "NCCL's (MultiWorkerMirroredStrategy(communication_options=CommunicationOptions("
+                "implementation='NCCL')))"
+            )
         return None
 
     # ------------------------------------------------------------------ topology
@@ -149,7 +155,7 @@ class Strategy(abc.ABC):
         return len(self._devices)
 
     @property
-    def local_devices(self) -> tuple[Optional[torch.device], ...]:
+    def local_devices(self) -> tuple[torch.device | None, ...]:
         """The device of each local replica (None: tensors stay where they are)."""
         return self._devices
 
@@ -182,11 +188,11 @@ class Strategy(abc.ABC):
         return self._communicator
 
     @property
-    def cluster_resolver(self) -> Optional["ClusterResolver"]:
+    def cluster_resolver(self) -> ClusterResolver | None:
         """The cluster resolver of a multi-worker strategy; None for single-process ones."""
         return self._cluster_resolver
 
-    def barrier(self, timeout: Optional[float] = None) -> None:
+    def barrier(self, timeout: float | None = None) -> None:
         """Return once every worker has reached this call (``timeout`` seconds at most).
 
         Example::
@@ -200,7 +206,7 @@ class Strategy(abc.ABC):
         return f"{type(self).__name__}(devices={list(self._device_names)}, num_replicas_in_sync={self.num_replicas_in_sync})"
 
     # ------------------------------------------------------------------ scope
-    def scope(self) -> contextlib.AbstractContextManager["Strategy"]:
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this the current strategy; modules and optimizers built inside are distributed.
 
         The returned object can be entered again (``s = strategy.scope(); with s: ...; with s: ...``).
@@ -208,7 +214,7 @@ class Strategy(abc.ABC):
         return ReusableScope(self._capturing_scope)
 
     @contextlib.contextmanager
-    def _capturing_scope(self) -> Iterator["Strategy"]:
+    def _capturing_scope(self) -> Iterator[Strategy]:
         context.push_scope(self)
         install_capture_hooks()
         try:
@@ -236,8 +242,13 @@ class Strategy(abc.ABC):
         self.distribute_optimizer(optimizer)
 
     # ------------------------------------------------------------------ run
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None,
-            options: Optional[RunOptions] = None) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> Any:
         """Run ``fn`` once per local replica; PerReplica arguments give each replica its element.
 
         Returns the plain result when this process has one replica, else a structure
@@ -252,8 +263,13 @@ class Strategy(abc.ABC):
             self.claim_modules()
         return self.call_for_each_replica(fn, tuple(args), kwargs or {}, options or _NO_OPTIONS)
 
-    def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
-                            kwargs: Optional[dict[str, Any]] = None, options: Optional[RunOptions] = None) -> Any:
+    def experimental_run_v2(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> Any:
         """TF's older name of :meth:`run` (deprecated there, kept for ported code)."""
         _deprecated("experimental_run_v2", "run")
         return self.run(fn, args, kwargs, options)
@@ -270,8 +286,10 @@ class Strategy(abc.ABC):
             (tensor(0), tensor(1))
         """
         first = self.worker_index * self.num_local_replicas
-        values = [to_device(value_fn(ValueContext(first + k, self.num_replicas_in_sync)), device)
-                  for k, device in enumerate(self._devices)]
+        values = [
+            to_device(value_fn(ValueContext(first + k, self.num_replicas_in_sync)), device)
+            for k, device in enumerate(self._devices)
+        ]
         return values[0] if len(values) == 1 else PerReplica(values)
 
     @property
@@ -315,7 +333,7 @@ class Strategy(abc.ABC):
             return tuple(select_replica(k, value) for k in range(self.num_local_replicas))
         return (value,)
 
-    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: Axis = None) -> Any:
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Axis = None) -> Any:
         """Combine a per-replica ``value`` (any structure of them) over every replica of every worker.
 
         ``axis=None`` reduces across replicas only; ``axis=0`` (or a tuple of dims) also
@@ -325,8 +343,9 @@ class Strategy(abc.ABC):
         """
         op = parse_reduce_op(reduce_op)
         if context.current_replica() is not None:
-            raise RuntimeError("strategy.reduce() is a cross-replica call; inside run use "
-                               "ds.get_replica_context().all_reduce()")
+            raise RuntimeError(
+                "strategy.reduce() is a cross-replica call; inside run use ds.get_replica_context().all_reduce()"
+            )
         context.refuse_mixing(self, "reduce")
         return reduce_structure(self, op, value, axis)
 
@@ -334,14 +353,16 @@ class Strategy(abc.ABC):
         """Concatenate a per-replica ``value`` (any structure of them) along ``axis`` over every replica of every
         worker; sizes along ``axis`` may differ between replicas."""
         if context.current_replica() is not None:
-            raise RuntimeError("strategy.gather() is a cross-replica call; inside run use "
-                               "ds.get_replica_context().all_gather()")
+            raise RuntimeError(
+                "strategy.gather() is a cross-replica call; inside run use ds.get_replica_context().all_gather()"
+            )
         context.refuse_mixing(self, "gather")
         return gather_structure(self, value, axis)
 
     # ------------------------------------------------------------------ input: TF's older name
-    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
-                                                       options: Any = None) -> Any:
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
+    ) -> Any:
         """TF's older name of :meth:`distribute_datasets_from_function` (deprecated there, kept for ported code)."""
         _deprecated("experimental_distribute_datasets_from_function", "distribute_datasets_from_function")
         return self.distribute_datasets_from_function(dataset_fn, options)
@@ -359,7 +380,7 @@ class ReusableScope:
         self._active.append(cm)
         return cm.__enter__()
 
-    def __exit__(self, *exc: Any) -> Optional[bool]:
+    def __exit__(self, *exc: Any) -> bool | None:
         return self._active.pop().__exit__(*exc)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ class _CaptureState:
 _capture = _CaptureState()
 
 
-def _capturing_strategy() -> Optional["Strategy"]:
+def _capturing_strategy() -> Strategy | None:
     if context.current_replica() is not None:
         return None
     return context.current_scope()
@@ -56,7 +56,7 @@ def _on_leaf_registered(module: nn.Module, name: str, value: Any) -> None:
         strategy.module_capture.saw(module)
 
 
-def _on_module_registered(parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
+def _on_module_registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     strategy = _capturing_strategy()
     if strategy is not None and child is not None:
         strategy.module_capture.saw(parent, child)
@@ -112,7 +112,7 @@ class ModuleCapture:
     def __bool__(self) -> bool:
         return bool(self._seen)
 
-    def saw(self, module: nn.Module, child: Optional[nn.Module] = None) -> None:
+    def saw(self, module: nn.Module, child: nn.Module | None = None) -> None:
         for m in (module, child):
             if m is not None and id(m) not in self._seen_ids:
                 self._seen_ids.add(id(m))
@@ -124,7 +124,8 @@ class ModuleCapture:
         """The outermost captured modules that hold parameters or buffers; forgets them all."""
         alive = [m for m in (r() for r in self._seen) if m is not None]
         roots = [
-            m for m in alive
+            m
+            for m in alive
             if id(m) not in self._children
             and (next(m.parameters(), None) is not None or next(m.buffers(), None) is not None)
         ]

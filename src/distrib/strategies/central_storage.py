@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,8 +32,11 @@ class CentralStorageStrategy(SynchronousStrategy):
         (('cpu',), 2)
     """
 
-    def __init__(self, compute_devices: Optional[Sequence["str | torch.device"]] = None,
-                 parameter_device: "Optional[str | torch.device]" = None) -> None:
+    def __init__(
+        self,
+        compute_devices: Sequence[str | torch.device] | None = None,
+        parameter_device: str | torch.device | None = None,
+    ) -> None:
         names = [str(n) for n in compute_devices] if compute_devices is not None else local_devices()
         if not names:
             raise ValueError("CentralStorageStrategy(compute_devices=[]) needs at least one device, e.g. ['cpu:0']")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -44,8 +44,10 @@ class DefaultStrategy(SynchronousStrategy):
         """As TF: entering the default strategy's scope changes nothing (still the default replica context)."""
         current = context.current_scope()
         if current is not None and current is not self:
-            raise RuntimeError(f"Mixing different strategies: cannot enter the default strategy's scope inside "
-                               f"the scope of {type(current).__name__}; leave that scope first")
+            raise RuntimeError(
+                f"Mixing different strategies: cannot enter the default strategy's scope inside "
+                f"the scope of {type(current).__name__}; leave that scope first"
+            )
         with context.default_scope():
             yield self
 

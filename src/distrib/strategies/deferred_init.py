@@ -47,7 +47,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,8 +67,19 @@ META = torch.device("meta")
 #: what allocates a layer's parameters (``torch.empty``, ``new_empty`` and friends reach these)
 _EMPTY_FACTORIES = {aten.empty.memory_format, aten.empty_strided.default}
 #: ops that write every element of their first argument without reading it: what came before is dead
-_OVERWRITING = {aten.uniform_, aten.normal_, aten.fill_, aten.zero_, aten.copy_, aten.random_, aten.bernoulli_,
-                aten.exponential_, aten.log_normal_, aten.cauchy_, aten.geometric_}
+_OVERWRITING = {
+    aten.uniform_,
+    aten.normal_,
+    aten.fill_,
+    aten.zero_,
+    aten.copy_,
+    aten.random_,
+    aten.bernoulli_,
+    aten.exponential_,
+    aten.log_normal_,
+    aten.cauchy_,
+    aten.geometric_,
+}
 _TENSOR_RETURNS = {"Tensor", "Tensor[]", "Tensor?", "Tensor?[]"}
 
 
@@ -99,25 +111,32 @@ class DeferredTensor(torch.Tensor):
     """
 
     __torch_function__ = torch_patches.DISABLED_TORCH_FUNCTION  # type: ignore[assignment]
-    _session: "Session"
+    _session: Session
     _inner: torch.Tensor
 
     @staticmethod
-    def __new__(cls, session: "Session", inner: torch.Tensor, requires_grad: bool = False) -> "DeferredTensor":
+    def __new__(cls, session: Session, inner: torch.Tensor, requires_grad: bool = False) -> DeferredTensor:
         t = torch_patches.wrapper_tensor(cls, inner, CPU, requires_grad)
         t._session, t._inner = session, inner
         return t
 
-    def __init__(self, session: "Session", inner: torch.Tensor, requires_grad: bool = False) -> None:
+    def __init__(self, session: Session, inner: torch.Tensor, requires_grad: bool = False) -> None:
         super().__init__()
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),  # type: ignore[override]
-                           kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Any = None,
+    ) -> Any:
         sessions = {id(t._session): t._session for t in leaves([args, kwargs or {}]) if isinstance(t, DeferredTensor)}
         if len(sessions) != 1:
-            raise RuntimeError(f"{func} mixes tensors of {len(sessions)} deferred builds (two ShardedStrategy scopes); "
-                               "build each model inside one strategy.scope()")
+            raise RuntimeError(
+                f"{func} mixes tensors of {len(sessions)} deferred builds (two ShardedStrategy scopes); "
+                "build each model inside one strategy.scope()"
+            )
         return next(iter(sessions.values())).dispatch(func, args, dict(kwargs or {}))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -125,8 +144,11 @@ class DeferredTensor(torch.Tensor):
         if id(self) not in memo:
             with torch.no_grad():
                 copy = self.clone()
-            memo[id(self)] = nn.Parameter(copy, self.requires_grad) if isinstance(self, nn.Parameter) \
+            memo[id(self)] = (
+                nn.Parameter(copy, self.requires_grad)
+                if isinstance(self, nn.Parameter)
                 else copy.requires_grad_(self.requires_grad)
+            )
         return memo[id(self)]
 
     def tolist(self) -> Any:
@@ -137,22 +159,28 @@ class DeferredTensor(torch.Tensor):
 
     def numpy(self, *, force: bool = False) -> Any:
         """Refused: a plain build's ``numpy()`` shares memory, and writes through it could not be recorded."""
-        raise RuntimeError("numpy() of a tensor built under ShardedStrategy.scope() (deferred initialisation): use "
-                           "torch ops on it, or .tolist(), or build with ShardedStrategy(deferred_init=False)")
+        raise RuntimeError(
+            "numpy() of a tensor built under ShardedStrategy.scope() (deferred initialisation): use "
+            "torch ops on it, or .tolist(), or build with ShardedStrategy(deferred_init=False)"
+        )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # no replay to print
         return f"DeferredTensor(shape={tuple(self.shape)}, dtype={self.dtype}, node={self.ref().node})"
 
     def ref(self) -> Ref:
         """This tensor as a view of its node."""
-        return Ref(self._session.node_of(self._inner), tuple(self._inner.size()), tuple(self._inner.stride()),
-                   int(self._inner.storage_offset()))
+        return Ref(
+            self._session.node_of(self._inner),
+            tuple(self._inner.size()),
+            tuple(self._inner.stride()),
+            int(self._inner.storage_offset()),
+        )
 
 
 class Session:
     """The log of one deferred build (one outermost scope): nodes, entries, and the ops' dispatch."""
 
-    def __init__(self, owner: "DeferredInit") -> None:
+    def __init__(self, owner: DeferredInit) -> None:
         self.owner = owner
         self.nodes: list[Node] = []
         self.entries: list[Entry] = []
@@ -194,7 +222,7 @@ class Session:
                     reason = f"{func} has no meta kernel ({str(e).splitlines()[0][:120]})"
             return self._evaluate_op(func, args, kwargs, reason)
 
-    def _needs_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[str]:
+    def _needs_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         if self.closed:
             return "the build is over"
         if any(str(r.type) not in _TENSOR_RETURNS for r in torch_patches.op_schema(func).returns):
@@ -227,8 +255,11 @@ class Session:
             meta_kwargs["device"] = META
         result = func(*_map(args, to_meta), **meta_kwargs)
         written = _written(func, args, kwargs)
-        rng = self._advance_generator(func, args, kwargs, {id(t) for t in written}) \
-            if torch.Tag.nondeterministic_seeded in func.tags else None
+        rng = (
+            self._advance_generator(func, args, kwargs, {id(t) for t in written})
+            if torch.Tag.nondeterministic_seeded in func.tags
+            else None
+        )
 
         def to_log(t: torch.Tensor) -> Any:
             if isinstance(t, DeferredTensor):
@@ -245,7 +276,7 @@ class Session:
                 overwrites.add(first.node)
         others = [r.node for r in leaves([log_args[1:], log_kwargs]) if isinstance(r, Ref)]
         reads = (reads - overwrites) | set(others)  # an overwritten node is read only if another argument is it
-        outputs: list[Optional[int]] = []
+        outputs: list[int | None] = []
 
         def wrap(meta: torch.Tensor) -> Any:
             if id(meta) in by_inner:  # an in-place op returns its argument
@@ -260,12 +291,14 @@ class Session:
         wrapped = _map(result, wrap)
         if torch.Tag.inplace_view in func.tags:  # t_(), unsqueeze_(): the wrapper's own size and strides change too
             torch_patches.apply_inplace_view(func, args, kwargs)
-        self.entries.append(Entry(func, log_args, log_kwargs, rng, outputs, frozenset(reads), frozenset(writes),
-                                  frozenset(overwrites)))
+        self.entries.append(
+            Entry(func, log_args, log_kwargs, rng, outputs, frozenset(reads), frozenset(writes), frozenset(overwrites))
+        )
         return wrapped
 
-    def _advance_generator(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                           written: set[int]) -> tuple[torch.Generator, torch.Tensor]:
+    def _advance_generator(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], written: set[int]
+    ) -> tuple[torch.Generator, torch.Tensor]:
         """Run random ``func`` once on throwaway real tensors (the same sizes and strides) so the generator moves
         on as in a plain build; the generator's state before it, for the replay."""
         generator = kwargs.get("generator") or torch.default_generator
@@ -291,11 +324,16 @@ class Session:
         if written and self.closed:
             raise RuntimeError(
                 f"{func} writes a tensor built under ShardedStrategy.scope() after its model was sharded; write to "
-                "the module's parameters (they are the shards now), or build with ShardedStrategy(deferred_init=False)")
+                "the module's parameters (they are the shards now), or build with ShardedStrategy(deferred_init=False)"
+            )
         if reason not in self._eager_reasons:  # once per reason; a write keeps that tensor whole until sharded
             self._eager_reasons.add(reason)
-            log.log(logging.INFO if written else logging.DEBUG, "deferred init: evaluated on the CPU because %s%s",
-                    reason, "; the values it wrote are kept whole until the model is sharded" if written else "")
+            log.log(
+                logging.INFO if written else logging.DEBUG,
+                "deferred init: evaluated on the CPU because %s%s",
+                reason,
+                "; the values it wrote are kept whole until the model is sharded" if written else "",
+            )
         env = replay(self, {t.ref().node for t in deferred}, keep=True)
         real_of = {id(t): view_of(env[t.ref().node], t.ref()) for t in deferred}
         real_args = _map(args, lambda t: real_of.get(id(t), t))
@@ -303,8 +341,18 @@ class Session:
         result = func(*real_args, **real_kwargs)
         for node in {t.ref().node for t in written}:
             whole = env[node].as_strided((self.nodes[node].numel,), (1,), 0)
-            self.entries.append(Entry(aten.copy_.default, (Ref(node, (whole.numel(),), (1,), 0), Const(whole)), {},
-                                      None, [None], frozenset(), frozenset({node}), frozenset({node})))
+            self.entries.append(
+                Entry(
+                    aten.copy_.default,
+                    (Ref(node, (whole.numel(),), (1,), 0), Const(whole)),
+                    {},
+                    None,
+                    [None],
+                    frozenset(),
+                    frozenset({node}),
+                    frozenset({node}),
+                )
+            )
         back = {id(real_of[id(t)]): t for t in deferred}
         views = {id(env[n].untyped_storage()) for n in env}
 
@@ -312,8 +360,10 @@ class Session:
             if id(t) in back:
                 return back[id(t)]
             if id(t.untyped_storage()) in views and not self.closed:
-                raise RuntimeError(f"{func} returns a view of a deferred tensor and cannot be recorded ({reason}); "
-                                   "build this model with ShardedStrategy(deferred_init=False)")
+                raise RuntimeError(
+                    f"{func} returns a view of a deferred tensor and cannot be recorded ({reason}); "
+                    "build this model with ShardedStrategy(deferred_init=False)"
+                )
             return t
 
         return _map(result, unwrap)
@@ -321,18 +371,23 @@ class Session:
 
 # --------------------------------------------------------------------------- recording in a scope
 
+
 class _EmptyFactories(torch_patches.TorchDispatchMode):
     """While a deferring scope is open on this thread: CPU ``torch.empty`` (and ``empty_strided``) make
     :class:`DeferredTensor`\\ s; every other op runs as usual (ops on deferred tensors reach their session)."""
 
-    def __init__(self, owner: "DeferredInit") -> None:
+    def __init__(self, owner: DeferredInit) -> None:
         super().__init__()
         self.owner = owner
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _EMPTY_FACTORIES and kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory") \
-                and torch.device(kwargs.get("device") or torch.get_default_device()).type == "cpu":
+        if (
+            func in _EMPTY_FACTORIES
+            and kwargs.get("layout") in (None, torch.strided)
+            and not kwargs.get("pin_memory")
+            and torch.device(kwargs.get("device") or torch.get_default_device()).type == "cpu"
+        ):
             session = self.owner.building()
             if session is not None:
                 return session.empty(func, args, kwargs)
@@ -355,7 +410,7 @@ class DeferredInit:
         return getattr(self._local, name, default)
 
     @property
-    def session(self) -> Optional[Session]:
+    def session(self) -> Session | None:
         """This thread's session while its scope is open."""
         return self._get("session", None)
 
@@ -367,8 +422,10 @@ class DeferredInit:
             self._local.session = Session(self)
             self._local.forward = 0
             self._local.mode = _EmptyFactories(self)
-            self._local.hooks = [register_module_forward_pre_hook(self._enter_forward),
-                                 register_module_forward_hook(self._leave_forward, always_call=True)]
+            self._local.hooks = [
+                register_module_forward_pre_hook(self._enter_forward),
+                register_module_forward_hook(self._leave_forward, always_call=True),
+            ]
             self._local.mode.__enter__()
 
     def close(self) -> None:
@@ -390,11 +447,16 @@ class DeferredInit:
     def _leave_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._local.forward = max(0, self._get("forward", 0) - 1)
 
-    def building(self) -> Optional[Session]:
+    def building(self) -> Session | None:
         """The session that a ``torch.empty`` here joins, or None: not building now."""
         session = self.session
-        if session is None or self.is_paused or self._get("forward", 0) or context.current_replica() is not None \
-                or torch_patches.in_backward():
+        if (
+            session is None
+            or self.is_paused
+            or self._get("forward", 0)
+            or context.current_replica() is not None
+            or torch_patches.in_backward()
+        ):
             return None
         return session
 
@@ -412,7 +474,7 @@ class DeferredInit:
             self._local.paused -= 1
 
 
-def recorder_of(strategy: Any) -> Optional[DeferredInit]:
+def recorder_of(strategy: Any) -> DeferredInit | None:
     """The strategy's :class:`DeferredInit` (``ShardedStrategy`` with several workers), else None: only such a
     strategy defers; every other one builds as it always did."""
     found = getattr(strategy, "deferred_init", None)

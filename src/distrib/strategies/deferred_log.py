@@ -9,8 +9,9 @@ random numbers. :func:`replay` runs what some nodes depend on, in order, on the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,8 +36,11 @@ class Ref:
         for d in reversed(self.size):
             expected.append(running)
             running *= d
-        return self.offset == 0 and running == numel and all(
-            s == e for s, e, d in zip(self.stride, reversed(expected), self.size) if d > 1)
+        return (
+            self.offset == 0
+            and running == numel
+            and all(s == e for s, e, d in zip(self.stride, reversed(expected), self.size) if d > 1)
+        )
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,8 @@ class Entry:
     func: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng: Optional[tuple[torch.Generator, torch.Tensor]]
-    outputs: list[Optional[int]]
+    rng: tuple[torch.Generator, torch.Tensor] | None
+    outputs: list[int | None]
     reads: frozenset[int]
     writes: frozenset[int]
     overwrites: frozenset[int] = frozenset()
@@ -83,7 +87,7 @@ class Scratch:
     """
 
     def __init__(self) -> None:
-        self._storage: Optional[torch.UntypedStorage] = None
+        self._storage: torch.UntypedStorage | None = None
         self._lent = False
 
     def take(self, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -119,8 +123,10 @@ def view_of(storage: torch.Tensor, ref: Ref) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- replay
 
-def replay(session: Session, wanted: set[int], keep: bool = False,
-           on_final: Optional[Callable[[int, torch.Tensor], None]] = None) -> dict[int, torch.Tensor]:
+
+def replay(
+    session: Session, wanted: set[int], keep: bool = False, on_final: Callable[[int, torch.Tensor], None] | None = None
+) -> dict[int, torch.Tensor]:
     """Replay what ``wanted`` nodes depend on, in order, on the CPU; ``on_final(node, storage)`` once a wanted
     node is final (then it is freed), or, with ``keep``, the wanted nodes' storages returned.
 
@@ -169,24 +175,32 @@ def replay(session: Session, wanted: set[int], keep: bool = False,
         with torch.no_grad(), session.owner.paused():
             for i in live:
                 e = entries[i]
-                real = lambda x: view_of(storage(x.node), x) if isinstance(x, Ref) else x.value if isinstance(
-                    x, Const) else x
+
+                def real(x: Any) -> Any:
+                    return view_of(storage(x.node), x) if isinstance(x, Ref) else x.value if isinstance(x, Const) else x
+
                 args = _map_log(e.args, real)
                 kwargs = _map_log(e.kwargs, real)
                 if e.rng is not None:
                     e.rng[0].set_state(e.rng[1])
                 result = e.func(*args, **kwargs)
                 inputs = {id(t.untyped_storage()) for t in leaves([args, kwargs]) if isinstance(t, torch.Tensor)}
-                outs = [t for t in leaves(result) if isinstance(t, torch.Tensor)] if any(
-                    o is not None for o in e.outputs) else []
+                outs = (
+                    [t for t in leaves(result) if isinstance(t, torch.Tensor)]
+                    if any(o is not None for o in e.outputs)
+                    else []
+                )
                 for made, out in zip(e.outputs, outs):
                     if made is None:
                         continue
                     n = made
                     node = session.nodes[n]
-                    if tuple(out.stride()) == node.layout.stride and out.storage_offset() == node.layout.offset \
-                            and out.untyped_storage().nbytes() >= node.numel * out.element_size() \
-                            and id(out.untyped_storage()) not in inputs:
+                    if (
+                        tuple(out.stride()) == node.layout.stride
+                        and out.storage_offset() == node.layout.offset
+                        and out.untyped_storage().nbytes() >= node.numel * out.element_size()
+                        and id(out.untyped_storage()) not in inputs
+                    ):
                         env[n] = out
                     else:  # laid out otherwise than by the meta kernel, or a view of a value: copied, meta layout
                         env[n] = torch.empty(node.numel, dtype=out.dtype)
@@ -210,5 +224,3 @@ def _map_log(x: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(x, dict):
         return {k: _map_log(v, fn) for k, v in x.items()}
     return x
-
-

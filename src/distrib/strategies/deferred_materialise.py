@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ class MaterialisePlan:
         named = [*self.root.named_parameters(), *self.root.named_buffers()]
         return "; ".join(f"{n}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for n, t in named)
 
-    def take_chiefs_real_values(self, communicator: Any, device: Optional[torch.device]) -> None:
+    def take_chiefs_real_values(self, communicator: Any, device: torch.device | None) -> None:
         """The tensors built with values (not deferred) take the chief's, as ``take_chiefs_values`` gives them
         (through copies on ``device``: NCCL broadcasts only CUDA tensors)."""
         tensors = [self._get(name, is_param).detach() for name, is_param in self.real]
@@ -70,8 +71,10 @@ class MaterialisePlan:
             for leaf, p in list(module.named_parameters(recurse=False)):
                 if isinstance(p, DeferredTensor):
                     if id(p) not in swapped:
-                        swapped[id(p)] = nn.Parameter(torch.empty_strided(p.size(), p.stride(), dtype=p.dtype,
-                                                                          device=META), requires_grad=p.requires_grad)
+                        swapped[id(p)] = nn.Parameter(
+                            torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=META),
+                            requires_grad=p.requires_grad,
+                        )
                     setattr(module, leaf, swapped[id(p)])
             for leaf, b in list(module.named_buffers(recurse=False)):
                 if isinstance(b, DeferredTensor):
@@ -79,7 +82,7 @@ class MaterialisePlan:
                         swapped[id(b)] = torch.empty_strided(b.size(), b.stride(), dtype=b.dtype, device=META)
                     setattr(module, leaf, swapped[id(b)])
 
-    def materialise(self, device: Optional[torch.device], communicator: Any) -> None:
+    def materialise(self, device: torch.device | None, communicator: Any) -> None:
         """After ``fully_shard``: allocate (``to_empty``), keep the real tensors' values, replay the deferred ones
         tensor by tensor into this worker's shards, then make every worker hold the chief's values."""
         kept = {name: _local(self._get(name, is_param)).detach() for name, is_param in self.real}
@@ -111,9 +114,13 @@ class MaterialisePlan:
             everyone = communicator.all_gather_object([digests[b.name] for b in self.bindings])
             differ = [b for i, b in enumerate(self.bindings) if any(d[i] != everyone[0][i] for d in everyone)]
             if differ:
-                log.warning("deferred init: the workers built %d of %d tensors with different values (seeded "
-                            "differently?), e.g. %s; every worker takes the chief's", len(differ), len(self.bindings),
-                            differ[0].name)
+                log.warning(
+                    "deferred init: the workers built %d of %d tensors with different values (seeded "
+                    "differently?), e.g. %s; every worker takes the chief's",
+                    len(differ),
+                    len(self.bindings),
+                    differ[0].name,
+                )
             for b in differ:  # one tensor at a time, the same order everywhere
                 replay(self.session, {b.ref.node}, on_final=self._chiefs(b, communicator, device))
 
@@ -128,14 +135,17 @@ class MaterialisePlan:
                     real = view_of(replay(self.session, {ref.node}, keep=True)[ref.node], ref)
                     setattr(module, attr, real.requires_grad_(value.requires_grad) if real.is_leaf else real)
 
-    def _chiefs(self, b: _Binding, communicator: Any,
-                device: Optional[torch.device]) -> Callable[[int, torch.Tensor], None]:
+    def _chiefs(
+        self, b: _Binding, communicator: Any, device: torch.device | None
+    ) -> Callable[[int, torch.Tensor], None]:
         """What replaying ``b`` ends with: the chief's whole value broadcast (on ``device``: NCCL broadcasts only
         CUDA tensors), this worker's part of it kept."""
+
         def broadcast(node: int, storage: torch.Tensor) -> None:
             whole = view_of(storage, b.ref).contiguous().to(device or CPU)
             communicator.broadcast([whole], src=0)
             self._place(b, whole)
+
         return broadcast
 
     def _get(self, name: str, is_param: bool) -> torch.Tensor:
@@ -151,8 +161,10 @@ class MaterialisePlan:
                 rows = fsdp.shard_state(whole, target).to_local()
                 local = _local(target)
                 if rows.shape != local.shape:
-                    raise RuntimeError(f"deferred init: {b.name}'s rows here are {list(rows.shape)} but its shard is "
-                                       f"{list(local.shape)} (a bug: FSDP's sharding changed)")
+                    raise RuntimeError(
+                        f"deferred init: {b.name}'s rows here are {list(rows.shape)} but its shard is "
+                        f"{list(local.shape)} (a bug: FSDP's sharding changed)"
+                    )
                 local.copy_(rows)
             else:
                 target.copy_(whole)
@@ -180,7 +192,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(data.data, digest_size=16).hexdigest()
 
 
-def plan_materialisation(root: nn.Module) -> Optional[MaterialisePlan]:
+def plan_materialisation(root: nn.Module) -> MaterialisePlan | None:
     """The plan for ``root`` when it holds deferred tensors (built in a deferring scope), else None."""
     session, bindings, real, seen = None, [], [], set()
     for kind, named in (("param", root.named_parameters()), ("buffer", root.named_buffers())):
@@ -190,20 +202,28 @@ def plan_materialisation(root: nn.Module) -> Optional[MaterialisePlan]:
             seen.add(id(t))
             if isinstance(t, DeferredTensor):
                 if session is not None and t._session is not session:
-                    raise RuntimeError(f"{type(root).__name__}.{name} was built in another strategy.scope() block "
-                                       "than the rest of the model; build the whole model inside one scope block")
+                    raise RuntimeError(
+                        f"{type(root).__name__}.{name} was built in another strategy.scope() block "
+                        "than the rest of the model; build the whole model inside one scope block"
+                    )
                 session = t._session
                 bindings.append(_Binding(name, t.ref(), kind == "param"))
             elif t.is_meta:
-                raise ValueError(f"{type(root).__name__}.{name} was built on the meta device inside ShardedStrategy."
-                                 "scope(), which already builds without data and initialises shard by shard; build "
-                                 "it on the CPU (drop the torch.device('meta') block / init_empty_weights)")
+                raise ValueError(
+                    f"{type(root).__name__}.{name} was built on the meta device inside ShardedStrategy."
+                    "scope(), which already builds without data and initialises shard by shard; build "
+                    "it on the CPU (drop the torch.device('meta') block / init_empty_weights)"
+                )
             else:
                 real.append((name, kind == "param"))
     if session is None:
         return None
     if real:
-        log.info("deferred init: %s holds %d tensor(s) built with values (e.g. %s): they were whole on every "
-                 "worker until sharded", type(root).__name__, len(real), real[0][0])
+        log.info(
+            "deferred init: %s holds %d tensor(s) built with values (e.g. %s): they were whole on every "
+            "worker until sharded",
+            type(root).__name__,
+            len(real),
+            real[0][0],
+        )
     return MaterialisePlan(root, session, bindings, real)
-

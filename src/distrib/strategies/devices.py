@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
@@ -13,7 +13,7 @@ __all__ = ["parse_device", "local_devices", "local_process", "worker_devices", "
 log = logging.getLogger("distrib.strategies")
 
 
-def parse_device(name: "str | torch.device") -> torch.device:
+def parse_device(name: str | torch.device) -> torch.device:
     """The torch device for ``name``; TF spellings (``"/gpu:0"``, ``"GPU:1"``) are accepted.
 
     ``"cpu:1"`` is a *logical* CPU replica: it computes on the one CPU device.
@@ -30,8 +30,7 @@ def parse_device(name: "str | torch.device") -> torch.device:
         device = torch.device(spelled)
     except RuntimeError:
         raise ValueError(
-            f"unknown device {name!r}: use 'cpu', 'cpu:N' (a logical CPU replica) or 'cuda:N'"
-            f"{_available()}"
+            f"unknown device {name!r}: use 'cpu', 'cpu:N' (a logical CPU replica) or 'cuda:N'{_available()}"
         ) from None
     if device.type == "cpu":
         return device
@@ -54,14 +53,14 @@ def local_devices() -> list[str]:
     return [f"cuda:{i}" for i in range(gpu_count())] or ["cpu:0"]
 
 
-def _int(environ: Mapping[str, str], name: str) -> Optional[int]:
+def _int(environ: Mapping[str, str], name: str) -> int | None:
     try:
         return int(environ[name])
     except (KeyError, ValueError):
         return None
 
 
-def _slurm_local_tasks(environ: Mapping[str, str]) -> Optional[int]:
+def _slurm_local_tasks(environ: Mapping[str, str]) -> int | None:
     """Tasks of this Slurm step on this node, from ``SLURM_STEP_TASKS_PER_NODE`` and ``SLURM_NODEID`` (None: unknown)."""
     from distrib.cluster.slurm import expand_tasks_per_node
 
@@ -76,8 +75,9 @@ def _slurm_local_tasks(environ: Mapping[str, str]) -> Optional[int]:
     return counts[node] if node < len(counts) else None
 
 
-def local_process(environ: Mapping[str, str],
-                  group: Optional[tuple[int, int]] = None) -> Optional[tuple[int, Optional[int], str]]:
+def local_process(
+    environ: Mapping[str, str], group: tuple[int, int] | None = None
+) -> tuple[int, int | None, str] | None:
     """``(local_rank, processes_on_this_host or None, source)`` when a launcher started several processes on this host.
 
     torchrun (and ``distrib launch``) set ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; Slurm sets
@@ -97,8 +97,9 @@ def local_process(environ: Mapping[str, str],
     return None
 
 
-def worker_devices(environ: Optional[Mapping[str, str]] = None, gpus: Optional[int] = None,
-                   group: Optional[tuple[int, int]] = None) -> list[str]:
+def worker_devices(
+    environ: Mapping[str, str] | None = None, gpus: int | None = None, group: tuple[int, int] | None = None
+) -> list[str]:
     """The default local devices of one worker process: ``MultiWorkerMirroredStrategy(devices=None)``.
 
     When a launcher starts several processes on this host (torchrun's ``LOCAL_RANK``,
@@ -124,8 +125,15 @@ def worker_devices(environ: Optional[Mapping[str, str]] = None, gpus: Optional[i
         return [f"cuda:{i}" for i in range(count)]
     local_rank, processes, source = local
     if processes is not None and processes > count:
-        log.warning("%d processes on this host share %d GPU(s) (local rank %d, from %s, takes cuda:%d); "
-                    "pass devices=[...] to choose", processes, count, local_rank, source, local_rank % count)
+        log.warning(
+            "%d processes on this host share %d GPU(s) (local rank %d, from %s, takes cuda:%d); "
+            "pass devices=[...] to choose",
+            processes,
+            count,
+            local_rank,
+            source,
+            local_rank % count,
+        )
     return [f"cuda:{local_rank % count}"]
 
 

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from distrib.input.positions import numbered_batches, split_xy  # re-exported: the executors' data positions
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["StepExecutor", "SynchronousExecutor", "StepFn", "EndOfData", "END_OF_DATA", "numbered_batches",
-           "split_xy"]
+__all__ = ["StepExecutor", "SynchronousExecutor", "StepFn", "EndOfData", "END_OF_DATA", "numbered_batches", "split_xy"]
 
 StepFn = Callable[[Any, Any, int], Any]
 
@@ -57,8 +57,9 @@ class StepExecutor(Protocol):
     #: shows one line per epoch rather than a bar, as tf.keras does under parameter servers)
     scheduled: bool
 
-    def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
-             per_worker: bool = False) -> Iterable[Any]:
+    def feed(
+        self, data: Any, *, start: int = 0, steps: int | None = None, cycle: bool = False, per_worker: bool = False
+    ) -> Iterable[Any]:
         """The step inputs for ``steps`` steps of ``data`` (None: one pass), from global position ``start``.
 
         ``data`` yields batches ``x``, ``(x,)`` or ``(x, y, ...)``. With ``cycle`` the data is
@@ -93,7 +94,7 @@ class SynchronousExecutor:
 
     scheduled = False
 
-    def __init__(self, strategy: "Strategy") -> None:
+    def __init__(self, strategy: Strategy) -> None:
         self._strategy = strategy
         self._results: deque[Any] = deque()
         self._step: Callable[[StepFn, Any], Any] = self.fit_step
@@ -107,8 +108,9 @@ class SynchronousExecutor:
 
         self._step = function(self.fit_step) if on else self.fit_step
 
-    def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
-             per_worker: bool = False) -> Iterable[Any]:
+    def feed(
+        self, data: Any, *, start: int = 0, steps: int | None = None, cycle: bool = False, per_worker: bool = False
+    ) -> Iterable[Any]:
         from distrib.input import DistributedDataset
 
         # a DataLoader over a map-style dataset is auto-sharded, and a resumed fit skips to `start` in its batch

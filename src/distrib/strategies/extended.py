@@ -11,7 +11,8 @@ strategies; None where no step is merged, as under parameter servers), through p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -59,10 +60,10 @@ class StrategyExtended:
         tensor(3.)
     """
 
-    def __init__(self, strategy: "Strategy") -> None:
+    def __init__(self, strategy: Strategy) -> None:
         self._strategy = strategy
 
-    def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any = None, options: Any = None) -> Any:
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
         """Reduce ``value`` (PerReplica, or any structure of them) to ``destinations``. ``options`` is ignored."""
         context.refuse_mixing(self._strategy, "extended.reduce_to")
         reduced = reduce_structure(self._strategy, parse_reduce_op(reduce_op), value, None)
@@ -71,8 +72,9 @@ class StrategyExtended:
             return reduced
         return map_leaves(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, reduced)
 
-    def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple[Any, Any]],
-                        options: Any = None) -> list[Any]:
+    def batch_reduce_to(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]], options: Any = None
+    ) -> list[Any]:
         """``reduce_to`` for each ``(value, destinations)`` pair, in order."""
         return [self.reduce_to(reduce_op, value, destinations) for value, destinations in value_destination_pairs]
 
@@ -131,8 +133,10 @@ class StrategyExtended:
     def _merge(self, api: str) -> GradientMerge:
         merge = self._strategy.gradient_merge
         if merge is None:
-            raise RuntimeError(f"extended.{api}: {type(self._strategy).__name__} merges no optimizer steps (its "
-                               "updates are not summed over replicas); ask extended.merges_optimizer_steps first")
+            raise RuntimeError(
+                f"extended.{api}: {type(self._strategy).__name__} merges no optimizer steps (its "
+                "updates are not summed over replicas); ask extended.merges_optimizer_steps first"
+            )
         return merge
 
     @property
@@ -161,7 +165,7 @@ class StrategyExtended:
         return True
 
 
-def _device_of(destinations: Any) -> Optional[torch.device]:
+def _device_of(destinations: Any) -> torch.device | None:
     if destinations is None:
         return None
     if isinstance(destinations, torch.Tensor):

@@ -20,7 +20,8 @@ convention needs, and the conversions between sharded and whole state that check
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +32,10 @@ try:  # FSDP2's public API: torch >= 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError as e:  # pragma: no cover - torch 2.4/2.5
-    raise ImportError(f"ds.ShardedStrategy needs torch >= 2.6 (FSDP2's torch.distributed.fsdp.fully_shard); this is "
-                      f"torch {torch.__version__}: upgrade torch, or use MultiWorkerMirroredStrategy") from e
+    raise ImportError(
+        f"ds.ShardedStrategy needs torch >= 2.6 (FSDP2's torch.distributed.fsdp.fully_shard); this is "
+        f"torch {torch.__version__}: upgrade torch, or use MultiWorkerMirroredStrategy"
+    ) from e
 
 __all__ = ["world_mesh", "shard_module", "is_sharded", "full_state", "shard_state", "mixed_precision_policy"]
 
@@ -40,20 +43,27 @@ __all__ = ["world_mesh", "shard_module", "is_sharded", "full_state", "shard_stat
 def world_mesh(device_type: str) -> DeviceMesh:
     """A one-dimensional mesh over the default process group (the one the strategy's communicator made)."""
     if not dist.is_initialized():
-        raise RuntimeError("ShardedStrategy needs the workers' process group; it is made by the strategy when "
-                           "there are several workers")
+        raise RuntimeError(
+            "ShardedStrategy needs the workers' process group; it is made by the strategy when "
+            "there are several workers"
+        )
     return DeviceMesh.from_group(dist.group.WORLD, device_type)  # type: ignore[arg-type]
 
 
-def mixed_precision_policy(param_dtype: Optional[torch.dtype]) -> MixedPrecisionPolicy:
+def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     """FSDP's policy for ``param_dtype`` compute (gathered parameters in it) with float32 gradient reduction."""
     if param_dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def shard_module(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool,
-                 policy: MixedPrecisionPolicy) -> None:
+def shard_module(
+    root: nn.Module,
+    units: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    policy: MixedPrecisionPolicy,
+) -> None:
     """``fully_shard`` each unit (innermost first), then the root; gradients summed over the workers."""
     for module in [*units, root]:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -82,10 +92,15 @@ def full_state(state: Any) -> Any:
 
 def shard_state(full: Any, like: Any) -> Any:
     """``full`` (whole tensors) split as the DTensors in ``like`` (the same structure) are; other values as given."""
-    if isinstance(like, DTensor) and isinstance(full, torch.Tensor) and not isinstance(full, DTensor) \
-            and tuple(full.shape) == tuple(like.shape):  # else as given: torch's load reports a mismatch itself
-        return distribute_tensor(full.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements,
-                                 src_data_rank=None)
+    if (
+        isinstance(like, DTensor)
+        and isinstance(full, torch.Tensor)
+        and not isinstance(full, DTensor)
+        and tuple(full.shape) == tuple(like.shape)
+    ):  # else as given: torch's load reports a mismatch itself
+        return distribute_tensor(
+            full.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements, src_data_rank=None
+        )
     if isinstance(full, dict) and isinstance(like, dict):
         return {k: shard_state(v, like[k]) if k in like else v for k, v in full.items()}
     return full

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from distrib.strategies.synchronous import SynchronousStrategy
 from distrib.strategies.devices import local_devices, parse_device
+from distrib.strategies.synchronous import SynchronousStrategy
 
 __all__ = ["MirroredStrategy", "CrossDeviceOps", "NcclAllReduce", "HierarchicalCopyAllReduce", "ReductionToOneDevice"]
 
@@ -64,12 +64,14 @@ class MirroredStrategy(SynchronousStrategy):
         2
     """
 
-    def __init__(self, devices: Optional[Sequence["str | torch.device"]] = None, cross_device_ops: object = None) -> None:
+    def __init__(self, devices: Sequence[str | torch.device] | None = None, cross_device_ops: object = None) -> None:
         # cross_device_ops (TF's NcclAllReduce, HierarchicalCopyAllReduce, ...) is accepted and ignored:
         # local replicas are summed in place on the first device, and workers talk through the communicator.
         names = list(devices) if devices is not None else local_devices()
         if not names:
             raise ValueError("MirroredStrategy(devices=[]) needs at least one device, e.g. ['cpu:0', 'cpu:1']")
         if len(set(map(str, names))) != len(names):
-            raise ValueError(f"MirroredStrategy got duplicate devices {names}; name each replica once, e.g. ['cpu:0', 'cpu:1']")
+            raise ValueError(
+                f"MirroredStrategy got duplicate devices {names}; name each replica once, e.g. ['cpu:0', 'cpu:1']"
+            )
         super().__init__([parse_device(n) for n in names], device_names=[str(n) for n in names])

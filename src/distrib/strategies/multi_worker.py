@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from distrib.cluster.resolver import ClusterResolver, worker_rank  # worker_rank: re-exported
 from distrib.comm import CommunicationOptions
@@ -40,18 +40,27 @@ class MultiWorkerMirroredStrategy(SynchronousStrategy):
             print(f"worker {strategy.worker_index} of {strategy.num_workers}")
     """
 
-    def __init__(self, cluster_resolver: Optional[ClusterResolver] = None,
-                 communication_options: Optional[CommunicationOptions] = None,
-                 devices: Optional[Sequence[str]] = None) -> None:
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        devices: Sequence[str] | None = None,
+    ) -> None:
         options = communication_options or CommunicationOptions()
         workers = join_workers(cluster_resolver, options, devices)
         names, communicator = workers.device_names, workers.communicator
         rank, world = communicator.rank, communicator.world_size
-        super().__init__(workers.devices, communicator, workers.resolver, device_names=names,
-                         bucket_bytes=options.bucket_bytes)
+        super().__init__(
+            workers.devices, communicator, workers.resolver, device_names=names, bucket_bytes=options.bucket_bytes
+        )
         self._options = options
-        log.info("MultiWorkerMirroredStrategy: worker %d of %d, local devices %s, communication %r",
-                 rank, world, names, communicator)
+        log.info(
+            "MultiWorkerMirroredStrategy: worker %d of %d, local devices %s, communication %r",
+            rank,
+            world,
+            names,
+            communicator,
+        )
         self.register_comm_hook(options.comm_hook())  # compression=...: every gradient reduction goes through it
 
     @property

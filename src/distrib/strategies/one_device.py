@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from distrib.strategies.synchronous import SynchronousStrategy
 from distrib.strategies.devices import parse_device
+from distrib.strategies.synchronous import SynchronousStrategy
 
 __all__ = ["OneDeviceStrategy"]
 
@@ -23,5 +23,5 @@ class OneDeviceStrategy(SynchronousStrategy):
         torch.Size([4, 1])
     """
 
-    def __init__(self, device: "str | torch.device") -> None:
+    def __init__(self, device: str | torch.device) -> None:
         super().__init__([parse_device(device)], device_names=[str(device)])

@@ -30,7 +30,8 @@ def _check_optimizer_owner(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         f"{type(optimizer).__name__}.step() is called inside {type(ctx.strategy).__name__}.run with "
         f"{ctx.strategy.num_replicas_in_sync} replicas in sync, but the optimizer was built outside the "
         "strategy's scope: its update would use one replica's gradients, and the replicas would drift apart. "
-        "Build the model and the optimizer inside `with strategy.scope():`")
+        "Build the model and the optimizer inside `with strategy.scope():`"
+    )
 
 
 #: GradScaler's unscale_/step/update merge under a strategy (strategies/amp.py), and the global optimizer pre-hook
@@ -39,7 +40,7 @@ def _check_optimizer_owner(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
 _STRATEGY_PATCHES = torch_patches.StrategyPatches(amp.SCALER_METHODS, _check_optimizer_owner)
 
 
-def lease_torch_patches(strategy: "Strategy") -> weakref.finalize:
+def lease_torch_patches(strategy: Strategy) -> weakref.finalize:
     """Hold the patches while ``strategy`` lives; the returned finalizer gives them back (call it, or let the
     strategy be collected)."""
     return weakref.finalize(strategy, _STRATEGY_PATCHES.acquire())

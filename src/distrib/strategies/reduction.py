@@ -11,7 +11,8 @@ that names what each one had, instead of an aborted process or garbage.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Axis", "reduce_structure", "reduce_local_values", "gather_structure", "gather_local_values"]
 
-Axis = Union[None, int, Sequence[int]]
+Axis = None | int | Sequence[int]
 
 
 def _axes(axis: Axis, rank: int) -> tuple[int, ...]:
@@ -43,7 +44,7 @@ def _leaves_as_per_replica(value: Any) -> Any:
     return value
 
 
-def reduce_structure(strategy: "Strategy", op: ReduceOp, value: Any, axis: Axis) -> Any:
+def reduce_structure(strategy: Strategy, op: ReduceOp, value: Any, axis: Axis) -> Any:
     """``strategy.reduce`` of any structure: every leaf reduced, the structure kept."""
     if value is None:  # as TF: nothing to reduce (a step that returned nothing)
         return None
@@ -51,18 +52,19 @@ def reduce_structure(strategy: "Strategy", op: ReduceOp, value: Any, axis: Axis)
     return map_leaves(lambda leaf: reduce_local_values(strategy, op, _local(strategy, op, leaf, axis), axis), value)
 
 
-def _local(strategy: "Strategy", op: ReduceOp, leaf: Any, axis: Axis) -> tuple[Any, ...]:
+def _local(strategy: Strategy, op: ReduceOp, leaf: Any, axis: Axis) -> tuple[Any, ...]:
     n = strategy.num_local_replicas
     if not isinstance(leaf, PerReplica) and n > 1:
         if op is ReduceOp.SUM and axis is None:
             raise ValueError(
                 "strategy.reduce(SUM, value) got a plain value, but this process has "
-                f"{n} replicas: pass the PerReplica value that strategy.run returned")
+                f"{n} replicas: pass the PerReplica value that strategy.run returned"
+            )
         return (leaf,) * n
     return local_values(leaf, n)
 
 
-def reduce_local_values(strategy: "Strategy", op: ReduceOp, values: Sequence[Any], axis: Axis) -> torch.Tensor:
+def reduce_local_values(strategy: Strategy, op: ReduceOp, values: Sequence[Any], axis: Axis) -> torch.Tensor:
     """Reduce one value per local replica over all replicas of all workers (``axis``: also along those dims)."""
     device = strategy.local_devices[0]
     tensors = [to_tensor(v, device).detach() for v in values]
@@ -74,8 +76,9 @@ def reduce_local_values(strategy: "Strategy", op: ReduceOp, values: Sequence[Any
             total = tensors[0].clone()  # all_reduce works in place: never on the replica's own tensor
         else:  # one replica of one worker: the (detached) value itself, no kernel launched per step
             total = tensors[0]
-        count = None if op is ReduceOp.SUM else torch.full((), float(strategy.num_replicas_in_sync),
-                                                            device=total.device)  # a fill: ds.function captures it
+        count = (
+            None if op is ReduceOp.SUM else torch.full((), float(strategy.num_replicas_in_sync), device=total.device)
+        )  # a fill: ds.function captures it
     else:
         dims = _axes(axis, tensors[0].dim())
         total = tensors[0].sum(dim=dims) if dims else tensors[0].clone()
@@ -94,19 +97,22 @@ def reduce_local_values(strategy: "Strategy", op: ReduceOp, values: Sequence[Any
     return total
 
 
-def gather_structure(strategy: "Strategy", value: Any, axis: int) -> Any:
+def gather_structure(strategy: Strategy, value: Any, axis: int) -> Any:
     """``strategy.gather`` of any structure: every leaf concatenated along ``axis``, the structure kept."""
     value = _leaves_as_per_replica(value)
-    return map_leaves(lambda leaf: gather_local_values(strategy, local_values(leaf, strategy.num_local_replicas),
-                                                       axis), value)
+    return map_leaves(
+        lambda leaf: gather_local_values(strategy, local_values(leaf, strategy.num_local_replicas), axis), value
+    )
 
 
-def gather_local_values(strategy: "Strategy", values: Sequence[Any], axis: int, api: str = "gather") -> torch.Tensor:
+def gather_local_values(strategy: Strategy, values: Sequence[Any], axis: int, api: str = "gather") -> torch.Tensor:
     """Concatenate one value per local replica along ``axis``, then over every worker (sizes along it may differ)."""
     parts = [to_tensor(v, strategy.local_devices[0]) for v in values]
     if any(p.is_sparse for p in parts):
-        raise NotImplementedError(f"{api} does not support sparse tensors (TF: IndexedSlices): {api} "
-                                  "t.to_dense(), or the indices and values separately")
+        raise NotImplementedError(
+            f"{api} does not support sparse tensors (TF: IndexedSlices): {api} "
+            "t.to_dense(), or the indices and values separately"
+        )
     if parts[0].dim() == 0:
         raise ValueError("gather needs values with at least one dimension; got a scalar (use reduce for scalars)")
     axis = _axes(axis, parts[0].dim())[0]

@@ -17,8 +17,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,8 +33,8 @@ __all__ = ["StrategyRequest", "StrategyEntry", "register", "get", "names", "buil
 class StrategyRequest:
     """What a caller may ask of a strategy by name: local replicas, a device, the in-process cluster size."""
 
-    replicas: Optional[int] = None
-    device: Optional[str] = None
+    replicas: int | None = None
+    device: str | None = None
     workers: int = 2
     ps: int = 1
 
@@ -52,11 +53,11 @@ class StrategyEntry:
 
     name: str
     description: str
-    build: Callable[[StrategyRequest], "Strategy"]
+    build: Callable[[StrategyRequest], Strategy]
     multi_worker: bool = False
     parameter_servers: bool = False
     default_for: str = ""
-    worker_env: Optional[Callable[[Optional[str]], dict[str, str]]] = None
+    worker_env: Callable[[str | None], dict[str, str]] | None = None
 
 
 _ENTRIES: dict[str, StrategyEntry] = {}
@@ -95,7 +96,7 @@ def default_name(workers: int = 1, ps: int = 0) -> str:
     raise ValueError(f"no registered strategy is the default for a job of shape {shape!r}")
 
 
-def build(name: str, request: Optional[StrategyRequest] = None) -> "Strategy":
+def build(name: str, request: StrategyRequest | None = None) -> Strategy:
     """Build the strategy registered as ``name``."""
     return get(name).build(request or StrategyRequest())
 
@@ -105,44 +106,44 @@ def _local_device_names(count: int) -> list[str]:
     return [f"{prefix}:{i}" for i in range(count)]
 
 
-def _default(request: StrategyRequest) -> "Strategy":
+def _default(request: StrategyRequest) -> Strategy:
     from distrib.context import default_strategy
 
     return default_strategy()
 
 
-def _one_device(request: StrategyRequest) -> "Strategy":
+def _one_device(request: StrategyRequest) -> Strategy:
     from distrib.strategies.one_device import OneDeviceStrategy
 
     return OneDeviceStrategy(request.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
 
 
-def _mirrored(request: StrategyRequest) -> "Strategy":
+def _mirrored(request: StrategyRequest) -> Strategy:
     from distrib.strategies.mirrored import MirroredStrategy
 
     return MirroredStrategy(None if request.replicas is None else _local_device_names(request.replicas))
 
 
-def _central_storage(request: StrategyRequest) -> "Strategy":
+def _central_storage(request: StrategyRequest) -> Strategy:
     from distrib.strategies.central_storage import CentralStorageStrategy
 
     return CentralStorageStrategy(None if request.replicas is None else _local_device_names(request.replicas))
 
 
-def _multi_worker(request: StrategyRequest) -> "Strategy":
+def _multi_worker(request: StrategyRequest) -> Strategy:
     from distrib.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     devices = None if request.replicas is None else _local_device_names(request.replicas)
     return MultiWorkerMirroredStrategy(devices=devices)
 
 
-def _sharded(request: StrategyRequest) -> "Strategy":
+def _sharded(request: StrategyRequest) -> Strategy:
     from distrib.strategies.sharded import ShardedStrategy
 
     return ShardedStrategy()
 
 
-def _sharded_worker_env(device: Optional[str]) -> dict[str, str]:
+def _sharded_worker_env(device: str | None) -> dict[str, str]:
     """glibc's allocator settings for sharded CPU workers (strategies/allocator.py), unless the user chose one."""
     if (device or "cpu").split(":")[0] != "cpu":
         return {}
@@ -151,7 +152,7 @@ def _sharded_worker_env(device: Optional[str]) -> dict[str, str]:
     return recommended_env()
 
 
-def _parameter_server(request: StrategyRequest) -> "Strategy":
+def _parameter_server(request: StrategyRequest) -> Strategy:
     from distrib import parameter_server, testing
     from distrib.cluster import TFConfigClusterResolver
 
@@ -165,13 +166,44 @@ def _parameter_server(request: StrategyRequest) -> "Strategy":
 
 register(StrategyEntry("default", "no distribution: the step runs once, in place", _default))
 register(StrategyEntry("one-device", "one replica on one device (--device, default cuda:0 or cpu)", _one_device))
-register(StrategyEntry("mirrored", "synchronous, one replica per local device (every GPU, or the CPU)", _mirrored,
-                       default_for="one-process"))
-register(StrategyEntry("central-storage", "synchronous, parameters on one device, compute on every local device",
-                       _central_storage))
-register(StrategyEntry("multi-worker", "synchronous over worker processes (TF_CONFIG, torchrun or Slurm)",
-                       _multi_worker, multi_worker=True, default_for="workers"))
-register(StrategyEntry("sharded", "synchronous over worker processes, parameters, gradients and optimizer state "
-                       "sharded (FSDP2)", _sharded, multi_worker=True, worker_env=_sharded_worker_env))
-register(StrategyEntry("parameter-server", "asynchronous: parameters on ps tasks, steps scheduled on workers",
-                       _parameter_server, multi_worker=True, parameter_servers=True, default_for="ps"))
+register(
+    StrategyEntry(
+        "mirrored",
+        "synchronous, one replica per local device (every GPU, or the CPU)",
+        _mirrored,
+        default_for="one-process",
+    )
+)
+register(
+    StrategyEntry(
+        "central-storage", "synchronous, parameters on one device, compute on every local device", _central_storage
+    )
+)
+register(
+    StrategyEntry(
+        "multi-worker",
+        "synchronous over worker processes (TF_CONFIG, torchrun or Slurm)",
+        _multi_worker,
+        multi_worker=True,
+        default_for="workers",
+    )
+)
+register(
+    StrategyEntry(
+        "sharded",
+        "synchronous over worker processes, parameters, gradients and optimizer state sharded (FSDP2)",
+        _sharded,
+        multi_worker=True,
+        worker_env=_sharded_worker_env,
+    )
+)
+register(
+    StrategyEntry(
+        "parameter-server",
+        "asynchronous: parameters on ps tasks, steps scheduled on workers",
+        _parameter_server,
+        multi_worker=True,
+        parameter_servers=True,
+        default_for="ps",
+    )
+)

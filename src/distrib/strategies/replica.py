@@ -16,7 +16,8 @@ still overlap because launches are asynchronous.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -40,14 +41,14 @@ class ReplicaMerger(Protocol):
     place: parameter servers' workers, the sharded strategy) are the two there are.
     """
 
-    def merge(self, ctx: "ReplicaContext", value: Any, merge_fn: MergeFn) -> Any:
+    def merge(self, ctx: ReplicaContext, value: Any, merge_fn: MergeFn) -> Any:
         """Wait for every local replica's ``value``; return ``merge_fn(values)[ctx.local_replica_id]``."""
 
 
 class InPlaceMerger:
     """The merger of a strategy whose process drives one replica, in place: the merge is the call itself."""
 
-    def merge(self, ctx: "ReplicaContext", value: Any, merge_fn: MergeFn) -> Any:
+    def merge(self, ctx: ReplicaContext, value: Any, merge_fn: MergeFn) -> Any:
         return merge_fn([value])[0]
 
 
@@ -65,7 +66,7 @@ class ReplicaContext:
         (tensor(3.), tensor(3.))
     """
 
-    def __init__(self, strategy: "Strategy", local_replica_id: int, merger: ReplicaMerger) -> None:
+    def __init__(self, strategy: Strategy, local_replica_id: int, merger: ReplicaMerger) -> None:
         self.strategy = strategy
         self.local_replica_id = local_replica_id
         self._merger = merger
@@ -90,7 +91,7 @@ class ReplicaContext:
         return self.strategy.num_replicas_in_sync
 
     @property
-    def device(self) -> Optional[torch.device]:
+    def device(self) -> torch.device | None:
         """The device this replica computes on (None: wherever tensors already are)."""
         return self.strategy.local_devices[self.local_replica_id]
 
@@ -109,15 +110,15 @@ class ReplicaContext:
         """
         op = parse_reduce_op(reduce_op)
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
-            return pytree.tree_map(lambda t: _AllReduce.apply(self, op, t) if isinstance(t, torch.Tensor) else t,
-                                   value)
+            return pytree.tree_map(lambda t: _AllReduce.apply(self, op, t) if isinstance(t, torch.Tensor) else t, value)
         return self._all_reduce(op, value)
 
     def _all_reduce(self, op: ReduceOp, value: Any) -> Any:
         def merge(values: list[Any]) -> list[Any]:
             n = len(values)
-            reduced = map_leaves(lambda leaf: reduce_local_values(self.strategy, op, local_values(leaf, n), None),
-                                 regroup(values))
+            reduced = map_leaves(
+                lambda leaf: reduce_local_values(self.strategy, op, local_values(leaf, n), None), regroup(values)
+            )
             return [to_device(reduced, self.strategy.local_devices[i]) for i in range(n)]
 
         return self.merge(value, merge)
@@ -131,8 +132,9 @@ class ReplicaContext:
         ``CommunicationOptions``) is ignored.
         """
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
-            return pytree.tree_map(lambda t: _AllGather.apply(self, axis, t) if isinstance(t, torch.Tensor) else t,
-                                   value)
+            return pytree.tree_map(
+                lambda t: _AllGather.apply(self, axis, t) if isinstance(t, torch.Tensor) else t, value
+            )
         return self._all_gather(value, axis)
 
     def _all_gather(self, value: Any, axis: int) -> Any:
@@ -140,7 +142,8 @@ class ReplicaContext:
             n = len(values)
             gathered = map_leaves(
                 lambda leaf: gather_local_values(self.strategy, local_values(leaf, n), axis, "all_gather"),
-                regroup(values))
+                regroup(values),
+            )
             return [to_device(gathered, self.strategy.local_devices[i]) for i in range(n)]
 
         return self.merge(value, merge)
@@ -150,14 +153,16 @@ class ReplicaContext:
         sizes = self._all_gather(torch.tensor([size]), 0)  # one size per replica, in replica order
         return int(sizes[: self.replica_id_in_sync_group].sum())
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
-                   kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def merge_call(
+        self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         """Call ``merge_fn(strategy, *args, **kwargs)`` once, in a cross-replica context (TF's ``merge_call``).
 
         Every local replica must call it; each replica's ``args`` become one
         ``PerReplica`` argument (plain when this process has one replica). The result
         is given to every replica: a ``PerReplica`` in it gives each replica its element.
         """
+
         def merge(values: list[Any]) -> list[Any]:
             grouped_args, grouped_kwargs = regroup(values)
             strategy = self.strategy
@@ -237,7 +242,7 @@ class ReplicaThreads:
         self._tasks: list[Callable[[], Any]] = []
         self._results: list[Any] = [None] * num_replicas
         self._done = [True] * num_replicas
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._merge_values: list[Any] = [None] * num_replicas
         self._merge_results: Sequence[Any] = ()
         self._merge_generation = 0
@@ -352,8 +357,9 @@ class ReplicaThreads:
                 self._cond.notify_all()
 
 
-def run_in_replica(ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                   grad_enabled: bool, inference: bool) -> Any:
+def run_in_replica(
+    ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwargs: dict, grad_enabled: bool, inference: bool
+) -> Any:
     """Call ``fn`` with ``ctx`` as this thread's replica context and the caller's autograd mode."""
     previous = context.set_current_replica(ctx)
     ctx._scaled_loss = False

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -36,8 +37,8 @@ from distrib.comm.options import DEFAULT_BYTES_PER_PACK
 from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import MergeFn, ReplicaContext, ReplicaThreads, run_in_replica
 from distrib.strategies.replication import MirroredModules, optimizer_params
-from distrib.strategies.workers import take_chiefs_values
 from distrib.strategies.run_options import RunOptions, UnscaledLossCheck
+from distrib.strategies.workers import take_chiefs_values
 from distrib.values import regroup, select_replica
 
 if TYPE_CHECKING:
@@ -55,27 +56,33 @@ class ReplicaEngine:
     ``bucket_bytes``: the size of a gradient bucket reduced across workers (``bytes_per_pack``).
     """
 
-    def __init__(self, strategy: "Strategy", *, parameter_device: Optional[torch.device] = None,
-                 bucket_bytes: int = DEFAULT_BYTES_PER_PACK) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        parameter_device: torch.device | None = None,
+        bucket_bytes: int = DEFAULT_BYTES_PER_PACK,
+    ) -> None:
         self._strategy = strategy
         self._n = strategy.num_local_replicas
         self._mirrored = MirroredModules(strategy, parameter_device=parameter_device)
         self._parameter_device = parameter_device
         self._bucket_bytes = bucket_bytes
-        self._threads: Optional[ReplicaThreads] = None
+        self._threads: ReplicaThreads | None = None
         self._contexts = [ReplicaContext(strategy, k, self) for k in range(self._n)]
         self._comm_hook: CommHook = allreduce_hook
         self._unscaled_loss = UnscaledLossCheck()
         self._merging = 0  # merge functions running (with several replicas, their threads wait in it)
         # optimizers whose step() this engine merges, and those whose gradients a GradScaler call has already
         # summed this step (True while inside _apply_update, which refreshes the copies itself): see amp.py
-        self._merged_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-        self._summed: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._merged_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._summed: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         # with one replica per worker: one reducer per optimizer, overlapped with backward; its autograd hooks
         # go when the optimizer goes
-        self._reducers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, BucketedGradientReducer]" = (
-            weakref.WeakKeyDictionary())
-        self._patch_lease: Optional[weakref.finalize] = None
+        self._reducers: weakref.WeakKeyDictionary[torch.optim.Optimizer, BucketedGradientReducer] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._patch_lease: weakref.finalize | None = None
         if strategy.num_replicas_in_sync > 1:
             self._lease_torch_patches()
 
@@ -85,7 +92,7 @@ class ReplicaEngine:
             self._patch_lease = lease_torch_patches(self._strategy)
 
     @property
-    def parameter_device(self) -> Optional[torch.device]:
+    def parameter_device(self) -> torch.device | None:
         """The central parameter device (central storage), or None: each replica's device holds a copy."""
         return self._parameter_device
 
@@ -117,8 +124,9 @@ class ReplicaEngine:
         torch_patches.wrap_optimizer(optimizer, self._optimizer_step, self._optimizer_zero_grad)
         self._merged_optimizers.add(optimizer)
         if self._strategy.num_workers > 1 and self._n == 1:
-            reducer = BucketedGradientReducer(optimizer_params(optimizer), self._strategy.communicator,
-                                              self._bucket_bytes, self._comm_hook)
+            reducer = BucketedGradientReducer(
+                optimizer_params(optimizer), self._strategy.communicator, self._bucket_bytes, self._comm_hook
+            )
             self._reducers[optimizer] = reducer
             weakref.finalize(optimizer, reducer.close)
 
@@ -129,8 +137,7 @@ class ReplicaEngine:
             reducer.set_hook(hook)
 
     # ------------------------------------------------------------------ run and merge
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-            options: RunOptions) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions) -> Any:
         """``fn`` once per local replica: in place with one replica, else on the replica threads."""
         self._unscaled_loss.options = options
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -138,14 +145,27 @@ class ReplicaEngine:
         if n == 1:
             return run_in_replica(self._contexts[0], fn, args, kwargs, grad, inference)
         if self._merging:  # run called from a merge_call function: the replica threads are all waiting there
-            return regroup([run_in_replica(self._contexts[k], fn, select_replica(k, args),
-                                           select_replica(k, kwargs), grad, inference) for k in range(n)])
+            return regroup(
+                [
+                    run_in_replica(
+                        self._contexts[k], fn, select_replica(k, args), select_replica(k, kwargs), grad, inference
+                    )
+                    for k in range(n)
+                ]
+            )
         if self._threads is None:
             self._threads = ReplicaThreads(n, type(self._strategy).__name__)
             weakref.finalize(self._strategy, self._threads.close)  # the threads end when the strategy is freed
         tasks: list[Callable[[], Any]] = [
-            functools.partial(run_in_replica, self._contexts[k], fn, select_replica(k, args),
-                              select_replica(k, kwargs), grad, inference)
+            functools.partial(
+                run_in_replica,
+                self._contexts[k],
+                fn,
+                select_replica(k, args),
+                select_replica(k, kwargs),
+                grad,
+                inference,
+            )
             for k in range(n)
         ]
         return regroup(self._threads.run(tasks))
@@ -154,9 +174,11 @@ class ReplicaEngine:
         """The merge point of ``ReplicaContext.merge``: every local replica's value, one ``merge_fn`` call."""
         if self._merging and self._n > 1:
             # the replica threads all wait in the outer merge: a second merge could never complete
-            raise RuntimeError("a merge point (optimizer.step(), all_reduce, merge_call) inside a strategy.run "
-                               "that is itself called from a merge_call function is not supported with several "
-                               "local replicas")
+            raise RuntimeError(
+                "a merge point (optimizer.step(), all_reduce, merge_call) inside a strategy.run "
+                "that is itself called from a merge_call function is not supported with several "
+                "local replicas"
+            )
 
         def merging(values: list[Any]) -> Sequence[Any]:
             self._merging += 1
@@ -171,8 +193,9 @@ class ReplicaEngine:
         return self._threads.merge(ctx.local_replica_id, value, merging)
 
     # ------------------------------------------------------------------ the optimizer merge
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
-                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _optimizer_step(
+        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         ctx = context.current_replica()
         if ctx is None and optimizer in self._summed:  # a GradScaler summed this step's gradients (amp.py)
             inside_update = self._summed.pop(optimizer)
@@ -183,8 +206,10 @@ class ReplicaEngine:
         if ctx is None:  # cross-replica: the gradients are already where they are
             return self._apply_update(optimizer, step, args, kwargs)
         if (args or kwargs.get("closure") is not None) and self._n > 1:
-            raise ValueError("optimizer.step(closure) is not supported with several local replicas; "
-                             "call loss.backward() and optimizer.step() in the replica function")
+            raise ValueError(
+                "optimizer.step(closure) is not supported with several local replicas; "
+                "call loss.backward() and optimizer.step() in the replica function"
+            )
 
         def merge(scaled: list[bool]) -> list[Any]:
             self.warn_if_loss_unscaled(scaled)
@@ -192,8 +217,9 @@ class ReplicaEngine:
 
         return ctx.merge(ctx.scaled_loss_recorded, merge)
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any],
-                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _apply_update(
+        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         reducer = self._reducers.get(optimizer)
         if reducer is not None:
             reducer.synchronize()  # backward already reduced the buckets: wait for the last ones
@@ -221,11 +247,13 @@ class ReplicaEngine:
                 to_reduce.append(p.grad)
                 reduced.append(p)
         # bucketed as the overlapped reducer does (comm.gradient_reducer.bucket_layout): bucket.index is the same
-        reduce_gradients(self._strategy.communicator, to_reduce, self._bucket_bytes, self._comm_hook,
-                         parameters=reduced)
+        reduce_gradients(
+            self._strategy.communicator, to_reduce, self._bucket_bytes, self._comm_hook, parameters=reduced
+        )
 
-    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., None],
-                             set_to_none: bool) -> None:
+    def _optimizer_zero_grad(
+        self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., None], set_to_none: bool
+    ) -> None:
         reducer = self._reducers.get(optimizer)
         if reducer is not None:
             reducer.discard()

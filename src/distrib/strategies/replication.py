@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ __all__ = ["MirroredModules", "optimizer_params"]
 
 # --------------------------------------------------------------------------- copies
 
+
 @dataclass(frozen=True)
 class _Mirror:
     """The copies the local replicas call in place of one submodule.
@@ -43,19 +45,23 @@ class _Mirror:
     and a strong reference there would keep module and strategy alive forever.
     """
 
-    owner: "Strategy"
+    owner: Strategy
     copies: tuple[nn.Module, ...]
     primary_computes: bool  # replica 0 computes on the module itself (Mirrored) or on a copy (central storage)
 
 
-_mirrors: "weakref.WeakKeyDictionary[nn.Module, _Mirror]" = weakref.WeakKeyDictionary()
+_mirrors: weakref.WeakKeyDictionary[nn.Module, _Mirror] = weakref.WeakKeyDictionary()
 
 
 def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     mirror = _mirrors.get(self)
     ctx = context.current_replica()
-    if (mirror is not None and ctx is not None and ctx.strategy is mirror.owner
-            and (ctx.local_replica_id or not mirror.primary_computes)):
+    if (
+        mirror is not None
+        and ctx is not None
+        and ctx.strategy is mirror.owner
+        and (ctx.local_replica_id or not mirror.primary_computes)
+    ):
         replica = mirror.copies[ctx.local_replica_id - mirror.primary_computes]
         for mine, theirs in zip(self.modules(), replica.modules()):
             theirs.training = mine.training  # model.train()/eval() was called on the primary only
@@ -72,7 +78,7 @@ class MirroredModules:
     computes on a copy of its own; gradients are summed from all copies into the primary.
     """
 
-    def __init__(self, strategy: "Strategy", parameter_device: Optional[torch.device] = None) -> None:
+    def __init__(self, strategy: Strategy, parameter_device: torch.device | None = None) -> None:
         self._strategy = strategy
         self._parameter_device = parameter_device
         self._first = 0 if parameter_device is not None else 1  # local replica id of the first copy
@@ -110,7 +116,7 @@ class MirroredModules:
         home = self._parameter_device or devices[0]
         if home is not None:
             root.to(home)
-        copies = [self._replicate(root, d) for d in devices[self._first:]]
+        copies = [self._replicate(root, d) for d in devices[self._first :]]
         params = list(root.parameters())
         for p in params:
             self._param_copies[id(p)] = []
@@ -119,8 +125,9 @@ class MirroredModules:
                 self._param_copies[id(p)].append(pc)
         if copies:
             for name, sub in root.named_modules():
-                _mirrors[sub] = _Mirror(self._strategy, tuple(c.get_submodule(name) for c in copies),
-                                        primary_computes=bool(self._first))
+                _mirrors[sub] = _Mirror(
+                    self._strategy, tuple(c.get_submodule(name) for c in copies), primary_computes=bool(self._first)
+                )
                 torch_patches.route_forward(sub, _dispatching_forward)
         for sub in root.modules():
             context.set_owner(sub, self._strategy)
@@ -128,7 +135,7 @@ class MirroredModules:
         self._roots.append((weakref.ref(root), copies))
 
     @staticmethod
-    def _replicate(root: nn.Module, device: Optional[torch.device]) -> nn.Module:
+    def _replicate(root: nn.Module, device: torch.device | None) -> nn.Module:
         clone = copy.deepcopy(root)
         if device is not None:
             clone.to(device)
@@ -138,11 +145,11 @@ class MirroredModules:
                 pc.data = p.data
         return clone
 
-    def replica_grads(self, param: torch.Tensor) -> list[Optional[torch.Tensor]]:
+    def replica_grads(self, param: torch.Tensor) -> list[torch.Tensor | None]:
         """The gradients of ``param``'s copies (the replicas that do not compute on ``param`` itself)."""
         return [pc.grad for pc in self._param_copies.get(id(param), ())]
 
-    def zero_copy_grads(self, params: Iterable[torch.Tensor], replica: Optional[int], set_to_none: bool) -> None:
+    def zero_copy_grads(self, params: Iterable[torch.Tensor], replica: int | None, set_to_none: bool) -> None:
         """Clear the gradients of the copies of ``params`` (of one local replica, or of all if None)."""
         for p in params:
             copies = self._param_copies.get(id(p), ())
@@ -159,7 +166,7 @@ class MirroredModules:
                 else:
                     pc.grad.detach_().zero_()
 
-    def refresh(self, root: Optional[nn.Module] = None, average_buffers: bool = False) -> None:
+    def refresh(self, root: nn.Module | None = None, average_buffers: bool = False) -> None:
         """Make every copy equal to its primary again (after an update or a restore).
 
         Parameters that share storage need nothing. Floating buffers (e.g. BatchNorm
@@ -187,6 +194,7 @@ class MirroredModules:
 
 
 # --------------------------------------------------------------------------- optimizers
+
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every parameter an optimizer updates, in group order."""

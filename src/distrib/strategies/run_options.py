@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["RunOptions", "ValueContext", "UnscaledLossWarning", "unscaled_loss_message", "UnscaledLossCheck"]
 
@@ -41,12 +41,14 @@ class UnscaledLossWarning(UserWarning):
 def unscaled_loss_message(num_replicas_in_sync: int) -> str:
     """What :class:`UnscaledLossWarning` says: why an unscaled loss trains a wrong model, and the fix."""
     n = num_replicas_in_sync
-    return (f"optimizer.step() ran in strategy.run without the loss being scaled by ds.compute_average_loss or "
-            f"ds.scale_regularization_loss, with {n} replicas in sync. Gradients are "
-            f"summed over replicas, so a loss averaged per replica (PyTorch's default reduction='mean') gives "
-            f"gradients {n} times too large. Fix: loss = ds.compute_average_loss("
-            "F.cross_entropy(logits, labels, reduction='none'), global_batch_size=GLOBAL_BATCH). If you already "
-            "divide by the global batch yourself, pass options=ds.RunOptions(loss_scaled_by_hand=True) to run.")
+    return (
+        f"optimizer.step() ran in strategy.run without the loss being scaled by ds.compute_average_loss or "
+        f"ds.scale_regularization_loss, with {n} replicas in sync. Gradients are "
+        f"summed over replicas, so a loss averaged per replica (PyTorch's default reduction='mean') gives "
+        f"gradients {n} times too large. Fix: loss = ds.compute_average_loss("
+        "F.cross_entropy(logits, labels, reduction='none'), global_batch_size=GLOBAL_BATCH). If you already "
+        "divide by the global batch yourself, pass options=ds.RunOptions(loss_scaled_by_hand=True) to run."
+    )
 
 
 class UnscaledLossCheck:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ T = TypeVar("T")
 _PARAM_DTYPES = {None: None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def _fsdp() -> "ModuleType":
+def _fsdp() -> ModuleType:
     """torch's FSDP2 (strategies/fsdp.py), imported when a sharded strategy first needs it, not at ``import distrib``."""
     from distrib.strategies import fsdp
 
@@ -90,26 +91,41 @@ class ShardedStrategy(Strategy):
     (one device per process).
     """
 
-    def __init__(self, cluster_resolver: Optional[ClusterResolver] = None,
-                 communication_options: Optional[CommunicationOptions] = None,
-                 devices: Optional[Sequence[str]] = None, *, sharding_policy: Optional[ShardingPolicy] = None,
-                 reshard_after_forward: bool = True, mixed_precision: Optional[str] = None,
-                 checkpoint_format: str = "sharded", deferred_init: bool = True) -> None:
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        devices: Sequence[str] | None = None,
+        *,
+        sharding_policy: ShardingPolicy | None = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: str | None = None,
+        checkpoint_format: str = "sharded",
+        deferred_init: bool = True,
+    ) -> None:
         if checkpoint_format not in ("sharded", "plain"):
-            raise ValueError(f"ShardedStrategy(checkpoint_format={checkpoint_format!r}): give 'sharded' (every worker "
-                             "writes its own shards) or 'plain' (one file of whole tensors, gathered)")
+            raise ValueError(
+                f"ShardedStrategy(checkpoint_format={checkpoint_format!r}): give 'sharded' (every worker "
+                "writes its own shards) or 'plain' (one file of whole tensors, gathered)"
+            )
         if mixed_precision not in _PARAM_DTYPES:
             accepted = ", ".join(repr(name) for name in _PARAM_DTYPES)
-            raise ValueError(f"ShardedStrategy(mixed_precision={mixed_precision!r}): give one of {accepted} "
-                             "(Lightning's names; None and '32' keep float32)")
+            raise ValueError(
+                f"ShardedStrategy(mixed_precision={mixed_precision!r}): give one of {accepted} "
+                "(Lightning's names; None and '32' keep float32)"
+            )
         workers = join_workers(cluster_resolver, communication_options or CommunicationOptions(), devices)
         if len(workers.devices) != 1:
-            raise ValueError(f"ShardedStrategy runs one replica per worker process, but devices={workers.device_names}"
-                             "; start one process per device (distrib launch, torchrun) and give each one device")
+            raise ValueError(
+                f"ShardedStrategy runs one replica per worker process, but devices={workers.device_names}"
+                "; start one process per device (distrib launch, torchrun) and give each one device"
+            )
         if workers.devices[0].type == "cuda" and workers.communicator.backend == "gloo":
-            raise ValueError(f"ShardedStrategy on {workers.device_names[0]} needs NCCL, but the workers fell back to "
-                             "gloo (several processes share one GPU, or NCCL is missing): gloo cannot reduce-scatter "
-                             "CUDA tensors. Give each worker its own GPU, or train on the CPU with devices=['cpu']")
+            raise ValueError(
+                f"ShardedStrategy on {workers.device_names[0]} needs NCCL, but the workers fell back to "
+                "gloo (several processes share one GPU, or NCCL is missing): gloo cannot reduce-scatter "
+                "CUDA tensors. Give each worker its own GPU, or train on the CPU with devices=['cpu']"
+            )
         super().__init__(workers.devices, workers.communicator, workers.resolver, device_names=workers.device_names)
         self._policy = sharding_policy or ShardingPolicy()
         self._reshard_after_forward = reshard_after_forward
@@ -127,24 +143,31 @@ class ShardedStrategy(Strategy):
         self._gradients = _ShardedGradients(self)
         if self.num_workers > 1:  # a GradScaler's decision must be every worker's: amp.py's merge, leased
             lease_torch_patches(self)  # given back when the strategy is collected (weakref.finalize keeps itself)
-        log.info("ShardedStrategy: worker %d of %d, device %s, %s", self.worker_index, self.num_workers,
-                 workers.device_names[0], "ZeRO-3" if reshard_after_forward else "ZeRO-2")
+        log.info(
+            "ShardedStrategy: worker %d of %d, device %s, %s",
+            self.worker_index,
+            self.num_workers,
+            workers.device_names[0],
+            "ZeRO-3" if reshard_after_forward else "ZeRO-2",
+        )
         allocator.warn_if_untuned(workers.devices[0].type, self.num_workers, self.is_chief)
 
     @property
-    def gradient_merge(self) -> Optional[GradientMerge]:
+    def gradient_merge(self) -> GradientMerge | None:
         """With several workers: FSDP sums gradients in backward; a ``GradScaler``'s inf check is agreed over the
         workers (strategies/amp.py) so every shard's inf or NaN skips the step everywhere. None with one."""
         return self._gradients if self.num_workers > 1 else None
 
     @property
-    def graph_capture_blocker(self) -> Optional[str]:
+    def graph_capture_blocker(self) -> str | None:
         """With several workers FSDP2 gathers and frees parameters between its hooks, deciding on the host, and
         its process group may be gloo: ``ds.function`` runs such a step eagerly. With one worker nothing is
         sharded and the step is captured as under ``OneDeviceStrategy``."""
         if self.num_workers > 1:
-            return ("ShardedStrategy's FSDP2 all-gathers and frees the parameters around every unit from Python "
-                    "hooks on the host, which a CUDA graph does not replay")
+            return (
+                "ShardedStrategy's FSDP2 all-gathers and frees the parameters around every unit from Python "
+                "hooks on the host, which a CUDA graph does not replay"
+            )
         return super().graph_capture_blocker
 
     @property
@@ -164,8 +187,10 @@ class ShardedStrategy(Strategy):
             return
         for sub in module.modules():
             if context.owner_of(sub) is not None:
-                raise ValueError(f"module {type(module).__name__} contains {type(sub).__name__}, which another "
-                                 "strategy or scope block distributes; build the whole model inside one scope block")
+                raise ValueError(
+                    f"module {type(module).__name__} contains {type(sub).__name__}, which another "
+                    "strategy or scope block distributes; build the whole model inside one scope block"
+                )
         device = self.local_devices[0]
         if self.num_workers == 1:  # nothing to shard
             if device is not None:
@@ -176,7 +201,7 @@ class ShardedStrategy(Strategy):
         for sub in module.modules():
             context.set_owner(sub, self)
 
-    def _shard(self, module: nn.Module, device: Optional[torch.device]) -> None:
+    def _shard(self, module: nn.Module, device: torch.device | None) -> None:
         """Every worker's values agree (the chief's), then ``fully_shard`` per unit and the root; a module built
         under deferred initialisation is sharded on the meta device, then filled tensor by tensor."""
         plan = plan_materialisation(module)
@@ -194,29 +219,47 @@ class ShardedStrategy(Strategy):
         if self._mesh is None:
             self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
         units = self._policy.units(module)
-        self.communicator.guarded("sharding the model", lambda: _fsdp().shard_module(
-            module, units, self._mesh, self._reshard_after_forward, _fsdp().mixed_precision_policy(self._param_dtype)))
+        self.communicator.guarded(
+            "sharding the model",
+            lambda: _fsdp().shard_module(
+                module,
+                units,
+                self._mesh,
+                self._reshard_after_forward,
+                _fsdp().mixed_precision_policy(self._param_dtype),
+            ),
+        )
         if plan is not None:
-            self.communicator.guarded("initialising the sharded model", lambda: plan.materialise(
-                device, self.communicator))
+            self.communicator.guarded(
+                "initialising the sharded model", lambda: plan.materialise(device, self.communicator)
+            )
         for name, old, key in before:
             if old() is not None:  # an optimizer holds it: it may be built over it before the scope closed
                 self._moved[key] = (old, weakref.ref(module), name)
-        log.info("sharded %s over %d workers: %d unit(s) + the root%s", type(module).__name__, self.num_workers,
-                 len(units), ", initialised shard by shard" if plan is not None else "")
+        log.info(
+            "sharded %s over %d workers: %d unit(s) + the root%s",
+            type(module).__name__,
+            self.num_workers,
+            len(units),
+            ", initialised shard by shard" if plan is not None else "",
+        )
 
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` update the shards: parameters it took before sharding are replaced by theirs."""
         context.set_owner(optimizer, self)
         for group in optimizer.param_groups:
             group["params"] = [self._shard_of(p) for p in group["params"]]
-        foreign = [p for p in optimizer_params(optimizer) if context.owner_of(p) is None and self.num_workers > 1
-                   and not _fsdp().is_sharded(p)]
+        foreign = [
+            p
+            for p in optimizer_params(optimizer)
+            if context.owner_of(p) is None and self.num_workers > 1 and not _fsdp().is_sharded(p)
+        ]
         if foreign:
             raise ValueError(
                 f"{type(optimizer).__name__} was created under ShardedStrategy.scope() over {len(foreign)} "
                 "parameter(s) that are not sharded (a module built outside the scope); build the model inside the "
-                "same strategy.scope() as the optimizer")
+                "same strategy.scope() as the optimizer"
+            )
         optimizer.register_step_pre_hook(self._check_loss_scaled)
         self._gradients.merge_steps_of(optimizer)
 
@@ -237,27 +280,30 @@ class ShardedStrategy(Strategy):
         self._unscaled_loss.warn_if_unscaled(scaled, self.num_replicas_in_sync, stacklevel=4)
 
     # ------------------------------------------------------------------ run, input, fit
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                              options: RunOptions) -> Any:
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
+    ) -> Any:
         """``fn`` once, in place (one replica per worker); FSDP's collectives inside it fail as CollectiveError."""
         self._unscaled_loss.options = options
-        return self.communicator.guarded("a sharded step (FSDP's all-gather / reduce-scatter)",
-                                         lambda: run_in_place(self._replica, fn, args, kwargs))
+        return self.communicator.guarded(
+            "a sharded step (FSDP's all-gather / reduce-scatter)", lambda: run_in_place(self._replica, fn, args, kwargs)
+        )
 
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> "DistributedDataset":
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DistributedDataset:
         """As ``MultiWorkerMirroredStrategy``: each global batch split over the workers."""
         from distrib.input import DistributedDataset
 
         return DistributedDataset(dataset, self, options=options)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
-                                          options: Any = None) -> "DistributedDatasetsFromFunction":
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
+    ) -> DistributedDatasetsFromFunction:
         """As ``MultiWorkerMirroredStrategy``: ``dataset_fn(input_context)`` once per worker."""
         from distrib.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(dataset_fn, self, options=options)
 
-    def step_executor(self) -> "StepExecutor":
+    def step_executor(self) -> StepExecutor:
         """``fit`` runs ``strategy.run`` on each global batch, as under the synchronous strategies."""
         from distrib.strategies.execution import SynchronousExecutor
 
@@ -277,17 +323,23 @@ class ShardedStrategy(Strategy):
 
     def checkpoint_state(self, obj: Any) -> Any:
         """Torch's plain ``state_dict()`` of ``obj``, every shard gathered (on every worker: a collective)."""
-        return self.communicator.guarded("gathering the shards for a checkpoint",
-                                         lambda: _fsdp().full_state(obj.state_dict()))
+        return self.communicator.guarded(
+            "gathering the shards for a checkpoint", lambda: _fsdp().full_state(obj.state_dict())
+        )
 
     def restore_checkpoint_state(self, obj: Any, state: Any) -> None:
         """Load a plain state (of any strategy, any number of workers) into ``obj``, split into this worker's shards."""
         if isinstance(obj, torch.optim.Optimizer):
             params = optimizer_params(obj)
-            like = {i: {k: p for k in saved} for i, p in enumerate(params)
-                    for saved in [state.get("state", {}).get(i, state.get("state", {}).get(str(i), {}))]}
-            state = {**state, "state": {k: _fsdp().shard_state(v, like.get(int(k), {}))
-                                        for k, v in state.get("state", {}).items()}}
+            like = {
+                i: {k: p for k in saved}
+                for i, p in enumerate(params)
+                for saved in [state.get("state", {}).get(i, state.get("state", {}).get(str(i), {}))]
+            }
+            state = {
+                **state,
+                "state": {k: _fsdp().shard_state(v, like.get(int(k), {})) for k, v in state.get("state", {}).items()},
+            }
             obj.load_state_dict(state)
             return
         if isinstance(obj, nn.Module):
@@ -302,7 +354,7 @@ class _ShardedGradients:
 
     def __init__(self, strategy: ShardedStrategy) -> None:
         self._strategy = weakref.ref(strategy)
-        self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def merge_steps_of(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.add(optimizer)

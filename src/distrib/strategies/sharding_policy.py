@@ -26,8 +26,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 from torch import nn
 
@@ -42,7 +42,7 @@ DEFAULT_MIN_PARAMS = 100_000
 class ShardingPolicy:
     """Which submodules are FSDP units: by class (``module_classes``) or by size (``min_params``)."""
 
-    module_classes: Optional[Sequence[Union[str, type]]] = None
+    module_classes: Sequence[str | type] | None = None
     min_params: int = DEFAULT_MIN_PARAMS
 
     def units(self, root: nn.Module) -> list[nn.Module]:
@@ -58,9 +58,11 @@ class ShardingPolicy:
         if missing:
             names = ", ".join(c if isinstance(c, str) else c.__name__ for c in missing)
             classes = ", ".join(sorted({type(m).__name__ for m in root.modules()}))
-            raise ValueError(f"ShardingPolicy(module_classes={[c if isinstance(c, str) else c.__name__ for c in wanted]})"
-                             f": the model ({type(root).__name__}) has no module of class {names}; its classes are "
-                             f"{classes}")
+            raise ValueError(
+                f"ShardingPolicy(module_classes={[c if isinstance(c, str) else c.__name__ for c in wanted]})"
+                f": the model ({type(root).__name__}) has no module of class {names}; its classes are "
+                f"{classes}"
+            )
         depth = {id(m): name.count(".") for name, m in root.named_modules()}
         return sorted(found, key=lambda m: -depth[id(m)])  # fully_shard goes bottom-up: nested units first
 
@@ -82,5 +84,5 @@ class ShardingPolicy:
         return units
 
 
-def _is(module: nn.Module, cls: Union[str, type]) -> bool:
+def _is(module: nn.Module, cls: str | type) -> bool:
     return type(module).__name__ == cls if isinstance(cls, str) else isinstance(module, cls)

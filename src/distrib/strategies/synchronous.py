@@ -8,7 +8,8 @@ they hold; this class answers :class:`~distrib.strategies.base.Strategy`'s abstr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,10 +37,16 @@ class SynchronousStrategy(Strategy):
     storage); ``bucket_bytes``: the size of the gradient buckets reduced across workers.
     """
 
-    def __init__(self, devices: Sequence[Optional[torch.device]], communicator: Optional[Communicator] = None,
-                 cluster_resolver: Optional["ClusterResolver"] = None, device_names: Optional[Sequence[str]] = None,
-                 *, parameter_device: Optional[torch.device] = None,
-                 bucket_bytes: int = DEFAULT_BYTES_PER_PACK) -> None:
+    def __init__(
+        self,
+        devices: Sequence[torch.device | None],
+        communicator: Communicator | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+        device_names: Sequence[str] | None = None,
+        *,
+        parameter_device: torch.device | None = None,
+        bucket_bytes: int = DEFAULT_BYTES_PER_PACK,
+    ) -> None:
         super().__init__(devices, communicator, cluster_resolver, device_names)
         self._engine = ReplicaEngine(self, parameter_device=parameter_device, bucket_bytes=bucket_bytes)
 
@@ -52,8 +59,9 @@ class SynchronousStrategy(Strategy):
         central = self._engine.parameter_device
         return (str(central),) if central is not None else super().parameter_devices
 
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                              options: RunOptions) -> Any:
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
+    ) -> Any:
         return self._engine.run(fn, args, kwargs, options)
 
     def distribute_module(self, module: torch.nn.Module) -> None:
@@ -70,13 +78,13 @@ class SynchronousStrategy(Strategy):
         """Reduce gradients across workers through ``hook`` (see :mod:`distrib.comm.hooks`), as DDP's."""
         self._engine.set_comm_hook(hook)
 
-    def step_executor(self) -> "StepExecutor":
+    def step_executor(self) -> StepExecutor:
         """How ``fit`` runs its steps under this strategy: ``strategy.run`` on each global batch."""
         from distrib.strategies.execution import SynchronousExecutor
 
         return SynchronousExecutor(self)
 
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> "DistributedDataset":
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DistributedDataset:
         """Split every global batch of ``dataset`` over all replicas in sync.
 
         ``dataset`` is any iterable of global batches (a ``DataLoader`` with the global
@@ -87,8 +95,9 @@ class SynchronousStrategy(Strategy):
 
         return DistributedDataset(dataset, self, options=options)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]],
-                                          options: Any = None) -> "DistributedDatasetsFromFunction":
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
+    ) -> DistributedDatasetsFromFunction:
         """Call ``dataset_fn(input_context)`` once on this worker; its batches are per-replica batches.
 
         ``options``: TF's ``tf.distribute.InputOptions``, handed to the distributed dataset.

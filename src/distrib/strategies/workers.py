@@ -10,8 +10,8 @@ rendezvous at the chief's address (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -36,8 +36,9 @@ class WorkerGroup:
     device_names: list[str]
 
 
-def join_workers(cluster_resolver: Optional[ClusterResolver], options: CommunicationOptions,
-                 devices: Optional[Sequence[str]]) -> WorkerGroup:
+def join_workers(
+    cluster_resolver: ClusterResolver | None, options: CommunicationOptions, devices: Sequence[str] | None
+) -> WorkerGroup:
     """Resolve the cluster and connect to the other workers (a process group when there are several).
 
     ``devices``: this process's local devices (default: one GPU per launched process, else every
@@ -49,16 +50,31 @@ def join_workers(cluster_resolver: Optional[ClusterResolver], options: Communica
     parsed = [parse_device(n) for n in names]
     rank, world = worker_rank(resolver)
     if group is not None:
-        _check_group(group, rank, world, "the cluster_resolver" if cluster_resolver is not None
-                     else f"the environment ({type(resolver).__name__})")
+        _check_group(
+            group,
+            rank,
+            world,
+            "the cluster_resolver" if cluster_resolver is not None else f"the environment ({type(resolver).__name__})",
+        )
     communicator: Communicator
     if world > 1:
         spec = resolver.cluster_spec()
-        hosts = [spec.task_address(job, i).rpartition(":")[0].strip("[]")
-                 for job in ("chief", "worker") if job in spec.jobs for i in spec.task_indices(job)]
-        communicator = ProcessGroupCommunicator(resolver.rendezvous_address(), rank, world, options,
-                                                uses_cuda=parsed[0].type == "cuda", hosts=hosts,
-                                                across_hosts=resolver.spans_hosts, device=parsed[0])
+        hosts = [
+            spec.task_address(job, i).rpartition(":")[0].strip("[]")
+            for job in ("chief", "worker")
+            if job in spec.jobs
+            for i in spec.task_indices(job)
+        ]
+        communicator = ProcessGroupCommunicator(
+            resolver.rendezvous_address(),
+            rank,
+            world,
+            options,
+            uses_cuda=parsed[0].type == "cuda",
+            hosts=hosts,
+            across_hosts=resolver.spans_hosts,
+            device=parsed[0],
+        )
     else:
         communicator = LocalCommunicator()
     return WorkerGroup(resolver, communicator, parsed, names)
@@ -73,12 +89,14 @@ def take_chiefs_values(communicator: Communicator, module: torch.nn.Module) -> N
     if communicator.world_size == 1:
         return
     named = [*module.named_parameters(), *module.named_buffers()]
-    communicator.verify_same("; ".join(f"{name}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-                                       for name, t in named), f"the {type(module).__name__} built in strategy.scope()")
+    communicator.verify_same(
+        "; ".join(f"{name}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for name, t in named),
+        f"the {type(module).__name__} built in strategy.scope()",
+    )
     communicator.broadcast([t.detach() for _, t in named], src=0)
 
 
-def _resolver_for(group: Optional[tuple[int, int, str]]) -> ClusterResolver:
+def _resolver_for(group: tuple[int, int, str] | None) -> ClusterResolver:
     """The cluster when no resolver is given: the environment's, else the initialised group's, else one worker."""
     found = cluster.resolve()
     if found is not None:
@@ -98,4 +116,5 @@ def _check_group(group: tuple[int, int, str], rank: int, world: int, source: str
         f"torch.distributed is already initialised as rank {group[0]} of {group[1]}, but {source} says rank {rank} "
         f"of {world}: the strategy's cluster must be the initialised group. Initialise the group with that rank and "
         "world size, or take the cluster from the group (pass no cluster_resolver and unset TF_CONFIG / torchrun's "
-        "/ Slurm's variables that describe another cluster), or destroy the group first")
+        "/ Slurm's variables that describe another cluster), or destroy the group first"
+    )

@@ -13,11 +13,13 @@ tests/conformance/test_input_lib.py puts the workers' values side by side and as
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import distrib as ds
+
 
 def plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -51,6 +53,7 @@ def reporter(task: str) -> Callable[[str, ds.Strategy, Callable[[], Any]], None]
         except Exception as e:  # noqa: BLE001 - reported to the test
             value = {"error": f"{type(e).__name__}: {e}"}
         print("RESULT " + json.dumps({"name": name, "task": task, "value": value}), flush=True)
+
     return report
 
 
@@ -79,20 +82,35 @@ def main() -> None:
     report("two_devices_per_worker_dataset", s22, lambda: s22.experimental_distribute_dataset(range_batch(4, 4)))
 
     # testTupleDataset: one replica per worker
-    report("tuple_dataset_input_fn", s21,
-           lambda: s21.distribute_datasets_from_function(lambda _: [(torch.tensor(i), torch.tensor(i ** 2))
-                                                                    for i in range(4)]))
-    report("tuple_dataset_dataset", s21,
-           lambda: s21.experimental_distribute_dataset([(b, b ** 2) for b in range_batch(4, 2)]))
+    report(
+        "tuple_dataset_input_fn",
+        s21,
+        lambda: s21.distribute_datasets_from_function(
+            lambda _: [(torch.tensor(i), torch.tensor(i**2)) for i in range(4)]
+        ),
+    )
+    report(
+        "tuple_dataset_dataset",
+        s21,
+        lambda: s21.experimental_distribute_dataset([(b, b**2) for b in range_batch(4, 2)]),
+    )
 
     # testUnevenDatasetBatches: two replicas per worker
-    report("uneven_dataset_batches_input_fn", s22,
-           lambda: s22.distribute_datasets_from_function(lambda _: range_batch(9, 2)))
+    report(
+        "uneven_dataset_batches_input_fn",
+        s22,
+        lambda: s22.distribute_datasets_from_function(lambda _: range_batch(9, 2)),
+    )
     report("uneven_dataset_batches_dataset", s22, lambda: s22.experimental_distribute_dataset(range_batch(9, 8)))
 
     # testDifferentDatasets: two replicas per worker, worker 1 has one more example
-    report("different_datasets_input_fn", s22, lambda: s22.distribute_datasets_from_function(
-        lambda ctx: range_batch(8, 2) if ctx.input_pipeline_id == 0 else range_batch(9, 2)))
+    report(
+        "different_datasets_input_fn",
+        s22,
+        lambda: s22.distribute_datasets_from_function(
+            lambda ctx: range_batch(8, 2) if ctx.input_pipeline_id == 0 else range_batch(9, 2)
+        ),
+    )
     print("DONE", flush=True)
 
 

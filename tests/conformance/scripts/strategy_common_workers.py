@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ def reporter(task: str) -> Callable[[str, Callable[[], Any]], None]:
         except Exception as e:  # noqa: BLE001 - reported to the test
             value = {"error": f"{type(e).__name__}: {e}"}
         print("RESULT " + json.dumps({"name": name, "task": task, "value": value}), flush=True)
+
     return report
 
 
@@ -64,8 +66,10 @@ LOCAL_RESULT_FNS: dict[str, Callable[[], Any]] = {
     "dictionary": lambda: {"a": torch.tensor(1.0), "b": torch.tensor(2.0)},
     "list": lambda: [torch.tensor(1.0), torch.tensor(2.0)],
     "tuple": lambda: (torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)),
-    "nested_struct": lambda: ({"a": torch.tensor(1.0), "b": torch.tensor(2.0)},
-                              {"a": torch.tensor(4.0), "b": torch.tensor(6.0)}),
+    "nested_struct": lambda: (
+        {"a": torch.tensor(1.0), "b": torch.tensor(2.0)},
+        {"a": torch.tensor(4.0), "b": torch.tensor(6.0)},
+    ),
     "nested_struct_without_tensor": lambda: {"a": 1.0, "b": 2.0},
     "scalar_value": local_id,
     "dictionary_different_replicas": lambda: {"a": float(local_id() + 1), "b": float(local_id() + 2)},
@@ -84,19 +88,23 @@ def main() -> None:
 
     def merge_call_init_scope() -> Any:
         with s21.scope():
+
             def replica_fn() -> torch.Tensor:
                 y = ds.get_replica_context().merge_call(lambda _: torch.tensor(11))
                 return y + 1
+
             return s21.experimental_local_results(s21.run(replica_fn))
 
     report("merge_call_init_scope", merge_call_init_scope)
 
     # ------------------------------------------------------------- StrategyLocalResultTest (2x2)
     for key, model_fn in LOCAL_RESULT_FNS.items():
+
         def local_result(model_fn: Callable[[], Any] = model_fn) -> Any:
             with s22.scope():
                 got = s22.experimental_local_results(s22.run(model_fn))
                 return {"is_tuple": isinstance(got, tuple), "got": got}
+
         report(f"local_result_{key}", local_result)
 
     # ------------------------------------------------------------- ReduceTest (2x1)
@@ -117,15 +125,19 @@ def main() -> None:
 
     # ------------------------------------------------------------- AllReduceTest (2x1 and 2x2)
     for topology, s in (("2x1", s21), ("2x2", s22)):
+
         def all_reduce(value_fn: Callable[[], Any], op: str, s: ds.Strategy = s) -> Any:
             return s.experimental_local_results(s.run(lambda: ds.get_replica_context().all_reduce(op, value_fn())))
 
         report(f"all_reduce_dense_{topology}", lambda: all_reduce(lambda: torch.tensor(1.0), "SUM"))
         report(f"all_reduce_sparse_{topology}", lambda: all_reduce(lambda: sparse(1.0, 0), "MEAN"))
-        report(f"all_reduce_sparse_tuple_{topology}",
-               lambda: all_reduce(lambda: [sparse(1.0, 0), sparse(2.0, 0)], "SUM"))
-        report(f"all_reduce_nested_input_{topology}", lambda: all_reduce(
-            lambda: (torch.tensor(1.0), sparse(1.0, 0), torch.tensor(2.0), sparse(2.0, 1)), "SUM"))
+        report(
+            f"all_reduce_sparse_tuple_{topology}", lambda: all_reduce(lambda: [sparse(1.0, 0), sparse(2.0, 0)], "SUM")
+        )
+        report(
+            f"all_reduce_nested_input_{topology}",
+            lambda: all_reduce(lambda: (torch.tensor(1.0), sparse(1.0, 0), torch.tensor(2.0), sparse(2.0, 1)), "SUM"),
+        )
 
     # ------------------------------------------------------------- DistributedCollectiveAllReduceStrategyTest (2x1)
     def dataset_from_function() -> Any:
@@ -153,7 +165,7 @@ def main() -> None:
         def dataset_fn(input_context: ds.InputContext) -> Any:
             batch_size = input_context.get_per_replica_batch_size(8)
             dataset = [torch.arange(i, min(i + batch_size, 14)) for i in range(0, 14, batch_size)]
-            return dataset[input_context.input_pipeline_id::input_context.num_input_pipelines]
+            return dataset[input_context.input_pipeline_id :: input_context.num_input_pipelines]
 
         input_iterator = iter(s21.distribute_datasets_from_function(dataset_fn))
         s21.run(lambda x: x, args=(next(input_iterator),))  # let the complete batch go
@@ -169,22 +181,31 @@ def main() -> None:
 
     report("reduce_host_tensor", lambda: s21.reduce(ds.ReduceOp.SUM, host(), axis=None))
     report("reduce_to_host_tensor", lambda: s21.extended.reduce_to(ds.ReduceOp.SUM, host(), host()))
-    report("batch_reduce_to_host_tensor",
-           lambda: s21.extended.batch_reduce_to(ds.ReduceOp.SUM, [(host(), host()), (host(), host())]))
+    report(
+        "batch_reduce_to_host_tensor",
+        lambda: s21.extended.batch_reduce_to(ds.ReduceOp.SUM, [(host(), host()), (host(), host())]),
+    )
     report("reduce_device_tensors", lambda: s21.reduce(ds.ReduceOp.SUM, device(), axis=None))
     report("reduce_to_device_tensors", lambda: (lambda v: s21.extended.reduce_to(ds.ReduceOp.SUM, v, v))(device()))
-    report("batch_reduce_to_device_tensors",
-           lambda: (lambda v: s21.extended.batch_reduce_to(ds.ReduceOp.SUM, [(v, v), (v, v)]))(device()))
+    report(
+        "batch_reduce_to_device_tensors",
+        lambda: (lambda v: s21.extended.batch_reduce_to(ds.ReduceOp.SUM, [(v, v), (v, v)]))(device()),
+    )
 
     # ------------------------------------------------------------- StrategyClusterResolverTest (2x1)
     def cluster_resolver_property() -> Any:
         resolver = s21.cluster_resolver
         with s21.scope():
             same = s21.cluster_resolver is resolver
-        attributes = {a: hasattr(resolver, a) for a in ("cluster_spec", "master", "num_accelerators", "task_id",
-                                                         "task_type")}
-        return {"same_in_scope": same, "attributes": attributes, "task_id": resolver.task_id,
-                "task_type": resolver.task_type}
+        attributes = {
+            a: hasattr(resolver, a) for a in ("cluster_spec", "master", "num_accelerators", "task_id", "task_type")
+        }
+        return {
+            "same_in_scope": same,
+            "attributes": attributes,
+            "task_id": resolver.task_id,
+            "task_type": resolver.task_type,
+        }
 
     report("cluster_resolver_property", cluster_resolver_property)
     print("DONE", flush=True)

@@ -12,7 +12,8 @@ tests/conformance/test_strategy_gather.py asserts on them.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ def reporter(task: str) -> Callable[[str, Callable[[], Any]], None]:
         except Exception as e:  # noqa: BLE001 - reported to the test
             value = {"error": f"{type(e).__name__}: {e}"}
         print("RESULT " + json.dumps({"name": name, "task": task, "value": value}), flush=True)
+
     return report
 
 
@@ -73,6 +75,7 @@ def main() -> None:
     }
     report = reporter(strategies["2x1"].cluster_resolver.task_type)
     for topology, s in strategies.items():
+
         def local(value: Any, s: ds.Strategy = s) -> tuple[Any, ...]:
             return s.experimental_local_results(value)
 
@@ -84,8 +87,9 @@ def main() -> None:
         for kind, axis in (("axis0", 0), ("axis1", 1)):
             values = s.experimental_distribute_values_from_function(shape_fn(kind))
             report(f"gather_diff_shape_{kind}_{topology}", lambda: s.gather(values, axis=axis))
-            report(f"all_gather_diff_shape_{kind}_{topology}",
-                   lambda: local(s.run(all_gather_fn(axis), args=(values,))))
+            report(
+                f"all_gather_diff_shape_{kind}_{topology}", lambda: local(s.run(all_gather_fn(axis), args=(values,)))
+            )
 
         # errors: different shape at a non-axis dimension, different rank, sparse values
         for kind in ("axis1", "rank"):
@@ -112,7 +116,8 @@ def main() -> None:
 
         # gradients
         c = s.experimental_distribute_values_from_function(
-            lambda ctx: torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0][ctx.replica_id_in_sync_group]]))
+            lambda ctx: torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0][ctx.replica_id_in_sync_group]])
+        )
 
         def gradient_step(c: torch.Tensor, nest: bool = False) -> torch.Tensor:
             x = torch.tensor([[3.0], [5.0]], requires_grad=True)
@@ -123,8 +128,10 @@ def main() -> None:
             return grad
 
         report(f"all_gather_gradient_{topology}", lambda: local(s.run(gradient_step, args=(c,))))
-        report(f"all_gather_gradient_nest_{topology}",
-               lambda: local(s.run(lambda c: gradient_step(c, nest=True), args=(c,))))
+        report(
+            f"all_gather_gradient_nest_{topology}",
+            lambda: local(s.run(lambda c: gradient_step(c, nest=True), args=(c,))),
+        )
     print("DONE", flush=True)
 
 

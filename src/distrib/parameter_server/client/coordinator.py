@@ -38,23 +38,31 @@ import collections
 import threading
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch.utils._pytree as pytree
 
-from distrib.parameter_server.transport import pickling
 from distrib.parameter_server.client.dispatch import PerWorkerIterator, WorkerThread, fetch_remote_values
 from distrib.parameter_server.client.dispatch_state import Closure, DispatchState
-from distrib.parameter_server.errors import PeerUnavailableError
 from distrib.parameter_server.client.failure_policy import FailurePolicy
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
+from distrib.parameter_server.errors import PeerUnavailableError
+from distrib.parameter_server.transport import pickling
 from distrib.parameter_server.transport.rpc import Connection
 
 if TYPE_CHECKING:
     from distrib.parameter_server.strategy import ParameterServerStrategy
 
-__all__ = ["ClusterCoordinator", "RemoteValue", "RemoteValueStatus", "PerWorkerDataset", "PerWorkerIterator",
-           "FailurePolicy", "DEFAULT_HEARTBEAT_TIMEOUT"]
+__all__ = [
+    "ClusterCoordinator",
+    "RemoteValue",
+    "RemoteValueStatus",
+    "PerWorkerDataset",
+    "PerWorkerIterator",
+    "FailurePolicy",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+]
 
 #: seconds a busy worker may leave heartbeats unanswered before it is marked down
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
@@ -67,7 +75,7 @@ class PerWorkerDataset:
     An iterator the coordinator no longer references is dropped by the workers too.
     """
 
-    def __init__(self, dataset_id: str, on_release: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, dataset_id: str, on_release: Callable[[str], None] | None = None) -> None:
         self.dataset_id = dataset_id
         self._on_release = on_release
 
@@ -98,9 +106,12 @@ class _OnePerStrategy(type):
             if not isinstance(existing, cls):
                 return super().__call__(strategy, *args, **kwargs)
         if args or kwargs:
-            warnings.warn(f"ClusterCoordinator(strategy, ...): this strategy already has a coordinator, which is "
-                          f"returned as it is; the options {sorted(kwargs) or list(args)} are ignored. Call "
-                          "close() on it first to make one with other options", stacklevel=2)
+            warnings.warn(
+                f"ClusterCoordinator(strategy, ...): this strategy already has a coordinator, which is "
+                f"returned as it is; the options {sorted(kwargs) or list(args)} are ignored. Call "
+                "close() on it first to make one with other options",
+                stacklevel=2,
+            )
         return existing
 
 
@@ -140,13 +151,20 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
     See the module docstring for a runnable example.
     """
 
-    def __init__(self, strategy: "ParameterServerStrategy", failure_policy: Optional[FailurePolicy] = None,
-                 probe_interval: float = 0.25, connect: Callable[..., Connection] = Connection, *,
-                 heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT,
-                 heartbeat_interval: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        strategy: ParameterServerStrategy,
+        failure_policy: FailurePolicy | None = None,
+        probe_interval: float = 0.25,
+        connect: Callable[..., Connection] = Connection,
+        *,
+        heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        heartbeat_interval: float | None = None,
+    ) -> None:
         if not getattr(strategy, "should_use_with_coordinator", False) or not strategy.on_coordinator:
-            raise ValueError(f"ClusterCoordinator(strategy) needs the coordinator's ParameterServerStrategy, got "
-                             f"{strategy!r}")
+            raise ValueError(
+                f"ClusterCoordinator(strategy) needs the coordinator's ParameterServerStrategy, got {strategy!r}"
+            )
         for name, value in (("heartbeat_timeout", heartbeat_timeout), ("heartbeat_interval", heartbeat_interval)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"ClusterCoordinator({name}={value!r}): must be a positive number of seconds or None")
@@ -154,17 +172,22 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
         # Short functions share a round trip: a worker takes several at once while their
         # estimated run time (a moving average of what each function took) fits 2 ms.
         self._dispatch = DispatchState(
-            failure_policy or FailurePolicy(), probe_interval=probe_interval,
+            failure_policy or FailurePolicy(),
+            probe_interval=probe_interval,
             heartbeat_timeout=None if heartbeat_timeout is None else float(heartbeat_timeout),
             heartbeat_interval=float(heartbeat_interval or min(1.0, (heartbeat_timeout or 3.0) / 3)),
-            batch_seconds=0.002, max_batch=64)
+            batch_seconds=0.002,
+            max_batch=64,
+        )
         self._functions: collections.OrderedDict[Any, pickling.Payload] = collections.OrderedDict()
         addresses = strategy.cluster_spec.job_tasks("worker")
         self._workers = [WorkerThread(self._dispatch, strategy, i, a, connect) for i, a in enumerate(addresses)]
         strategy.cluster_coordinator = self
 
     def __reduce__(self) -> tuple:
-        raise TypeError("a scheduled function cannot capture the ClusterCoordinator; schedule from the coordinator only")
+        raise TypeError(
+            "a scheduled function cannot capture the ClusterCoordinator; schedule from the coordinator only"
+        )
 
     # ------------------------------------------------------------------ scheduling
     def _payload(self, fn: Callable[..., Any]) -> pickling.Payload:
@@ -178,8 +201,10 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
             try:
                 payload = pickling.dumps(fn, self.strategy.persistent_id)
             except Exception as e:
-                raise TypeError(f"cannot send {getattr(fn, '__qualname__', fn)!r} to the workers: {e}. A scheduled "
-                                "function and everything it refers to must be picklable by cloudpickle") from e
+                raise TypeError(
+                    f"cannot send {getattr(fn, '__qualname__', fn)!r} to the workers: {e}. A scheduled "
+                    "function and everything it refers to must be picklable by cloudpickle"
+                ) from e
             self._functions[key] = payload
             if len(self._functions) > 256:
                 self._functions.popitem(last=False)
@@ -187,7 +212,7 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
             self._functions.move_to_end(key)
         return payload
 
-    def schedule(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> RemoteValue:
+    def schedule(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` to run on some worker; returns its :class:`RemoteValue` at once.
 
         ``fn`` and what it captures are sent once (a snapshot: later changes to
@@ -204,10 +229,12 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
     def _check_iterators(self, structure: Any) -> None:
         for x in pytree.tree_leaves(structure):
             if isinstance(x, PerWorkerIterator) and not self._dispatch.has_dataset(x.dataset_id):
-                raise ValueError("a per-worker iterator from another ClusterCoordinator was passed to schedule(); "
-                                 "call create_per_worker_dataset on this coordinator and iterate that")
+                raise ValueError(
+                    "a per-worker iterator from another ClusterCoordinator was passed to schedule(); "
+                    "call create_per_worker_dataset on this coordinator and iterate that"
+                )
 
-    def join(self, timeout: Optional[float] = None) -> None:
+    def join(self, timeout: float | None = None) -> None:
         """Wait until every scheduled function has finished; raise the first error among them.
 
         Once a function's error reaches the coordinator, no function queued starts: each
@@ -221,8 +248,10 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
         """
         state = self._dispatch
         if not state.wait(timeout):
-            raise TimeoutError(f"join(): {state.pending_count} function(s) pending and {state.inflight_count} "
-                               f"running after {timeout}s; workers: {self.worker_states()}")
+            raise TimeoutError(
+                f"join(): {state.pending_count} function(s) pending and {state.inflight_count} "
+                f"running after {timeout}s; workers: {self.worker_states()}"
+            )
 
     def done(self) -> bool:
         """Whether every scheduled function has finished; raises the first error among them."""
@@ -243,8 +272,10 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
         try:
             payload = pickling.dumps(dataset_fn, self.strategy.persistent_id)
         except Exception as e:
-            raise TypeError(f"cannot send the dataset function to the workers: {e}. It must be picklable by "
-                            "cloudpickle (build the dataset inside the function rather than capturing it)") from e
+            raise TypeError(
+                f"cannot send the dataset function to the workers: {e}. It must be picklable by "
+                "cloudpickle (build the dataset inside the function rather than capturing it)"
+            ) from e
         self._dispatch.add_dataset(dataset_id, payload)
         return PerWorkerDataset(dataset_id, self._dispatch.release_iterator)
 

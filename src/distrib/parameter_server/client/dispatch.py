@@ -47,17 +47,23 @@ import threading
 import time
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.utils._pytree as pytree
 
-from distrib.parameter_server.transport import wire
-from distrib.parameter_server.errors import (ParameterServerUnavailableError, PeerUnavailableError,
-                                             RemoteProtocolError, WorkerUnavailableError, scheduled_function_error)
 from distrib.parameter_server.client.dispatch_state import Closure, DispatchState
 from distrib.parameter_server.client.failure_policy import Decision, FailureKind
 from distrib.parameter_server.client.remote_value import RemoteValue
+from distrib.parameter_server.errors import (
+    ParameterServerUnavailableError,
+    PeerUnavailableError,
+    RemoteProtocolError,
+    WorkerUnavailableError,
+    scheduled_function_error,
+)
 from distrib.parameter_server.scaler import Acknowledgements
+from distrib.parameter_server.transport import wire
 from distrib.parameter_server.transport.rpc import WORKER_SERVICE, CallPending, Connection
 
 if TYPE_CHECKING:
@@ -84,18 +90,20 @@ class PerWorkerIterator:
     is called, and the workers drop their iterators with the next call they get.
     """
 
-    def __init__(self, dataset_id: str, on_release: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, dataset_id: str, on_release: Callable[[str], None] | None = None) -> None:
         self.dataset_id = dataset_id
         self.iterator_id = uuid.uuid4().hex[:16]
         if on_release is not None:
             weakref.finalize(self, on_release, self.iterator_id)
 
-    def __iter__(self) -> "PerWorkerIterator":
+    def __iter__(self) -> PerWorkerIterator:
         return self
 
     def __next__(self) -> Any:
-        raise TypeError("a per-worker iterator is read on the workers: pass it to coordinator.schedule(fn, "
-                        "args=(iterator,)) and call next(iterator) inside fn")
+        raise TypeError(
+            "a per-worker iterator is read on the workers: pass it to coordinator.schedule(fn, "
+            "args=(iterator,)) and call next(iterator) inside fn"
+        )
 
     def __reduce__(self) -> tuple:
         raise TypeError("a per-worker iterator cannot be captured by a scheduled function; pass it in args=(...)")
@@ -110,14 +118,26 @@ class WorkerThread:
     of each completed one. The thread starts at once and ends when ``state`` is closed.
     """
 
-    def __init__(self, state: DispatchState, strategy: "ParameterServerStrategy", index: int, address: str,
-                 connect: Callable[..., Connection] = Connection) -> None:
+    def __init__(
+        self,
+        state: DispatchState,
+        strategy: ParameterServerStrategy,
+        index: int,
+        address: str,
+        connect: Callable[..., Connection] = Connection,
+    ) -> None:
         self.index = index
         self.task = f"/job:worker/replica:0/task:{index}"
         self.dispatch = state
         self.strategy = strategy
-        self.conn = connect(address, WORKER_SERVICE, strategy.cluster_token, strategy.tls, task=self.task,
-                            unavailable=WorkerUnavailableError)
+        self.conn = connect(
+            address,
+            WORKER_SERVICE,
+            strategy.cluster_token,
+            strategy.tls,
+            task=self.task,
+            unavailable=WorkerUnavailableError,
+        )
         self.state = WorkerState.CONNECTING
         self.sent_functions: set[str] = set()
         self.sent_datasets: set[str] = set()
@@ -188,7 +208,7 @@ class WorkerThread:
         self.state = WorkerState.IDLE
 
     # ------------------------------------------------------------------ one batch
-    def _request(self, batch: list[Closure], run: str, after: Optional[str], force: bool) -> bytes:
+    def _request(self, batch: list[Closure], run: str, after: str | None, force: bool) -> bytes:
         """The Run request for ``batch`` (named ``run``, sent to follow ``after``), with the functions and
         datasets this worker may lack."""
         datasets: set[str] = set()
@@ -199,12 +219,21 @@ class WorkerThread:
                 return ["iter", x.iterator_id, x.dataset_id]
             return None
 
-        calls = [{"fn": c.payload.digest, "args": fetch_remote_values(c.args), "kwargs": fetch_remote_values(c.kwargs)}
-                 for c in batch]
-        payloads = {c.payload.digest: c.payload.data for c in batch if force or c.payload.digest not in self.sent_functions}
+        calls = [
+            {"fn": c.payload.digest, "args": fetch_remote_values(c.args), "kwargs": fetch_remote_values(c.kwargs)}
+            for c in batch
+        ]
+        payloads = {
+            c.payload.digest: c.payload.data for c in batch if force or c.payload.digest not in self.sent_functions
+        }
         released = self.dispatch.released_since(self.released)
-        request: dict[str, Any] = {"calls": calls, "options": self.strategy.optimizer_options(),
-                                   "payloads": payloads, "release": released, "run": run}
+        request: dict[str, Any] = {
+            "calls": calls,
+            "options": self.strategy.optimizer_options(),
+            "payloads": payloads,
+            "release": released,
+            "run": run,
+        }
         if after is not None:
             request["after"] = after
         self.released += len(released)
@@ -221,7 +250,7 @@ class WorkerThread:
         self.sent_datasets.update(datasets)
         return body
 
-    def _send(self, batch: list[Closure], after: Optional[str] = None) -> Optional[tuple[list[Closure], str, Any]]:
+    def _send(self, batch: list[Closure], after: str | None = None) -> tuple[list[Closure], str, Any] | None:
         """Start the call for ``batch`` (to run after batch ``after``): ``(batch, run id, future)``.
 
         None if it was not sent: an error was recorded since it was taken (then it is
@@ -243,7 +272,7 @@ class WorkerThread:
                 self._fail(batch, 0, e, self.dispatch.decide(FailureKind.PROTOCOL, batch[0]))
             return None
 
-    def _claim(self, run: str) -> Optional[list[Closure]]:
+    def _claim(self, run: str) -> list[Closure] | None:
         """Take batch ``run`` out of the unsettled ones to settle it; None if someone else did already."""
         with self._unsettled_lock:
             return self._unsettled.pop(run, None)
@@ -253,7 +282,7 @@ class WorkerThread:
         for closure in reversed(closures):
             self.dispatch.requeue(closure)
 
-    def _cancel_unstarted(self) -> Optional[Callable[[], None]]:
+    def _cancel_unstarted(self) -> Callable[[], None] | None:
         """An error was recorded (the queue is cancelled): ask the worker to drop its batches that have not started.
 
         Starts the ``Cancel`` call and returns what waits for its reply and cancels the
@@ -306,8 +335,12 @@ class WorkerThread:
                 silent = time.monotonic() - last_answer
             if self.state is WorkerState.DOWN or silent >= timeout:
                 self.conn.cancel(future)
-                raise WorkerUnavailableError(self.conn.address, f"no answer to heartbeats for {silent:.1f}s (hung, "
-                                             f"stopped or cut off; heartbeat_timeout={timeout}s)", self.task)
+                raise WorkerUnavailableError(
+                    self.conn.address,
+                    f"no answer to heartbeats for {silent:.1f}s (hung, "
+                    f"stopped or cut off; heartbeat_timeout={timeout}s)",
+                    self.task,
+                )
 
     def _receive(self, batch: list[Closure], run: str, future: Any) -> tuple[list[dict], bool]:
         """The replies of the calls of ``batch`` that ran, and whether the worker cancelled the rest."""
@@ -322,8 +355,10 @@ class WorkerThread:
         if reply.get("status") == "need":
             raise RemoteProtocolError(f"{self.task} keeps asking for the functions and datasets it was sent")
         if "results" not in reply:
-            raise RemoteProtocolError(f"{self.task} failed to run a batch: {reply.get('type')}: "
-                                      f"{reply.get('message')}\n{reply.get('traceback', '')}")
+            raise RemoteProtocolError(
+                f"{self.task} failed to run a batch: {reply.get('type')}: "
+                f"{reply.get('message')}\n{reply.get('traceback', '')}"
+            )
         return [wire.decode(r) for r in reply["results"]], reply.get("cancelled") is True
 
     def _finish(self, batch: list[Closure], run: str, future: Any) -> None:
@@ -364,8 +399,9 @@ class WorkerThread:
                 state.finish(closure, reply.get("result"))
                 continue
             if status == "ps_unavailable":
-                error: BaseException = ParameterServerUnavailableError(reply["address"], f"seen from {self.task}",
-                                                                       reply.get("task") or None)
+                error: BaseException = ParameterServerUnavailableError(
+                    reply["address"], f"seen from {self.task}", reply.get("task") or None
+                )
                 kind = FailureKind.PS_LOST
             elif status == "error":
                 error = scheduled_function_error(reply["type"], reply["message"], reply["traceback"], self.task)
@@ -376,11 +412,14 @@ class WorkerThread:
             return
         if len(replies) < len(batch):
             if cancelled:  # the worker did not start the rest (an error was recorded): cancelled
-                self._requeue(batch[len(replies):])
+                self._requeue(batch[len(replies) :])
                 return
-            self._fail(batch, len(replies), RemoteProtocolError(f"{self.task} ran {len(replies)} of "
-                                                                f"{len(batch)} functions and said nothing more"),
-                       Decision.RAISE)
+            self._fail(
+                batch,
+                len(replies),
+                RemoteProtocolError(f"{self.task} ran {len(replies)} of {len(batch)} functions and said nothing more"),
+                Decision.RAISE,
+            )
 
     def _merge_metrics(self, deltas: Any) -> None:
         """Add what a completed call added to the workers' copies of metrics into the coordinator's."""
@@ -397,7 +436,7 @@ class WorkerThread:
 
     def _fail(self, batch: list[Closure], index: int, error: BaseException, decision: Decision) -> None:
         """Closure ``index`` failed: the ones after it did not run and go back to the queue first."""
-        for closure in reversed(batch[index + 1:]):
+        for closure in reversed(batch[index + 1 :]):
             self.dispatch.requeue(closure)
         self.dispatch.settle(batch[index], error, decision)
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from distrib.parameter_server.client.failure_policy import Decision, FailureKind, FailurePolicy
 from distrib.parameter_server.client.remote_value import RemoteValue, RemoteValueStatus
@@ -83,8 +84,8 @@ class ClosureQueue:
         self._pending: collections.deque[Closure] = collections.deque()
         self._inflight = 0
         self._idle_workers = 0  # worker threads waiting in take() for a function
-        self._error: Optional[BaseException] = None
-        self._fatal: Optional[BaseException] = None
+        self._error: BaseException | None = None
+        self._fatal: BaseException | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ what the coordinator calls
@@ -95,7 +96,7 @@ class ClosureQueue:
             self._pending.append(closure)
             self._cond.notify()
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is pending or running; raise the first error. False if ``timeout`` passed first.
 
         A fatal error ends the wait at once (the functions still running cannot change it).
@@ -128,7 +129,9 @@ class ClosureQueue:
         """Whether ``close`` was called: a worker thread that sees it stops."""
         return self._closed
 
-    def take(self, estimate: Callable[[Closure], float], budget: float, limit: int, block: bool = True) -> list[Closure]:
+    def take(
+        self, estimate: Callable[[Closure], float], budget: float, limit: int, block: bool = True
+    ) -> list[Closure]:
         """The next functions for one worker: one, and more while their estimated run time fits ``budget``.
 
         Waits for a function when ``block``; otherwise (a busy worker asking for its next batch
@@ -210,8 +213,10 @@ class ClosureQueue:
             cancelled = self._cancelled(error)
             while self._pending:
                 pending = self._pending.popleft()
-                pending.value.transition(RemoteValueStatus.FAILED if fatal else RemoteValueStatus.CANCELLED,
-                                         error=error if fatal else cancelled)
+                pending.value.transition(
+                    RemoteValueStatus.FAILED if fatal else RemoteValueStatus.CANCELLED,
+                    error=error if fatal else cancelled,
+                )
             self._cond.notify_all()
             return first
 
@@ -232,7 +237,7 @@ class ClosureQueue:
         return self._inflight
 
     @property
-    def error(self) -> Optional[BaseException]:
+    def error(self) -> BaseException | None:
         """The function error the next ``put``/``wait``/``done`` raises (None once raised), or the fatal one."""
         return self._fatal or self._error
 
@@ -278,8 +283,16 @@ class DispatchState:
     seen before counts as a whole budget (it runs alone).
     """
 
-    def __init__(self, failure_policy: FailurePolicy, *, probe_interval: float, heartbeat_timeout: Optional[float],
-                 heartbeat_interval: float, batch_seconds: float = 0.002, max_batch: int = 64) -> None:
+    def __init__(
+        self,
+        failure_policy: FailurePolicy,
+        *,
+        probe_interval: float,
+        heartbeat_timeout: float | None,
+        heartbeat_interval: float,
+        batch_seconds: float = 0.002,
+        max_batch: int = 64,
+    ) -> None:
         self.failure_policy = failure_policy
         self.probe_interval = probe_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -293,14 +306,14 @@ class DispatchState:
         # which may run in any thread while it holds any lock: so no lock here (list.append and
         # slicing are atomic), and each worker remembers how many of them it was told of.
         self._released: list[str] = []
-        self._error_hooks: list[Callable[[], Optional[Callable[[], None]]]] = []
+        self._error_hooks: list[Callable[[], Callable[[], None] | None]] = []
 
     # ------------------------------------------------------------------ the queue (the coordinator's side)
     def put(self, closure: Closure) -> None:
         """Queue a scheduled function (raises an earlier function error not raised yet)."""
         self._queue.put(closure)
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         """What ``join`` waits for: see :meth:`ClosureQueue.wait`."""
         return self._queue.wait(timeout)
 
@@ -357,7 +370,7 @@ class DispatchState:
         for finish in finishers:
             finish()
 
-    def on_error(self, hook: Callable[[], Optional[Callable[[], None]]]) -> None:
+    def on_error(self, hook: Callable[[], Callable[[], None] | None]) -> None:
         """Call ``hook()`` in the thread that records each function error, after the queue was cancelled.
 
         ``hook`` starts what it does without waiting and may return a callable that waits for

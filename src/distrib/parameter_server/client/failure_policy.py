@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
 
 __all__ = ["FailureKind", "Decision", "FailurePolicy"]
 
@@ -45,7 +44,7 @@ class FailurePolicy:
         <Decision.RAISE: 'raise'>
     """
 
-    max_attempts: Optional[int] = None
+    max_attempts: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts is not None and self.max_attempts < 1:

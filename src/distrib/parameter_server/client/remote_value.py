@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["RemoteValue", "RemoteValueStatus"]
 
@@ -34,8 +34,12 @@ class RemoteValueStatus(enum.Enum):
 
 _ALLOWED = {
     RemoteValueStatus.PENDING: {RemoteValueStatus.RUNNING, RemoteValueStatus.CANCELLED, RemoteValueStatus.FAILED},
-    RemoteValueStatus.RUNNING: {RemoteValueStatus.PENDING, RemoteValueStatus.READY, RemoteValueStatus.FAILED,
-                                RemoteValueStatus.CANCELLED},
+    RemoteValueStatus.RUNNING: {
+        RemoteValueStatus.PENDING,
+        RemoteValueStatus.READY,
+        RemoteValueStatus.FAILED,
+        RemoteValueStatus.CANCELLED,
+    },
 }
 _FINAL = (RemoteValueStatus.READY, RemoteValueStatus.FAILED, RemoteValueStatus.CANCELLED)
 
@@ -60,11 +64,11 @@ class RemoteValue:
     def __init__(self) -> None:
         self._status = RemoteValueStatus.PENDING
         self._value: Any = None
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()
         #: the task that produced the result (or the last one that tried)
-        self.worker: Optional[str] = None
+        self.worker: str | None = None
         #: how many times a worker took the function
         self.attempts = 0
 
@@ -72,7 +76,7 @@ class RemoteValue:
     def status(self) -> RemoteValueStatus:
         return self._status
 
-    def transition(self, new: RemoteValueStatus, value: Any = None, error: Optional[BaseException] = None) -> None:
+    def transition(self, new: RemoteValueStatus, value: Any = None, error: BaseException | None = None) -> None:
         """Move to status ``new`` (with the result ``value`` or the ``error``), if the life cycle allows it.
 
         Called by the coordinator's :class:`~distrib.parameter_server.client.dispatch_state.ClosureQueue`
@@ -91,10 +95,12 @@ class RemoteValue:
             if new in _FINAL:
                 self._done.set()
 
-    def fetch(self, timeout: Optional[float] = None) -> Any:
+    def fetch(self, timeout: float | None = None) -> Any:
         """The function's result; blocks until it is known. Raises the function's error, if any."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"the scheduled function has not finished within {timeout}s (status {self._status.name})")
+            raise TimeoutError(
+                f"the scheduled function has not finished within {timeout}s (status {self._status.name})"
+            )
         if self._error is not None:
             raise self._error
         return self._value
@@ -102,8 +108,10 @@ class RemoteValue:
     get = fetch
 
     def __reduce__(self) -> tuple:
-        raise TypeError("a RemoteValue cannot be captured by a scheduled function; pass it in args=(...) "
-                        "(it is fetched first) or fetch() it on the coordinator")
+        raise TypeError(
+            "a RemoteValue cannot be captured by a scheduled function; pass it in args=(...) "
+            "(it is fetched first) or fetch() it on the coordinator"
+        )
 
     def __repr__(self) -> str:
         return f"RemoteValue(status={self._status.name}{', worker=' + self.worker if self.worker else ''})"

@@ -20,7 +20,8 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -77,23 +78,26 @@ class ScheduledExecutor:
 
     scheduled = True
 
-    def __init__(self, strategy: "ParameterServerStrategy", coordinator: "ClusterCoordinator") -> None:
+    def __init__(self, strategy: ParameterServerStrategy, coordinator: ClusterCoordinator) -> None:
         self._strategy = strategy
         self._coordinator = coordinator
         self._pending: deque[tuple[RemoteValue, bool]] = deque()  # (value, from a per-worker iterator)
-        self._iterators: dict[int, "PerWorkerIterator"] = {}
+        self._iterators: dict[int, PerWorkerIterator] = {}
         self._wrapped: dict[tuple[int, bool], Callable[..., Any]] = {}
 
     def use_graphs(self, on: bool) -> None:
         """Scheduled steps run on the workers, eagerly: nothing to capture here (``strategy.graph_capture_blocker``)."""
 
-    def feed(self, data: Any, *, start: int = 0, steps: Optional[int] = None, cycle: bool = False,
-             per_worker: bool = False) -> Iterable[Any]:
+    def feed(
+        self, data: Any, *, start: int = 0, steps: int | None = None, cycle: bool = False, per_worker: bool = False
+    ) -> Iterable[Any]:
         if not per_worker:
             return itertools.islice(numbered_batches(data, start, cycle), steps)
         if not steps:
-            raise ValueError("under ParameterServerStrategy every worker cycles through its own data, so an epoch "
-                             "is a number of steps: give fit steps_per_epoch (and evaluate steps), as in TF")
+            raise ValueError(
+                "under ParameterServerStrategy every worker cycles through its own data, so an epoch "
+                "is a number of steps: give fit steps_per_epoch (and evaluate steps), as in TF"
+            )
         iterator = self._iterators.get(id(data))
         if iterator is None:  # one per-worker iterator per data for this loop: epochs continue where they were
             dataset = self._coordinator.create_per_worker_dataset(WorkerBatches(_UntilEnd(data)))
@@ -107,14 +111,17 @@ class ScheduledExecutor:
         if wrapped is None:
             strategy = self._strategy
             if from_iterator:
+
                 def wrapped(iterator: Iterator[tuple[Any, Any, int]]) -> Any:
                     x, y, n = next(iterator)
                     if isinstance(y, str) and y == _END:
                         return _END
                     return strategy.run(fn, args=(x, y, n))
             else:
+
                 def wrapped(x: Any, y: Any, n: int) -> Any:
                     return strategy.run(fn, args=(x, y, n))
+
             self._wrapped[key] = wrapped
         return wrapped
 

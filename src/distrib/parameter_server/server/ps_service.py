@@ -24,13 +24,13 @@ from __future__ import annotations
 import inspect
 import threading
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 import torch
 
 from distrib import context
-
 from distrib.parameter_server.transport import wire
 
 __all__ = ["ParameterStore"]
@@ -60,7 +60,7 @@ class _Shard:
                 return {"v": self.version, "rows": rows, "vals": self.value.detach().index_select(0, rows)}
         return {"v": self.version, "full": self.value.detach().clone()}
 
-    def changed(self, rows: Optional[torch.Tensor]) -> None:
+    def changed(self, rows: torch.Tensor | None) -> None:
         self.version += 1
         if rows is None or self.row_version is None:
             self.dense_version = self.version
@@ -91,7 +91,7 @@ def _field(request: Any, name: str, kind: type, what: str) -> Any:
     return value
 
 
-def _list_of(request: dict, name: str, kind: type, what: str, length: Optional[int] = None) -> list:
+def _list_of(request: dict, name: str, kind: type, what: str, length: int | None = None) -> list:
     items = _field(request, name, list, f"a list of {what}")
     for x in items:
         if not isinstance(x, kind) or (isinstance(x, int) and (isinstance(x, bool) or x < 0)):
@@ -107,15 +107,17 @@ def _dense(value: Any, what: str) -> torch.Tensor:
     return value
 
 
-def _check_value(shard: "_Shard", value: Any, key: str) -> torch.Tensor:
+def _check_value(shard: _Shard, value: Any, key: str) -> torch.Tensor:
     value = _dense(value, f"the value for shard {key!r}")
     if value.shape != shard.value.shape or value.dtype != shard.value.dtype:
-        raise InvalidRequest(f"shard {key!r} is {shard.value.dtype} of shape {tuple(shard.value.shape)}; got a value "
-                             f"{value.dtype} of shape {tuple(value.shape)}")
+        raise InvalidRequest(
+            f"shard {key!r} is {shard.value.dtype} of shape {tuple(shard.value.shape)}; got a value "
+            f"{value.dtype} of shape {tuple(value.shape)}"
+        )
     return value
 
 
-def _check_gradient(shard: "_Shard", grad: Any, key: str) -> torch.Tensor:
+def _check_gradient(shard: _Shard, grad: Any, key: str) -> torch.Tensor:
     if not isinstance(grad, torch.Tensor):
         raise InvalidRequest(f"the gradient for shard {key!r} must be a tensor or None, got {type(grad).__name__}")
     if not shard.value.requires_grad:
@@ -123,11 +125,13 @@ def _check_gradient(shard: "_Shard", grad: Any, key: str) -> torch.Tensor:
     if grad.dtype != shard.value.dtype:  # a gradient has its parameter's dtype, as torch requires of .grad
         raise InvalidRequest(f"the gradient for shard {key!r} is {grad.dtype}; the shard is {shard.value.dtype}")
     if grad.shape != shard.value.shape:
-        raise InvalidRequest(f"the gradient for shard {key!r} has shape {tuple(grad.shape)}; the shard has "
-                             f"{tuple(shard.value.shape)}")
+        raise InvalidRequest(
+            f"the gradient for shard {key!r} has shape {tuple(grad.shape)}; the shard has {tuple(shard.value.shape)}"
+        )
     if grad.is_sparse and grad.sparse_dim() != 1:
-        raise InvalidRequest(f"a sparse gradient for shard {key!r} must index rows (1 sparse dim), got "
-                             f"{grad.sparse_dim()}")
+        raise InvalidRequest(
+            f"a sparse gradient for shard {key!r} must index rows (1 sparse dim), got {grad.sparse_dim()}"
+        )
     if grad.layout not in (torch.strided, torch.sparse_coo):
         raise InvalidRequest(f"the gradient for shard {key!r} has layout {grad.layout}")
     return grad
@@ -152,17 +156,28 @@ def _check_options(optimizer: torch.optim.Optimizer, options: Any, key: str) -> 
             raise InvalidRequest(f"optimizer option names must be strings, got {k!r:.50}")
         if k not in group:
             if not _plain(v):
-                raise InvalidRequest(f"new optimizer option {k!r} for shard {key!r} must be a number, string, "
-                                     f"boolean or tuple of numbers, got {type(v).__name__}")
+                raise InvalidRequest(
+                    f"new optimizer option {k!r} for shard {key!r} must be a number, string, "
+                    f"boolean or tuple of numbers, got {type(v).__name__}"
+                )
             continue
         old = group[k]
         numbers = (int, float)
-        same = (isinstance(v, type(old)) or (isinstance(old, numbers) and isinstance(v, numbers))
-                or old is None or v is None)
-        if not same or isinstance(v, bool) != isinstance(old, bool) or (
-                isinstance(v, torch.Tensor) and v.shape != old.shape):
-            raise InvalidRequest(f"optimizer option {k!r} for shard {key!r} must be {type(old).__name__} like the "
-                                 f"optimizer's, got {type(v).__name__}")
+        same = (
+            isinstance(v, type(old))
+            or (isinstance(old, numbers) and isinstance(v, numbers))
+            or old is None
+            or v is None
+        )
+        if (
+            not same
+            or isinstance(v, bool) != isinstance(old, bool)
+            or (isinstance(v, torch.Tensor) and v.shape != old.shape)
+        ):
+            raise InvalidRequest(
+                f"optimizer option {k!r} for shard {key!r} must be {type(old).__name__} like the "
+                f"optimizer's, got {type(v).__name__}"
+            )
     return options
 
 
@@ -182,9 +197,16 @@ class ParameterStore:
         self.decoded = 0
 
     def handlers(self) -> dict[str, Callable[[bytes], bytes]]:
-        methods = {"Health": self.health, "Create": self.create, "Pull": self.pull, "Push": self.push,
-                   "Assign": self.assign, "CreateOptimizer": self.create_optimizer,
-                   "GetOptimizerState": self.get_optimizer_state, "SetOptimizerState": self.set_optimizer_state}
+        methods = {
+            "Health": self.health,
+            "Create": self.create,
+            "Pull": self.pull,
+            "Push": self.push,
+            "Assign": self.assign,
+            "CreateOptimizer": self.create_optimizer,
+            "GetOptimizerState": self.get_optimizer_state,
+            "SetOptimizerState": self.set_optimizer_state,
+        }
         return {name: _guarded(fn, self._count) for name, fn in methods.items()}
 
     def _count(self) -> None:
@@ -215,8 +237,9 @@ class ParameterStore:
             if not isinstance(key, str) or not key or key in new:
                 raise InvalidRequest(f"each variable needs a distinct non-empty string 'key', got {key!r:.100}")
             if key in self._shards:
-                raise InvalidRequest(f"variable shard {key!r} already exists on this ps; it is never overwritten "
-                                     "(use Assign)")
+                raise InvalidRequest(
+                    f"variable shard {key!r} already exists on this ps; it is never overwritten (use Assign)"
+                )
             new[key] = _dense(item.get("value"), f"the value of {key!r}")
         shards = {key: _Shard(value) for key, value in new.items()}
         with self._lock:
@@ -255,12 +278,15 @@ class ParameterStore:
         options = request.get("options")
         if len(grads) != len(keys):
             raise InvalidRequest(f"request field 'grads' has {len(grads)} items; 'keys' has {len(keys)}")
-        if not isinstance(groups, list) or len(groups) != len(keys) or not all(
-                isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups):
+        if (
+            not isinstance(groups, list)
+            or len(groups) != len(keys)
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups)
+        ):
             raise InvalidRequest("request field 'groups' must be a list of group indices, one per key")
         if options is not None and not isinstance(options, list):
             raise InvalidRequest("request field 'options' must be a list of dicts (one per group) or None")
-        plan: list[tuple[_Shard, Optional[torch.Tensor], Optional[torch.optim.Optimizer], int, Optional[dict]]] = []
+        plan: list[tuple[_Shard, torch.Tensor | None, torch.optim.Optimizer | None, int, dict | None]] = []
         for key, grad, v, group in zip(keys, grads, since, groups):
             shard = self._shard(key)
             if grad is None:
@@ -294,7 +320,9 @@ class ParameterStore:
                 shard.changed(rows)
                 if up_to_date and rows is not None and shard.row_version is not None:
                     # the pusher had everything else: the rows it touched are all that changed
-                    replies.append({"v": shard.version, "rows": rows, "vals": shard.value.detach().index_select(0, rows)})
+                    replies.append(
+                        {"v": shard.version, "rows": rows, "vals": shard.value.detach().index_select(0, rows)}
+                    )
                 else:
                     replies.append(shard.read(v))
         return {"shards": replies}
@@ -338,10 +366,13 @@ class ParameterStore:
             for name, value in state.items():
                 if not isinstance(name, str):
                     raise InvalidRequest(f"optimizer state names must be strings, got {name!r:.50}")
-                if isinstance(value, torch.Tensor) and (value.layout != torch.strided or (
-                        value.dim() and value.shape != shard.value.shape)):
-                    raise InvalidRequest(f"optimizer state {name!r} of shard {key!r} has shape {tuple(value.shape)}; "
-                                         f"it must be a number or of the shard's shape {tuple(shard.value.shape)}")
+                if isinstance(value, torch.Tensor) and (
+                    value.layout != torch.strided or (value.dim() and value.shape != shard.value.shape)
+                ):
+                    raise InvalidRequest(
+                        f"optimizer state {name!r} of shard {key!r} has shape {tuple(value.shape)}; "
+                        f"it must be a number or of the shard's shape {tuple(shard.value.shape)}"
+                    )
             plan.append((shard, optimizer, state, _check_options(optimizer, options, key)))
         for shard, optimizer, state, group_options in plan:
             with shard.lock:
@@ -368,7 +399,8 @@ def _guarded(fn: Callable[[Any], dict], count: Callable[[], None]) -> Callable[[
             count()
             return wire.encode(fn(wire.decode(request)))
         except Exception as e:  # noqa: BLE001 - reported to the caller, who raises it
-            return wire.encode({"error": {"type": type(e).__name__, "message": str(e),
-                                          "traceback": traceback.format_exc()}})
+            return wire.encode(
+                {"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}}
+            )
 
     return handler

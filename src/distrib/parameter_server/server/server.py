@@ -19,16 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from distrib.cluster import ClusterSpec
 from distrib.cluster.hosts import is_loopback, resolve, route_source
 from distrib.cluster.spec import parse_address
-from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.server.ps_service import ParameterStore
-from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.server.worker_service import WorkerService
-from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE
+from distrib.parameter_server.transport import rpc
+from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE, TLSConfig
 
 __all__ = ["BIND_ADDRESS_ENV", "Server", "listen_address", "routed_address", "running_servers"]
 
@@ -38,11 +38,11 @@ BIND_ADDRESS_ENV = "DISTRIB_BIND_ADDRESS"
 log = logging.getLogger("distrib.parameter_server.server.server")
 
 # every started, not yet stopped server: a gRPC server whose last reference goes away stops serving
-_running: set["Server"] = set()
+_running: set[Server] = set()
 _running_lock = threading.Lock()
 
 
-def listen_address(address: str, bind_address: Optional[str] = None, where: str = "bind_address") -> str:
+def listen_address(address: str, bind_address: str | None = None, where: str = "bind_address") -> str:
     """The ``host:port`` a server for the task at ``address`` listens on.
 
     ``bind_address`` None: ``address`` itself (distrib's default: only the interface of the spec's
@@ -64,8 +64,9 @@ def listen_address(address: str, bind_address: Optional[str] = None, where: str 
         return address
     text = bind_address.strip() if isinstance(bind_address, str) else bind_address
     if not isinstance(text, str) or not text:
-        raise ValueError(f"{where}={bind_address!r}: expected a host or 'host:port', e.g. '0.0.0.0' to listen "
-                         "on every interface")
+        raise ValueError(
+            f"{where}={bind_address!r}: expected a host or 'host:port', e.g. '0.0.0.0' to listen on every interface"
+        )
     if text.count(":") > 1 and not text.startswith("["):  # a bare IPv6 address: "::", "fd00::2"
         text = f"[{text}]"
     if text.endswith("]") or ":" not in text:
@@ -77,9 +78,13 @@ def listen_address(address: str, bind_address: Optional[str] = None, where: str 
     return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
 
 
-def routed_address(address: str, other_hosts: Iterable[str], *,
-                   resolve: Callable[[str], list[str]] = resolve,
-                   route: Callable[[str], Optional[str]] = route_source) -> Optional[str]:
+def routed_address(
+    address: str,
+    other_hosts: Iterable[str],
+    *,
+    resolve: Callable[[str], list[str]] = resolve,
+    route: Callable[[str], str | None] = route_source,
+) -> str | None:
     """Where else a task at ``address`` must listen for the other hosts to reach it, or None.
 
     Debian's ``/etc/hosts`` maps a host's own name to ``127.0.1.1``: a task whose address is
@@ -111,7 +116,7 @@ def routed_address(address: str, other_hosts: Iterable[str], *,
     return None
 
 
-def running_servers() -> list["Server"]:
+def running_servers() -> list[Server]:
     """The servers of this process that are serving now (started, not stopped)."""
     with _running_lock:
         return sorted(_running, key=lambda server: (server.job_name, server.task_index, server.address))
@@ -144,19 +149,33 @@ class Server:
         >>> server.join()  # blocks until server.stop()  # doctest: +SKIP
     """
 
-    def __init__(self, cluster_spec: Union[ClusterSpec, Mapping[str, Sequence[str]]], job_name: str, task_index: int = 0,
-                 *, token: Optional[str] = None, tls: Optional[TLSConfig] = None, start: bool = True,
-                 config: Any = None, protocol: Optional[str] = None, max_workers: Optional[int] = None,
-                 max_message_bytes: Optional[int] = None, bind_address: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        cluster_spec: ClusterSpec | Mapping[str, Sequence[str]],
+        job_name: str,
+        task_index: int = 0,
+        *,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
+        start: bool = True,
+        config: Any = None,
+        protocol: str | None = None,
+        max_workers: int | None = None,
+        max_message_bytes: int | None = None,
+        bind_address: str | None = None,
+    ) -> None:
         if protocol not in (None, "grpc"):
             raise ValueError(f"Server(protocol={protocol!r}): only 'grpc' is supported (TLS: pass tls=TLSConfig(...))")
         spec = ClusterSpec(cluster_spec)
         if job_name not in ("ps", "worker"):
             raise ValueError(
                 f"Server(job_name={job_name!r}): only 'ps' and 'worker' tasks run a server; the 'chief' runs your "
-                "script, which creates ParameterServerStrategy and ClusterCoordinator (the coordinator)")
+                "script, which creates ParameterServerStrategy and ClusterCoordinator (the coordinator)"
+            )
         if "ps" not in spec.jobs or not spec.num_tasks("ps"):
-            raise ValueError(f"Server: the cluster has no 'ps' task ({spec}); ParameterServerStrategy needs at least one")
+            raise ValueError(
+                f"Server: the cluster has no 'ps' task ({spec}); ParameterServerStrategy needs at least one"
+            )
         self.cluster_spec = spec
         self.job_name = job_name
         self.task_index = task_index
@@ -171,8 +190,11 @@ class Server:
         #: loopback (Debian's 127.0.1.1) and other hosts must reach it (see :func:`routed_address`)
         self.also_listening: list[str] = []
         if bind_address is None:
-            others = [spec.task_address(job, i).rpartition(":")[0].strip("[]") for job in spec.jobs
-                      for i in spec.task_indices(job)]
+            others = [
+                spec.task_address(job, i).rpartition(":")[0].strip("[]")
+                for job in spec.jobs
+                for i in spec.task_indices(job)
+            ]
             routed = routed_address(self.address, others)
             if routed is not None:
                 self.also_listening.append(routed)
@@ -201,22 +223,37 @@ class Server:
             service = WorkerService(self.cluster_spec, self.task_index, self._token, self._tls, self.max_message_bytes)
             name = WORKER_SERVICE
         self._service = service
-        self._grpc = rpc.make_server(self.bind_address, name, service.handlers(), self._token, self._tls,
-                                     self._max_workers, self.max_message_bytes, also=self.also_listening)
+        self._grpc = rpc.make_server(
+            self.bind_address,
+            name,
+            service.handlers(),
+            self._token,
+            self._tls,
+            self._max_workers,
+            self.max_message_bytes,
+            also=self.also_listening,
+        )
         self._stopped.clear()
         with _running_lock:
             _running.add(self)
-        log.info("started /job:%s/task:%d on %s%s%s%s", self.job_name, self.task_index, self.address,
-                 f" (listening on {self.bind_address})" if self.bind_address != self.address else "",
-                 f" and on {', '.join(self.also_listening)}: {self.address} resolves to loopback here (Debian's "
-                 "127.0.1.1?) and the other hosts reach this one there" if self.also_listening else "",
-                 " (TLS)" if self._tls else "")
+        log.info(
+            "started /job:%s/task:%d on %s%s%s%s",
+            self.job_name,
+            self.task_index,
+            self.address,
+            f" (listening on {self.bind_address})" if self.bind_address != self.address else "",
+            f" and on {', '.join(self.also_listening)}: {self.address} resolves to loopback here (Debian's "
+            "127.0.1.1?) and the other hosts reach this one there"
+            if self.also_listening
+            else "",
+            " (TLS)" if self._tls else "",
+        )
 
-    def join(self, timeout: Optional[float] = None) -> bool:
+    def join(self, timeout: float | None = None) -> bool:
         """Block until the server stops (or ``timeout`` seconds pass); True once it has stopped."""
         return self._stopped.wait(timeout)
 
-    def stop(self, grace: Optional[float] = None) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """Stop serving; calls in progress get ``grace`` seconds to finish."""
         if self._grpc is not None:
             self._grpc.stop(grace).wait()

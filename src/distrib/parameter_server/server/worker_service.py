@@ -53,8 +53,9 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -63,9 +64,9 @@ from distrib import context
 from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
 from distrib.parameter_server.datasets import call_dataset_fn
+from distrib.parameter_server.errors import ParameterServerUnavailableError
 from distrib.parameter_server.scaler import WorkerScalers
 from distrib.parameter_server.transport import pickling, wire
-from distrib.parameter_server.errors import ParameterServerUnavailableError
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, VariableSpec
 
@@ -90,8 +91,13 @@ class RemoteOptimizer:
     the coordinator reaches the ps tasks with the next scheduled call).
     """
 
-    def __init__(self, optimizer_id: str, groups: list[tuple[dict, list[LocalVariable]]], client: ParameterClient,
-                 current_options: dict[str, list[dict]]) -> None:
+    def __init__(
+        self,
+        optimizer_id: str,
+        groups: list[tuple[dict, list[LocalVariable]]],
+        client: ParameterClient,
+        current_options: dict[str, list[dict]],
+    ) -> None:
         self._id = optimizer_id
         self._client = client
         self._current = current_options
@@ -99,7 +105,7 @@ class RemoteOptimizer:
         self.param_groups = [{**options, "params": [v.tensor for v in vs]} for options, vs in groups]
         self.state: dict = {}
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -110,8 +116,9 @@ class RemoteOptimizer:
                 group.update(new)
         items = [(v, v.tensor.grad, g) for v, g in self._variables if v.tensor.grad is not None]
         if items:
-            self._client.push(self._id, items, [{k: x for k, x in g.items() if k != "params"}
-                                                for g in self.param_groups])
+            self._client.push(
+                self._id, items, [{k: x for k, x in g.items() if k != "params"} for g in self.param_groups]
+            )
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -125,8 +132,10 @@ class RemoteOptimizer:
                 g.detach_().zero_()
 
     def state_dict(self) -> dict:
-        raise RuntimeError("the optimizer state lives on the ps tasks; call optimizer.state_dict() on the "
-                           "coordinator (outside scheduled functions), e.g. through ds.Checkpoint")
+        raise RuntimeError(
+            "the optimizer state lives on the ps tasks; call optimizer.state_dict() on the "
+            "coordinator (outside scheduled functions), e.g. through ds.Checkpoint"
+        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.state_dict()
@@ -147,7 +156,7 @@ def _reset_metric(metric: Any) -> None:
     (metric.reset_state if hasattr(metric, "reset_state") else metric.reset)()
 
 
-def _metric_deltas(metric: Any) -> Optional[dict[str, Any]]:
+def _metric_deltas(metric: Any) -> dict[str, Any] | None:
     """What a call added to a worker's copy of a metric (its state after a reset), or None if nothing."""
     if hasattr(metric, "metric_state"):  # torchmetrics
         return dict(metric.metric_state) if getattr(metric, "update_called", True) else None
@@ -166,8 +175,14 @@ class IteratorRef:
 class WorkerService:
     """The worker service: ``handlers()`` maps RPC method names to ``bytes -> bytes`` functions."""
 
-    def __init__(self, cluster_spec: ClusterSpec, task_index: int, token: str, tls: Optional[TLSConfig] = None,
-                 max_message: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        cluster_spec: ClusterSpec,
+        task_index: int,
+        token: str,
+        tls: TLSConfig | None = None,
+        max_message: int | None = None,
+    ) -> None:
         self.task = f"/job:worker/replica:0/task:{task_index}"
         self._spec = cluster_spec
         self._index = task_index
@@ -187,7 +202,7 @@ class WorkerService:
         self._runs_lock = threading.Condition()  # notified whenever a batch's state changes
         self._optimizer_options: dict[str, list[dict]] = {}  # the coordinator's, as of the last Run
         self.decoded = 0  # request bodies decoded (reported by Health)
-        self._strategy: Optional["ParameterServerWorkerStrategy"] = None
+        self._strategy: ParameterServerWorkerStrategy | None = None
 
     def handlers(self) -> dict[str, Callable[[bytes], bytes]]:
         return {"Health": self._health, "Run": self._run, "Cancel": self._cancel}
@@ -196,19 +211,26 @@ class WorkerService:
     def _variable(self, spec: VariableSpec) -> LocalVariable:
         var = self._variables.get(spec.var_id)
         if var is None:
-            tensor = torch.nn.Parameter(torch.zeros(spec.shape, dtype=spec.torch_dtype), requires_grad=spec.requires_grad)
+            tensor = torch.nn.Parameter(
+                torch.zeros(spec.shape, dtype=spec.torch_dtype), requires_grad=spec.requires_grad
+            )
             var = self._variables[spec.var_id] = LocalVariable(spec, tensor)
         return var
 
-    def _worker_strategy(self) -> "ParameterServerWorkerStrategy":
+    def _worker_strategy(self) -> ParameterServerWorkerStrategy:
         if self._strategy is None:
             from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 
             self._strategy = ParameterServerWorkerStrategy(self._spec, self._index)
         return self._strategy
 
-    def _load(self, data: bytes, used: list[LocalVariable], metrics: Optional[list[tuple[str, Any]]] = None,
-              scalers: Optional[list[tuple[str, Any]]] = None) -> Any:
+    def _load(
+        self,
+        data: bytes,
+        used: list[LocalVariable],
+        metrics: list[tuple[str, Any]] | None = None,
+        scalers: list[tuple[str, Any]] | None = None,
+    ) -> Any:
         def resolve(pid: tuple) -> Any:
             kind = pid[0]
             if kind == "scaler":
@@ -244,17 +266,28 @@ class WorkerService:
         if it is None:
             dataset_fn = self._datasets[ref.dataset_id]
             num_workers = self._spec.num_tasks("worker")
-            context = InputContext(num_input_pipelines=num_workers, input_pipeline_id=self._index, num_replicas_in_sync=1)
+            context = InputContext(
+                num_input_pipelines=num_workers, input_pipeline_id=self._index, num_replicas_in_sync=1
+            )
             dataset = call_dataset_fn(dataset_fn, context)
             it = self._iterators[ref.iterator_id] = iter(dataset)
         return it
 
     # ------------------------------------------------------------------ methods
     def _health(self, request: bytes) -> bytes:
-        return wire.encode({"ok": True, "role": "worker", "task": self.task, "incarnation": self._incarnation,
-                            "functions": len(self._functions), "iterators": len(self._iterators),
-                            "decoded": self.decoded, "ps_bytes_sent": self._ps.bytes_sent,
-                            "ps_bytes_received": self._ps.bytes_received})
+        return wire.encode(
+            {
+                "ok": True,
+                "role": "worker",
+                "task": self.task,
+                "incarnation": self._incarnation,
+                "functions": len(self._functions),
+                "iterators": len(self._iterators),
+                "decoded": self.decoded,
+                "ps_bytes_sent": self._ps.bytes_sent,
+                "ps_bytes_received": self._ps.bytes_received,
+            }
+        )
 
     def _run(self, request: bytes) -> bytes:
         """Run a batch of calls in order; stop after the first that fails.
@@ -267,9 +300,17 @@ class WorkerService:
         try:
             self.decoded += 1
             message = wire.decode(request, decode_ref=_iterator_ref)
-            if not isinstance(message, dict) or not isinstance(message.get("calls"), list) or not all(
-                    isinstance(c, dict) and isinstance(c.get("fn"), str) and isinstance(c.get("args"), (list, tuple))
-                    and isinstance(c.get("kwargs"), dict) for c in message["calls"]):
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("calls"), list)
+                or not all(
+                    isinstance(c, dict)
+                    and isinstance(c.get("fn"), str)
+                    and isinstance(c.get("args"), (list, tuple))
+                    and isinstance(c.get("kwargs"), dict)
+                    for c in message["calls"]
+                )
+            ):
                 raise wire.WireError("malformed Run request: 'calls' must be a list of {fn, args, kwargs}")
             run, after = message.get("run"), message.get("after")
             if not isinstance(run, (str, type(None))) or not isinstance(after, (str, type(None))):
@@ -304,9 +345,11 @@ class WorkerService:
                     self._end(run, outcome)
         except ModuleNotFoundError as e:  # the function was pickled by reference to a module we lack
             reply = _error_reply(e)
-            reply["message"] += (f"; the scheduled function (or what it captures) refers to module {e.name!r}, "
-                                 "which this worker cannot import: install it on the workers, or on the "
-                                 f"coordinator call cloudpickle.register_pickle_by_value({e.name}) to send its code")
+            reply["message"] += (
+                f"; the scheduled function (or what it captures) refers to module {e.name!r}, "
+                "which this worker cannot import: install it on the workers, or on the "
+                f"coordinator call cloudpickle.register_pickle_by_value({e.name}) to send its code"
+            )
             return wire.encode(reply)
         except Exception as e:  # noqa: BLE001 - a malformed request
             return wire.encode(_error_reply(e))
@@ -332,7 +375,7 @@ class WorkerService:
         except Exception as e:  # noqa: BLE001 - a malformed request
             return wire.encode(_error_reply(e))
 
-    def _begin(self, run: Optional[str], after: Optional[str]) -> bool:
+    def _begin(self, run: str | None, after: str | None) -> bool:
         """Whether batch ``run`` starts (False: it was cancelled, or the batch it follows failed); marks it started."""
         if run is None:  # a coordinator that does not name its batches: nothing can cancel them
             return True
@@ -343,11 +386,11 @@ class WorkerService:
             self._remember(run, "started")
             return True
 
-    def _stopping(self, run: Optional[str]) -> bool:
+    def _stopping(self, run: str | None) -> bool:
         with self._runs_lock:
             return run is not None and self._runs.get(run) == "stopping"
 
-    def _end(self, run: Optional[str], outcome: str) -> None:
+    def _end(self, run: str | None, outcome: str) -> None:
         if run is not None:
             with self._runs_lock:
                 self._remember(run, outcome)
@@ -360,7 +403,7 @@ class WorkerService:
             self._runs.popitem(last=False)
         self._runs_lock.notify_all()
 
-    def _register(self, message: dict) -> Optional[dict]:
+    def _register(self, message: dict) -> dict | None:
         """Load the functions and datasets sent along; the ``need`` reply if some are still missing."""
         for iterator_id in message.get("release") or ():
             self._iterators.pop(iterator_id, None)
@@ -371,15 +414,17 @@ class WorkerService:
                 used: list[LocalVariable] = []
                 metrics: list[tuple[str, Any]] = []
                 scalers: list[tuple[str, Any]] = []
-                self._functions[digest] = _Function(self._load(payload, used, metrics, scalers), used, metrics,
-                                                    scalers)
+                self._functions[digest] = _Function(self._load(payload, used, metrics, scalers), used, metrics, scalers)
                 while len(self._functions) > _MAX_FUNCTIONS:
                     self._functions.popitem(last=False)
         for ds_id, payload in (message.get("datasets") or {}).items():
             if ds_id not in self._datasets:
                 self._datasets[ds_id] = self._load(payload, [])
-        refs = [x for x in pytree.tree_leaves([(c["args"], c["kwargs"]) for c in message["calls"]])
-                if isinstance(x, IteratorRef)]
+        refs = [
+            x
+            for x in pytree.tree_leaves([(c["args"], c["kwargs"]) for c in message["calls"]])
+            if isinstance(x, IteratorRef)
+        ]
         functions = sorted({c["fn"] for c in message["calls"] if c["fn"] not in self._functions})
         datasets = sorted({r.dataset_id for r in refs if r.dataset_id not in self._datasets})
         return {"status": "need", "functions": functions, "datasets": datasets} if functions or datasets else None
@@ -388,12 +433,13 @@ class WorkerService:
         entry = self._functions[call["fn"]]
         self._functions.move_to_end(call["fn"])
         start = time.perf_counter()
-        mark: Optional[int] = None
+        mark: int | None = None
         try:
             if entry.scalers:  # GradScaler copies start from the coordinator's scale
                 mark = self._scalers.prepare(entry.scalers)
-            args, kwargs = pytree.tree_map(lambda x: self._iterator(x) if isinstance(x, IteratorRef) else x,
-                                           (call["args"], call["kwargs"]))
+            args, kwargs = pytree.tree_map(
+                lambda x: self._iterator(x) if isinstance(x, IteratorRef) else x, (call["args"], call["kwargs"])
+            )
             for var in entry.variables:
                 var.tensor.grad = None
             for _, metric in entry.metrics:
@@ -417,7 +463,7 @@ class WorkerService:
             self._discard_scaler_outcomes(mark)
             return _error_reply(e)
 
-    def _discard_scaler_outcomes(self, mark: Optional[int]) -> None:
+    def _discard_scaler_outcomes(self, mark: int | None) -> None:
         if mark is not None:  # a failed call's update() outcomes are never replayed on the coordinator
             self._scalers.discard(mark)
 
@@ -433,5 +479,7 @@ def _error_reply(e: BaseException) -> dict:
 
 
 def _unknown_persistent_id(pid: Any) -> Exception:
-    return TypeError(f"unknown persistent object {pid!r} in a scheduled function (coordinator and worker run "
-                     "different distrib versions?)")
+    return TypeError(
+        f"unknown persistent object {pid!r} in a scheduled function (coordinator and worker run "
+        "different distrib versions?)"
+    )

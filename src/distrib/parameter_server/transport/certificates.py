@@ -28,8 +28,8 @@ import ipaddress
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 __all__ = ["ClusterCertificates", "make_cluster_certificates", "available_backend"]
 
@@ -59,7 +59,7 @@ def _has_cryptography() -> bool:
     return True
 
 
-def available_backend() -> Optional[str]:
+def available_backend() -> str | None:
     """``"cryptography"`` if that package imports, else ``"openssl"`` if the command exists, else None."""
     if _has_cryptography():
         return "cryptography"
@@ -96,34 +96,60 @@ def _with_cryptography(directory: str, tasks: Sequence[str], names: list[str], i
 
     now = datetime.datetime.now(datetime.timezone.utc)
 
-    def builder(subject: str, issuer: "x509.Name", key: "ec.EllipticCurvePrivateKey") -> "x509.CertificateBuilder":
-        return (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=_DAYS)))
+    def builder(subject: str, issuer: x509.Name, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=_DAYS))
+        )
 
-    def pem_key(key: "ec.EllipticCurvePrivateKey") -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "distrib launch throwaway CA")])
-    ca_cert = (builder("distrib launch throwaway CA", ca_name, ca_key)
-               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-               .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                            data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                            crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-               .sign(ca_key, hashes.SHA256()))
+    ca_cert = (
+        builder("distrib launch throwaway CA", ca_name, ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     with open(os.path.join(directory, "ca.crt"), "wb") as f:
         f.write(ca_cert.public_bytes(serialization.Encoding.PEM))
-    alt = x509.SubjectAlternativeName([*(x509.DNSName(n) for n in names),
-                                       *(x509.IPAddress(ipaddress.ip_address(i)) for i in ips)])
+    alt = x509.SubjectAlternativeName(
+        [*(x509.DNSName(n) for n in names), *(x509.IPAddress(ipaddress.ip_address(i)) for i in ips)]
+    )
     for task in tasks:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (builder(task, ca_cert.subject, key).add_extension(alt, critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                               critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            builder(task, ca_cert.subject, key)
+            .add_extension(alt, critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
         _write_private(os.path.join(directory, f"{task}.key"), pem_key(key))
         with open(os.path.join(directory, f"{task}.crt"), "wb") as f:
             f.write(cert.public_bytes(serialization.Encoding.PEM))
@@ -139,26 +165,60 @@ def _with_openssl(directory: str, tasks: Sequence[str], names: list[str], ips: l
     curve = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     old = os.umask(0o077)  # keys are written 0600
     try:
-        _openssl("req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.crt", "-days", str(_DAYS),
-                 "-subj", "/CN=distrib launch throwaway CA",
-                 "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0",
-                 "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=directory)
+        _openssl(
+            "req",
+            "-x509",
+            *curve,
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            str(_DAYS),
+            "-subj",
+            "/CN=distrib launch throwaway CA",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE,pathlen:0",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+            cwd=directory,
+        )
         alt = ",".join([*(f"DNS:{n}" for n in names), *(f"IP:{i}" for i in ips)])
         with open(os.path.join(directory, "task.ext"), "w") as f:
-            f.write(f"subjectAltName={alt}\nbasicConstraints=critical,CA:FALSE\n"
-                    "extendedKeyUsage=serverAuth,clientAuth\n")
+            f.write(
+                f"subjectAltName={alt}\nbasicConstraints=critical,CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
+            )
         for task in tasks:
-            _openssl("req", *curve, "-keyout", f"{task}.key", "-out", f"{task}.csr", "-subj", f"/CN={task}",
-                     cwd=directory)
-            _openssl("x509", "-req", "-in", f"{task}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                     "-out", f"{task}.crt", "-days", str(_DAYS), "-sha256", "-extfile", "task.ext", cwd=directory)
+            _openssl(
+                "req", *curve, "-keyout", f"{task}.key", "-out", f"{task}.csr", "-subj", f"/CN={task}", cwd=directory
+            )
+            _openssl(
+                "x509",
+                "-req",
+                "-in",
+                f"{task}.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                f"{task}.crt",
+                "-days",
+                str(_DAYS),
+                "-sha256",
+                "-extfile",
+                "task.ext",
+                cwd=directory,
+            )
             os.remove(os.path.join(directory, f"{task}.csr"))
     finally:
         os.umask(old)
 
 
-def make_cluster_certificates(directory: str, tasks: Sequence[str], hosts: Sequence[str],
-                              backend: Optional[str] = None) -> ClusterCertificates:
+def make_cluster_certificates(
+    directory: str, tasks: Sequence[str], hosts: Sequence[str], backend: str | None = None
+) -> ClusterCertificates:
     """Write a CA and a certificate for each of ``tasks`` (valid for ``hosts``) into ``directory``.
 
     ``backend`` forces ``"cryptography"`` or ``"openssl"`` (default: :func:`available_backend`).
@@ -168,14 +228,20 @@ def make_cluster_certificates(directory: str, tasks: Sequence[str], hosts: Seque
         raise ValueError(f"backend must be 'cryptography' or 'openssl' (or None: the first available), not {backend!r}")
     backend = backend or available_backend()
     if backend is None:
-        raise RuntimeError("TLS certificates need the `cryptography` package or the `openssl` command; install one "
-                           f"({_INSTALL_CRYPTOGRAPHY}, or apt-get install openssl)")
+        raise RuntimeError(
+            "TLS certificates need the `cryptography` package or the `openssl` command; install one "
+            f"({_INSTALL_CRYPTOGRAPHY}, or apt-get install openssl)"
+        )
     if backend == "cryptography" and not _has_cryptography():
-        raise RuntimeError(f"backend='cryptography' needs the cryptography package: {_INSTALL_CRYPTOGRAPHY} "
-                           "(or leave backend unset: the openssl command is used when it exists)")
+        raise RuntimeError(
+            f"backend='cryptography' needs the cryptography package: {_INSTALL_CRYPTOGRAPHY} "
+            "(or leave backend unset: the openssl command is used when it exists)"
+        )
     if backend == "openssl" and not shutil.which("openssl"):
-        raise RuntimeError("backend='openssl' needs the openssl command (apt-get install openssl), or leave "
-                           f"backend unset to use the cryptography package ({_INSTALL_CRYPTOGRAPHY})")
+        raise RuntimeError(
+            "backend='openssl' needs the openssl command (apt-get install openssl), or leave "
+            f"backend unset to use the cryptography package ({_INSTALL_CRYPTOGRAPHY})"
+        )
     for task in tasks:
         if not task or not all(c.isalnum() or c in "-_" for c in task):
             raise ValueError(f"task name {task!r} must be letters, digits, '-' or '_' (it names files)")
@@ -188,6 +254,8 @@ def make_cluster_certificates(directory: str, tasks: Sequence[str], hosts: Seque
             os.remove(os.path.join(directory, leftover))
         except FileNotFoundError:
             pass
-    return ClusterCertificates(os.path.join(directory, "ca.crt"),
-                               {t: (os.path.join(directory, f"{t}.crt"), os.path.join(directory, f"{t}.key"))
-                                for t in tasks}, backend)
+    return ClusterCertificates(
+        os.path.join(directory, "ca.crt"),
+        {t: (os.path.join(directory, f"{t}.crt"), os.path.join(directory, f"{t}.key")) for t in tasks},
+        backend,
+    )

@@ -27,8 +27,9 @@ import io
 import pickle
 import types
 from collections import ChainMap
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import cloudpickle
 import torch
@@ -37,7 +38,7 @@ from distrib.parameter_server.transport import wire
 
 __all__ = ["Payload", "dumps", "loads"]
 
-Resolver = Callable[[Any], Optional[tuple]]
+Resolver = Callable[[Any], tuple | None]
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class _Pickler(cloudpickle.CloudPickler):
         self._resolve = resolve
         self.tensors: list[torch.Tensor] = []
 
-    def persistent_id(self, obj: Any) -> Optional[tuple]:  # noqa: D401 - pickle protocol
+    def persistent_id(self, obj: Any) -> tuple | None:  # noqa: D401 - pickle protocol
         if isinstance(obj, (type, int, float, str, bytes, tuple, list, dict)) or obj is None:
             return None
         pid = self._resolve(obj)

@@ -30,17 +30,31 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import grpc
 
 from distrib.parameter_server.errors import AuthenticationError, PeerUnavailableError, RemoteProtocolError
 
-__all__ = ["TOKEN_ENV", "MAX_MESSAGE_ENV", "DEFAULT_MAX_MESSAGE_BYTES", "MIN_TOKEN_LENGTH", "PS_SERVICE",
-           "WORKER_SERVICE", "TLSConfig", "cluster_token", "max_message_bytes", "make_server", "Connection",
-           "CallPending", "MessageTooLargeError", "Handler"]
+__all__ = [
+    "TOKEN_ENV",
+    "MAX_MESSAGE_ENV",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "MIN_TOKEN_LENGTH",
+    "PS_SERVICE",
+    "WORKER_SERVICE",
+    "TLSConfig",
+    "cluster_token",
+    "max_message_bytes",
+    "make_server",
+    "Connection",
+    "CallPending",
+    "MessageTooLargeError",
+    "Handler",
+]
 
 TOKEN_ENV = "DISTRIB_CLUSTER_TOKEN"
 #: a user-given token shorter than this is refused (``distrib launch`` makes 32 hex characters)
@@ -94,10 +108,10 @@ class TLSConfig:
 
     cert_file: str
     key_file: str
-    ca_file: Optional[str] = None
+    ca_file: str | None = None
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["TLSConfig"]:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TLSConfig | None:
         """``DISTRIB_TLS_CERT``, ``DISTRIB_TLS_KEY`` (both needed) and ``DISTRIB_TLS_CA``; None if unset."""
         env = os.environ if environ is None else environ
         cert, key, ca = (env.get(v) or None for v in _TLS_ENV)
@@ -107,8 +121,8 @@ class TLSConfig:
             raise ValueError("TLS needs both DISTRIB_TLS_CERT and DISTRIB_TLS_KEY; only one of them is set")
         return cls(cert, key, ca)
 
-    def _read(self) -> tuple[bytes, bytes, Optional[bytes]]:
-        def read(path: Optional[str]) -> Optional[bytes]:
+    def _read(self) -> tuple[bytes, bytes, bytes | None]:
+        def read(path: str | None) -> bytes | None:
             if path is None:
                 return None
             with open(path, "rb") as f:
@@ -128,7 +142,7 @@ class TLSConfig:
 _MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
 
-def cluster_token(token: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+def cluster_token(token: str | None = None, environ: Mapping[str, str] | None = None) -> str:
     """``token`` if given, else ``DISTRIB_CLUSTER_TOKEN``; a clear error when neither is set or it is too short.
 
     Example::
@@ -157,7 +171,7 @@ def cluster_token(token: Optional[str] = None, environ: Optional[Mapping[str, st
     return token
 
 
-def max_message_bytes(value: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+def max_message_bytes(value: int | None = None, environ: Mapping[str, str] | None = None) -> int:
     """The message size limit: ``value``, else ``DISTRIB_MAX_MESSAGE_BYTES``, else 1 GiB.
 
     Every task of a cluster must use the same limit (``distrib launch`` passes the
@@ -178,10 +192,14 @@ def max_message_bytes(value: Optional[int] = None, environ: Optional[Mapping[str
         try:
             value = int(text)
         except ValueError:
-            raise ValueError(f"{MAX_MESSAGE_ENV}={text!r} is not a number of bytes (e.g. {1 << 30} for 1 GiB)") from None
+            raise ValueError(
+                f"{MAX_MESSAGE_ENV}={text!r} is not a number of bytes (e.g. {1 << 30} for 1 GiB)"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int) or not 2 * MESSAGE_MARGIN_BYTES <= value <= _GRPC_MAX:
-        raise ValueError(f"{source}={value!r}: the message size limit must be an int of bytes between "
-                         f"{2 * MESSAGE_MARGIN_BYTES} and {_GRPC_MAX} (gRPC's largest message)")
+        raise ValueError(
+            f"{source}={value!r}: the message size limit must be an int of bytes between "
+            f"{2 * MESSAGE_MARGIN_BYTES} and {_GRPC_MAX} (gRPC's largest message)"
+        )
     return value
 
 
@@ -212,17 +230,23 @@ class TokenInterceptor(grpc.ServerInterceptor):
         def refuse(requests: Any, context: grpc.ServicerContext) -> bytes:
             # a stream handler: gRPC hands it an iterator and reads nothing until it is iterated,
             # which it never is, so the refused request's body is never received into memory
-            log.warning("refused %s from %s: %s cluster token", method, context.peer(),
-                        "wrong" if given else "missing")
+            log.warning("refused %s from %s: %s cluster token", method, context.peer(), "wrong" if given else "missing")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
             return b""  # unreachable: abort raises
 
         return grpc.stream_unary_rpc_method_handler(refuse)
 
 
-def make_server(address: str, service: str, handlers: Mapping[str, Handler], token: str,
-                tls: Optional[TLSConfig] = None, max_workers: int = 8,
-                max_message: Optional[int] = None, also: Sequence[str] = ()) -> grpc.Server:
+def make_server(
+    address: str,
+    service: str,
+    handlers: Mapping[str, Handler],
+    token: str,
+    tls: TLSConfig | None = None,
+    max_workers: int = 8,
+    max_message: int | None = None,
+    also: Sequence[str] = (),
+) -> grpc.Server:
     """A started gRPC server on exactly ``address`` (and the addresses in ``also``) whose methods are
     ``service/<name>``.
 
@@ -232,14 +256,22 @@ def make_server(address: str, service: str, handlers: Mapping[str, Handler], tok
     refused by gRPC with ``RESOURCE_EXHAUSTED``.
     """
     options = [*_SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes(max_message))]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"distrib-{service}"),
-                         interceptors=[TokenInterceptor(token)], options=options)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"distrib-{service}"),
+        interceptors=[TokenInterceptor(token)],
+        options=options,
+    )
 
     def wrap(fn: Handler) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         return lambda request, context: fn(request)
 
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        service, {name: grpc.unary_unary_rpc_method_handler(wrap(fn)) for name, fn in handlers.items()})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                service, {name: grpc.unary_unary_rpc_method_handler(wrap(fn)) for name, fn in handlers.items()}
+            )
+        ]
+    )
     for where in (address, *also):
         try:
             port = server.add_secure_port(where, tls.server_credentials()) if tls else server.add_insecure_port(where)
@@ -249,11 +281,13 @@ def make_server(address: str, service: str, handlers: Mapping[str, Handler], tok
         else:
             detail = ""
         if port == 0:
-            raise OSError(f"cannot listen on {where!r} (taken by another process, or not an address of this "
-                          f"host){': ' + detail if detail else ''}; check the cluster spec. Behind NAT or a "
-                          "Kubernetes Service, where the spec's address is not this host's, listen on every "
-                          "interface: ds.Server(..., bind_address='0.0.0.0') or DISTRIB_BIND_ADDRESS=0.0.0.0 (the "
-                          "cluster token is still required)")
+            raise OSError(
+                f"cannot listen on {where!r} (taken by another process, or not an address of this "
+                f"host){': ' + detail if detail else ''}; check the cluster spec. Behind NAT or a "
+                "Kubernetes Service, where the spec's address is not this host's, listen on every "
+                "interface: ds.Server(..., bind_address='0.0.0.0') or DISTRIB_BIND_ADDRESS=0.0.0.0 (the "
+                "cluster token is still required)"
+            )
     server.start()
     return server
 
@@ -266,9 +300,16 @@ class Connection:
     raises :class:`AuthenticationError`.
     """
 
-    def __init__(self, address: str, service: str, token: str, tls: Optional[TLSConfig] = None,
-                 task: Optional[str] = None, unavailable: type[PeerUnavailableError] = PeerUnavailableError,
-                 max_message: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        service: str,
+        token: str,
+        tls: TLSConfig | None = None,
+        task: str | None = None,
+        unavailable: type[PeerUnavailableError] = PeerUnavailableError,
+        max_message: int | None = None,
+    ) -> None:
         self.address = address
         self.task = task
         #: the largest request this connection sends (the peer refuses larger ones)
@@ -276,8 +317,11 @@ class Connection:
         self._service = service
         self._metadata = ((TOKEN_METADATA, token),)
         self._unavailable = unavailable
-        self._channel = (grpc.secure_channel(address, tls.channel_credentials(), _CHANNEL_OPTIONS) if tls
-                         else grpc.insecure_channel(address, _CHANNEL_OPTIONS))
+        self._channel = (
+            grpc.secure_channel(address, tls.channel_credentials(), _CHANNEL_OPTIONS)
+            if tls
+            else grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+        )
         self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -294,25 +338,28 @@ class Connection:
                 f"a {method} request to {self.task or self.address} would be {len(payload)} bytes, over the cluster's "
                 f"message limit of {self.max_message} bytes ({MAX_MESSAGE_ENV}); it was not sent. Send less per call "
                 f"(partition large parameters, capture less in scheduled functions) or raise {MAX_MESSAGE_ENV} on "
-                "every task")
+                "every task"
+            )
 
-    def call(self, method: str, payload: bytes, timeout: Optional[float] = None, wait_for_ready: bool = False) -> bytes:
+    def call(self, method: str, payload: bytes, timeout: float | None = None, wait_for_ready: bool = False) -> bytes:
         self._check_size(method, payload)
         self.bytes_sent += len(payload)
         try:
-            reply = self._method(method)(payload, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready)
+            reply = self._method(method)(
+                payload, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready
+            )
         except grpc.RpcError as e:
             raise self._translate(e) from None
         self.bytes_received += len(reply)
         return reply
 
-    def future(self, method: str, payload: bytes, timeout: Optional[float] = None) -> "grpc.Future":
+    def future(self, method: str, payload: bytes, timeout: float | None = None) -> grpc.Future:
         """Start a call; pass the result to :meth:`result` to get the reply's bytes."""
         self._check_size(method, payload)
         self.bytes_sent += len(payload)
         return self._method(method).future(payload, timeout=timeout, metadata=self._metadata)
 
-    def result(self, fut: "grpc.Future", timeout: Optional[float] = None) -> bytes:
+    def result(self, fut: grpc.Future, timeout: float | None = None) -> bytes:
         """The reply of a call started by :meth:`future`; :class:`CallPending` if it is not done within ``timeout``."""
         try:
             reply = fut.result(timeout=timeout)
@@ -325,7 +372,7 @@ class Connection:
         self.bytes_received += len(reply)
         return reply
 
-    def cancel(self, fut: "grpc.Future") -> None:
+    def cancel(self, fut: grpc.Future) -> None:
         """Give up a call started by :meth:`future` (its reply, if one comes, is dropped)."""
         fut.cancel()
 
@@ -335,14 +382,20 @@ class Connection:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             return self._unavailable(self.address, details or str(code), self.task)
         if code == grpc.StatusCode.UNAUTHENTICATED:
-            return AuthenticationError(f"{self.task or self.address} refused the call: {details} (every task "
-                                       "needs the same DISTRIB_CLUSTER_TOKEN)")
+            return AuthenticationError(
+                f"{self.task or self.address} refused the call: {details} (every task "
+                "needs the same DISTRIB_CLUSTER_TOKEN)"
+            )
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return MessageTooLargeError(f"{self.task or self.address} refused the call: {details}. Every task must "
-                                        f"have the same {MAX_MESSAGE_ENV}")
+            return MessageTooLargeError(
+                f"{self.task or self.address} refused the call: {details}. Every task must "
+                f"have the same {MAX_MESSAGE_ENV}"
+            )
         if code == grpc.StatusCode.UNIMPLEMENTED:
-            return RemoteProtocolError(f"{self.task or self.address} does not serve {self._service}: is it a "
-                                       "task of the other kind, or another program?")
+            return RemoteProtocolError(
+                f"{self.task or self.address} does not serve {self._service}: is it a "
+                "task of the other kind, or another program?"
+            )
         return RemoteProtocolError(f"{self.task or self.address} failed: {code}: {details}")
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,8 +35,20 @@ _ALIGN = 64
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
 }
 _NAMES = {d: name for name, d in DTYPES.items()}
 
@@ -48,7 +61,7 @@ class WireError(TypeError):
 
 
 class _Encoder:
-    def __init__(self, encode_ref: Optional[EncodeRef]) -> None:
+    def __init__(self, encode_ref: EncodeRef | None) -> None:
         self.buffers: list[memoryview] = []
         self.encode_ref = encode_ref
 
@@ -103,7 +116,7 @@ class _Encoder:
         )
 
 
-def encode(obj: Any, encode_ref: Optional[EncodeRef] = None) -> bytes:
+def encode(obj: Any, encode_ref: EncodeRef | None = None) -> bytes:
     """One message holding ``obj``; tensors travel as raw bytes plus dtype and shape."""
     enc = _Encoder(encode_ref)
     root = enc.node(obj)
@@ -120,10 +133,10 @@ def encode(obj: Any, encode_ref: Optional[EncodeRef] = None) -> bytes:
     out = bytearray(start + pad + position)
     out[:4] = _MAGIC
     out[4:8] = struct.pack("<I", len(header))
-    out[8:8 + len(header)] = header
+    out[8 : 8 + len(header)] = header
     base = 8 + len(header)
     for off, b in zip(offsets, enc.buffers):
-        out[base + off: base + off + b.nbytes] = b
+        out[base + off : base + off + b.nbytes] = b
     return bytes(out)
 
 
@@ -147,7 +160,7 @@ class _Decoder:
     is a :class:`WireError`, never a crash or an out-of-bounds read.
     """
 
-    def __init__(self, data: bytearray, base: int, offsets: list, sizes: list, decode_ref: Optional[DecodeRef]) -> None:
+    def __init__(self, data: bytearray, base: int, offsets: list, sizes: list, decode_ref: DecodeRef | None) -> None:
         self.data, self.base, self.offsets, self.sizes = data, base, offsets, sizes
         self.decode_ref = decode_ref
 
@@ -182,11 +195,19 @@ class _Decoder:
         indices, values = self.tensor(v[0]), self.tensor(v[1])
         size = [_int(s, "a sparse tensor dimension") for s in v[2]]
         if indices.dtype != torch.int64 or indices.dim() != 2 or not 1 <= indices.shape[0] <= len(size):
-            raise WireError(f"malformed sparse tensor: indices must be int64 of shape (sparse dims, nnz), got "
-                            f"{indices.dtype} {tuple(indices.shape)} for size {size}")
-        if values.dim() < 1 or values.shape[0] != indices.shape[1] or list(values.shape[1:]) != size[indices.shape[0]:]:
-            raise WireError(f"malformed sparse tensor: values of shape {tuple(values.shape)} do not match "
-                            f"{indices.shape[1]} indices into size {size}")
+            raise WireError(
+                f"malformed sparse tensor: indices must be int64 of shape (sparse dims, nnz), got "
+                f"{indices.dtype} {tuple(indices.shape)} for size {size}"
+            )
+        if (
+            values.dim() < 1
+            or values.shape[0] != indices.shape[1]
+            or list(values.shape[1:]) != size[indices.shape[0] :]
+        ):
+            raise WireError(
+                f"malformed sparse tensor: values of shape {tuple(values.shape)} do not match "
+                f"{indices.shape[1]} indices into size {size}"
+            )
         try:
             with torch.sparse.check_sparse_tensor_invariants(enable=True):
                 t = torch.sparse_coo_tensor(indices, values, size, check_invariants=True)
@@ -203,7 +224,7 @@ class _Decoder:
             return [self.node(v, depth + 1) for v in x]
         if len(x) != 1:
             raise WireError(f"malformed message: a tagged node has one key, got {sorted(x)[:5]}")
-        (tag, v), = x.items()
+        ((tag, v),) = x.items()
         if tag == "X":
             return self.tensor(v)
         if tag in ("T", "M") and not isinstance(v, list):
@@ -227,15 +248,17 @@ class _Decoder:
             return out
         if tag == "Y":
             off, size = self._buffer(v)
-            return bytes(self.data[off: off + size])
+            return bytes(self.data[off : off + size])
         if tag == "S":
             return self.sparse(v)
         if tag == "A":
             try:
                 return self.tensor(v).numpy()
             except RuntimeError as e:  # torch without numpy: "Numpy is not available"
-                raise WireError(f"message holds a numpy array but numpy cannot be used here ({e}); "
-                                "pip install numpy on this task, or send torch tensors") from None
+                raise WireError(
+                    f"message holds a numpy array but numpy cannot be used here ({e}); "
+                    "pip install numpy on this task, or send torch tensors"
+                ) from None
         if tag == "F":
             if v not in _FLOATS:
                 raise WireError(f"malformed message: special float {v!r:.20}")
@@ -247,7 +270,7 @@ class _Decoder:
         raise WireError(f"message holds an unknown node tag {tag!r:.20}")
 
 
-def decode(data: bytes, decode_ref: Optional[DecodeRef] = None) -> Any:
+def decode(data: bytes, decode_ref: DecodeRef | None = None) -> Any:
     """The structure held by a message made by :func:`encode`; :class:`WireError` if it is malformed.
 
     Example::
@@ -265,7 +288,7 @@ def decode(data: bytes, decode_ref: Optional[DecodeRef] = None) -> Any:
     if length > len(data) - 8:
         raise WireError(f"malformed message: header of {length} bytes in a message of {len(data)}")
     try:
-        header = json.loads(bytes(data[8:8 + length]))
+        header = json.loads(bytes(data[8 : 8 + length]))
     except (ValueError, RecursionError) as e:
         raise WireError(f"malformed message header: {str(e)[:200]}") from None
     if not isinstance(header, dict) or not {"v", "o", "n"} <= set(header):
@@ -276,8 +299,10 @@ def decode(data: bytes, decode_ref: Optional[DecodeRef] = None) -> Any:
     base = 8 + length
     for off, size in zip(offsets, sizes):
         if base + _int(off, "a buffer offset") + _int(size, "a buffer size") > len(data):
-            raise WireError(f"malformed message: buffer [{off}, {off}+{size}) lies outside the "
-                            f"{len(data) - base} bytes after the header")
+            raise WireError(
+                f"malformed message: buffer [{off}, {off}+{size}) lies outside the "
+                f"{len(data) - base} bytes after the header"
+            )
     buf = bytearray(data)
     try:
         return _Decoder(buf, base, offsets, sizes, decode_ref).node(header["v"])
