@@ -50,13 +50,18 @@ def _cluster_dict(num_workers: int, num_ps: int, has_chief: bool) -> dict[str, l
 
 
 def create_in_process_cluster(
-    num_workers: int, num_ps: int, has_chief: bool = True, token: str | None = None
+    num_workers: int,
+    num_ps: int,
+    has_chief: bool = True,
+    token: str | None = None,
+    worker_device: str | None = None,
 ) -> SimpleClusterResolver:
     """Start ``num_ps`` ps and ``num_workers`` worker servers in this process; return the chief's resolver.
 
     ``DISTRIB_CLUSTER_TOKEN`` is set to ``token`` (or a fresh secret when neither is
     given) so that the strategy created next finds it. Stop the servers with
-    :func:`stop_in_process_cluster`.
+    :func:`stop_in_process_cluster`. The workers compute on ``worker_device`` (default: their GPU when
+    there is one, see :mod:`distrib.parameter_server.worker_device`).
 
     Example::
 
@@ -73,7 +78,7 @@ def create_in_process_cluster(
     os.environ[TOKEN_ENV] = token
     cluster = _cluster_dict(num_workers, num_ps, has_chief)
     servers = [Server(cluster, "ps", i, token=token) for i in range(num_ps)]
-    servers += [Server(cluster, "worker", i, token=token) for i in range(num_workers)]
+    servers += [Server(cluster, "worker", i, token=token, device=worker_device) for i in range(num_workers)]
     task = ("chief", 0) if has_chief else ("worker", 0)
     resolver = SimpleClusterResolver(ClusterSpec(cluster), *task)
     _in_process[id(resolver)] = servers

@@ -160,8 +160,8 @@ class LocalVariable:
         with torch.no_grad():
             if "full" in reply:
                 view.copy_(reply["full"])
-            elif "rows" in reply:
-                view.index_copy_(0, reply["rows"], reply["vals"].to(view.dtype))
+            elif "rows" in reply:  # index_copy_ wants the rows beside the copy (a worker's may be on its GPU)
+                view.index_copy_(0, reply["rows"].to(view.device), reply["vals"].to(view.device, view.dtype))
         self.versions[index] = reply["v"]
 
     def invalidate(self) -> None:

@@ -32,11 +32,16 @@ class ParameterServerWorkerStrategy(Strategy):
 
     should_use_with_coordinator = True
 
-    def __init__(self, cluster_spec: ClusterSpec, worker_index: int) -> None:
+    def __init__(self, cluster_spec: ClusterSpec, worker_index: int, device: torch.device | None = None) -> None:
+        on_gpu = device is not None and device.type == "cuda"
         super().__init__(
-            [None],
+            # on the CPU nothing is placed (as before workers had a device); on a GPU, the replica's device
+            [device if on_gpu else None],
             cluster_resolver=SimpleClusterResolver(cluster_spec, "worker", worker_index),
-            device_names=[f"/job:worker/replica:0/task:{worker_index}/device:CPU:0"],
+            device_names=[
+                f"/job:worker/replica:0/task:{worker_index}/device:"
+                + (f"GPU:{device.index or 0}" if on_gpu and device is not None else "CPU:0")
+            ],
         )
         self._spec = cluster_spec
         self._replica = ReplicaContext(self, 0, InPlaceMerger())
@@ -71,7 +76,10 @@ class ParameterServerWorkerStrategy(Strategy):
         return run_in_place(self._replica, fn, args, kwargs)
 
     def distribute_module(self, module: torch.nn.Module) -> None:
-        """Nothing: a module built inside a scheduled function stays on its worker."""
+        """A module built inside a scheduled function stays on its worker, on the worker's device."""
+        device = self.local_devices[0]
+        if device is not None:
+            module.to(device)
 
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Nothing: an optimizer built inside a scheduled function is a plain local one."""

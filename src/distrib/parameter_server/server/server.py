@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from distrib.cluster import ClusterSpec
 from distrib.cluster.hosts import is_loopback, resolve, route_source
 from distrib.cluster.spec import parse_address
@@ -29,6 +31,7 @@ from distrib.parameter_server.server.ps_service import ParameterStore
 from distrib.parameter_server.server.worker_service import WorkerService
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE, TLSConfig
+from distrib.parameter_server.worker_device import resolve_worker_device
 
 __all__ = ["BIND_ADDRESS_ENV", "Server", "listen_address", "routed_address", "running_servers"]
 
@@ -139,6 +142,9 @@ class Server:
     program keeps a reference to it. ``config`` (a TF ``ConfigProto``) is accepted for TF
     compatibility and ignored; ``protocol`` may only be ``"grpc"``. Requests larger than
     ``max_message_bytes`` (default ``DISTRIB_MAX_MESSAGE_BYTES``, else 1 GiB) are refused.
+    A ``worker`` task computes on ``device`` (default ``DISTRIB_WORKER_DEVICE``, else its GPU when
+    it has one, else its CPU; see :mod:`distrib.parameter_server.worker_device`); a ``ps`` task
+    keeps its variables in host memory, as TF's do.
 
     Example::
 
@@ -163,6 +169,7 @@ class Server:
         max_workers: int | None = None,
         max_message_bytes: int | None = None,
         bind_address: str | None = None,
+        device: str | Any | None = None,
     ) -> None:
         if protocol not in (None, "grpc"):
             raise ValueError(f"Server(protocol={protocol!r}): only 'grpc' is supported (TLS: pass tls=TLSConfig(...))")
@@ -175,6 +182,11 @@ class Server:
         if "ps" not in spec.jobs or not spec.num_tasks("ps"):
             raise ValueError(
                 f"Server: the cluster has no 'ps' task ({spec}); ParameterServerStrategy needs at least one"
+            )
+        if job_name == "ps" and device is not None and str(device) != "cpu":
+            raise ValueError(
+                f"Server(job_name='ps', device={device!r}): a ps task keeps its variables in host memory, as TF's "
+                "do; device= is where a worker task computes"
             )
         self.cluster_spec = spec
         self.job_name = job_name
@@ -198,6 +210,8 @@ class Server:
             routed = routed_address(self.address, others)
             if routed is not None:
                 self.also_listening.append(routed)
+        #: where a worker task computes (``cpu`` for a ps task)
+        self.device = resolve_worker_device(device) if job_name == "worker" else torch.device("cpu")
         self._token = rpc.cluster_token(token)
         self._tls = tls if tls is not None else TLSConfig.from_env()
         self._max_workers = max_workers or (16 if job_name == "ps" else 4)
@@ -220,7 +234,9 @@ class Server:
             service: Any = ParameterStore()
             name = PS_SERVICE
         else:
-            service = WorkerService(self.cluster_spec, self.task_index, self._token, self._tls, self.max_message_bytes)
+            service = WorkerService(
+                self.cluster_spec, self.task_index, self._token, self._tls, self.max_message_bytes, self.device
+            )
             name = WORKER_SERVICE
         self._service = service
         self._grpc = rpc.make_server(
@@ -248,6 +264,8 @@ class Server:
             else "",
             " (TLS)" if self._tls else "",
         )
+        if self.job_name == "worker":
+            log.info("/job:worker/task:%d computes on %s", self.task_index, self.device)
 
     def join(self, timeout: float | None = None) -> bool:
         """Block until the server stops (or ``timeout`` seconds pass); True once it has stopped."""

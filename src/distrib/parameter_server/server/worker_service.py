@@ -48,6 +48,7 @@ restarted); the coordinator sends them and calls again (under the same ``run``).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -69,6 +70,7 @@ from distrib.parameter_server.scaler import WorkerScalers
 from distrib.parameter_server.transport import pickling, wire
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, VariableSpec
+from distrib.parameter_server.worker_device import to_worker_device
 
 if TYPE_CHECKING:
     from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
@@ -182,8 +184,11 @@ class WorkerService:
         token: str,
         tls: TLSConfig | None = None,
         max_message: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.task = f"/job:worker/replica:0/task:{task_index}"
+        #: where scheduled functions compute: the variables' copies, captured tensors, arguments and batches
+        self.device = device if device is not None else torch.device("cpu")
         self._spec = cluster_spec
         self._index = task_index
         self._ps = ParameterClient(cluster_spec.job_tasks("ps"), token, tls, max_message)
@@ -212,7 +217,7 @@ class WorkerService:
         var = self._variables.get(spec.var_id)
         if var is None:
             tensor = torch.nn.Parameter(
-                torch.zeros(spec.shape, dtype=spec.torch_dtype), requires_grad=spec.requires_grad
+                torch.zeros(spec.shape, dtype=spec.torch_dtype, device=self.device), requires_grad=spec.requires_grad
             )
             var = self._variables[spec.var_id] = LocalVariable(spec, tensor)
         return var
@@ -221,7 +226,7 @@ class WorkerService:
         if self._strategy is None:
             from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 
-            self._strategy = ParameterServerWorkerStrategy(self._spec, self._index)
+            self._strategy = ParameterServerWorkerStrategy(self._spec, self._index, self.device)
         return self._strategy
 
     def _load(
@@ -230,7 +235,10 @@ class WorkerService:
         used: list[LocalVariable],
         metrics: list[tuple[str, Any]] | None = None,
         scalers: list[tuple[str, Any]] | None = None,
+        device: torch.device | None = None,
     ) -> Any:
+        """Unpickle a function (tensors it captured by value go to ``device``) or a dataset function."""
+
         def resolve(pid: tuple) -> Any:
             kind = pid[0]
             if kind == "scaler":
@@ -240,6 +248,8 @@ class WorkerService:
                 return scaler
             if kind == "metric":
                 metric = self._metrics.setdefault(pid[1], pid[2])
+                if isinstance(metric, torch.nn.Module):  # torchmetrics: its state beside the values it is given
+                    metric.to(self.device)
                 if metrics is not None and all(k != pid[1] for k, _ in metrics):
                     metrics.append((pid[1], metric))
                 return metric
@@ -259,7 +269,7 @@ class WorkerService:
                 return self._worker_strategy()
             raise _unknown_persistent_id(pid)
 
-        return pickling.loads(data, resolve)
+        return pickling.loads(data, resolve, device)
 
     def _iterator(self, ref: IteratorRef) -> Iterator[Any]:
         it = self._iterators.get(ref.iterator_id)
@@ -270,7 +280,10 @@ class WorkerService:
                 num_input_pipelines=num_workers, input_pipeline_id=self._index, num_replicas_in_sync=1
             )
             dataset = call_dataset_fn(dataset_fn, context)
-            it = self._iterators[ref.iterator_id] = iter(dataset)
+            it = iter(dataset)
+            if self.device.type != "cpu":  # the dataset is made on the host; its batches go to the device
+                it = map(functools.partial(to_worker_device, device=self.device), it)
+            self._iterators[ref.iterator_id] = it
         return it
 
     # ------------------------------------------------------------------ methods
@@ -414,7 +427,8 @@ class WorkerService:
                 used: list[LocalVariable] = []
                 metrics: list[tuple[str, Any]] = []
                 scalers: list[tuple[str, Any]] = []
-                self._functions[digest] = _Function(self._load(payload, used, metrics, scalers), used, metrics, scalers)
+                fn = self._load(payload, used, metrics, scalers, self.device)
+                self._functions[digest] = _Function(fn, used, metrics, scalers)
                 while len(self._functions) > _MAX_FUNCTIONS:
                     self._functions.popitem(last=False)
         for ds_id, payload in (message.get("datasets") or {}).items():
@@ -440,6 +454,8 @@ class WorkerService:
             args, kwargs = pytree.tree_map(
                 lambda x: self._iterator(x) if isinstance(x, IteratorRef) else x, (call["args"], call["kwargs"])
             )
+            if self.device.type != "cpu":
+                args, kwargs = to_worker_device((args, kwargs), self.device)
             for var in entry.variables:
                 var.tensor.grad = None
             for _, metric in entry.metrics:

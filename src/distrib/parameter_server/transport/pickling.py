@@ -108,22 +108,35 @@ def dumps(obj: Any, resolve: Resolver) -> Payload:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, tensors: list[torch.Tensor], resolve: Callable[[tuple], Any]) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        tensors: list[torch.Tensor],
+        resolve: Callable[[tuple], Any],
+        device: torch.device | None = None,
+    ) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
         self._resolve = resolve
+        self._device = device
 
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and pid and pid[0] == "t":
             _, index, is_param, requires_grad = pid
             t = self._tensors[index]
+            if self._device is not None and self._device.type != "cpu":
+                t = t.to(self._device)
             if is_param:
                 return torch.nn.Parameter(t, requires_grad=requires_grad)
             return t.requires_grad_(requires_grad) if requires_grad else t
         return self._resolve(pid)
 
 
-def loads(data: bytes, resolve: Callable[[tuple], Any]) -> Any:
-    """Unpickle a :class:`Payload`'s data on a worker (only ever for an authenticated peer)."""
+def loads(data: bytes, resolve: Callable[[tuple], Any], device: torch.device | None = None) -> Any:
+    """Unpickle a :class:`Payload`'s data on a worker (only ever for an authenticated peer).
+
+    Tensors that travelled by value (a module's buffers, captured constants) land on ``device``
+    (the worker's, when it computes on a GPU); shared objects are what ``resolve`` gives.
+    """
     message = wire.decode(data)
-    return _Unpickler(message["pickle"], message["tensors"], resolve).load()
+    return _Unpickler(message["pickle"], message["tensors"], resolve, device).load()
