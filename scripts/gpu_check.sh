@@ -45,9 +45,9 @@ if [ $DRY -eq 1 ]; then
     FUNCTION_ARGS=(--device cpu --rounds 1 --steps 4 --batch 8 --large-batch 0 --gpt 1,32,16,2 --gpt-steps 1)
 else
     export DISTRIB_CHECK_DEVICE=cuda
-    DEVICE=cuda TESTS_LIMIT=200 PER_TEST=150 BENCH_LIMIT=150 FUNCTION_LIMIT=120  # + set-up: within 8 minutes
+    DEVICE=cuda TESTS_LIMIT=200 PER_TEST=150 BENCH_LIMIT=150 FUNCTION_LIMIT=240  # + set-up: within 8 minutes
     BENCH_ARGS=(--device cuda --budget-s 40 --rounds 3 --compile-precisions fp32)
-    FUNCTION_ARGS=(--device cuda --rounds 7 --steps 300)
+    FUNCTION_ARGS=(--device cuda --rounds 7 --steps 300 --compile)  # --compile: torch.compile of the model too
 fi
 
 echo "=== environment ($( [ $DRY -eq 1 ] && echo 'DRY RUN on the CPU' || echo 'GPU check' ), $(date -u +%FT%TZ)) ==="

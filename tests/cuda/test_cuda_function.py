@@ -164,3 +164,52 @@ def test_two_captured_functions_replayed_in_turn_stay_exact() -> None:
     result = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert result["max_difference_to_eager"] <= 1e-6, result
     assert all(p.startswith("cuda_graph") for p in result["paths"].values()), result
+
+
+MWMS_NCCL_FUNCTION = """
+import torch, torch.nn.functional as F, distrib as ds
+from distrib.cluster import ClusterSpec, SimpleClusterResolver
+from distrib.testing import pick_unused_port
+torch.backends.cudnn.deterministic = True
+resolver = SimpleClusterResolver(ClusterSpec({"worker": [f"127.0.0.1:{pick_unused_port()}"]}), "worker", 0)
+options = ds.CommunicationOptions(implementation="nccl", timeout_seconds=60)
+strategy = ds.MultiWorkerMirroredStrategy(resolver, options, devices=["cuda:0"])
+print("blocker", strategy.graph_capture_blocker)
+
+def build():
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+
+    def replica(x, y):
+        loss = ds.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"), global_batch_size=64)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return model, lambda x, y: strategy.reduce("sum", strategy.run(replica, args=(x, y)), axis=None)
+
+g = torch.Generator().manual_seed(0)
+data = [(torch.randn(64, 32, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()) for _ in range(4)]
+(eager_model, eager), (graphed_model, step) = build(), build()
+graphed = ds.function(step)
+for i in range(30):
+    a, b = eager(*data[i % 4]), graphed(*data[i % 4])
+torch.cuda.synchronize()
+print("paths", list(graphed.paths().values()))
+print("diff", max(float((p - q).abs().max()) for p, q in zip(eager_model.parameters(), graphed_model.parameters())))
+print("loss", float(a), float(b))
+"""
+
+
+def test_multi_worker_mirrored_over_nccl_is_captured(device, cuda_only) -> None:
+    """MultiWorkerMirroredStrategy over NCCL, one worker per GPU: its all-reduce is captured with the step (one
+    lent GPU holds one NCCL rank: a one-worker group, whose all-reduce NCCL still launches) and trains as eager."""
+    out = subprocess.run([sys.executable, "-c", MWMS_NCCL_FUNCTION], capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr[-3000:]
+    assert out.returncode == 0, text
+    assert "blocker None" in text and "paths ['cuda_graph (1 graph)']" in text, text
+    diff = float(text.split("diff ")[1].split()[0])
+    assert diff <= 1e-6, text
