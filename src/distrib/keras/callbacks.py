@@ -328,14 +328,15 @@ class JsonlLogger(Callback):
     ``"step" not in row``. Every N-th step gets its line, with whatever logs the loop gave
     (a custom loop need compute its logs only on the steps that are written).
 
-    >>> import json, os, tempfile, torch
-    >>> import distrib as ds
-    >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
-    >>> model = torch.nn.Linear(2, 1)
-    >>> _ = ds.fit(model, [(torch.ones(2, 2), torch.zeros(2, 1))] * 4, optimizer=torch.optim.SGD(model.parameters(), 0.1),
-    ...            loss="mse", epochs=2, verbose=0, callbacks=[JsonlLogger(path, log_every=2)])
-    >>> [("step" if "step" in r else "epoch", r.get("step", r["epoch"])) for r in map(json.loads, open(path))]
-    [('step', 2), ('step', 4), ('epoch', 1), ('step', 6), ('step', 8), ('epoch', 2)]
+    Examples:
+        >>> import json, os, tempfile, torch
+        >>> import distrib as ds
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+        >>> model = torch.nn.Linear(2, 1)
+        >>> _ = ds.fit(model, [(torch.ones(2, 2), torch.zeros(2, 1))] * 4, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+        ...            loss="mse", epochs=2, verbose=0, callbacks=[JsonlLogger(path, log_every=2)])
+        >>> [("step" if "step" in r else "epoch", r.get("step", r["epoch"])) for r in map(json.loads, open(path))]
+        [('step', 2), ('step', 4), ('epoch', 1), ('step', 6), ('step', 8), ('epoch', 2)]
     """
 
     def __init__(self, path: str, log_every: int = 0) -> None:
