@@ -59,6 +59,8 @@ def _tensor_crc(t: torch.Tensor) -> int:
 
 def _tensors(obj: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in ``obj`` with its key, depth first, in the containers' own order."""
+    # walked by hand, not with pytree: the keys (``a/0/b``) are the file's CRC table, so they must not
+    # move with pytree's registrations (an unregistered Mapping would be one leaf, a namedtuple keyed by field)
     if isinstance(obj, torch.Tensor):
         yield key, obj
     elif isinstance(obj, Mapping):
@@ -71,6 +73,8 @@ def _tensors(obj: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _describe(obj: Any, out: list[str]) -> None:
     """Append a canonical description of ``obj`` with tensors as dtype and shape only."""
+    # walked by hand, not with pytree: the description spells each container's kind, its keys, sets and a
+    # state dict's ``_metadata``, which a map over leaves does not see
     if isinstance(obj, torch.Tensor):
         out.append(f"T{obj.dtype}{tuple(obj.shape)}{obj.layout}")
     elif isinstance(obj, Mapping):

@@ -53,6 +53,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.utils._pytree as pytree
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
@@ -425,17 +426,13 @@ def manifest_of(directory: str) -> sf.Manifest:
 
 def _blank(obj: Any) -> Any:
     """``obj`` with every tensor replaced by an uninitialised one of the same kind (a DTensor keeps its sharding)."""
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, dict):
-        return {k: _blank(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_blank(v) for v in obj]
-    return obj
+    return pytree.tree_map_only(torch.Tensor, torch.empty_like, obj, is_leaf=sf.stored_whole)
 
 
 def _move(loaded: Any, into: Any) -> Any:
     """Copy ``loaded``'s values into ``into``'s tensors in place, and return what replaces ``into``."""
+    # walked by hand, not with pytree: it writes into ``into``'s own containers (a module's state dict
+    # keeps its identity) and takes ``loaded``'s value wherever the two structures differ
     if isinstance(into, torch.Tensor) and isinstance(loaded, torch.Tensor):
         with torch.no_grad():
             into.copy_(loaded)

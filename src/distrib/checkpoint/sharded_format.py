@@ -335,6 +335,13 @@ def safe_load_dcp_metadata(directory: str) -> Manifest:
     return Manifest(metadata, spans, files, verified=False)
 
 
+def stored_whole(x: Any) -> bool:
+    """Whether DCP saves ``x`` as one pickled object rather than walking into it: a tuple (its traversal,
+    ``torch.distributed.checkpoint._traverse``, enters mappings and lists only). A load replaces such
+    an object whole, so the tensors inside it are no load targets: an ``is_leaf`` for pytree."""
+    return isinstance(x, tuple)
+
+
 def unflatten(flat: dict[str, Any], planner_data: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
     """Nest DCP's flat ``{fqn: value}`` again along ``planner_data``'s paths (an int is a list index)."""
     root: dict[str, Any] = {}

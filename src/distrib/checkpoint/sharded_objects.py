@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from distrib.checkpoint.errors import CheckpointError, checkpoint_timeout
 
@@ -130,13 +131,11 @@ def read_like(directory: str, objects: Mapping[str, Any], strategy: Strategy) ->
 # --------------------------------------------------------------- targets
 def _empty(state: Any) -> Any:
     """``state`` with every meta tensor replaced by an uninitialised whole one (filled by the load)."""
-    if isinstance(state, torch.Tensor):
-        return torch.empty(state.shape, dtype=state.dtype)
-    if isinstance(state, dict):
-        return {k: _empty(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_empty(v) for v in state]
-    return state
+    from distrib.checkpoint import sharded_format as sf
+
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), state, is_leaf=sf.stored_whole
+    )
 
 
 def _like(meta: Any, live: Any) -> Any:

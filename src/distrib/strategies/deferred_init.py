@@ -51,11 +51,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from distrib import context, torch_patches
-from distrib.strategies.deferred_log import Const, Entry, Node, Ref, Scratch, leaves, replay, view_of
+from distrib.strategies.deferred_log import Const, Entry, Node, Ref, Scratch, replay, view_of
 
 __all__ = ["DeferredTensor", "DeferredInit", "Session", "recorder_of", "pause_recording"]
 
@@ -84,13 +85,8 @@ _TENSOR_RETURNS = {"Tensor", "Tensor[]", "Tensor?", "Tensor?[]"}
 
 
 def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(v, fn) for v in x) if not isinstance(x, torch.Size) else x
-    if isinstance(x, dict):
-        return {k: _map(v, fn) for k, v in x.items()}
-    return x
+    """``x`` (an op's arguments or result, nested) with ``fn`` applied to every tensor."""
+    return pytree.tree_map_only(torch.Tensor, fn, x)
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -99,7 +95,7 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     for i, arg in enumerate(torch_patches.op_schema(func).arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            out += [t for t in leaves(value) if isinstance(t, torch.Tensor)]
+            out += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
     return out
 
 
@@ -131,7 +127,11 @@ class DeferredTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: Any = None,
     ) -> Any:
-        sessions = {id(t._session): t._session for t in leaves([args, kwargs or {}]) if isinstance(t, DeferredTensor)}
+        sessions = {
+            id(t._session): t._session
+            for t in pytree.tree_leaves([args, kwargs or {}])
+            if isinstance(t, DeferredTensor)
+        }
         if len(sessions) != 1:
             raise RuntimeError(
                 f"{func} mixes tensors of {len(sessions)} deferred builds (two ShardedStrategy scopes); "
@@ -235,15 +235,17 @@ class Session:
             return f"{func} moves to {device}"
         if torch.Tag.nondeterministic_seeded in func.tags and not func.overloadpacket.__name__.endswith("_like"):
             written_ids = {id(t) for t in written}
-            if any(isinstance(t, DeferredTensor) and id(t) not in written_ids for t in leaves([args, kwargs])):
+            if any(
+                isinstance(t, DeferredTensor) and id(t) not in written_ids for t in pytree.tree_leaves([args, kwargs])
+            ):
                 return f"{func} draws random numbers from deferred values"
-        for t in leaves([args, kwargs]):
+        for t in pytree.tree_leaves([args, kwargs]):
             if isinstance(t, DeferredTensor) and t._inner.dtype != self.nodes[self.node_of(t._inner)].dtype:
                 return f"{func} reads a view of another dtype"
         return None
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        by_inner = {id(t._inner): t for t in leaves([args, kwargs]) if isinstance(t, DeferredTensor)}
+        by_inner = {id(t._inner): t for t in pytree.tree_leaves([args, kwargs]) if isinstance(t, DeferredTensor)}
 
         def to_meta(t: torch.Tensor) -> torch.Tensor:
             if isinstance(t, DeferredTensor):
@@ -268,13 +270,13 @@ class Session:
 
         log_args, log_kwargs = _map(args, to_log), _map(kwargs, to_log)
         writes = {t.ref().node for t in written if isinstance(t, DeferredTensor)}
-        reads = {r.node for r in leaves([log_args, log_kwargs]) if isinstance(r, Ref)}
+        reads = {r.node for r in pytree.tree_leaves([log_args, log_kwargs]) if isinstance(r, Ref)}
         overwrites: set[int] = set()
         if func.overloadpacket in _OVERWRITING and isinstance(args[0], DeferredTensor):
             first = args[0].ref()
             if first.covers(self.nodes[first.node].numel):
                 overwrites.add(first.node)
-        others = [r.node for r in leaves([log_args[1:], log_kwargs]) if isinstance(r, Ref)]
+        others = [r.node for r in pytree.tree_leaves([log_args[1:], log_kwargs]) if isinstance(r, Ref)]
         reads = (reads - overwrites) | set(others)  # an overwritten node is read only if another argument is it
         outputs: list[int | None] = []
 
@@ -319,7 +321,7 @@ class Session:
 
     def _evaluate_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
         """Run ``func`` for real: its deferred inputs replayed, whatever it wrote into them recorded as values."""
-        deferred = [t for t in leaves([args, kwargs]) if isinstance(t, DeferredTensor)]
+        deferred = [t for t in pytree.tree_leaves([args, kwargs]) if isinstance(t, DeferredTensor)]
         written = [t for t in _written(func, args, kwargs) if isinstance(t, DeferredTensor)]
         if written and self.closed:
             raise RuntimeError(

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._pytree as pytree
 
 if TYPE_CHECKING:
     from distrib.strategies.deferred_init import Session
 
-__all__ = ["Ref", "Const", "Node", "Entry", "Scratch", "replay", "view_of", "leaves"]
+__all__ = ["Ref", "Const", "Node", "Entry", "Scratch", "replay", "view_of"]
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,6 @@ class Scratch:
             self._lent = False
 
 
-def leaves(x: Any) -> list[Any]:
-    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
-        return [leaf for v in x for leaf in leaves(v)]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in leaves(v)]
-    return [x]
-
-
 def view_of(storage: torch.Tensor, ref: Ref) -> torch.Tensor:
     """``ref``'s view of a node's real storage."""
     return storage.as_strided(ref.size, ref.stride, ref.offset)
@@ -177,16 +170,18 @@ def replay(
                 e = entries[i]
 
                 def real(x: Any) -> Any:
-                    return view_of(storage(x.node), x) if isinstance(x, Ref) else x.value if isinstance(x, Const) else x
+                    return view_of(storage(x.node), x) if isinstance(x, Ref) else x.value  # a Const
 
-                args = _map_log(e.args, real)
-                kwargs = _map_log(e.kwargs, real)
+                args = pytree.tree_map_only((Ref, Const), real, e.args)
+                kwargs = pytree.tree_map_only((Ref, Const), real, e.kwargs)
                 if e.rng is not None:
                     e.rng[0].set_state(e.rng[1])
                 result = e.func(*args, **kwargs)
-                inputs = {id(t.untyped_storage()) for t in leaves([args, kwargs]) if isinstance(t, torch.Tensor)}
+                inputs = {
+                    id(t.untyped_storage()) for t in pytree.tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)
+                }
                 outs = (
-                    [t for t in leaves(result) if isinstance(t, torch.Tensor)]
+                    [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
                     if any(o is not None for o in e.outputs)
                     else []
                 )
@@ -214,13 +209,3 @@ def replay(
         for k, g in generators.items():
             g.set_state(saved[k])
     return env
-
-
-def _map_log(x: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(x, (Ref, Const)):
-        return fn(x)
-    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
-        return type(x)(_map_log(v, fn) for v in x)
-    if isinstance(x, dict):
-        return {k: _map_log(v, fn) for k, v in x.items()}
-    return x

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -81,17 +82,13 @@ def is_sharded(tensor: Any) -> bool:
 
 def full_state(state: Any) -> Any:
     """``state`` (a state dict, nested) with every DTensor replaced by the whole tensor, on the CPU."""
-    if isinstance(state, DTensor):
-        return state.full_tensor().cpu()
-    if isinstance(state, dict):
-        return {k: full_state(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(full_state(v) for v in state)
-    return state
+    return pytree.tree_map_only(DTensor, lambda t: t.full_tensor().cpu(), state)
 
 
 def shard_state(full: Any, like: Any) -> Any:
     """``full`` (whole tensors) split as the DTensors in ``like`` (the same structure) are; other values as given."""
+    # walked by hand, not with pytree: ``full`` and ``like`` may differ (a key only one has), which
+    # pytree's map over two trees refuses
     if (
         isinstance(like, DTensor)
         and isinstance(full, torch.Tensor)
