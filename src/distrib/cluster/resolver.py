@@ -74,7 +74,11 @@ class ClusterResolver(abc.ABC):
 
     @abc.abstractmethod
     def cluster_spec(self) -> ClusterSpec:
-        """The cluster as a ``ClusterSpec``."""
+        """The cluster as a ``ClusterSpec``.
+
+        Returns:
+            Every job of the cluster and its tasks' addresses.
+        """
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
@@ -82,13 +86,29 @@ class ClusterResolver(abc.ABC):
 
         :func:`resolve` asks each registered resolver in turn. The base reads no
         environment (it is given its values), so it detects nothing.
+
+        Args:
+            environ: the environment variables to read; None reads ``os.environ``.
+
+        Returns:
+            True when ``environ`` describes a cluster of this resolver's kind.
         """
         return False
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> ClusterResolver:
         """This resolver read from ``environ`` (default ``os.environ``): what :func:`resolve` returns once
-        :meth:`detect` is True. A resolver that reads an environment overrides both."""
+        :meth:`detect` is True. A resolver that reads an environment overrides both.
+
+        Args:
+            environ: the environment variables to read; None reads ``os.environ``.
+
+        Returns:
+            A resolver of this class for the cluster that ``environ`` describes.
+
+        Raises:
+            NotImplementedError: the class reads no environment (the base, ``SimpleClusterResolver``).
+        """
         raise NotImplementedError(f"{cls.__name__} reads no environment: build it from its values")
 
     @property
@@ -103,7 +123,16 @@ class ClusterResolver(abc.ABC):
     def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The address of the given task, default this process's task, prefixed ``rpc_layer://``; ``""``
         when neither is known (TF's Slurm and base semantics). Not where collectives meet: see
-        ``rendezvous_address()``."""
+        ``rendezvous_address()``.
+
+        Args:
+            task_type: the job of the task to address (``"worker"``); None: this process's task.
+            task_id: the task's index in its job; None: this process's task.
+            rpc_layer: the protocol prefix (``"grpc"``); None: the resolver's ``rpc_layer``.
+
+        Returns:
+            ``"grpc://host:port"`` (or ``"host:port"`` without a layer), ``""`` when no task is known.
+        """
         task_type = task_type if task_type is not None else self.task_type
         task_id = task_id if task_id is not None else self.task_id
         if task_type is None or task_id is None:
@@ -112,7 +141,14 @@ class ClusterResolver(abc.ABC):
 
     def rendezvous_address(self) -> str:
         """``host:port`` of the chief (the ``chief`` task, else worker 0), where the workers of a
-        synchronous strategy rendezvous. Never prefixed by ``rpc_layer``. distrib's own."""
+        synchronous strategy rendezvous. Never prefixed by ``rpc_layer``. distrib's own.
+
+        Returns:
+            The chief's ``"host:port"``.
+
+        Raises:
+            ValueError: the cluster has neither a ``chief`` nor a ``worker`` job.
+        """
         spec = self.cluster_spec()
         return spec.task_address(*spec.chief())
 
@@ -166,6 +202,14 @@ class ClusterResolver(abc.ABC):
 
         TF asks the given task through a session; distrib can only see this process's machine,
         so ``task_type``, ``task_id`` and ``config_proto`` are accepted and ignored.
+
+        Args:
+            task_type: accepted for TF's signature, ignored.
+            task_id: accepted for TF's signature, ignored.
+            config_proto: accepted for TF's signature, ignored.
+
+        Returns:
+            ``{"GPU": n}`` with the number of CUDA devices this process sees, ``{}`` when there are none.
         """
         import torch
 
@@ -184,6 +228,16 @@ def worker_rank(resolver: ClusterResolver) -> tuple[int, int]:
         >>> r = SimpleClusterResolver(ClusterSpec({"chief": ["c:1"], "worker": ["w0:1", "w1:1"]}), "worker", 1)
         >>> worker_rank(r)
         (2, 3)
+
+    Args:
+        resolver: the cluster and this process's task.
+
+    Returns:
+        ``(rank, world_size)``: this task's index among the chief and workers, and their number.
+
+    Raises:
+        ValueError: a chief or worker job is sparse (not every index 0..n-1 listed), this task is not a
+            chief or worker (a ps, an evaluator), or it is not in the cluster.
     """
     spec = resolver.cluster_spec()
     jobs = [job for job in ("chief", "worker") if job in spec.jobs]
@@ -222,6 +276,16 @@ def register_resolver(resolver: R, *, first: bool = False) -> R:
     the others (an environment of your own that also sets, say, ``TF_CONFIG``).
     distrib registers ``TF_CONFIG``'s, then torchrun's, then Slurm's. Registering a
     class again moves it. Usable as a decorator; returns ``resolver``.
+
+    Args:
+        resolver: a ``ClusterResolver`` subclass that declares ``detect`` and ``from_environment``.
+        first: ask it before the resolvers already registered (default: after them).
+
+    Returns:
+        ``resolver`` itself, so that the function works as a class decorator.
+
+    Raises:
+        TypeError: ``resolver`` is not a ``ClusterResolver`` class, or does not declare ``detect``.
     """
     if not (isinstance(resolver, type) and issubclass(resolver, ClusterResolver)):
         raise TypeError(f"register_resolver takes a ClusterResolver class, got {resolver!r}")
@@ -234,7 +298,11 @@ def register_resolver(resolver: R, *, first: bool = False) -> R:
 
 
 def registered_resolvers() -> tuple[type[ClusterResolver], ...]:
-    """The resolvers :func:`resolve` asks, in the order it asks them."""
+    """The resolvers :func:`resolve` asks, in the order it asks them.
+
+    Returns:
+        The registered resolver classes, in the order :func:`resolve` asks them.
+    """
     return tuple(_REGISTERED)
 
 
@@ -250,6 +318,12 @@ def resolve(environ: Mapping[str, str] | None = None) -> ClusterResolver | None:
         'TorchrunClusterResolver'
         >>> resolve({}) is None
         True
+
+    Args:
+        environ: the environment variables to read; None reads ``os.environ``.
+
+    Returns:
+        The first registered resolver that detects ``environ``, built from it; None when none does.
     """
     for resolver in _REGISTERED:
         if resolver.detect(environ):
@@ -271,6 +345,20 @@ class SimpleClusterResolver(ClusterResolver):
         >>> r = SimpleClusterResolver(spec, task_type="worker", task_id=1, rpc_layer="grpc")
         >>> r.is_chief, r.master("worker", 0), r.rendezvous_address()
         (False, 'grpc://localhost:1111', 'localhost:1111')
+
+    Args:
+        cluster_spec: the cluster, as a ``ClusterSpec`` or the dict a ``ClusterSpec`` takes.
+        task_type: this process's job (``"worker"``, ``"chief"``, ``"ps"``, ``"evaluator"``), or None.
+        task_id: this process's index in its job (an int or a string of digits), or None.
+        master: what ``master()`` returns when given no task (TF's session master).
+        environment: TF's environment name, kept as given (``""``).
+        num_accelerators: what ``num_accelerators()`` returns (``{"GPU": 2}``); None: ``{}``.
+        rpc_layer: the protocol prefix that ``master()`` puts before addresses (``"grpc"``), or None.
+
+    Raises:
+        TypeError: ``master`` is not a string.
+        ValueError: ``task_type`` is not a job of the cluster (TF's positional ``master`` lands there).
+        KeyError: ``task_id`` is not an index of the ``task_type`` job.
     """
 
     def __init__(
@@ -306,7 +394,16 @@ class SimpleClusterResolver(ClusterResolver):
 
     def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The given task's address, else the ``master`` given to the constructor (TF: the session
-        master, ``""`` by default), prefixed ``rpc_layer://``."""
+        master, ``""`` by default), prefixed ``rpc_layer://``.
+
+        Args:
+            task_type: the job of the task to address; None (or no ``task_id``): the constructor's ``master``.
+            task_id: the task's index in its job.
+            rpc_layer: the protocol prefix; None: the constructor's ``rpc_layer``.
+
+        Returns:
+            The address, prefixed ``rpc_layer://`` when there is a layer.
+        """
         if task_type is not None and task_id is not None:
             address = self.cluster_spec().task_address(task_type, task_id)
         else:
@@ -316,7 +413,16 @@ class SimpleClusterResolver(ClusterResolver):
     def num_accelerators(
         self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
     ) -> dict[str, int]:
-        """The ``num_accelerators`` given to the constructor (``{}`` if none); nothing is detected, as TF."""
+        """The ``num_accelerators`` given to the constructor (``{}`` if none); nothing is detected, as TF.
+
+        Args:
+            task_type: accepted for TF's signature, ignored.
+            task_id: accepted for TF's signature, ignored.
+            config_proto: accepted for TF's signature, ignored.
+
+        Returns:
+            A copy of the constructor's ``num_accelerators``.
+        """
         return dict(self._num_accelerators or {})
 
 
@@ -335,6 +441,14 @@ class UnionClusterResolver(ClusterResolver):
         >>> union = UnionClusterResolver(workers, ps, rpc_layer="grpc")
         >>> union.cluster_spec(), union.task_type, union.master("ps", 0)
         (ClusterSpec({'ps': ['ps0:2222'], 'worker': ['w0:2222', 'w1:2222']}), 'worker', 'grpc://ps0:2222')
+
+    Args:
+        *args: the resolvers to merge, at least one; the first gives the task and the rest of the defaults.
+        **kwargs: ``rpc_layer``, ``task_type`` and ``task_id``, overriding the first resolver's.
+
+    Raises:
+        ValueError: no resolver, or a keyword other than those three.
+        TypeError: an argument is not a ``ClusterResolver``.
     """
 
     def __init__(self, *args: ClusterResolver, **kwargs: Any) -> None:
@@ -354,7 +468,14 @@ class UnionClusterResolver(ClusterResolver):
         self._cluster_resolvers = args
 
     def cluster_spec(self) -> ClusterSpec:
-        """The merged cluster; ``KeyError`` when two resolvers give the same index of a job."""
+        """The merged cluster; ``KeyError`` when two resolvers give the same index of a job.
+
+        Returns:
+            The merged ``ClusterSpec``.
+
+        Raises:
+            KeyError: two resolvers give the same index of a job.
+        """
         parts: dict[str, list[list[str] | dict[int, str]]] = {}
         for resolver in self._cluster_resolvers:
             for job, tasks in resolver.cluster_spec().as_dict().items():
@@ -379,13 +500,23 @@ class UnionClusterResolver(ClusterResolver):
         return ClusterSpec(merged)
 
     def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
-        """The given task's address, else the first resolver's ``master(rpc_layer=...)`` (as TF)."""
+        """The given task's address, else the first resolver's ``master(rpc_layer=...)`` (as TF).
+
+        Args:
+            task_type: the job of the task to address; None (or no ``task_id``): the first resolver's master.
+            task_id: the task's index in its job.
+            rpc_layer: the protocol prefix; None: this resolver's ``rpc_layer``.
+
+        Returns:
+            The address, prefixed ``rpc_layer://`` when there is a layer.
+        """
         if task_type is not None and task_id is not None:
             return format_master_url(self.cluster_spec().task_address(task_type, task_id), rpc_layer or self._rpc_layer)
         return self._cluster_resolvers[0].master(rpc_layer=rpc_layer)
 
     @property
     def task_type(self) -> str | None:
+        """This process's job: the ``task_type=`` given, else the first resolver's."""
         return self._task_type if self._task_type is not None else self._cluster_resolvers[0].task_type
 
     @task_type.setter
@@ -394,6 +525,7 @@ class UnionClusterResolver(ClusterResolver):
 
     @property
     def task_id(self) -> int | None:
+        """This process's index in its job: the ``task_id=`` given, else the first resolver's."""
         return self._task_id if self._task_id is not None else self._cluster_resolvers[0].task_id
 
     @task_id.setter
@@ -402,6 +534,7 @@ class UnionClusterResolver(ClusterResolver):
 
     @property
     def rpc_layer(self) -> str | None:
+        """The ``rpc_layer=`` given, else the first resolver's."""
         return self._rpc_layer or self._cluster_resolvers[0].rpc_layer
 
     @rpc_layer.setter
@@ -410,11 +543,22 @@ class UnionClusterResolver(ClusterResolver):
 
     @property
     def environment(self) -> str | None:
+        """The first resolver's environment."""
         return self._cluster_resolvers[0].environment
 
     def num_accelerators(
         self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
     ) -> dict[str, int]:
+        """The first resolver's accelerators (see ``ClusterResolver.num_accelerators``).
+
+        Args:
+            task_type: passed on to the first resolver.
+            task_id: passed on to the first resolver.
+            config_proto: passed on to the first resolver.
+
+        Returns:
+            The first resolver's ``num_accelerators(task_type, task_id, config_proto)``.
+        """
         return self._cluster_resolvers[0].num_accelerators(task_type, task_id, config_proto)
 
 

@@ -129,6 +129,16 @@ class ClusterSpec:
         ([0, 3], ['ps0:2222', None, None, 'ps3:2222'])
         >>> spec
         ClusterSpec({'ps': {0: 'ps0:2222', 3: 'ps3:2222'}, 'worker': ['localhost:12345', 'localhost:23456']})
+
+    Args:
+        cluster: job name -> its tasks, a list of ``"host:port"`` (indices 0..n-1) or a dict
+            ``{index: "host:port"}`` (a sparse job); another ``ClusterSpec`` (copied); None: an empty cluster.
+
+    Raises:
+        TypeError: ``cluster`` is not a mapping, a job name is not a string, or a job's tasks are neither a
+            list nor a dict.
+        ValueError: an address is not ``"host:port"`` with a port in 1..65535, or a task index is not a
+            non-negative integer or is given twice.
     """
 
     def __init__(self, cluster: Mapping[str, Tasks] | ClusterSpec | None = None) -> None:
@@ -162,15 +172,46 @@ class ClusterSpec:
             ) from None
 
     def num_tasks(self, job_name: str) -> int:
-        """How many tasks ``job_name`` lists; ValueError if the cluster has no such job."""
+        """How many tasks ``job_name`` lists; ValueError if the cluster has no such job.
+
+        Args:
+            job_name: a job of the cluster (``"worker"``).
+
+        Returns:
+            The number of tasks the job lists (for a sparse job: the listed ones, not the highest index + 1).
+
+        Raises:
+            ValueError: the cluster has no job ``job_name``.
+        """
         return len(self._job(job_name))
 
     def task_indices(self, job_name: str) -> list[int]:
-        """The task indices of ``job_name``, sorted (``[0, 3]`` for a sparse job)."""
+        """The task indices of ``job_name``, sorted (``[0, 3]`` for a sparse job).
+
+        Args:
+            job_name: a job of the cluster.
+
+        Returns:
+            The job's task indices in ascending order.
+
+        Raises:
+            ValueError: the cluster has no job ``job_name``.
+        """
         return sorted(self._job(job_name))
 
     def task_address(self, job_name: str, task_index: int) -> str:
-        """The address of one task; ValueError for an unknown job or an index it does not list."""
+        """The address of one task; ValueError for an unknown job or an index it does not list.
+
+        Args:
+            job_name: a job of the cluster.
+            task_index: the index of a task the job lists.
+
+        Returns:
+            The task's ``"host:port"``.
+
+        Raises:
+            ValueError: the cluster has no job ``job_name``, or the job lists no task ``task_index``.
+        """
         job = self._job(job_name)
         try:
             return job[task_index]
@@ -184,6 +225,15 @@ class ClusterSpec:
 
         Typed ``list[Any]`` (strings, or None in holes) so that code which needs every task
         can first check ``task_indices(job) == list(range(num_tasks(job)))``.
+
+        Args:
+            job_name: a job of the cluster.
+
+        Returns:
+            A list indexed by task index, up to the highest one: each task's address, None in the holes.
+
+        Raises:
+            ValueError: the cluster has no job ``job_name``.
         """
         job = self._job(job_name)
         tasks: list[str | None] = [None] * (max(job) + 1 if job else 0)
@@ -192,7 +242,11 @@ class ClusterSpec:
         return tasks
 
     def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
-        """Job -> a list when its indices are dense, else a dict ``{index: address}`` (an empty job gives ``{}``)."""
+        """Job -> a list when its indices are dense, else a dict ``{index: address}`` (an empty job gives ``{}``).
+
+        Returns:
+            A new dict, the form ``ClusterSpec(...)`` takes back (and TF's ``as_dict``).
+        """
         result: dict[str, list[str] | dict[int, str]] = {}
         for job, tasks in self._cluster_spec.items():
             indices = sorted(tasks)
@@ -203,7 +257,14 @@ class ClusterSpec:
         return result
 
     def chief(self) -> tuple[str, int]:
-        """The chief task: ``("chief", 0)`` if the cluster has a chief, else ``("worker", 0)``."""
+        """The chief task: ``("chief", 0)`` if the cluster has a chief, else ``("worker", 0)``.
+
+        Returns:
+            ``(job, index)`` of the chief.
+
+        Raises:
+            ValueError: the cluster has neither a ``chief`` nor a ``worker`` job.
+        """
         for job in ("chief", "worker"):
             if self._cluster_spec.get(job):
                 return job, 0

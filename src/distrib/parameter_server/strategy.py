@@ -125,6 +125,20 @@ class ParameterServerStrategy(Strategy):
     ``token``/``tls`` default to ``DISTRIB_CLUSTER_TOKEN`` and ``DISTRIB_TLS_*``.
     ``connect_timeout`` bounds the wait for the ps tasks when the first module is placed.
     See the module docstring for a runnable example.
+
+    Args:
+        cluster_resolver: the cluster (any object with ``cluster_spec()``, normally a
+            ``ds.cluster_resolver`` resolver): at least one ``ps`` and one ``worker`` task, at most one
+            ``chief``.
+        variable_partitioner: ``(shape, dtype) -> [shards, 1, ...]``, how many shards each parameter is
+            split into along its first dimension (``ds.partitioners``); None: one shard per parameter.
+        token: the cluster token every RPC carries; None: ``DISTRIB_CLUSTER_TOKEN``.
+        tls: certificates for the RPCs; None: from ``DISTRIB_TLS_*`` (none set: plain TCP).
+        connect_timeout: seconds to wait for the ps tasks when the first module is placed.
+
+    Raises:
+        ValueError: no cluster resolver, or a cluster that is not a parameter-server cluster (an unknown
+            job, two chiefs, no worker or no ps), or this task's type is not one of its jobs.
     """
 
     should_use_with_coordinator = True
@@ -168,7 +182,15 @@ class ParameterServerStrategy(Strategy):
 
     @staticmethod
     def for_worker(cluster_spec: ClusterSpec, worker_index: int) -> ParameterServerWorkerStrategy:
-        """The strategy object a scheduled function sees on worker ``worker_index`` (its own class)."""
+        """The strategy object a scheduled function sees on worker ``worker_index`` (its own class).
+
+        Args:
+            cluster_spec: the cluster.
+            worker_index: the index of the worker task.
+
+        Returns:
+            A ``ParameterServerWorkerStrategy`` (``isinstance(s, ParameterServerStrategy)`` holds for it).
+        """
         return ParameterServerWorkerStrategy(cluster_spec, worker_index)
 
     @property
@@ -205,7 +227,11 @@ class ParameterServerStrategy(Strategy):
         )
 
     def step_executor(self) -> StepExecutor:
-        """Steps of ``fit``/``evaluate``/``predict`` are scheduled on the workers through the ClusterCoordinator."""
+        """Steps of ``fit``/``evaluate``/``predict`` are scheduled on the workers through the ClusterCoordinator.
+
+        Returns:
+            A ``ScheduledExecutor`` over a new ``ClusterCoordinator`` of this strategy.
+        """
         from distrib.parameter_server.client.coordinator import ClusterCoordinator
         from distrib.parameter_server.client.step_executor import ScheduledExecutor
 
@@ -234,7 +260,14 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ modules
     def distribute_module(self, module: nn.Module) -> None:
-        """Place every parameter of ``module`` on the ps tasks (sharded as the partitioner says)."""
+        """Place every parameter of ``module`` on the ps tasks (sharded as the partitioner says).
+
+        Args:
+            module: a module built under ``strategy.scope()``.
+
+        Raises:
+            ValueError: a submodule of ``module`` belongs to another strategy.
+        """
         if context.owner_of(module) is self:
             return
         for sub in module.modules():
@@ -277,20 +310,39 @@ class ParameterServerStrategy(Strategy):
             self._ps.assign([(v.spec, v.tensor.detach()) for v in self._module_variables(module, recurse=False)])
 
     def checkpoint_state(self, obj: Any) -> Any:
-        """Whole tensors gathered from the ps tasks: a module's parameters, an optimizer's state."""
+        """Whole tensors gathered from the ps tasks: a module's parameters, an optimizer's state.
+
+        Args:
+            obj: a module or an optimizer of this strategy.
+
+        Returns:
+            ``obj.state_dict()`` with its parameters freshly pulled from the ps tasks.
+        """
         if isinstance(obj, nn.Module):
             self._ps.pull(self._module_variables(obj, recurse=True))  # one call per ps for the whole module
         return obj.state_dict()  # hooks keep it fresh; an optimizer's state_dict gathers its shards
 
     def restore_checkpoint_state(self, obj: Any, state: Any) -> None:
-        """Whole tensors written back to the ps tasks, re-split for the current shards."""
+        """Whole tensors written back to the ps tasks, re-split for the current shards.
+
+        Args:
+            obj: a module or an optimizer of this strategy.
+            state: what ``checkpoint_state(obj)`` returned, here or under another strategy.
+        """
         obj.load_state_dict(state)  # the module's post-hook assigns; the optimizer's splits its state
 
     def _module_variables(self, module: nn.Module, recurse: bool) -> list[LocalVariable]:
         return [self._variables[id(p)] for p in module.parameters(recurse=recurse) if id(p) in self._variables]
 
     def variable_placement(self, module: nn.Module) -> dict[str, list[tuple[int, int, int]]]:
-        """Where each parameter of ``module`` lives: name -> [(ps task, first row, end row), ...] per shard."""
+        """Where each parameter of ``module`` lives: name -> [(ps task, first row, end row), ...] per shard.
+
+        Args:
+            module: a module placed by this strategy.
+
+        Returns:
+            Parameter name -> one ``(ps task, first row, end row)`` per shard; parameters not placed are left out.
+        """
         return {
             name: [(s.ps, s.start, s.stop) for s in self._variables[id(p)].spec.shards]
             for name, p in module.named_parameters()
@@ -310,6 +362,12 @@ class ParameterServerStrategy(Strategy):
             >>> [tuple(s.shape) for s in strategy.variable_shards(table)["weight"]]
             [(3, 2), (2, 2)]
             >>> ds.testing.stop_in_process_cluster(resolver)
+
+        Args:
+            module: a module placed by this strategy.
+
+        Returns:
+            Parameter name -> its shards' current values, in row order.
         """
         return {
             name: self._ps.read_shards(self._variables[id(p)].spec)
@@ -319,7 +377,14 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ optimizers
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Give ``optimizer`` a twin beside every shard of its parameters, on the ps task holding it."""
+        """Give ``optimizer`` a twin beside every shard of its parameters, on the ps task holding it.
+
+        Args:
+            optimizer: an optimizer built under ``strategy.scope()`` over parameters of this strategy.
+
+        Raises:
+            ValueError: some of its parameters were not placed on the ps tasks.
+        """
         context.set_owner(optimizer, self)
         foreign = [p for p in optimizer_params(optimizer) if id(p) not in self._variables]
         if foreign:
@@ -360,7 +425,11 @@ class ParameterServerStrategy(Strategy):
         return loss
 
     def optimizer_options(self) -> dict[str, list[dict[str, Any]]]:
-        """Every optimizer's current options per group, sent to the workers with each batch of calls."""
+        """Every optimizer's current options per group, sent to the workers with each batch of calls.
+
+        Returns:
+            Optimizer id -> one dict of options (``lr``, ...) per parameter group.
+        """
         return {
             opt_id: [_options(g) for g in optimizer.param_groups] for optimizer, opt_id in self._optimizers.values()
         }
@@ -411,6 +480,9 @@ class ParameterServerStrategy(Strategy):
 
         ``deltas`` maps a metric's id (given when the function was sent) to its state
         after that call; metrics garbage-collected since are skipped.
+
+        Args:
+            deltas: metric id -> its state on the worker after the call.
         """
         with self._metric_lock:
             for key, state in deltas.items():
@@ -426,16 +498,36 @@ class ParameterServerStrategy(Strategy):
     # ------------------------------------------------------------------ GradScalers
     def scaler_snapshot(self, acks: Acknowledgements) -> dict[str, Any] | None:
         """The state of every GradScaler scheduled functions use, for a request to one worker (see
-        :mod:`distrib.parameter_server.scaler`); ``acks``: that worker's outcomes replayed here."""
+        :mod:`distrib.parameter_server.scaler`); ``acks``: that worker's outcomes replayed here.
+
+        Args:
+            acks: the outcomes of that worker already replayed here.
+
+        Returns:
+            The scalers' state to send, or None when no scheduled function uses a GradScaler.
+        """
         return self._scalers.snapshot(acks)
 
     def merge_scaler_outcomes(self, info: Any, acks: Acknowledgements) -> None:
-        """Replay on the coordinator's GradScalers the ``update()`` outcomes of one completed scheduled call."""
+        """Replay on the coordinator's GradScalers the ``update()`` outcomes of one completed scheduled call.
+
+        Args:
+            info: the outcomes the worker reported with its result.
+            acks: the outcomes of that worker already replayed here (updated).
+        """
         self._scalers.merge(info, acks)
 
     # ------------------------------------------------------------------ pickling for workers
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
-        """How ``obj`` travels inside a scheduled function (None: pickled as usual)."""
+        """How ``obj`` travels inside a scheduled function (None: pickled as usual).
+
+        Args:
+            obj: an object being pickled with a scheduled function.
+
+        Returns:
+            A tag the worker rebuilds ``obj`` from (the strategy, a GradScaler, a metric, a placed parameter,
+            an optimizer), or None to pickle ``obj`` as usual.
+        """
         if obj is self:
             return ("strategy",)
         if isinstance(obj, GradScaler) and obj.is_enabled():
@@ -460,17 +552,47 @@ class ParameterServerStrategy(Strategy):
         options: RunOptions | None = None,
     ) -> Any:
         """Run ``fn`` once, here, on the coordinator, with TF's warning: inside a function scheduled with
-        ``ClusterCoordinator.schedule`` (the normal use) ``strategy.run`` runs on the worker instead."""
+        ``ClusterCoordinator.schedule`` (the normal use) ``strategy.run`` runs on the worker instead.
+
+        Args:
+            fn: the step function.
+            args: positional arguments of ``fn``.
+            kwargs: keyword arguments of ``fn``.
+            options: ``RunOptions`` (accepted, as every strategy's ``run``).
+
+        Returns:
+            What ``fn`` returns.
+        """
         self._warn_on_coordinator("run")
         return super().run(fn, args, kwargs, options)
 
     def call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
     ) -> Any:
+        """Run ``fn`` once, here, in the strategy's one replica context (what ``run`` calls).
+
+        Args:
+            fn: the step function.
+            args: positional arguments of ``fn``.
+            kwargs: keyword arguments of ``fn``.
+            options: ``RunOptions`` (unused here).
+
+        Returns:
+            What ``fn`` returns.
+        """
         return run_in_place(self._replica, fn, args, kwargs)
 
     def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
-        """As every strategy's ``reduce`` (one replica per worker); on the coordinator it warns as TF does."""
+        """As every strategy's ``reduce`` (one replica per worker); on the coordinator it warns as TF does.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (or their names).
+            value: a tensor, or a nest of them.
+            axis: also reduce along this dimension of each tensor; None: across replicas only.
+
+        Returns:
+            The reduced value.
+        """
         self._warn_on_coordinator("reduce")
         return super().reduce(reduce_op, value, axis)
 
@@ -484,13 +606,29 @@ class ParameterServerStrategy(Strategy):
         )
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DatasetSource:
-        """A dataset to give to ``coordinator.create_per_worker_dataset`` (each worker iterates all of it)."""
+        """A dataset to give to ``coordinator.create_per_worker_dataset`` (each worker iterates all of it).
+
+        Args:
+            dataset: any iterable of batches.
+            options: accepted for TF's signature, ignored.
+
+        Returns:
+            A ``DatasetSource`` holding ``dataset``.
+        """
         return DatasetSource(dataset=dataset)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
     ) -> DatasetSource:
-        """``dataset_fn(input_context)`` is called on every worker by ``coordinator.create_per_worker_dataset``."""
+        """``dataset_fn(input_context)`` is called on every worker by ``coordinator.create_per_worker_dataset``.
+
+        Args:
+            dataset_fn: ``input_context -> iterable``, called once on each worker.
+            options: accepted for TF's signature, ignored.
+
+        Returns:
+            A ``DatasetSource`` holding ``dataset_fn``.
+        """
         return DatasetSource(dataset_fn=dataset_fn)
 
 
