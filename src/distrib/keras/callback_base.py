@@ -109,6 +109,11 @@ class Callback:
     loop: Loop
 
     def set_loop(self, loop: Loop) -> None:
+        """Give the callback the running loop (``fit``, ``evaluate`` and ``predict`` call it before any hook).
+
+        Args:
+            loop: the loop, read through ``self.loop`` and the ``model``/``optimizer`` shortcuts.
+        """
         self.loop = loop
 
     def _running(self, what: str) -> Loop:
@@ -151,30 +156,129 @@ class Callback:
     def learning_rate(self, value: Any) -> None:
         set_learning_rate(self._running("learning_rate").optimizer, value, f"{type(self).__name__}.learning_rate")
 
-    def on_train_begin(self, logs: Logs | None = None) -> None: ...
-    def on_train_end(self, logs: Logs | None = None) -> None: ...
-    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
-    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Called once when ``fit`` starts, before the first epoch (after a restore: at the resumed position).
+
+        Args:
+            logs: ``{}`` (no metrics yet).
+        """
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        """Called once when ``fit`` ends, normally or through ``stop_training``.
+
+        Args:
+            logs: the last epoch's logs.
+        """
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Called at the start of each training epoch.
+
+        Args:
+            epoch: the epoch's index, from 0.
+            logs: ``{}``.
+        """
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Called at the end of each training epoch, after validation.
+
+        Args:
+            epoch: the epoch's index, from 0.
+            logs: the epoch's metrics, global over every worker: ``loss``, the compiled metrics and ``val_``-prefixed validation ones.
+        """
+
     def on_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        """Keras' older name of :meth:`on_train_batch_begin`, which calls it (as Keras' does)."""
+        """Keras' older name of :meth:`on_train_batch_begin`, which calls it (as Keras' does).
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: as :meth:`on_train_batch_begin`'s.
+        """
 
     def on_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        """Keras' older name of :meth:`on_train_batch_end`, which calls it (as Keras' does)."""
+        """Keras' older name of :meth:`on_train_batch_end`, which calls it (as Keras' does).
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: as :meth:`on_train_batch_end`'s.
+        """
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Called before each training batch; the base calls :meth:`on_batch_begin`.
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: ``{}``.
+        """
         self.on_batch_begin(batch, logs)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Called after each training batch; the base calls :meth:`on_batch_end`.
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: this worker's running metrics over the epoch so far (``loss``, ...).
+        """
         self.on_batch_end(batch, logs)
 
-    def on_test_begin(self, logs: Logs | None = None) -> None: ...
-    def on_test_end(self, logs: Logs | None = None) -> None: ...
-    def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
-    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
-    def on_predict_begin(self, logs: Logs | None = None) -> None: ...
-    def on_predict_end(self, logs: Logs | None = None) -> None: ...
-    def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
-    def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_test_begin(self, logs: Logs | None = None) -> None:
+        """Called when ``evaluate`` (or ``fit``'s validation) starts.
+
+        Args:
+            logs: ``{}``.
+        """
+
+    def on_test_end(self, logs: Logs | None = None) -> None:
+        """Called when ``evaluate`` (or ``fit``'s validation) ends.
+
+        Args:
+            logs: the evaluation's metrics.
+        """
+
+    def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Called before each batch of ``evaluate``.
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: ``{}``.
+        """
+
+    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Called after each batch of ``evaluate``.
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: this worker's running metrics so far.
+        """
+
+    def on_predict_begin(self, logs: Logs | None = None) -> None:
+        """Called when ``predict`` starts.
+
+        Args:
+            logs: ``{}``.
+        """
+
+    def on_predict_end(self, logs: Logs | None = None) -> None:
+        """Called when ``predict`` ends.
+
+        Args:
+            logs: ``{}``.
+        """
+
+    def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Called before each batch of ``predict``.
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: ``{}``.
+        """
+
+    def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Called after each batch of ``predict``.
+
+        Args:
+            batch: the batch's index in the epoch (or in the evaluation or prediction), from 0.
+            logs: ``{"outputs": ...}``: the batch's predictions.
+        """
 
 
 #: the hooks whose only argument is ``logs`` (the others take a batch or epoch number first)
@@ -190,12 +294,20 @@ class CallbackList:
     log yet: ``on_train_begin``, ``on_epoch_begin``, ``on_*_batch_begin``), the same dict for
     every callback, so ``list(logs.keys())`` in a callback works as in the Keras guides and
     what one callback adds (``LearningRateScheduler``'s ``lr``) reaches the next.
+
+    Args:
+        callbacks: the callbacks, called in this order.
     """
 
     def __init__(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = list(callbacks)
 
     def set_loop(self, loop: Loop) -> None:
+        """Give every callback the running loop.
+
+        Args:
+            loop: the loop (``fit``'s, ``evaluate``'s or ``predict``'s).
+        """
         for c in self.callbacks:
             c.set_loop(loop)
 

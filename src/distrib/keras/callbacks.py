@@ -85,6 +85,20 @@ class ModelCheckpoint(Callback):
         ...            epochs=2, verbose=0, callbacks=[save])
         >>> ds.latest_checkpoint(d) == d + "/weights-2"
         True
+
+    Args:
+        filepath: where to save, without or with ``.pt``; may hold ``{epoch}``, ``{batch}`` and log names.
+        monitor: the log that ``save_best_only`` compares (``"val_loss"``).
+        verbose: 1: a line per decision, on the chief.
+        save_best_only: save only when ``monitor`` improves on the best so far.
+        save_weights_only: save the model only, not the optimizer.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (max for accuracies, else min): which way is better.
+        save_freq: ``"epoch"``, or save every this many training batches.
+        initial_value_threshold: the best value to beat at first (default: none).
+
+    Raises:
+        ValueError: ``save_freq`` is neither ``"epoch"`` nor a positive int, ``filepath`` is a directory,
+            or ``mode`` is not one of the three.
     """
 
     def __init__(
@@ -211,6 +225,17 @@ class BackupAndRestore(Callback):
     ``fit`` resumes at that batch (:class:`distrib.experimental.PreemptionCheckpointHandler`,
     checked before every batch: nothing is communicated until a notice comes).
     ``termination_config`` (distrib's) configures it (signal, exit code, grace period).
+
+    Args:
+        backup_dir: the folder that holds the backup (one per training job; not shared between jobs).
+        save_freq: ``"epoch"``, or back up every this many training steps.
+        delete_checkpoint: delete the backup when ``fit`` finishes.
+        save_before_preemption: on a termination notice, save on every worker before the same batch and exit.
+        termination_config: a ``ds.experimental.TerminationConfig`` for that (signal, exit code, grace period).
+
+    Raises:
+        ValueError: ``save_freq`` is neither ``"epoch"`` nor a positive int, or ``termination_config`` is given
+            without ``save_before_preemption=True``.
     """
 
     def __init__(
@@ -235,6 +260,15 @@ class BackupAndRestore(Callback):
         self._steps = 0
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Restore the backup if there is one (``fit`` then resumes at its step), and start watching for a termination notice.
+
+        Args:
+            logs: ``{}``.
+
+        Raises:
+            ValueError: ``save_before_preemption=True`` under ``ParameterServerStrategy`` (its steps finish on the
+                workers, out of the loop's sight).
+        """
         loop = self.loop
         checkpoint = Checkpoint(
             model=loop.model, optimizer=loop.optimizer, epoch=loop.epoch, step_in_epoch=loop.step_in_epoch
@@ -278,7 +312,19 @@ class BackupAndRestore(Callback):
 
 
 class EarlyStopping(Callback):
-    """Stop training when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
+    """Stop training when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs.
+
+    Args:
+        monitor: the log to watch (``"val_loss"``); epochs whose logs lack it (or hold NaN) are skipped.
+        min_delta: the smallest change that counts as an improvement.
+        patience: how many epochs without improvement to allow before stopping.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (max for accuracies, else min).
+        baseline: a value to improve on from the start (default: the first epoch's).
+        restore_best_weights: when stopping, load back the model's weights of the best epoch.
+
+    Raises:
+        ValueError: ``mode`` is not one of the three.
+    """
 
     def __init__(
         self,
@@ -337,6 +383,13 @@ class JsonlLogger(Callback):
         ...            loss="mse", epochs=2, verbose=0, callbacks=[JsonlLogger(path, log_every=2)])
         >>> [("step" if "step" in r else "epoch", r.get("step", r["epoch"])) for r in map(json.loads, open(path))]
         [('step', 2), ('step', 4), ('epoch', 1), ('step', 6), ('step', 8), ('epoch', 2)]
+
+    Args:
+        path: the file to append to (its folder is made); the chief alone writes.
+        log_every: also write a line every this many training steps; 0: epoch lines only.
+
+    Raises:
+        ValueError: ``log_every`` is negative.
     """
 
     def __init__(self, path: str, log_every: int = 0) -> None:
@@ -405,6 +458,13 @@ class LearningRateScheduler(Callback):
         ...                  epochs=3, callbacks=[halve], verbose=0)
         >>> history.history["lr"]
         [0.1, 0.05, 0.025]
+
+    Args:
+        schedule: ``schedule(epoch, lr) -> lr`` or ``schedule(epoch) -> lr``; epochs count from 0.
+        verbose: 1: print the rate each epoch gets.
+
+    Raises:
+        TypeError: ``schedule`` is not callable.
     """
 
     def __init__(self, schedule: Callable[..., Any], verbose: int = 0) -> None:
@@ -414,6 +474,15 @@ class LearningRateScheduler(Callback):
         self._with_lr = _positional_arity(schedule) >= 2
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Set every parameter group's rate to ``schedule(epoch, lr)``.
+
+        Args:
+            epoch: the epoch's index, from 0.
+            logs: ``{}``.
+
+        Raises:
+            ValueError: the schedule returned something that is not a finite float, or the optimizer has no ``lr``.
+        """
         current = first_learning_rate(self.loop.optimizer, "LearningRateScheduler")
         output = self.schedule(epoch, current) if self._with_lr else self.schedule(epoch)
         lr = as_learning_rate(output)
@@ -481,6 +550,11 @@ class CSVLogger(Callback):
         ...                  callbacks=[ds.callbacks.CSVLogger(path)])
         >>> open(path).read().splitlines()[0]
         'epoch,loss'
+
+    Args:
+        filename: the CSV file.
+        separator: the field separator.
+        append: continue an existing file instead of overwriting it.
     """
 
     def __init__(self, filename: str, separator: str = ",", append: bool = False) -> None:

@@ -323,6 +323,30 @@ def fit(
     CUDA graph and replayed (:mod:`distrib.graphs`). ``"auto"`` does so where the model trains on a GPU and the
     strategy can be captured; ``True`` also elsewhere (where no graph can be captured, the steps run eagerly
     and the first one says why); ``False`` never.
+
+    Args:
+        model: the module to train, built under the strategy's ``scope()`` (or outside any: the default strategy).
+        data: an iterable of global ``(x, y)`` batches (a ``DataLoader``, a list, a distributed dataset);
+            under ParameterServerStrategy also ``dataset_fn(input_context)``.
+        optimizer: the optimizer over ``model``'s parameters, built under the same scope.
+        loss: a Keras name (``"mse"``, ``"sparse_categorical_crossentropy"``, ...), a torch loss module or a
+            function ``loss(y_pred, y_true)`` returning per-example values.
+        epochs: how many epochs to train (counted from the epoch a restored backup resumes at).
+        steps_per_epoch: steps per epoch, cycling through ``data``; None: one pass of ``data``.
+        validation_data: batches to evaluate after each epoch (their metrics are logged with ``val_``).
+        validation_steps: how many validation batches; None: all of them.
+        metrics: Keras names (``"accuracy"``) or ``ds.metrics`` / torchmetrics objects, computed over every replica.
+        callbacks: ``ds.callbacks.Callback`` objects; a ``History`` is added last.
+        verbose: 0, 1, 2 or ``"auto"`` (above).
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (above).
+        jit_compile: ``"auto"``, True or False (above).
+
+    Returns:
+        The ``History`` callback: ``history.history["loss"]`` lists the epochs' losses, one key per log.
+
+    Raises:
+        ValueError: ``data`` (or ``validation_data``) gives no batch, a ``precision`` or ``verbose`` that is
+            not one of the above, or (under ParameterServerStrategy) no ``steps_per_epoch``.
     """
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
@@ -527,6 +551,25 @@ def evaluate(
     ParameterServerStrategy ``steps`` is required (workers cycle through their data). Data
     that gives no batch is a ValueError. ``precision``: as :func:`fit`'s (autocast only); ``jit_compile``: as
     :func:`fit`'s.
+
+    Args:
+        model: the module to evaluate.
+        data: an iterable of global ``(x, y)`` batches (under ParameterServerStrategy also ``dataset_fn``).
+        loss: as :func:`fit`'s.
+        steps: how many batches; None: all of ``data`` (required under ParameterServerStrategy).
+        metrics: as :func:`fit`'s.
+        return_dict: return a dict of the logs instead of a list.
+        verbose: as :func:`fit`'s.
+        callbacks: ``ds.callbacks.Callback`` objects (their ``on_test_*`` hooks are called).
+        precision: as :func:`fit`'s.
+        jit_compile: as :func:`fit`'s.
+
+    Returns:
+        The loss (a float) when there are no metrics, else ``[loss, *metrics]``; with ``return_dict=True``
+        ``{"loss": ..., "<metric>": ...}``.
+
+    Raises:
+        ValueError: ``data`` gives no batch, or an argument is not one of the values above.
     """
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
@@ -562,6 +605,19 @@ def predict(
 
     Data that gives no batch is a ValueError; fewer batches than ``steps`` a warning. ``precision``: as
     :func:`fit`'s (autocast only; the outputs are in the autocast dtype, as Lightning's).
+
+    Args:
+        model: the module to run.
+        data: an iterable of batches of ``x`` or ``(x, y)`` (``y`` is ignored).
+        steps: how many batches; None: all of ``data``.
+        callbacks: ``ds.callbacks.Callback`` objects (their ``on_predict_*`` hooks are called).
+        precision: as :func:`fit`'s.
+
+    Returns:
+        The outputs of every batch, gathered over the replicas and concatenated along the first dimension.
+
+    Raises:
+        ValueError: ``data`` gives no batch, or ``precision`` is not one of :func:`fit`'s.
     """
     mixed = Precision.parse(precision)
     strategy = context.strategy_of(model)

@@ -38,6 +38,15 @@ class TensorBoard(Callback):
     ``state_dict()`` (weights and buffers, as Keras' ``layer.weights``) to ``log_dir/train``
     every N epochs, at the epoch (TensorBoard's Histograms tab). The arguments keep Keras'
     order: ``TensorBoard(log_dir, histogram_freq, write_graph, ..., update_freq)``.
+
+    Args:
+        log_dir: the folder of the event files (``train/`` and ``validation/`` under it).
+        histogram_freq: write weight histograms every this many epochs; 0: none.
+        write_graph: write the model's graph after the first training batch.
+        update_freq: ``"epoch"``, or also write the training loss every this many batches.
+
+    Raises:
+        ValueError: ``histogram_freq`` is not a non-negative int.
     """
 
     def __init__(
