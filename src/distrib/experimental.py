@@ -1,8 +1,12 @@
-"""``ds.experimental``: TF's ``tf.distribute.experimental`` names that distrib has.
+"""``ds.experimental``: TF's ``tf.distribute.experimental`` names that distrib has, and mesh parallelism.
 
-``PreemptionCheckpointHandler`` and ``TerminationConfig`` (see :mod:`distrib.preemption`).
+``PreemptionCheckpointHandler`` and ``TerminationConfig`` (see :mod:`distrib.preemption`);
+``MeshStrategy``, ``DeviceMesh`` and ``LayoutMap`` (data and tensor parallelism over a named mesh, with
+Keras 3's names: see :mod:`distrib.strategies.mesh_strategy`).
 """
 
 from distrib.preemption import PreemptionCheckpointHandler, TerminationConfig
+from distrib.strategies.mesh import DeviceMesh, LayoutMap
+from distrib.strategies.mesh_strategy import MeshStrategy
 
-__all__ = ["PreemptionCheckpointHandler", "TerminationConfig"]
+__all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "MeshStrategy", "DeviceMesh", "LayoutMap"]

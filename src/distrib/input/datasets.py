@@ -68,7 +68,9 @@ class DistributedDataset:
             reason = why_not_shardable(dataset)
             if reason is None:
                 n = strategy.num_local_replicas
-                self._sharded = sharded_loader(dataset, strategy.num_replicas_in_sync, strategy.worker_index * n, n)
+                self._sharded = sharded_loader(
+                    dataset, strategy.num_replicas_in_sync, strategy.data_worker_index * n, n
+                )
             elif _has_input_work(dataset):
                 warnings.warn(
                     f"experimental_distribute_dataset cannot auto-shard this input ({reason}), so every worker "
@@ -113,7 +115,7 @@ class DistributedDataset:
         s = self._strategy
         batches: Iterator[Any] = numbered_batches(self._dataset, start, cycle) if numbered else iter(self._dataset)
         n, total = s.num_local_replicas, s.num_replicas_in_sync
-        first = s.worker_index * n
+        first = s.data_worker_index * n
         for batch in _agreed(batches, s):
             yield [batch] if total == 1 else split_batch(batch, total)[first : first + n]
 

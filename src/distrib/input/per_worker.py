@@ -44,7 +44,7 @@ class DistributedDatasetsFromFunction:
             self._contexts = [
                 InputContext(
                     num_input_pipelines=strategy.num_replicas_in_sync,
-                    input_pipeline_id=strategy.worker_index * n + k,
+                    input_pipeline_id=strategy.data_worker_index * n + k,
                     num_replicas_in_sync=strategy.num_replicas_in_sync,
                 )
                 for k in range(n)
@@ -52,8 +52,8 @@ class DistributedDatasetsFromFunction:
         else:
             self._contexts = [
                 InputContext(
-                    num_input_pipelines=strategy.num_workers,
-                    input_pipeline_id=strategy.worker_index,
+                    num_input_pipelines=strategy.num_data_workers,
+                    input_pipeline_id=strategy.data_worker_index,
                     num_replicas_in_sync=strategy.num_replicas_in_sync,
                 )
             ]

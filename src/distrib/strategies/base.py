@@ -175,6 +175,23 @@ class Strategy(abc.ABC):
         return self._communicator.world_size
 
     @property
+    def data_worker_index(self) -> int:
+        """This worker's index among the workers that split the global batch: ``worker_index``, except under a
+        mesh (``MeshStrategy``), where the workers of one tensor-parallel group read the same part."""
+        return self.worker_index
+
+    @property
+    def num_data_workers(self) -> int:
+        """The workers that split the global batch: ``num_workers``, except under a mesh (the data axes' size)."""
+        return self.num_workers
+
+    @property
+    def counts_in_reductions(self) -> bool:
+        """Whether this worker's values count in ``reduce``/``gather``: True, except under a mesh on the workers of
+        a tensor-parallel group other than its first (they hold the same replica: it would count several times)."""
+        return True
+
+    @property
     def is_chief(self) -> bool:
         """Whether this process is the chief: the one that writes checkpoints and summaries (the resolver's
         word when there is one, else worker 0)."""
@@ -285,7 +302,7 @@ class Strategy(abc.ABC):
             >>> s.experimental_local_results(v)
             (tensor(0), tensor(1))
         """
-        first = self.worker_index * self.num_local_replicas
+        first = self.data_worker_index * self.num_local_replicas
         values = [
             to_device(value_fn(ValueContext(first + k, self.num_replicas_in_sync)), device)
             for k, device in enumerate(self._devices)

@@ -86,6 +86,9 @@ def reduce_local_values(strategy: Strategy, op: ReduceOp, values: Sequence[Any],
             total = total + (t.sum(dim=dims) if dims else t).to(total.device)
         count = torch.tensor(float(sum(math.prod(t.shape[d] for d in dims) for t in tensors)), device=total.device)
     if strategy.num_workers > 1:
+        if not strategy.counts_in_reductions:  # a tensor-parallel group's other workers: the first counts for it
+            total = torch.zeros_like(total)
+            count = torch.zeros_like(count) if axis is not None and count is not None else count
         comm = strategy.communicator
         comm.verify_same(describe_tensors([total]), "the value given to strategy.reduce")
         comm.all_reduce([total] if axis is None or count is None else [total, count])
@@ -119,6 +122,8 @@ def gather_local_values(strategy: Strategy, values: Sequence[Any], axis: int, ap
     local = torch.cat([p.to(parts[0].device) for p in parts], dim=axis)
     if strategy.num_workers == 1:
         return local
+    if not strategy.counts_in_reductions:  # a tensor-parallel group's other workers: the first counts for it
+        local = local.narrow(axis, 0, 0)
     comm = strategy.communicator
     comm.verify_same(describe_tensors([local], skip_dim=axis), "the value given to gather")
     return comm.all_gather(local, axis)

@@ -84,7 +84,7 @@ class ReplicaContext:
     @property
     def replica_id_in_sync_group(self) -> int:
         """This replica's index among all replicas of all workers."""
-        return self.strategy.worker_index * self.strategy.num_local_replicas + self.local_replica_id
+        return self.strategy.data_worker_index * self.strategy.num_local_replicas + self.local_replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:

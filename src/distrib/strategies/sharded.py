@@ -216,19 +216,7 @@ class ShardedStrategy(Strategy):
         before = [(name, weakref.ref(p), id(p)) for name, p in module.named_parameters()]
         if plan is not None:
             plan.to_meta()
-        if self._mesh is None:
-            self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
-        units = self._policy.units(module)
-        self.communicator.guarded(
-            "sharding the model",
-            lambda: _fsdp().shard_module(
-                module,
-                units,
-                self._mesh,
-                self._reshard_after_forward,
-                _fsdp().mixed_precision_policy(self._param_dtype),
-            ),
-        )
+        units = self._parallelise(module, device)
         if plan is not None:
             self.communicator.guarded(
                 "initialising the sharded model", lambda: plan.materialise(device, self.communicator)
@@ -244,6 +232,24 @@ class ShardedStrategy(Strategy):
             ", initialised shard by shard" if plan is not None else "",
         )
 
+    def _parallelise(self, module: nn.Module, device: torch.device | None) -> list[nn.Module]:
+        """``fully_shard`` per unit and the root, over every worker (on the meta device under deferred init);
+        the units. ``MeshStrategy`` applies its layouts here too."""
+        if self._mesh is None:
+            self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
+        units = self._policy.units(module)
+        self.communicator.guarded(
+            "sharding the model",
+            lambda: _fsdp().shard_module(
+                module,
+                units,
+                self._mesh,
+                self._reshard_after_forward,
+                _fsdp().mixed_precision_policy(self._param_dtype),
+            ),
+        )
+        return units
+
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` update the shards: parameters it took before sharding are replaced by theirs."""
         context.set_owner(optimizer, self)
@@ -252,7 +258,7 @@ class ShardedStrategy(Strategy):
         foreign = [
             p
             for p in optimizer_params(optimizer)
-            if context.owner_of(p) is None and self.num_workers > 1 and not _fsdp().is_sharded(p)
+            if context.owner_of(p) is None and self.num_workers > 1 and not self._distributes(p)
         ]
         if foreign:
             raise ValueError(
@@ -262,6 +268,10 @@ class ShardedStrategy(Strategy):
             )
         optimizer.register_step_pre_hook(self._check_loss_scaled)
         self._gradients.merge_steps_of(optimizer)
+
+    def _distributes(self, param: Any) -> bool:
+        """Whether ``param`` is one of the models' this strategy distributed (a shard)."""
+        return bool(_fsdp().is_sharded(param))
 
     def _shard_of(self, param: Any) -> Any:
         entry = self._moved.get(id(param))

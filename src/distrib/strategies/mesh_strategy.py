@@ -1,0 +1,219 @@
+"""``ds.experimental.MeshStrategy``: data and tensor parallelism over a named mesh of workers.
+
+``ShardedStrategy`` parallelises over one axis, the data. Here the workers form a
+:class:`~distrib.strategies.mesh.DeviceMesh` (Keras 3's ``DeviceMesh(shape, axis_names)``) and
+each axis has a role:
+
+* ``"batch"`` (``batch_dim_name``): the global batch is split over it and the parameters are sharded
+  over it, torch's FSDP2 (``fully_shard(mesh=mesh["batch"])``);
+* ``"replicate"`` (optional, before ``"batch"``): the batch is split over it too, the parameters are
+  replicated over it: hybrid sharding, torch's HSDP (``fully_shard(mesh=mesh["replicate", "batch"])``:
+  reduce-scatter within a group, all-reduce across groups). ``DeviceMesh.hybrid()`` shards within
+  each host and replicates across hosts;
+* a model axis (any other name, last): tensor parallelism, as the
+  :class:`~distrib.strategies.mesh.LayoutMap` says (torch's ``parallelize_module`` with
+  ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel``; see
+  :mod:`~distrib.strategies.tensor_parallel`).
+
+They are applied in torchtitan's order, tensor parallelism first, then FSDP over the data axes
+(``fully_shard`` of a tensor-parallel parameter shards its own shard again: a 2-D ``DTensor``).
+Under deferred initialisation (the default) every step of that runs on the meta device and each
+worker then fills its own part of each parameter from the recorded build: the model is never whole
+in one process, whatever the mesh.
+
+The user's loop does not change (``scope``, ``run``, ``ds.compute_average_loss``, the input, ``ds.fit``,
+checkpoints, the preemption handler, the launchers). A replica is a point of the data axes: the
+workers of one tensor-parallel group are one replica, read the same part of each global batch and
+compute the same loss, so ``num_replicas_in_sync`` is the data axes' size, ``compute_average_loss``
+divides by the global batch as before, and ``strategy.reduce`` counts each group once.
+
+Example (run it with ``distrib launch --workers 4 script.py``)::
+
+    mesh = ds.experimental.DeviceMesh((2, 2), ("batch", "model"))
+    layout_map = ds.experimental.LayoutMap(mesh)
+    layout_map[r"mlp\\.up\\.weight"] = ("model", None)     # torch's ColwiseParallel
+    layout_map[r"mlp\\.down\\.weight"] = (None, "model")   # torch's RowwiseParallel
+    strategy = ds.experimental.MeshStrategy(layout_map=layout_map)
+    with strategy.scope():
+        model = build_model()
+        optimizer = torch.optim.Adam(model.parameters())
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distrib.strategies import tensor_parallel
+from distrib.strategies.mesh import BATCH, DeviceMesh, LayoutMap
+from distrib.strategies.sharded import ShardedStrategy, _fsdp
+
+if TYPE_CHECKING:
+    from distrib.cluster.resolver import ClusterResolver
+    from distrib.comm import CommunicationOptions
+    from distrib.strategies.sharding_policy import ShardingPolicy
+
+__all__ = ["MeshStrategy"]
+
+log = logging.getLogger("distrib.strategies")
+
+
+class MeshStrategy(ShardedStrategy):
+    """Data parallelism (sharded, or hybrid) and tensor parallelism over a mesh of workers (module docstring).
+
+    ``mesh``: a :class:`DeviceMesh` of the workers (default: the layout map's, else every worker on one
+    ``"batch"`` axis, which is ``ShardedStrategy``); ``layout_map``: a :class:`LayoutMap` on the mesh's
+    model axis (None: no tensor parallelism). The other arguments are ``ShardedStrategy``'s; its sharding
+    policy, ZeRO stage and mixed precision apply over the data axes.
+    """
+
+    def __init__(
+        self,
+        mesh: DeviceMesh | None = None,
+        layout_map: LayoutMap | None = None,
+        *,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        devices: Sequence[str] | None = None,
+        sharding_policy: ShardingPolicy | None = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: str | None = None,
+        checkpoint_format: str = "sharded",
+        deferred_init: bool = True,
+    ) -> None:
+        if mesh is None:
+            mesh = layout_map.device_mesh if layout_map is not None else DeviceMesh((-1,), (BATCH,))
+        elif layout_map is not None and layout_map.device_mesh != mesh:
+            raise ValueError(
+                f"MeshStrategy(mesh={mesh}, layout_map=...): the layout map is on {layout_map.device_mesh}; give "
+                "the layout map built on this mesh (LayoutMap(mesh)), or leave mesh out"
+            )
+        if layout_map is not None and len(layout_map) and not mesh.model_axes:
+            raise ValueError(
+                f"MeshStrategy: the layout map names parameters but {mesh} has no model axis to split them over; "
+                "add one (DeviceMesh((2, 2), ('batch', 'model')))"
+            )
+        super().__init__(
+            cluster_resolver,
+            communication_options,
+            devices,
+            sharding_policy=sharding_policy,
+            reshard_after_forward=reshard_after_forward,
+            mixed_precision=mixed_precision,
+            checkpoint_format=checkpoint_format,
+            deferred_init=deferred_init,
+        )
+        #: the mesh, sizes resolved for the workers running (ValueError naming both when they differ)
+        self.device_mesh = mesh.resolved(self.num_workers)
+        self.layout_map = layout_map
+        coords = self.device_mesh.coordinate(self.worker_index)
+        data_index = 0
+        for axis in self.device_mesh.data_axes:
+            data_index = data_index * self.device_mesh.size(axis) + coords[axis]
+        self._data_index = data_index
+        self._num_data = self.device_mesh.size(self.device_mesh.data_axes)
+        model_axes = self.device_mesh.model_axes
+        self._model_axis = model_axes[0] if model_axes else None
+        self._tp_index = coords[self._model_axis] if self._model_axis else 0
+        self._torch_mesh: Any = None
+        # the parameters no layout splits where no data axis shards them (plain tensors, whole on every worker)
+        self._plain: dict[int, weakref.ref[nn.Parameter]] = {}
+        log.info(
+            "MeshStrategy: worker %d at %s of %s",
+            self.worker_index,
+            coords,
+            self.device_mesh,
+        )
+
+    # ------------------------------------------------------------------ the replicas: points of the data axes
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The data axes' size: the workers of one tensor-parallel group are one replica."""
+        return self._num_data
+
+    @property
+    def data_worker_index(self) -> int:
+        """This worker's position on the data axes (row-major): which part of each global batch it reads."""
+        return self._data_index
+
+    @property
+    def num_data_workers(self) -> int:
+        return self._num_data
+
+    @property
+    def counts_in_reductions(self) -> bool:
+        """The first worker of each tensor-parallel group counts for the group in ``reduce`` and ``gather``."""
+        return self._tp_index == 0
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The model axis's size (1 without one)."""
+        return self.device_mesh.size(self._model_axis) if self._model_axis else 1
+
+    def torch_mesh(self, device_type: str = "cpu") -> Any:
+        """torch's ``DeviceMesh`` of :attr:`device_mesh` (``init_device_mesh``; made once, on every worker)."""
+        if self._torch_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = self.device_mesh
+            self._torch_mesh = self.communicator.guarded(
+                "making the device mesh",
+                lambda: init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names),
+            )
+        return self._torch_mesh
+
+    # ------------------------------------------------------------------ applying the mesh to a model
+    def distribute_module(self, module: nn.Module) -> None:
+        """As ``ShardedStrategy``'s; without a data axis to shard over, the parameters that no layout splits stay
+        plain tensors (whole on every worker of the group), and are recorded as this strategy's."""
+        super().distribute_module(module)
+        for param in module.parameters():
+            if not _fsdp().is_sharded(param):
+                self._plain[id(param)] = weakref.ref(param)
+
+    def _distributes(self, param: Any) -> bool:
+        entry = self._plain.get(id(param))
+        return super()._distributes(param) or (entry is not None and entry() is param)
+
+    def _parallelise(self, module: nn.Module, device: torch.device | None) -> list[nn.Module]:
+        """Tensor parallelism (the layout map), then FSDP over the data axes: torch's calls, torchtitan's order."""
+        mesh = self.device_mesh
+        plan = (
+            tensor_parallel.plan_for(module, self.layout_map, self.tensor_parallel_size)
+            if self.layout_map is not None
+            else {}
+        )
+        tmesh = self.torch_mesh(device.type if device is not None else "cpu")
+        if plan and self._model_axis is not None and self.tensor_parallel_size > 1:
+            tp_mesh = tmesh[self._model_axis]
+            self.communicator.guarded(
+                "applying the layout map (parallelize_module)", lambda: tensor_parallel.apply(module, tp_mesh, plan)
+            )
+        units: list[nn.Module] = []
+        if self._num_data > 1:
+            units = self._policy.units(module)
+            data_mesh = tmesh[mesh.data_axes] if len(mesh.data_axes) > 1 else tmesh[mesh.data_axes[0]]
+            self.communicator.guarded(
+                "sharding the model over the data axes",
+                lambda: _fsdp().shard_module(
+                    module,
+                    units,
+                    data_mesh,
+                    self._reshard_after_forward,
+                    _fsdp().mixed_precision_policy(self._param_dtype),
+                ),
+            )
+        log.info(
+            "MeshStrategy: %s on %s: %d module(s) tensor-parallel, %d FSDP unit(s) + the root over %s",
+            type(module).__name__,
+            mesh,
+            len(plan),
+            len(units),
+            mesh.data_axes,
+        )
+        return units

@@ -1,0 +1,149 @@
+"""20 Adam steps of a small decoder under ds.experimental.MeshStrategy, per mesh, against one process.
+
+Run by ``distrib launch --workers 4``. For each mesh named by --meshes (hybrid 2x2, FSDP x TP 2x2,
+TP 4, FSDP 4), one strategy trains the model (built in the scope under deferred init, the
+optimizer built over its parameters in the same scope) on the global batches; the chief also
+trains the same model in plain PyTorch on the whole global batch (fp32, the same seed) and writes
+the largest difference of any parameter, the losses, and the local parameter count of every
+worker to --out (JSON). --lr sets Adam's learning rate.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import distrib as ds
+from distrib.experimental import DeviceMesh, LayoutMap, MeshStrategy
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--meshes", default="hybrid,fsdp_tp,tp")
+args = p.parse_args()
+
+VOCAB, DIM, HEADS, SEQ, GLOBAL = 32, 16, 4, 8, 8
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # no key bias: its true gradient is 0 (softmax ignores a constant added to every score), so Adam would
+        # turn rounding noise (different in every reduction order) into steps of lr
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=name != "k") for name in "qkvo")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism this worker holds HEADS / tp of them (ColwiseParallel's local output)
+        q, k, v = (f(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(DIM), Attention(), nn.LayerNorm(DIM)
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.ln, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def per_example_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(idx.shape).mean(1)
+
+
+def layouts(mesh: DeviceMesh) -> LayoutMap:
+    layout_map = LayoutMap(mesh)
+    layout_map[r"tok\.weight"] = ("model", None)  # the vocabulary split: RowwiseParallel
+    layout_map[r"attn\.[qkv]\.weight"] = ("model", None)  # heads split: ColwiseParallel
+    layout_map[r"attn\.o\.weight"] = (None, "model")  # RowwiseParallel
+    layout_map[r"up\.weight"] = ("model", None)
+    layout_map[r"down\.weight"] = (None, "model")
+    return layout_map
+
+
+MESHES = {
+    "hybrid": lambda: (DeviceMesh((2, 2), ("replicate", "batch")), False),
+    "fsdp_tp": lambda: (DeviceMesh((2, 2), ("batch", "model")), True),
+    "tp": lambda: (DeviceMesh((1, 4), ("batch", "model")), True),
+    "fsdp": lambda: (DeviceMesh((4,), ("batch",)), False),
+}
+
+g = torch.Generator().manual_seed(1)
+batches = []
+for _ in range(args.steps):
+    idx = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
+    batches.append((idx[:, :-1], idx[:, 1:]))
+
+
+def reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Decoder()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    for x, y in batches:
+        loss = per_example_loss(model, x, y).sum() / GLOBAL
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        REFERENCE_LOSSES.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+REFERENCE_LOSSES: list[float] = []
+
+
+results: dict[str, dict] = {}
+ref = reference() if int(os.environ.get("RANK", "0")) == 0 else None
+for name in args.meshes.split(","):
+    mesh, tp = MESHES[name]()
+    strategy = MeshStrategy(mesh, layouts(mesh) if tp else None, devices=["cpu"])
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = Decoder()
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = ds.compute_average_loss(per_example_loss(model, x, y), global_batch_size=GLOBAL)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    losses = []
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        losses.append(float(strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)))
+    state = strategy.checkpoint_state(model)
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    counts = strategy.communicator.all_gather_object(local)
+    if ref is not None:
+        worst = max((state[k] - v).abs().max().item() for k, v in ref.items())
+        results[name] = {"max_diff": worst, "losses": losses, "local_params": counts, "mesh": repr(mesh)}
+        print(f"{name}: largest difference {worst:.3g}, local parameters {counts}", flush=True)
+        if os.environ.get("MESH_DEBUG"):
+            print({k: f"{(state[k] - v).abs().max().item():.2g}" for k, v in ref.items()}, flush=True)
+
+if ref is not None:
+    with open(args.out, "w") as f:
+        json.dump({"results": results, "total": sum(v.numel() for v in ref.values()), "losses": REFERENCE_LOSSES}, f)
