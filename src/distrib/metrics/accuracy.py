@@ -53,6 +53,16 @@ def accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
         >>> accuracy(torch.tensor([[1], [2]]), torch.tensor([[1], [0]]))
         tensor([[1.],
                 [0.]], dtype=torch.float64)
+
+    Args:
+        y_true: the labels (a tensor, or anything ``torch.as_tensor`` takes).
+        y_pred: the predictions, of ``y_true``'s shape (a trailing dimension of size 1 on either is dropped).
+
+    Returns:
+        A float64 tensor of 1.0 and 0.0, of the inputs' shape.
+
+    Raises:
+        ValueError: the shapes differ.
     """
     t, p = squeeze_pair(*_pair(y_true, y_pred))
     _same_shape("accuracy", t, p, "they are compared element by element")
@@ -70,6 +80,17 @@ def binary_accuracy(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.T
 
         >>> binary_accuracy(torch.tensor([[1.0], [1.0], [0.0], [0.0]]), torch.tensor([[0.98], [1.0], [0.0], [0.6]]))
         tensor([1., 1., 1., 0.], dtype=torch.float64)
+
+    Args:
+        y_true: 0/1 labels.
+        y_pred: scores or probabilities, of ``y_true``'s shape.
+        threshold: a prediction above it counts as 1.
+
+    Returns:
+        A float64 tensor: per example, the fraction of its last axis that is right.
+
+    Raises:
+        ValueError: the shapes differ.
     """
     t, p = squeeze_pair(*_pair(y_true, y_pred))
     _same_shape("binary_accuracy", t, p, "give one 0/1 label per prediction")
@@ -84,6 +105,16 @@ def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
 
         >>> categorical_accuracy(torch.tensor([[0, 0, 1], [0, 1, 0]]), torch.tensor([[0.1, 0.9, 0.8], [0.05, 0.95, 0]]))
         tensor([0., 1.], dtype=torch.float64)
+
+    Args:
+        y_true: one-hot labels, ``[batch, classes]``.
+        y_pred: scores, of ``y_true``'s shape.
+
+    Returns:
+        A float64 tensor of 1.0 and 0.0, one per example.
+
+    Raises:
+        ValueError: the shapes differ.
     """
     t, p = _pair(y_true, y_pred)
     _same_shape(
@@ -118,6 +149,16 @@ def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
 
         >>> sparse_categorical_accuracy(torch.tensor([[2], [1]]), torch.tensor([[0.1, 0.6, 0.3], [0.05, 0.95, 0]]))
         tensor([0., 1.], dtype=torch.float64)
+
+    Args:
+        y_true: integer labels, ``[batch]`` or ``[batch, 1]``.
+        y_pred: scores, ``[batch, classes]``.
+
+    Returns:
+        A float64 tensor of 1.0 and 0.0, one per example.
+
+    Raises:
+        ValueError: ``y_true`` does not hold one label per row of ``y_pred``.
     """
     t, p = _pair(y_true, y_pred)
     t = _sparse_labels("sparse_categorical_accuracy", t, p)
@@ -138,6 +179,17 @@ def sparse_top_k_categorical_accuracy(y_true: Any, y_pred: Any, k: int = 5) -> t
         >>> scores = torch.tensor([[0.1, 0.9, 0.8], [0.05, 0.95, 0]])
         >>> sparse_top_k_categorical_accuracy(torch.tensor([2, 1]), scores, k=1)
         tensor([0., 1.], dtype=torch.float64)
+
+    Args:
+        y_true: integer labels, ``[batch]`` or ``[batch, 1]``.
+        y_pred: scores, ``[batch, classes]``.
+        k: how many of the largest scores count.
+
+    Returns:
+        A float64 tensor of 1.0 and 0.0, one per example.
+
+    Raises:
+        ValueError: ``y_true`` does not hold one label per row of ``y_pred``.
     """
     t, p = _pair(y_true, y_pred)
     t = _sparse_labels("sparse_top_k_categorical_accuracy", t, p)
@@ -157,6 +209,17 @@ def top_k_categorical_accuracy(y_true: Any, y_pred: Any, k: int = 5) -> torch.Te
         >>> scores = torch.tensor([[0.1, 0.9, 0.8], [0.05, 0.95, 0]])
         >>> top_k_categorical_accuracy(torch.tensor([[0, 0, 1], [0, 1, 0]]), scores, k=2)
         tensor([1., 1.], dtype=torch.float64)
+
+    Args:
+        y_true: one-hot labels, ``[batch, classes]``.
+        y_pred: scores, of ``y_true``'s shape.
+        k: how many of the largest scores count.
+
+    Returns:
+        A float64 tensor of 1.0 and 0.0, one per example.
+
+    Raises:
+        ValueError: the shapes differ.
     """
     t, p = _pair(y_true, y_pred)
     _same_shape(
@@ -183,6 +246,10 @@ class Accuracy(MeanMetricWrapper):
         >>> m.update_state(torch.tensor([[1], [2], [3], [4]]), torch.tensor([[0], [2], [3], [4]]))
         >>> m.result()
         tensor(0.7500)
+
+    Args:
+        name: the metric's name in the logs (default ``"accuracy"``).
+        dtype: the dtype the state accumulates in (a torch dtype or its name; default float64).
     """
 
     default_name = "accuracy"
@@ -203,6 +270,14 @@ class BinaryAccuracy(MeanMetricWrapper):
         >>> m.update_state(torch.tensor([[1], [1], [0], [0]]), torch.tensor([[0.9], [0.6], [0.4], [0.8]]))
         >>> m.result()
         tensor(0.5000)
+
+    Args:
+        name: the metric's name in the logs (default ``"binary_accuracy"``).
+        dtype: the dtype the state accumulates in (a torch dtype or its name; default float64).
+        threshold: a prediction above it counts as 1 (0.0 for logits).
+
+    Raises:
+        ValueError: ``threshold`` is not a finite number.
     """
 
     default_name = "binary_accuracy"
@@ -226,6 +301,10 @@ class CategoricalAccuracy(MeanMetricWrapper):
         >>> m.update_state(torch.tensor([[0, 0, 1], [0, 1, 0]]), torch.tensor([[0.1, 0.9, 0.8], [0.05, 0.95, 0]]))
         >>> m.result()
         tensor(0.5000)
+
+    Args:
+        name: the metric's name in the logs (default ``"categorical_accuracy"``).
+        dtype: the dtype the state accumulates in (a torch dtype or its name; default float64).
     """
 
     default_name = "categorical_accuracy"
@@ -243,6 +322,10 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
         >>> acc.update_state(torch.tensor([1, 0]), torch.tensor([[0.1, 0.9], [0.2, 0.8]]))
         >>> acc.result()
         tensor(0.5000)
+
+    Args:
+        name: the metric's name in the logs (default ``"sparse_categorical_accuracy"``).
+        dtype: the dtype the state accumulates in (a torch dtype or its name; default float64).
     """
 
     default_name = "sparse_categorical_accuracy"
@@ -260,6 +343,14 @@ class TopKCategoricalAccuracy(MeanMetricWrapper):
         >>> m.update_state(torch.tensor([[0, 0, 1], [0, 1, 0]]), torch.tensor([[0.1, 0.9, 0.8], [0.05, 0.95, 0]]))
         >>> m.result()
         tensor(0.5000)
+
+    Args:
+        k: how many of the largest scores count.
+        name: the metric's name in the logs (default ``"top_k_categorical_accuracy"``).
+        dtype: the dtype the state accumulates in (a torch dtype or its name; default float64).
+
+    Raises:
+        ValueError: ``k`` is not a positive int.
     """
 
     default_name = "top_k_categorical_accuracy"
@@ -278,6 +369,14 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
         >>> m.update_state(torch.tensor([2, 1]), torch.tensor([[0.1, 0.9, 0.8], [0.05, 0.95, 0]]))
         >>> m.result()
         tensor(0.5000)
+
+    Args:
+        k: how many of the largest scores count.
+        name: the metric's name in the logs (default ``"sparse_top_k_categorical_accuracy"``).
+        dtype: the dtype the state accumulates in (a torch dtype or its name; default float64).
+
+    Raises:
+        ValueError: ``k`` is not a positive int.
     """
 
     default_name = "sparse_top_k_categorical_accuracy"

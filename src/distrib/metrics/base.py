@@ -130,6 +130,13 @@ class Metric:
         >>> p.update_state([1.0, -2.0, 3.0])
         >>> p.result()
         tensor(2.)
+
+    Args:
+        name: the metric's name in the logs; None: the class's ``default_name``, else its lower-cased name.
+        dtype: the dtype the state accumulates in (a ``torch.dtype`` or its name, ``"float32"``); None: float64.
+
+    Raises:
+        ValueError: ``dtype`` is neither a torch dtype nor the name of one.
     """
 
     _state_names: tuple[str, ...] = ()
@@ -157,6 +164,12 @@ class Metric:
         Done automatically when the metric is updated inside ``strategy.run`` or
         ``strategy.scope()``; ``ds.fit`` does it for the metric objects it is given.
         A metric already tied to another (non-default) strategy raises ValueError.
+
+        Args:
+            strategy: the strategy whose workers ``result()`` sums over.
+
+        Raises:
+            ValueError: the metric is already tied to another (non-default) strategy.
         """
         if strategy is self._strategy or strategy is context.default_strategy():
             return
@@ -184,16 +197,33 @@ class Metric:
                 state.add_(v.detach().to(state.device, state.dtype))
 
     def deltas(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """How much each state grows for these inputs (``update_state``'s arguments); the state is untouched."""
+        """How much each state grows for these inputs (``update_state``'s arguments); the state is untouched.
+
+        Args:
+            *args: ``update_state``'s positional arguments.
+            **kwargs: ``update_state``'s keyword arguments.
+
+        Returns:
+            State name -> how much it grows.
+        """
         raise NotImplementedError
 
     def update_state(self, *args: Any, **kwargs: Any) -> None:
-        """Accumulate the inputs (Keras' argument order, e.g. ``y_true, y_pred, sample_weight=None``)."""
+        """Accumulate the inputs (Keras' argument order, e.g. ``y_true, y_pred, sample_weight=None``).
+
+        Args:
+            *args: the inputs (``values`` for ``Mean``; ``y_true, y_pred`` for the accuracies).
+            **kwargs: ``sample_weight=`` and the like.
+        """
         self.set_strategy(context.get_strategy())
         self._add(**self.deltas(*args, **kwargs))
 
     def merge_deltas(self, deltas: dict[str, torch.Tensor]) -> None:
-        """Add state deltas computed elsewhere (by ``deltas``) into this metric."""
+        """Add state deltas computed elsewhere (by ``deltas``) into this metric.
+
+        Args:
+            deltas: state name -> how much it grows, as ``deltas`` returns.
+        """
         self._add(**deltas)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -214,6 +244,9 @@ class Metric:
         """The metric over everything seen by every replica of every worker since the last reset (0-d float32, CPU).
 
         Under several workers this is a collective: every worker must call it.
+
+        Returns:
+            The metric's value, the same on every worker.
         """
         with self._lock:
             state = {k: v.clone() for k, v in self._state.items()}
@@ -222,7 +255,11 @@ class Metric:
         return self._compute(state).to(torch.float32).cpu()
 
     def local_result(self) -> torch.Tensor:
-        """The metric over this worker's replicas only: no collective, for per-step progress display."""
+        """The metric over this worker's replicas only: no collective, for per-step progress display.
+
+        Returns:
+            The metric's value over this worker's updates.
+        """
         with self._lock:
             state = {k: v.clone() for k, v in self._state.items()}
         return self._compute(state).to(torch.float32).cpu()
@@ -246,11 +283,22 @@ class Metric:
         return self.local_result() if context.current_replica() is not None else self.result()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The state tensors (this worker's, on the CPU): what ``ds.Checkpoint`` saves."""
+        """The state tensors (this worker's, on the CPU): what ``ds.Checkpoint`` saves.
+
+        Returns:
+            State name -> a copy of its tensor.
+        """
         return {k: v.detach().cpu().clone() for k, v in self._state.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore the state tensors saved by :meth:`state_dict`."""
+        """Restore the state tensors saved by :meth:`state_dict`.
+
+        Args:
+            state: what ``state_dict()`` returned.
+
+        Raises:
+            ValueError: ``state`` lacks one of this metric's states.
+        """
         missing = set(self._state) - set(state)
         if missing:
             raise ValueError(f"metric {self.name!r}: the saved state lacks {sorted(missing)}")
@@ -266,12 +314,23 @@ class Metric:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def get_config(self) -> dict[str, Any]:
-        """What rebuilds this metric with :meth:`from_config` (Keras' config: ``name``, ``dtype``, options)."""
+        """What rebuilds this metric with :meth:`from_config` (Keras' config: ``name``, ``dtype``, options).
+
+        Returns:
+            ``{"name": ..., "dtype": ...}`` and the metric's own options.
+        """
         return {"name": self.name, "dtype": str(self.dtype).replace("torch.", "")}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Metric:
-        """A new metric (empty state) from :meth:`get_config`'s dictionary."""
+        """A new metric (empty state) from :meth:`get_config`'s dictionary.
+
+        Args:
+            config: what ``get_config()`` returned.
+
+        Returns:
+            A new metric of this class.
+        """
         return cls(**config)
 
     def __repr__(self) -> str:

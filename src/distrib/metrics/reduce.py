@@ -29,6 +29,15 @@ class Mean(Metric):
     default_name = "mean"
 
     def deltas(self, values: Any, sample_weight: Any = None) -> dict[str, torch.Tensor]:
+        """What ``update_state(values, sample_weight)`` adds, without adding it.
+
+        Args:
+            values: the values to average (a tensor, a number or a list).
+            sample_weight: a weight per value (broadcast to ``values``' shape); None: 1 each.
+
+        Returns:
+            ``{"total": weighted sum, "count": sum of the weights}``.
+        """
         total, count = weighted_total(values, sample_weight, reduce="mean")
         return {"total": total, "count": count}
 
@@ -51,6 +60,15 @@ class Sum(Metric):
     default_name = "sum"
 
     def deltas(self, values: Any, sample_weight: Any = None) -> dict[str, torch.Tensor]:
+        """What ``update_state(values, sample_weight)`` adds, without adding it.
+
+        Args:
+            values: the values to sum.
+            sample_weight: a weight per value (broadcast to ``values``' shape); None: 1 each.
+
+        Returns:
+            ``{"total": the weighted sum}``.
+        """
         return {"total": weighted_total(values, sample_weight, reduce="sum")[0]}
 
     def _compute(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -79,6 +97,12 @@ class MeanMetricWrapper(Mean):
         >>> mae.update_state(torch.tensor([1.0, 2.0]), torch.tensor([1.5, 2.0]))
         >>> mae.result()
         tensor(0.2500)
+
+    Args:
+        fn: ``fn(y_true, y_pred, **kwargs)``, returning a value per example (or per element).
+        name: the metric's name in the logs (default: ``fn``'s name).
+        dtype: the dtype the state accumulates in (a torch dtype or its name; default float64).
+        **kwargs: passed to ``fn`` on every call (``k=``, ``threshold=``).
     """
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None, dtype: Any = None, **kwargs: Any) -> None:
@@ -87,12 +111,30 @@ class MeanMetricWrapper(Mean):
         self._fn_kwargs = kwargs
 
     def matches(self, y_true: Any, y_pred: Any) -> torch.Tensor:
-        """The values this metric averages for one batch (``fn(y_true, y_pred, **kwargs)``)."""
+        """The values this metric averages for one batch (``fn(y_true, y_pred, **kwargs)``).
+
+        Args:
+            y_true: the labels.
+            y_pred: the predictions.
+
+        Returns:
+            ``fn(y_true, y_pred, **kwargs)`` as a tensor.
+        """
         return torch.as_tensor(self._fn(torch.as_tensor(y_true), torch.as_tensor(y_pred), **self._fn_kwargs))
 
     def deltas(  # type: ignore[override]
         self, y_true: Any, y_pred: Any, sample_weight: Any = None
     ) -> dict[str, torch.Tensor]:
+        """What ``update_state(y_true, y_pred, sample_weight)`` adds, without adding it.
+
+        Args:
+            y_true: the labels.
+            y_pred: the predictions.
+            sample_weight: a weight per example; None: 1 each.
+
+        Returns:
+            ``{"total": ..., "count": ...}``, as ``Mean.deltas`` of :meth:`matches`.
+        """
         return super().deltas(self.matches(y_true, y_pred), sample_weight)
 
     def get_config(self) -> dict[str, Any]:
@@ -100,5 +142,8 @@ class MeanMetricWrapper(Mean):
 
         The metric classes built on this wrapper rebuild from it with ``from_config``; a
         wrapper of your own function is rebuilt by calling it again with the function.
+
+        Returns:
+            ``{"name": ..., "dtype": ..., **kwargs}``.
         """
         return {**super().get_config(), **self._fn_kwargs}

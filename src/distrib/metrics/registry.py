@@ -83,6 +83,16 @@ def get(identifier: Any, *, binary_threshold: float = 0.5) -> Metric:
         SparseTopKCategoricalAccuracy(name='sparse_top_k_categorical_accuracy')
         >>> get("acc").name
         'accuracy'
+
+    Args:
+        identifier: a name, a ``Metric`` class or instance, or a function ``fn(y_true, y_pred)``.
+        binary_threshold: the threshold of a binary accuracy made from a name.
+
+    Returns:
+        The metric (``identifier`` itself when it is already one).
+
+    Raises:
+        ValueError: an unknown name, or a torchmetrics metric (it keeps its own state; ``fit`` merges deltas).
     """
     if isinstance(identifier, Metric):
         return identifier
