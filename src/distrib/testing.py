@@ -30,7 +30,11 @@ _in_process: dict[int, list[Any]] = {}
 
 
 def pick_unused_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
+    """A TCP port on loopback that nothing listens on right now.
+
+    Returns:
+        A port number that was free when asked (another process may take it afterwards).
+    """
     return free_ports(1)[0]
 
 
@@ -70,6 +74,20 @@ def create_in_process_cluster(
         >>> sorted(resolver.cluster_spec().jobs), resolver.task_type
         (['chief', 'ps', 'worker'], 'chief')
         >>> ds.testing.stop_in_process_cluster(resolver)
+
+    Args:
+        num_workers: how many worker servers, at least 1.
+        num_ps: how many ps servers, at least 1.
+        has_chief: list a ``chief`` task (this process) in the cluster; False: this process is worker 0's
+            address in the resolver.
+        token: the cluster token; None: ``DISTRIB_CLUSTER_TOKEN``, else a fresh secret.
+        worker_device: the device the workers compute on (``"cpu"``, ``"cuda:0"``); None: their GPU if any.
+
+    Returns:
+        The chief's resolver, to give to ``ds.ParameterServerStrategy``.
+
+    Raises:
+        ValueError: ``num_workers`` or ``num_ps`` is below 1.
     """
     from distrib.parameter_server.server.server import Server
     from distrib.parameter_server.transport.rpc import TOKEN_ENV
@@ -86,7 +104,11 @@ def create_in_process_cluster(
 
 
 def stop_in_process_cluster(resolver: SimpleClusterResolver) -> None:
-    """Stop the servers started by :func:`create_in_process_cluster` for ``resolver``."""
+    """Stop the servers started by :func:`create_in_process_cluster` for ``resolver``.
+
+    Args:
+        resolver: what :func:`create_in_process_cluster` returned (another resolver stops nothing).
+    """
     for server in _in_process.pop(id(resolver), []):
         server.stop(grace=0)
 
@@ -105,6 +127,17 @@ class LocalCluster:
         ...     strategy = ds.ParameterServerStrategy(cluster.resolver(), token=cluster.token)
         ...     cluster.kill("worker", 1); cluster.start_task("worker", 1)
         ...     cluster.send_signal("worker", 0, signal.SIGSTOP)  # a hung worker
+
+    Args:
+        num_workers: how many worker processes, at least 1.
+        num_ps: how many ps processes, at least 1.
+        token: the cluster token; None: a fresh secret (``cluster.token``).
+        env: variables set in every child's environment, over this process's.
+        torch_threads: ``OMP_NUM_THREADS`` of each child; None: left as inherited.
+        log_dir: the folder of the children's logs; None: a temporary one, removed by :meth:`stop`.
+
+    Raises:
+        ValueError: ``num_workers`` or ``num_ps`` is below 1.
     """
 
     def __init__(
@@ -134,11 +167,26 @@ class LocalCluster:
             raise
 
     def resolver(self) -> SimpleClusterResolver:
-        """The chief's resolver (this process)."""
+        """The chief's resolver (this process).
+
+        Returns:
+            A ``SimpleClusterResolver`` of the cluster, task ``chief`` 0.
+        """
         return SimpleClusterResolver(ClusterSpec(self.cluster), "chief", 0)
 
     def start_task(self, job: str, index: int) -> subprocess.Popen:
-        """Start (or restart) one task's process."""
+        """Start (or restart) one task's process.
+
+        Args:
+            job: ``"ps"`` or ``"worker"``.
+            index: the task's index in its job.
+
+        Returns:
+            The child process.
+
+        Raises:
+            RuntimeError: that task is still running.
+        """
         from distrib.parameter_server.transport.rpc import TOKEN_ENV
 
         old = self._procs.get((job, index))
@@ -165,32 +213,74 @@ class LocalCluster:
         return proc
 
     def kill(self, job: str, index: int) -> None:
-        """Kill one task's process (SIGKILL: no clean shutdown, as a crash would)."""
+        """Kill one task's process (SIGKILL: no clean shutdown, as a crash would).
+
+        Args:
+            job: ``"ps"`` or ``"worker"``.
+            index: the task's index in its job.
+        """
         proc = self._procs.get((job, index))
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
 
     def send_signal(self, job: str, index: int, sig: int) -> None:
-        """Send ``sig`` to one task's process: e.g. ``signal.SIGSTOP`` to hang it, ``signal.SIGCONT`` to resume it."""
+        """Send ``sig`` to one task's process: e.g. ``signal.SIGSTOP`` to hang it, ``signal.SIGCONT`` to resume it.
+
+        Args:
+            job: ``"ps"`` or ``"worker"``.
+            index: the task's index in its job.
+            sig: the signal (``signal.SIGSTOP``, ``signal.SIGTERM``, ...).
+
+        Raises:
+            RuntimeError: the task is not running.
+        """
         proc = self._procs.get((job, index))
         if proc is None or proc.poll() is not None:
             raise RuntimeError(f"/job:{job}/task:{index} is not running")
         proc.send_signal(sig)
 
     def pid(self, job: str, index: int) -> int:
-        """The process id of one task (to measure its memory, for example)."""
+        """The process id of one task (to measure its memory, for example).
+
+        Args:
+            job: ``"ps"`` or ``"worker"``.
+            index: the task's index in its job.
+
+        Returns:
+            The task's process id.
+
+        Raises:
+            KeyError: the task was never started.
+        """
         proc = self._procs.get((job, index))
         if proc is None:
             raise KeyError(f"/job:{job}/task:{index} was never started")
         return proc.pid
 
     def alive(self, job: str, index: int) -> bool:
+        """Whether one task's process is running.
+
+        Args:
+            job: ``"ps"`` or ``"worker"``.
+            index: the task's index in its job.
+
+        Returns:
+            True while the process has not exited.
+        """
         proc = self._procs.get((job, index))
         return proc is not None and proc.poll() is None
 
     def log(self, job: str, index: int) -> str:
-        """What the task has printed so far."""
+        """What the task has printed so far.
+
+        Args:
+            job: ``"ps"`` or ``"worker"``.
+            index: the task's index in its job.
+
+        Returns:
+            The task's log (``""`` before it wrote any).
+        """
         try:
             with open(os.path.join(self.log_dir, f"{job}-{index}.log"), encoding="utf-8", errors="replace") as f:
                 return f.read()
@@ -198,7 +288,15 @@ class LocalCluster:
             return ""
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Return once every task answers a health check; RuntimeError (with its log) if one died."""
+        """Return once every task answers a health check; RuntimeError (with its log) if one died.
+
+        Args:
+            timeout: seconds to wait for all of them.
+
+        Raises:
+            RuntimeError: a task exited.
+            TimeoutError: a task did not answer within ``timeout``.
+        """
         from distrib.parameter_server.errors import PeerUnavailableError
         from distrib.parameter_server.transport import wire
         from distrib.parameter_server.transport.rpc import PS_SERVICE, WORKER_SERVICE, Connection
