@@ -26,7 +26,8 @@ STEPS = 12
 def _dataset_fn(input_context):
     g = torch.Generator().manual_seed(1 + input_context.input_pipeline_id)
     while True:
-        yield torch.randint(0, 10, (16,), generator=g), torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,))
+        x = torch.randn(16, 8, generator=g)
+        yield torch.randint(0, 10, (16,), generator=g), x, x[:, :4].argmax(1)  # learnable: the largest of 4
 
 
 def _train(worker_device: str) -> tuple[list[float], list[str], list[torch.Tensor]]:
@@ -36,7 +37,9 @@ def _train(worker_device: str) -> tuple[list[float], list[str], list[torch.Tenso
         torch.manual_seed(0)
         with strategy.scope():
             embedding = nn.Embedding(10, 8, sparse=True)
-            model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+            # no bias before the BatchNorm: its gradient is 0 up to rounding, whose sign Adagrad's normalised
+            # step turns into +-lr, differently on each device (measured: 0.19 apart after one step)
+            model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
             optimizer = torch.optim.Adagrad([*embedding.parameters(), *model.parameters()], lr=0.1)
         coordinator = ds.coordinator.ClusterCoordinator(strategy)
         iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn))
@@ -69,6 +72,6 @@ def test_a_worker_computes_on_its_device_and_trains_as_on_the_cpu(device):
     cpu_losses, cpu_where, cpu_params = _train("cpu")
     assert set(cpu_where) == {"cpu cpu"}
     assert max(abs(a - b) for a, b in zip(losses, cpu_losses)) < 1e-5, (losses, cpu_losses)
-    assert losses[-1] < losses[0]
+    assert sum(losses[-3:]) < sum(losses[:3])  # it learns
     assert all(p.device.type == "cpu" for p in params)  # results come back to the coordinator's host
     assert max(float((a - b).abs().max()) for a, b in zip(params, cpu_params)) < 1e-5
