@@ -61,6 +61,16 @@ class Strategy(abc.ABC):
 
     Abstract: see :class:`~distrib.MirroredStrategy` for a runnable example, and the module
     docstring for what a strategy must decide.
+
+    Args:
+        devices: each local replica's device (None: tensors stay where they are); at least one.
+        communicator: the collectives to the other workers; None: none (a single process).
+        cluster_resolver: the cluster of a multi-worker strategy; None for a single process.
+        device_names: TF-style names of the devices (``"/job:worker/replica:0/task:0/device:GPU:0"``) for
+            ``extended.worker_devices``; None: derived from ``devices``.
+
+    Raises:
+        ValueError: ``devices`` is empty.
     """
 
     #: True where ``fit`` must schedule steps through a ``ClusterCoordinator`` (parameter servers).
@@ -89,27 +99,66 @@ class Strategy(abc.ABC):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
     ) -> Any:
         """Call ``fn`` once per local replica (``run``'s work, after its checks): the plain result with one
-        local replica, else a structure of :class:`~distrib.PerReplica` (TF's ``extended.call_for_each_replica``)."""
+        local replica, else a structure of :class:`~distrib.PerReplica` (TF's ``extended.call_for_each_replica``).
+
+        Args:
+            fn: the step function.
+            args: positional arguments of ``fn`` (``PerReplica`` ones are split per replica).
+            kwargs: keyword arguments of ``fn``.
+            options: ``RunOptions``.
+
+        Returns:
+            ``fn``'s result, or a structure of ``PerReplica`` with several local replicas.
+        """
 
     @abc.abstractmethod
     def distribute_module(self, module: torch.nn.Module) -> None:
-        """Take over a root module built in this strategy's scope, once it is complete (place, copy, shard, ...)."""
+        """Take over a root module built in this strategy's scope, once it is complete (place, copy, shard, ...).
+
+        Args:
+            module: the root module.
+        """
 
     @abc.abstractmethod
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take over an optimizer built in this strategy's scope (the modules built before it are distributed)."""
+        """Take over an optimizer built in this strategy's scope (the modules built before it are distributed).
+
+        Args:
+            optimizer: the optimizer.
+        """
 
     @abc.abstractmethod
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
-        """Distribute ``dataset``'s global batches over the replicas in sync."""
+        """Distribute ``dataset``'s global batches over the replicas in sync.
+
+        Args:
+            dataset: an iterable of global batches (a ``DataLoader``, a list, a generator).
+            options: ``ds.InputOptions``, or None for the defaults.
+
+        Returns:
+            An iterable whose elements are this worker's batches, split per replica (``PerReplica`` with several).
+        """
 
     @abc.abstractmethod
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None) -> Any:
-        """Call ``dataset_fn(input_context)`` for this worker's input pipeline."""
+        """Call ``dataset_fn(input_context)`` for this worker's input pipeline.
+
+        Args:
+            dataset_fn: ``input_context -> iterable`` of this worker's per-worker batches (``ds.InputContext``
+                gives the worker's index and the per-replica batch size).
+            options: ``ds.InputOptions``, or None for the defaults.
+
+        Returns:
+            An iterable of this worker's batches, split per replica.
+        """
 
     @abc.abstractmethod
     def step_executor(self) -> StepExecutor:
-        """How ``fit``/``evaluate``/``predict`` run a step under this strategy (``strategies/execution.py``)."""
+        """How ``fit``/``evaluate``/``predict`` run a step under this strategy (``strategies/execution.py``).
+
+        Returns:
+            The executor that runs the loops' steps.
+        """
 
     @property
     def gradient_merge(self) -> GradientMerge | None:
@@ -216,6 +265,12 @@ class Strategy(abc.ABC):
 
             >>> import distrib as ds
             >>> ds.MirroredStrategy(["cpu:0", "cpu:1"]).barrier()  # one worker: returns at once
+
+        Args:
+            timeout: seconds to wait at most; None: the communicator's timeout.
+
+        Raises:
+            CollectiveError: a worker did not arrive in time, or died.
         """
         self._communicator.barrier(timeout)
 
@@ -227,6 +282,9 @@ class Strategy(abc.ABC):
         """Make this the current strategy; modules and optimizers built inside are distributed.
 
         The returned object can be entered again (``s = strategy.scope(); with s: ...; with s: ...``).
+
+        Returns:
+            A re-enterable context manager that yields this strategy.
         """
         return ReusableScope(self._capturing_scope)
 
@@ -254,7 +312,11 @@ class Strategy(abc.ABC):
             self.distribute_module(root)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer was built in the scope: distribute the modules built before it, then the optimizer."""
+        """An optimizer was built in the scope: distribute the modules built before it, then the optimizer.
+
+        Args:
+            optimizer: the optimizer just built.
+        """
         self.claim_modules()
         self.distribute_optimizer(optimizer)
 
@@ -270,6 +332,18 @@ class Strategy(abc.ABC):
 
         Returns the plain result when this process has one replica, else a structure
         whose leaves are :class:`~distrib.PerReplica`. ``options``: see :class:`RunOptions`.
+
+        Args:
+            fn: the step function, called once per local replica in its replica context.
+            args: positional arguments of ``fn``; a ``PerReplica`` gives each replica its element.
+            kwargs: keyword arguments of ``fn``, split the same way.
+            options: ``RunOptions``, or None.
+
+        Returns:
+            ``fn``'s result with one local replica, else a structure of ``PerReplica``.
+
+        Raises:
+            RuntimeError: called inside a replica function.
         """
         if context.current_replica() is not None:
             raise RuntimeError("strategy.run() was called inside a replica function; call it from the training loop")
@@ -287,7 +361,17 @@ class Strategy(abc.ABC):
         kwargs: dict[str, Any] | None = None,
         options: RunOptions | None = None,
     ) -> Any:
-        """TF's older name of :meth:`run` (deprecated there, kept for ported code)."""
+        """TF's older name of :meth:`run` (deprecated there, kept for ported code).
+
+        Args:
+            fn: as :meth:`run`'s.
+            args: as :meth:`run`'s.
+            kwargs: as :meth:`run`'s.
+            options: as :meth:`run`'s.
+
+        Returns:
+            What :meth:`run` returns.
+        """
         _deprecated("experimental_run_v2", "run")
         return self.run(fn, args, kwargs, options)
 
@@ -301,6 +385,12 @@ class Strategy(abc.ABC):
             >>> v = s.experimental_distribute_values_from_function(lambda ctx: torch.tensor(ctx.replica_id_in_sync_group))
             >>> s.experimental_local_results(v)
             (tensor(0), tensor(1))
+
+        Args:
+            value_fn: ``ValueContext -> value``, called once per local replica.
+
+        Returns:
+            A ``PerReplica`` of the values (the value itself with one replica).
         """
         first = self.data_worker_index * self.num_local_replicas
         values = [
@@ -320,12 +410,23 @@ class Strategy(abc.ABC):
 
         Strategies whose parameters live elsewhere (sharded on parameter servers)
         gather them here. Called on every worker; only the chief writes.
+
+        Args:
+            obj: a module, an optimizer, or any object with ``state_dict``.
+
+        Returns:
+            ``obj``'s state dict with whole tensors.
         """
         return obj.state_dict()
 
     def restore_checkpoint_state(self, obj: Any, state: Any) -> None:
         """Load ``state`` into ``obj``: whole tensors (:meth:`checkpoint_state`'s, under any strategy), or tensors
-        laid out as :meth:`local_checkpoint_state`'s (a sharded checkpoint read back into this strategy)."""
+        laid out as :meth:`local_checkpoint_state`'s (a sharded checkpoint read back into this strategy).
+
+        Args:
+            obj: a module, an optimizer, or any object with ``load_state_dict``.
+            state: the state to load.
+        """
         obj.load_state_dict(state)
 
     @property
@@ -338,12 +439,26 @@ class Strategy(abc.ABC):
 
     def local_checkpoint_state(self, obj: Any) -> Any:
         """``obj``'s state as this worker holds it, without gathering (a sharded strategy's ``DTensor`` shards):
-        what a ``"sharded"`` checkpoint writes, and what a restore keeps to roll back. The whole state here."""
+        what a ``"sharded"`` checkpoint writes, and what a restore keeps to roll back. The whole state here.
+
+        Args:
+            obj: a module, an optimizer, or any object with ``state_dict``.
+
+        Returns:
+            ``obj``'s state dict as this worker holds it.
+        """
         return self.checkpoint_state(obj)
 
     # ------------------------------------------------------------------ reductions
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The values of ``value`` on this process's replicas, as a tuple."""
+        """The values of ``value`` on this process's replicas, as a tuple.
+
+        Args:
+            value: a ``PerReplica`` (or a structure of them), or a plain value.
+
+        Returns:
+            One element per local replica (a plain value: a tuple of itself).
+        """
         if isinstance(value, PerReplica):
             return value.values
         if _contains_per_replica(value):
@@ -357,6 +472,17 @@ class Strategy(abc.ABC):
         along those dimensions, ``MEAN`` then dividing by the true number of elements
         (uneven and empty per-replica batches are counted exactly). Structures (tuples,
         dicts) keep their structure. ``reduce_op`` may be a name in any case (``"sum"``).
+
+        Args:
+            reduce_op: ``ds.ReduceOp.SUM`` or ``ds.ReduceOp.MEAN`` (or ``"SUM"``/``"MEAN"``).
+            value: what ``run`` returned: a ``PerReplica``, a plain tensor, or a structure of them.
+            axis: None, a dimension, or a tuple of dimensions to reduce along as well.
+
+        Returns:
+            The reduced value (tensors on the first local device), the same on every worker.
+
+        Raises:
+            RuntimeError: called inside a replica function.
         """
         op = parse_reduce_op(reduce_op)
         if context.current_replica() is not None:
@@ -368,7 +494,18 @@ class Strategy(abc.ABC):
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate a per-replica ``value`` (any structure of them) along ``axis`` over every replica of every
-        worker; sizes along ``axis`` may differ between replicas."""
+        worker; sizes along ``axis`` may differ between replicas.
+
+        Args:
+            value: what ``run`` returned: a ``PerReplica``, a plain tensor, or a structure of them.
+            axis: the dimension to concatenate along.
+
+        Returns:
+            The concatenated value, the same on every worker.
+
+        Raises:
+            RuntimeError: called inside a replica function.
+        """
         if context.current_replica() is not None:
             raise RuntimeError(
                 "strategy.gather() is a cross-replica call; inside run use ds.get_replica_context().all_gather()"
@@ -380,7 +517,15 @@ class Strategy(abc.ABC):
     def experimental_distribute_datasets_from_function(
         self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
     ) -> Any:
-        """TF's older name of :meth:`distribute_datasets_from_function` (deprecated there, kept for ported code)."""
+        """TF's older name of :meth:`distribute_datasets_from_function` (deprecated there, kept for ported code).
+
+        Args:
+            dataset_fn: as :meth:`distribute_datasets_from_function`'s.
+            options: as :meth:`distribute_datasets_from_function`'s.
+
+        Returns:
+            What :meth:`distribute_datasets_from_function` returns.
+        """
         _deprecated("experimental_distribute_datasets_from_function", "distribute_datasets_from_function")
         return self.distribute_datasets_from_function(dataset_fn, options)
 

@@ -89,6 +89,33 @@ class ShardedStrategy(Strategy):
     them whole on every worker and shards them when the scope closes.
     ``cluster_resolver``, ``communication_options`` and ``devices`` are ``MultiWorkerMirroredStrategy``'s
     (one device per process).
+
+    Args:
+        cluster_resolver: the cluster; None: from the environment (``TF_CONFIG``, torchrun, Slurm), else one worker.
+        communication_options: the collectives' options (timeout, bucket size, backend).
+        devices: this process's one device (``["cuda:0"]``, ``["cpu"]``); None: its GPU, else the CPU.
+        sharding_policy: which blocks become units; None: ``ShardingPolicy()`` (by size).
+        reshard_after_forward: free the gathered parameters after the forward pass (ZeRO-3); False keeps
+            them until backward (ZeRO-2-like: more memory, one gather less).
+        mixed_precision: ``"bf16-mixed"``, ``"16-mixed"``, ``"32"`` or None.
+        checkpoint_format: ``"sharded"`` or ``"plain"``.
+        deferred_init: build modules in the scope without data and initialise them shard by shard.
+
+    Raises:
+        ValueError: ``checkpoint_format`` or ``mixed_precision`` is not one of the values above, more than one
+            device per process, or CUDA devices whose workers fell back to gloo.
+
+    Examples:
+        On each worker process (``distrib launch``, or torchrun), as under any strategy:
+
+        ```python
+        strategy = ds.ShardedStrategy()
+        with strategy.scope():
+            model = make_model()  # built shard by shard: never whole on one worker
+            optimizer = torch.optim.AdamW(model.parameters())
+        for batch in strategy.experimental_distribute_dataset(loader):
+            strategy.run(train_step, args=(batch,))
+        ```
     """
 
     def __init__(
@@ -181,7 +208,14 @@ class ShardedStrategy(Strategy):
 
         A module built under deferred initialisation holds no data yet: it is sharded on the meta device,
         allocated (``to_empty``), and each parameter's rows are filled from the recorded build, one tensor
-        at a time (strategies/deferred_init.py); the workers then agree on the chief's values."""
+        at a time (strategies/deferred_init.py); the workers then agree on the chief's values.
+
+        Args:
+            module: a root module built under ``strategy.scope()``.
+
+        Raises:
+            ValueError: a submodule of ``module`` belongs to another strategy or another scope block.
+        """
         owner = context.owner_of(module)
         if owner is self:
             return
@@ -251,7 +285,14 @@ class ShardedStrategy(Strategy):
         return units
 
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer`` update the shards: parameters it took before sharding are replaced by theirs."""
+        """Make ``optimizer`` update the shards: parameters it took before sharding are replaced by theirs.
+
+        Args:
+            optimizer: an optimizer built under ``strategy.scope()``.
+
+        Raises:
+            ValueError: some of its parameters are not sharded (a module built outside the scope).
+        """
         context.set_owner(optimizer, self)
         for group in optimizer.param_groups:
             group["params"] = [self._shard_of(p) for p in group["params"]]
@@ -286,21 +327,43 @@ class ShardedStrategy(Strategy):
             self.warn_if_loss_unscaled([ctx.scaled_loss_recorded])
 
     def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
-        """Warn once (``ds.UnscaledLossWarning``) when several workers step on a loss not scaled by the global batch."""
+        """Warn once (``ds.UnscaledLossWarning``) when several workers step on a loss not scaled by the global batch.
+
+        Args:
+            scaled: per replica, whether its step's loss went through ``ds.compute_average_loss``.
+        """
         self._unscaled_loss.warn_if_unscaled(scaled, self.num_replicas_in_sync, stacklevel=4)
 
     # ------------------------------------------------------------------ run, input, fit
     def call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
     ) -> Any:
-        """``fn`` once, in place (one replica per worker); FSDP's collectives inside it fail as CollectiveError."""
+        """``fn`` once, in place (one replica per worker); FSDP's collectives inside it fail as CollectiveError.
+
+        Args:
+            fn: the step function.
+            args: positional arguments of ``fn``.
+            kwargs: keyword arguments of ``fn``.
+            options: ``RunOptions``.
+
+        Returns:
+            What ``fn`` returns.
+        """
         self._unscaled_loss.options = options
         return self.communicator.guarded(
             "a sharded step (FSDP's all-gather / reduce-scatter)", lambda: run_in_place(self._replica, fn, args, kwargs)
         )
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DistributedDataset:
-        """As ``MultiWorkerMirroredStrategy``: each global batch split over the workers."""
+        """As ``MultiWorkerMirroredStrategy``: each global batch split over the workers.
+
+        Args:
+            dataset: an iterable of global batches.
+            options: ``ds.InputOptions``, or None.
+
+        Returns:
+            A distributed dataset whose batches are this worker's share of each global batch.
+        """
         from distrib.input import DistributedDataset
 
         return DistributedDataset(dataset, self, options=options)
@@ -308,13 +371,25 @@ class ShardedStrategy(Strategy):
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
     ) -> DistributedDatasetsFromFunction:
-        """As ``MultiWorkerMirroredStrategy``: ``dataset_fn(input_context)`` once per worker."""
+        """As ``MultiWorkerMirroredStrategy``: ``dataset_fn(input_context)`` once per worker.
+
+        Args:
+            dataset_fn: ``input_context -> iterable`` of this worker's batches.
+            options: ``ds.InputOptions``, or None.
+
+        Returns:
+            A distributed dataset over what ``dataset_fn`` returns.
+        """
         from distrib.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(dataset_fn, self, options=options)
 
     def step_executor(self) -> StepExecutor:
-        """``fit`` runs ``strategy.run`` on each global batch, as under the synchronous strategies."""
+        """``fit`` runs ``strategy.run`` on each global batch, as under the synchronous strategies.
+
+        Returns:
+            The synchronous step executor.
+        """
         from distrib.strategies.execution import SynchronousExecutor
 
         return SynchronousExecutor(self)
@@ -328,17 +403,36 @@ class ShardedStrategy(Strategy):
         return self._checkpoint_format if self.num_workers > 1 else "plain"
 
     def local_checkpoint_state(self, obj: Any) -> Any:
-        """``obj.state_dict()`` as it is here: parameters and optimizer state are this worker's ``DTensor`` shards."""
+        """``obj.state_dict()`` as it is here: parameters and optimizer state are this worker's ``DTensor`` shards.
+
+        Args:
+            obj: a module or optimizer of this strategy (or any object with ``state_dict``).
+
+        Returns:
+            ``obj.state_dict()``, with ``DTensor`` shards.
+        """
         return obj.state_dict()
 
     def checkpoint_state(self, obj: Any) -> Any:
-        """Torch's plain ``state_dict()`` of ``obj``, every shard gathered (on every worker: a collective)."""
+        """Torch's plain ``state_dict()`` of ``obj``, every shard gathered (on every worker: a collective).
+
+        Args:
+            obj: a module or optimizer of this strategy (or any object with ``state_dict``).
+
+        Returns:
+            ``obj``'s state dict with whole tensors.
+        """
         return self.communicator.guarded(
             "gathering the shards for a checkpoint", lambda: _fsdp().full_state(obj.state_dict())
         )
 
     def restore_checkpoint_state(self, obj: Any, state: Any) -> None:
-        """Load a plain state (of any strategy, any number of workers) into ``obj``, split into this worker's shards."""
+        """Load a plain state (of any strategy, any number of workers) into ``obj``, split into this worker's shards.
+
+        Args:
+            obj: a module or optimizer of this strategy.
+            state: a plain state dict (whole tensors).
+        """
         if isinstance(obj, torch.optim.Optimizer):
             params = optimizer_params(obj)
             like = {
