@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 # benchmarks/ is on sys.path
-from gpu import Forever, Variant, device_batches, main_job, plain_eager, seeded_main_job_step
+from gpu import Forever, Variant, compiled, device_batches, main_job, plain_eager, seeded_main_job_step
 from torch import nn
 
 import distrib as ds
@@ -113,18 +113,21 @@ class Decoder(nn.Module):
         return self.norm(h) @ self.tok.weight.T
 
 
-def gpt_job(device: torch.device, spec: tuple[int, int, int, int], use_function: bool) -> tuple[Step, ds.Strategy]:
+def gpt_job(
+    device: torch.device, spec: tuple[int, int, int, int], use_function: bool, compile_backend: str | None = None
+) -> tuple[Step, ds.Strategy]:
     layers, width, seq, batch = spec
     strategy = ds.OneDeviceStrategy(str(device))
     torch.manual_seed(0)
     with strategy.scope():
         model = Decoder(8192, width, layers, max(1, width // 64), seq)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    forward = compiled(model, compile_backend) if compile_backend else model
     total = torch.zeros((), device=device)
 
     def replica(ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(ids[:, :-1])
+            logits = forward(ids[:, :-1])
             per_token = (
                 F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
                 .view(ids.shape[0], -1)
@@ -235,6 +238,12 @@ def main() -> None:
             args.large_steps,
         )
         builders[f"one_device_function/b{large}"] = (lambda: function_job(device, large), large, args.large_steps)
+        if cuda and args.compile and args.only != "hand_graph":
+            builders[f"compiled_model/b{large}"] = (
+                lambda: main_job("one_device", device, "fp32", "inductor", large),
+                large,
+                args.large_steps,
+            )
     gpt = tuple(int(v) for v in args.gpt.split(",")) if args.gpt else None
     gpt_data: Forever | None = None
     if gpt is not None:
@@ -243,6 +252,12 @@ def main() -> None:
         gpt_data = Forever([torch.randint(0, 8192, (gpt[3], gpt[2] + 1), generator=g).to(device) for _ in range(4)])
         builders["gpt_bf16/one_device"] = (lambda: gpt_job(device, gpt, False), gpt[3], args.gpt_steps)
         builders["gpt_bf16/one_device_function"] = (lambda: gpt_job(device, gpt, True), gpt[3], args.gpt_steps)
+        if cuda and args.compile and args.only != "hand_graph":
+            builders["gpt_bf16/compiled_model"] = (
+                lambda: gpt_job(device, gpt, False, "inductor"),
+                gpt[3],
+                args.gpt_steps,
+            )
     if args.only == "hand_graph":  # its own process: see --only
         first = data(small).batches[0]
         builders = {
@@ -278,7 +293,9 @@ def main() -> None:
         "function_vs_hand_graph": ratio("one_device_function", "hand_graph"),
         "function_vs_compiled_model": ratio("one_device_function", "compiled_model"),
         f"function_vs_eager_b{large}": ratio(f"one_device_function/b{large}", f"one_device/b{large}"),
+        f"function_vs_compiled_model_b{large}": ratio(f"one_device_function/b{large}", f"compiled_model/b{large}"),
         "gpt_bf16_function_vs_eager": ratio("gpt_bf16/one_device_function", "gpt_bf16/one_device"),
+        "gpt_bf16_function_vs_compiled_model": ratio("gpt_bf16/one_device_function", "gpt_bf16/compiled_model"),
     }
     paths = {
         k: v.step.function.paths()
