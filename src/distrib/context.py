@@ -179,7 +179,11 @@ def detached() -> Iterator[None]:
 
 
 def get_strategy() -> Strategy:
-    """The current strategy: the replica's, else the innermost scope's, else the default one."""
+    """The current strategy: the replica's, else the innermost scope's, else the default one.
+
+    Returns:
+        The current strategy (the default one outside any scope).
+    """
     ctx = current_replica()
     if ctx is not None:
         return ctx.strategy
@@ -187,12 +191,20 @@ def get_strategy() -> Strategy:
 
 
 def has_strategy() -> bool:
-    """True inside a non-default strategy's scope or replica function."""
+    """True inside a non-default strategy's scope or replica function.
+
+    Returns:
+        True inside a non-default strategy's ``scope()`` or replica function.
+    """
     return get_strategy() is not default_strategy()
 
 
 def in_cross_replica_context() -> bool:
-    """True inside a scope and outside ``run``."""
+    """True inside a scope and outside ``run``.
+
+    Returns:
+        True inside a ``scope()`` and outside ``run``.
+    """
     return current_replica() is None and current_scope() is not None
 
 
@@ -202,6 +214,9 @@ def get_cross_replica_context() -> Strategy | None:
     As TF: exactly one of ``get_replica_context()`` and ``get_cross_replica_context()`` is
     None in any block; outside every scope the default replica context is current, so
     this returns None there.
+
+    Returns:
+        The current strategy in a cross-replica context, else None.
     """
     if current_replica() is not None:
         return None
@@ -213,6 +228,9 @@ def get_replica_context() -> ReplicaContext | None:
 
     Outside every scope this returns the default strategy's replica context, so that
     code written for one device (``ctx.num_replicas_in_sync == 1``) runs unchanged.
+
+    Returns:
+        The current ``ReplicaContext``, the default strategy's outside any scope, None in a cross-replica context.
     """
     ctx = current_replica()
     if ctx is not None:

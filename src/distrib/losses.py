@@ -68,6 +68,21 @@ def compute_average_loss(
 
         >>> compute_average_loss(torch.tensor([2.0, 3.0]), global_batch_size=4)
         tensor(1.2500)
+
+    Args:
+        per_example_loss: one loss per example of this replica's batch (``reduction="none"``), rank >= 1.
+        sample_weight: a weight per example (or one for all), multiplied in before the sum; None: 1.
+        global_batch_size: the number of examples in the global batch; None: this replica's batch size
+            times ``num_replicas_in_sync``.
+
+    Returns:
+        A 0-d tensor: this replica's share of the global mean loss (summed over replicas, it is the mean).
+
+    Raises:
+        ValueError: ``per_example_loss`` is a scalar, ``sample_weight`` does not broadcast to it, or
+            ``global_batch_size`` is not a positive integer.
+        TypeError: ``global_batch_size`` is not an int.
+        RuntimeError: called in a cross-replica context.
     """
     if not isinstance(per_example_loss, torch.Tensor):
         per_example_loss = torch.as_tensor(per_example_loss, dtype=torch.get_default_dtype())
@@ -122,6 +137,15 @@ def scale_regularization_loss(regularization_loss: torch.Tensor | Sequence[torch
 
         >>> scale_regularization_loss(torch.tensor([1.0, 2.0]))
         tensor(3.)
+
+    Args:
+        regularization_loss: a loss tensor (summed if it holds several) or a list of them.
+
+    Returns:
+        A 0-d tensor: the sum divided by ``num_replicas_in_sync``.
+
+    Raises:
+        RuntimeError: called in a cross-replica context.
     """
     if isinstance(regularization_loss, (list, tuple)):
         total = torch.stack([torch.as_tensor(x) for x in regularization_loss]).sum()

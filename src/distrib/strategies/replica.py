@@ -64,6 +64,11 @@ class ReplicaContext:
         ...     return ctx.all_reduce(ds.ReduceOp.SUM, torch.tensor(1.0 + ctx.replica_id_in_sync_group))
         >>> s.experimental_local_results(s.run(fn))
         (tensor(3.), tensor(3.))
+
+    Args:
+        strategy: the strategy running the replica.
+        local_replica_id: the replica's index among this process's replicas.
+        merger: how the local replicas meet in ``merge`` (threads, or in place with one replica).
     """
 
     def __init__(self, strategy: Strategy, local_replica_id: int, merger: ReplicaMerger) -> None:
@@ -88,6 +93,7 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """Replicas that take part in every step, over all workers (the strategy's)."""
         return self.strategy.num_replicas_in_sync
 
     @property
@@ -107,6 +113,13 @@ class ReplicaContext:
         device. It is differentiable, as TF's: the gradient reaching a replica's input is
         the same reduction of every replica's upstream gradient (every replica then runs
         ``backward()``).
+
+        Args:
+            reduce_op: ``ds.ReduceOp.SUM`` or ``ds.ReduceOp.MEAN`` (or their names).
+            value: a tensor, or a structure of them, the same structure on every replica.
+
+        Returns:
+            The reduced value, on this replica's device.
         """
         op = parse_reduce_op(reduce_op)
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
@@ -130,6 +143,14 @@ class ReplicaContext:
         differ between replicas. Differentiable, as TF's: a replica's input receives the
         sum over replicas of the upstream gradients of its slice. ``options`` (TF's
         ``CommunicationOptions``) is ignored.
+
+        Args:
+            value: a tensor, or a structure of them.
+            axis: the dimension to concatenate along.
+            options: accepted for TF's signature, ignored.
+
+        Returns:
+            The concatenated value, on this replica's device.
         """
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
             return pytree.tree_map(
@@ -161,6 +182,14 @@ class ReplicaContext:
         Every local replica must call it; each replica's ``args`` become one
         ``PerReplica`` argument (plain when this process has one replica). The result
         is given to every replica: a ``PerReplica`` in it gives each replica its element.
+
+        Args:
+            merge_fn: ``merge_fn(strategy, *args, **kwargs)``, run once in a cross-replica context.
+            args: positional arguments, one ``PerReplica`` each over the replicas.
+            kwargs: keyword arguments, grouped the same way.
+
+        Returns:
+            ``merge_fn``'s result (a ``PerReplica`` in it gives each replica its element).
         """
 
         def merge(values: list[Any]) -> list[Any]:
@@ -182,6 +211,13 @@ class ReplicaContext:
 
         ``merge_fn`` receives the list of values in local-replica order and returns one
         result per replica. This is TF's ``merge_call``, reduced to what distrib needs.
+
+        Args:
+            value: this replica's value.
+            merge_fn: ``values -> results``, one result per local replica.
+
+        Returns:
+            This replica's element of ``merge_fn``'s results.
         """
         return self._merger.merge(self, value, merge_fn)
 
