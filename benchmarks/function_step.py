@@ -45,10 +45,10 @@ from distrib.graphs.capturable import make_capturable
 Step = Callable[[Any], None]
 
 
-def function_job(device: torch.device, batch: int) -> tuple[Step, ds.Strategy]:
-    """The main job's OneDevice step under ``@ds.function``."""
+def function_job(device: torch.device, batch: int, compile_backend: str | None = None) -> tuple[Step, ds.Strategy]:
+    """The main job's OneDevice step under ``@ds.function`` (of a ``torch.compile`` d model with a backend)."""
     strategy = ds.OneDeviceStrategy(str(device))
-    train_step = seeded_main_job_step(strategy, batch)
+    train_step = seeded_main_job_step(strategy, batch, compile_backend)
     total = torch.zeros((), device=device)
 
     @ds.function
@@ -203,7 +203,7 @@ def main() -> None:
     p.add_argument(
         "--only",
         default=None,
-        choices=["hand_graph"],
+        choices=["hand_graph", "large"],
         help="run the hand-made graph (and plain_eager, its anchor) alone: the main run does so in a "
         "process of its own, since a hand-made graph replayed after later captures can end in an "
         "illegal memory access that would stop every loop (benchmarks/capture_probe.py)",
@@ -244,6 +244,12 @@ def main() -> None:
                 large,
                 args.large_steps,
             )
+            # both: the compiled model's kernels, launched from one graph
+            builders[f"compiled_model_function/b{large}"] = (
+                lambda: function_job(device, large, "inductor"),
+                large,
+                args.large_steps,
+            )
     gpt = tuple(int(v) for v in args.gpt.split(",")) if args.gpt else None
     gpt_data: Forever | None = None
     if gpt is not None:
@@ -258,6 +264,8 @@ def main() -> None:
                 gpt[3],
                 args.gpt_steps,
             )
+    if args.only == "large":  # the batch-`--large-batch` loops alone
+        builders = {k: v for k, v in builders.items() if k.endswith(f"/b{large}")}
     if args.only == "hand_graph":  # its own process: see --only
         first = data(small).batches[0]
         builders = {
@@ -294,6 +302,9 @@ def main() -> None:
         "function_vs_compiled_model": ratio("one_device_function", "compiled_model"),
         f"function_vs_eager_b{large}": ratio(f"one_device_function/b{large}", f"one_device/b{large}"),
         f"function_vs_compiled_model_b{large}": ratio(f"one_device_function/b{large}", f"compiled_model/b{large}"),
+        f"compiled_function_vs_compiled_model_b{large}": ratio(
+            f"compiled_model_function/b{large}", f"compiled_model/b{large}"
+        ),
         "gpt_bf16_function_vs_eager": ratio("gpt_bf16/one_device_function", "gpt_bf16/one_device"),
         "gpt_bf16_function_vs_compiled_model": ratio("gpt_bf16/one_device_function", "gpt_bf16/compiled_model"),
     }

@@ -255,15 +255,18 @@ def device_batches(device: torch.device) -> tuple[Callable[[int], Forever], str]
     return data, source
 
 
-def seeded_main_job_step(strategy: ds.Strategy, global_batch: int) -> Callable[[Any], Any]:
+def seeded_main_job_step(
+    strategy: ds.Strategy, global_batch: int, compile_backend: str | None = None
+) -> Callable[[Any], Any]:
     """The main job's replica step (``make_steps``), its model, optimizer and metrics built in ``strategy``'s scope
-    from seed 0."""
+    from seed 0 (the model's forward ``torch.compile`` d with ``compile_backend`` when given)."""
     torch.manual_seed(0)
     with strategy.scope():
         model = models.fashion_mnist_cnn()
         opt = models.fashion_mnist_optimizer(model.parameters())
         metrics = (ds.metrics.SparseCategoricalAccuracy(), ds.metrics.Mean(), ds.metrics.SparseCategoricalAccuracy())
-    train_step, _ = make_steps(model, opt, global_batch, *metrics)
+    forward = compiled(model, compile_backend) if compile_backend else model
+    train_step, _ = make_steps(forward, opt, global_batch, *metrics)
     return train_step
 
 
