@@ -22,6 +22,15 @@ class CentralStorageStrategy(SynchronousStrategy):
     default to every local GPU (or the CPU), and the parameter device to the CPU when
     there are several compute devices, else to the one compute device.
 
+    Args:
+        compute_devices: one replica per device (``["cuda:0", "cuda:1"]``, ``["cpu:0", "cpu:1"]``); None: every
+            local GPU, else one CPU replica.
+        parameter_device: where the parameters and optimizer state live; None: the CPU with several compute
+            devices, else the one compute device.
+
+    Raises:
+        ValueError: ``compute_devices`` is empty, or a device is unknown or absent on this machine.
+
     Example::
 
         >>> import distrib as ds, torch

@@ -44,6 +44,15 @@ class MirroredStrategy(SynchronousStrategy):
     which is how multi-replica code is tested without GPUs. ``cross_device_ops`` is
     accepted for TF compatibility and ignored (see docs/migration.md).
 
+    Args:
+        devices: one replica per device, in order (``["cuda:0", "cuda:1"]``; ``"cpu:N"`` is a logical replica
+            on the CPU); None: every local GPU, else one CPU replica.
+        cross_device_ops: TF's ``CrossDeviceOps`` (``NcclAllReduce()``, ...): accepted and ignored, local
+            replicas are summed on the first device.
+
+    Raises:
+        ValueError: ``devices`` is empty, names a device twice, or names one that is unknown or absent.
+
     Example::
 
         >>> import distrib as ds, torch

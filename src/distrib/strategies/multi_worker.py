@@ -30,6 +30,19 @@ class MultiWorkerMirroredStrategy(SynchronousStrategy):
     ``cuda:SLURM_LOCALID`` under Slurm), else every local GPU, or the CPU
     (:func:`~distrib.strategies.devices.worker_devices`).
 
+    Args:
+        cluster_resolver: the cluster (``TFConfigClusterResolver``, ``TorchrunClusterResolver``,
+            ``SlurmClusterResolver``, ...); None: an initialised ``torch.distributed`` group, else the
+            environment, else one worker.
+        communication_options: the collectives' options (timeout, bucket size, backend, gradient compression);
+            None: ``CommunicationOptions()``.
+        devices: this process's local replicas (``["cuda:0"]``, ``["cpu:0", "cpu:1"]``); None: one GPU per
+            launched process, else every local GPU, or the CPU.
+
+    Raises:
+        ValueError: a device is unknown or absent, or ``torch.distributed`` is already initialised with another
+            rank or world size than the cluster says.
+
     Example (run it with ``distrib launch --workers 2 script.py``)::
 
         strategy = ds.MultiWorkerMirroredStrategy()

@@ -40,13 +40,35 @@ DEFAULT_MIN_PARAMS = 100_000
 
 @dataclass(frozen=True)
 class ShardingPolicy:
-    """Which submodules are FSDP units: by class (``module_classes``) or by size (``min_params``)."""
+    """Which submodules are FSDP units: by class (``module_classes``) or by size (``min_params``).
+
+    Give it to ``ShardedStrategy(sharding_policy=...)`` (or ``MeshStrategy``): the units bound the memory a
+    step holds beyond the shards, since a unit's parameters are gathered whole around its forward and
+    backward (see the module docstring).
+
+    Attributes:
+        module_classes: every submodule of these classes (class names, ``"TransformerBlock"``, or classes)
+            becomes a unit; None: by size.
+        min_params: with ``module_classes`` None, a submodule becomes a unit when the parameters it holds that
+            no unit below it took reach this many (torch's ``size_based_auto_wrap_policy``).
+    """
 
     module_classes: Sequence[str | type] | None = None
     min_params: int = DEFAULT_MIN_PARAMS
 
     def units(self, root: nn.Module) -> list[nn.Module]:
-        """The submodules of ``root`` (not ``root`` itself) to shard as units, innermost first."""
+        """The submodules of ``root`` (not ``root`` itself) to shard as units, innermost first.
+
+        Args:
+            root: the model built in the strategy's scope.
+
+        Returns:
+            The units, the deepest first (the order ``fully_shard`` needs: nested units before their parents);
+            ``root`` itself is never among them (the strategy always shards it last).
+
+        Raises:
+            ValueError: a class of ``module_classes`` is not in ``root`` (the message lists those it has).
+        """
         if self.module_classes is not None:
             return self._by_class(root)
         return self._by_size(root)
