@@ -59,7 +59,7 @@ SERIAL_FILES = {
     "tests/preemption/test_slurm.py",
     "tests/cluster/test_two_hosts.py",
     "tests/faults/test_hosts.py",
-    "tests/faults/test_rendezvous.py",
+    "tests/faults/test_timeouts.py",
     "tests/parameter_server/test_bind_address.py",
 }
 

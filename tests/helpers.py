@@ -16,6 +16,10 @@ import pytest
 import torch
 
 SCRIPTS = Path(__file__).parent / "scripts"
+#: what a timing test in the README's suite allows past a user's timeout: it must hold on a loaded 2-core machine
+#: (load ~8, a worker gets a quarter of a core); the target, timeout + 1 s on a quiet machine, is the fault suite's
+#: (tests/faults/test_timeouts.py, whose table in docs/multi-node.md shows what load costs)
+LOADED_SLACK = 8.0
 
 
 def run_bounded(

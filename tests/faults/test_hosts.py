@@ -2,12 +2,13 @@
 
 Each scenario starts workers of a cluster whose chief or some worker never comes, and checks that
 every started worker returns with ``CollectiveError`` (not a hang, not another error) well within the
-timeout: the bound asserted is 3x the timeout, a hang check, not a timing. On loopback (any user),
+timeout: the bound asserted is the timeout plus `helpers.LOADED_SLACK`, which holds on a loaded machine (the
+target, timeout + 1 s, is asserted quiet by `tests/faults/test_timeouts.py`). On loopback (any user),
 and across hosts made of network namespaces (root; `cluster.netns`): a chief's host that runs
 nothing (connections refused, the store client retries), a chief's address where no host answers
 (no ARP reply: the connect itself waits), and a third host that never starts while two joined. Then a
 host that cannot tell which interface reaches the others: refused at once, naming GLOO_SOCKET_IFNAME.
-`tests/faults/test_rendezvous.py` holds the loopback cases of issue 10.
+`tests/faults/test_timeouts.py` holds the loopback cases of issue 10 and times every phase against its timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import pytest
 from cluster import netns
-from helpers import SCRIPTS
+from helpers import LOADED_SLACK, SCRIPTS
 
 from distrib.cluster.launch import free_ports
 
@@ -40,11 +41,11 @@ def outcome(out: str) -> dict[str, str] | None:
 
 
 def check_bounded(outs: Sequence[str]) -> float:
-    """Every worker ended its connect phase with CollectiveError within 3x the timeout; the longest."""
+    """Every worker ended its connect phase with CollectiveError within the timeout + LOADED_SLACK; the longest."""
     results = [outcome(out) for out in outs]
     assert all(r is not None and r["outcome"] == "CollectiveError" for r in results), "\n---\n".join(outs)
     longest = max(float(r["elapsed"]) for r in results if r)
-    assert longest < 3 * TIMEOUT, "\n---\n".join(outs)  # returned: a hang check, not a timing
+    assert longest < TIMEOUT + LOADED_SLACK, "\n---\n".join(outs)  # returned: a hang check, not a timing
     assert all("could not join" in out for out in outs), "\n---\n".join(outs)
     return longest
 

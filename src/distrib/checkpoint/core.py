@@ -28,9 +28,10 @@ from distrib import context
 from distrib.checkpoint import format as fmt
 from distrib.checkpoint import index as idx
 from distrib.checkpoint import sharded_objects
-from distrib.checkpoint.errors import CheckpointError, checkpoint_timeout
+from distrib.checkpoint.errors import TIMEOUT_ENV, CheckpointError, checkpoint_timeout
 from distrib.checkpoint.fileio import atomic_write, describe_os_error, remove_stale_temp_files
 from distrib.checkpoint.restore import LoadStatus, apply, validate
+from distrib.comm.communicator import CollectiveError
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -117,14 +118,23 @@ def writes_here(strategy: Strategy, path: str) -> bool:
     return strategy.is_chief or chief_path != here
 
 
-def meet(strategy: Strategy, timeout: float | None, error: BaseException | None) -> None:
+def meet(strategy: Strategy, timeout: float | None, error: BaseException | None, path: str = "") -> None:
     """Every worker waits (checkpoint timeout) for the writes, then learns whether any failed.
 
     The chief's failure is a :class:`CheckpointError` on every other worker; so is the failure
     of a worker writing a copy of its own, so that no worker goes on alone to wait in vain at
-    the next collective. The worker that failed raises its own error.
+    the next collective. The worker that failed raises its own error. A writer that died or
+    hung past the timeout is a :class:`~distrib.CollectiveError` naming the checkpoint and its bound.
     """
-    strategy.barrier(timeout=checkpoint_timeout(timeout))
+    bound = checkpoint_timeout(timeout)
+    try:
+        strategy.barrier(timeout=bound)
+    except CollectiveError as e:
+        raise CollectiveError(
+            f"Checkpoint {path!r}: every worker waits at most {bound:g}s for the workers that write it (the chief) "
+            f"to finish, and one died or did not finish in time (save(timeout=...) or ${TIMEOUT_ENV} sets the "
+            f"bound; raise it for a slow disk or a large model). {e}"
+        ) from e
     if strategy.num_workers > 1:
         errors = strategy.communicator.all_gather_object(None if error is None else str(error))
         if error is None and errors[0] is not None:
@@ -274,7 +284,7 @@ class Checkpoint:
                     after()
             except Exception as e:  # shared with the other workers so that none waits in vain
                 error = e
-        meet(strategy, timeout, error)
+        meet(strategy, timeout, error, path)
 
     def _write_sharded(
         self, strategy: Strategy, path: str, counter: int, timeout: float | None, after: Callable[[], None] | None
@@ -297,7 +307,7 @@ class Checkpoint:
                     after()
             except Exception as e:  # shared with the other workers so that none waits in vain
                 error = e
-        meet(strategy, timeout, error)
+        meet(strategy, timeout, error, path)
 
     # ------------------------------------------------------------------ reading
     def restore(self, save_path: str | os.PathLike[str] | None) -> LoadStatus:

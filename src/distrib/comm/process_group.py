@@ -43,7 +43,7 @@ from distrib import torch_patches
 from distrib.comm.communicator import CollectiveError
 from distrib.comm.interfaces import InterfaceChoice, choose_interface, configure_interface
 from distrib.comm.options import CommunicationOptions
-from distrib.comm.rendezvous import attempt_store, tcp_store, uses_agent_store
+from distrib.comm.rendezvous import attempt_store, connect_store, tcp_store, uses_agent_store
 
 __all__ = [
     "InterfaceChoice",
@@ -134,18 +134,21 @@ class ProcessGroupCommunicator:
     def __repr__(self) -> str:
         return f"ProcessGroupCommunicator(rank={self._rank}, world_size={self._world_size}, backend={self.backend!r})"
 
-    def _failed(self, what: str, error: BaseException) -> CollectiveError:
+    def _failed(self, what: str, error: BaseException, timeout: float | None = None) -> CollectiveError:
+        """``what``'s failure: ``timeout`` is the bound the call had (None: the communicator's own)."""
+        waited = self.options.timeout if timeout is None else timeout
+        bound = "CommunicationOptions(timeout_seconds=...)" if timeout is None else "the timeout given for this call"
         return CollectiveError(
-            f"{what} across {self._world_size} workers failed on worker {self._rank}: {error}. A peer died "
-            f"or did not answer within {self.options.timeout:.0f}s (CommunicationOptions(timeout_seconds=...)); "
-            "see the other workers' logs"
+            f"{what} across {self._world_size} workers failed on worker {self._rank}: {error}. A peer died or did "
+            f"not answer within {waited:g}s (the bound: {bound}); see the other workers' logs for why, and raise "
+            "the bound if they were only slower than that"
         )
 
-    def _guard(self, what: str, fn: Callable[[], T]) -> T:
+    def _guard(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         try:
             return fn()
         except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, timeouts, a dead store
-            raise self._failed(what, e) from e
+            raise self._failed(what, e, timeout) from e
 
     def _settable_gloo(self, timeout: float | None) -> Any:
         """The gloo backend whose timeout can be set for one call, or None: no timeout asked, NCCL (bounded by
@@ -162,7 +165,7 @@ class ProcessGroupCommunicator:
         # gloo's timeout, raised for this call (e.g. while every worker writes its shards of a checkpoint)
         backend.set_timeout(datetime.timedelta(seconds=timeout))
         try:
-            return self._guard(what, fn)
+            return self._guard(what, fn, timeout)
         finally:
             backend.set_timeout(datetime.timedelta(seconds=self.options.timeout))
 
@@ -290,7 +293,7 @@ class ProcessGroupCommunicator:
                 self._long_groups[timeout] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
             dist.barrier(group=self._long_groups[timeout])
 
-        self._guard("barrier", long_barrier)
+        self._guard("barrier", long_barrier, timeout)
 
 
 def current_group() -> tuple[int, int, str] | None:
@@ -357,6 +360,12 @@ def _nccl_or_gloo(store: Any, rank: int, world_size: int, gpu: str | None, nccl_
     return "gloo"
 
 
+#: how long after the join's deadline torch's own error may take to come before distrib raises its own: every
+#: wait of torch's is given what is left of the deadline, so its error comes at the deadline, saying what it waited for
+JOIN_GRACE = 0.5
+_ARRIVED = "distrib/arrived"
+
+
 def _join(
     backend: str,
     host: str,
@@ -369,46 +378,79 @@ def _join(
     gpu: str | None = None,
     nccl_asked: bool = False,
 ) -> str:
-    """``init_process_group``, bounded by ``timeout`` whatever phase hangs (store connect retries, gloo's mesh).
+    """``init_process_group`` within one deadline, ``timeout`` from the call, whatever phase waits.
 
     Rank 0 hosts the store at ``host:port`` and the others connect to it, as torch's
     ``tcp://`` rendezvous does; under a torchrun agent that keeps its store
     (``agent_store``), the store is this attempt's own (:func:`~distrib.comm.rendezvous.attempt_store`).
-    Returns the backend initialised: for ``"nccl"``, see :func:`_nccl_or_gloo`.
+    The phases (the store's connect, NCCL's GPU check, the group's making: every worker's
+    address through the store, then gloo's mesh) share the deadline: each is given what is
+    left of it, not a fresh ``timeout`` (a store connect that took 2 s, then a group that
+    waited its whole timeout, was 2 s over). Once joined, the group's collectives and the
+    store get the whole ``timeout`` back. Returns the backend initialised: for ``"nccl"``,
+    see :func:`_nccl_or_gloo`.
     """
-    outcome: dict[str, Any] = {}
     deadline = time.monotonic() + timeout
+    outcome: dict[str, Any] = {"phase": f"connecting to the chief's store at {address}"}
+    # torch 2.4 cannot change a group's timeout once made: there the group gets the whole timeout, and the
+    # thread's join below is the bound
+    settable = hasattr(dist.ProcessGroup, "set_timeout")
+
+    def left() -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.1))
 
     def rendezvous() -> None:
         try:
             if agent_store:
-                store = attempt_store(
-                    host, port, rank, world_size, deadline, os.environ.get("TORCHELASTIC_RUN_ID", "none")
-                )
+                run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+                store = attempt_store(host, port, rank, world_size, deadline, run)
+            elif rank == 0:
+                store = tcp_store(host, port, world_size, True, left().total_seconds())
             else:
-                store = tcp_store(host, port, world_size, rank == 0, timeout)
+                store = connect_store(host, port, world_size, deadline)
+            outcome["store"] = store
+            outcome["phase"] = "waiting for every worker at the chief's store, then for gloo's connections"
+            store.set(f"{_ARRIVED}/{rank}", "1")  # names the workers that never came, if some do not
             chosen = _nccl_or_gloo(store, rank, world_size, gpu, nccl_asked) if backend == "nccl" else backend
-            dist.init_process_group(
-                chosen, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
-            )
+            group_timeout = left() if settable else datetime.timedelta(seconds=timeout)
+            dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size, timeout=group_timeout)
+            if settable and dist.group.WORLD is not None:
+                dist.group.WORLD.set_timeout(datetime.timedelta(seconds=timeout))
+            store.set_timeout(datetime.timedelta(seconds=timeout))
             outcome["backend"] = chosen
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             outcome["error"] = e
 
     thread = threading.Thread(target=rendezvous, name="distrib-rendezvous", daemon=True)
     thread.start()
-    thread.join(timeout + 2.0)  # torch's own timeout error, when it comes, is the more precise one
+    thread.join(max(deadline - time.monotonic(), 0.0) + JOIN_GRACE)
     error = outcome.get("error")
     if isinstance(error, CollectiveError):  # distrib's own verdict (ranks sharing a GPU) says it all
         raise error
     if thread.is_alive() or error is not None:
-        detail = f": {error}" if error is not None else " (still connecting)"
         raise CollectiveError(
-            f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:.0f}s"
-            f"{detail}. Check that every worker is started with the same cluster and that the chief's address "
-            "is reachable from this host (CommunicationOptions(timeout_seconds=...) sets the bound)"
+            f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:g}s: "
+            f"{_join_failure(outcome, rank, world_size, alive=thread.is_alive())}. Check that every worker is "
+            "started with the same cluster and that the chief's address is reachable from this host, or give "
+            "slow starters more time (CommunicationOptions(timeout_seconds=...) sets the bound)"
         ) from error
     return str(outcome["backend"])
+
+
+def _join_failure(outcome: dict[str, Any], rank: int, world_size: int, alive: bool) -> str:
+    """What the join waited for when its deadline passed: the phase, the workers that never came, torch's words."""
+    error, store = outcome.get("error"), outcome.get("store")
+    detail = f" ({error})" if error is not None else " (still waiting)"
+    if store is None or alive:  # the store is still in use by the joining thread: ask it nothing
+        return f"{outcome['phase']}{detail}"
+    try:
+        store.set_timeout(datetime.timedelta(seconds=1))
+        missing = [r for r in range(world_size) if r != rank and not store.check([f"{_ARRIVED}/{r}"])]
+    except (RuntimeError, ValueError):  # the chief, and its store, are gone
+        return f"{outcome['phase']}{detail}"
+    if missing:
+        return f"waited for worker{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, which never came"
+    return f"every worker came, but the connections between them (gloo's mesh) did not complete{detail}"
 
 
 def _difference(signatures: list[str]) -> str:
