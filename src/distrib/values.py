@@ -43,6 +43,12 @@ class PerReplica:
     ``strategy.run`` and each replica receives its own element; give it to
     ``strategy.reduce`` or ``strategy.gather`` to combine the elements.
 
+    It has no ``len()`` and is not iterable: code ported from a single device would read the number of
+    replicas as a batch size; both raise ``TypeError`` naming ``.values``.
+
+    Args:
+        values: one value per local replica, in local replica order (stored as the tuple ``values``).
+
     Example::
 
         >>> import distrib as ds, torch

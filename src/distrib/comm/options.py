@@ -26,22 +26,29 @@ class CommunicationImplementation(str, enum.Enum):
 class CommunicationOptions:
     """How workers talk (``tf.distribute.experimental.CommunicationOptions``).
 
-    ``bytes_per_pack``: gradient bucket size of the all-reduce across workers (0: 25 MiB,
-    DDP's default), overlapped with the backward pass or, with several local replicas,
-    after their gradients are summed: both bucket alike. ``timeout_seconds``: how long any
-    collective may wait for a peer before it fails (None: 300 s); a dead or hung
-    worker becomes an error on every survivor within this time. ``implementation``:
-    ``"auto"`` (NCCL on GPU, gloo on CPU), ``"ring"``/``"gloo"``, or ``"nccl"`` (or TF's
-    :class:`CommunicationImplementation`).
+    Give it to ``MultiWorkerMirroredStrategy(communication_options=...)`` (and the strategies built on it:
+    ``ShardedStrategy``, ``MeshStrategy``). ``compression`` is distrib's addition (TF has none): every
+    compressed result is (an approximation of) the sum over workers, as without it. :meth:`comm_hook` makes
+    the hook the strategy reduces gradients with.
 
-    ``compression`` (distrib's addition; TF has none): how gradients travel between
-    workers. ``None``: fp32, exact. ``"bf16"`` / ``"fp16"``: each bucket is cast to 16
-    bits for the all-reduce and back (half the bytes; see :mod:`distrib.comm.compression`
-    for rounding and fp16's range). ``PowerSGD(rank=..., start_iter=...)``: a low-rank
-    approximation of each gradient matrix with error feedback, after ``start_iter``
-    exact steps (see :mod:`distrib.comm.powersgd`). Every result is (an approximation
-    of) the sum over workers, as without compression. :meth:`comm_hook` makes the
-    hook; ``MultiWorkerMirroredStrategy`` installs it.
+    Attributes:
+        bytes_per_pack: gradient bucket size, in bytes, of the all-reduce across workers (0: 25 MiB, DDP's
+            default), overlapped with the backward pass or, with several local replicas, after their gradients
+            are summed: both bucket alike.
+        timeout_seconds: how long any collective may wait for a peer before it fails (None: 300 s); a dead or
+            hung worker becomes an error on every survivor within this time.
+        implementation: ``"auto"`` (NCCL on GPU, gloo on CPU), ``"ring"``/``"gloo"``, or ``"nccl"`` (any
+            case, or TF's :class:`CommunicationImplementation`); stored lower-cased.
+        compression: how gradients travel between workers. None: float32, exact. ``"bf16"`` / ``"fp16"``:
+            each bucket is cast to 16 bits for the all-reduce and back (half the bytes; see
+            :mod:`distrib.comm.compression` for rounding and fp16's range). ``PowerSGD(rank=...,
+            start_iter=...)``: a low-rank approximation of each gradient matrix with error feedback, after
+            ``start_iter`` exact steps (see :mod:`distrib.comm.powersgd`).
+
+    Raises:
+        ValueError: ``bytes_per_pack`` is negative, ``timeout_seconds`` is not positive, ``implementation`` is
+            not one of the names above, or ``compression`` is not None, ``"fp16"``, ``"bf16"`` or a
+            ``PowerSGD`` instance (the message says what was meant, e.g. ``"bfloat16"`` -> ``"bf16"``).
 
     Example::
 
@@ -82,7 +89,12 @@ class CommunicationOptions:
         return self.bytes_per_pack or DEFAULT_BYTES_PER_PACK
 
     def comm_hook(self) -> CommHook:
-        """A new comm hook for ``compression`` (with its own state): what the strategy reduces gradients with."""
+        """A new comm hook for ``compression`` (with its own state): what the strategy reduces gradients with.
+
+        Returns:
+            ``allreduce_hook`` (exact sums) without compression, a ``CastHook`` for ``"bf16"`` / ``"fp16"``, or
+            a new ``PowerSGDHook`` with empty state for a ``PowerSGD``.
+        """
         from distrib.comm.compression import CastHook
         from distrib.comm.hooks import allreduce_hook
 
@@ -93,7 +105,14 @@ class CommunicationOptions:
         return CastHook(self.compression)
 
     def backend(self, uses_cuda: bool) -> str:
-        """The ``torch.distributed`` backend for these options: ``"nccl"`` or ``"gloo"``."""
+        """The ``torch.distributed`` backend for these options: ``"nccl"`` or ``"gloo"``.
+
+        Args:
+            uses_cuda: whether the workers' tensors are on CUDA devices (``"auto"`` picks NCCL for them).
+
+        Returns:
+            ``"nccl"`` for ``implementation="nccl"``, or ``"auto"`` with ``uses_cuda``; else ``"gloo"``.
+        """
         impl = self.implementation.lower()
         if impl == "nccl" or (impl == "auto" and uses_cuda):
             return "nccl"

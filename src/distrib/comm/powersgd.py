@@ -43,15 +43,27 @@ __all__ = ["PowerSGD", "PowerSGDHook"]
 class PowerSGD:
     """PowerSGD's settings; ``CommunicationOptions(compression=PowerSGD(rank=2, start_iter=10))``.
 
-    ``rank``: the rank of each gradient matrix's approximation (1-4 is usual; more
-    is more accurate and costs more). ``start_iter``: steps of plain all-reduce before
-    compressing (the first steps are the most sensitive to inexact gradients; PyTorch
-    suggests about 10 % of training). ``min_compression_rate``: a matrix is compressed
-    only if it shrinks at least this much (``n m > rate (n + m) rank``); the others,
-    and every tensor of fewer than 2 dimensions, are summed exactly.
-    ``error_feedback``: carry each step's approximation error into the next (PowerSGD
-    is biased without it: turn it off only to study that). ``warm_start``: reuse the
-    last step's ``Q``. ``seed``: the random start of ``Q`` (the same on every worker).
+    PowerSGD (Vogels et al., 2019; PyTorch's ``powerSGD_hook``) sends a rank-``rank`` approximation
+    ``P Q^T`` of each gradient matrix instead of the matrix: two small all-reduces instead of one large one,
+    and the approximation's error is carried into the next step so that nothing is lost over time. The
+    instance holds settings only: :meth:`hook` makes the hook and its state.
+
+    Attributes:
+        rank: the rank of each gradient matrix's approximation (1-4 is usual; more is more accurate and costs
+            more).
+        start_iter: steps of plain all-reduce before compressing (the first steps are the most sensitive to
+            inexact gradients; PyTorch suggests about 10 % of training).
+        min_compression_rate: a matrix is compressed only if it shrinks at least this much
+            (``n m > rate (n + m) rank``); the others, and every tensor of fewer than 2 dimensions, are summed
+            exactly.
+        error_feedback: carry each step's approximation error into the next (PowerSGD is biased without it:
+            turn it off only to study that).
+        warm_start: start each step's power iteration from the last step's ``Q``.
+        seed: the random start of ``Q`` (the same on every worker).
+
+    Raises:
+        ValueError: ``rank`` is not an integer >= 1, ``start_iter`` not an integer >= 0, or
+            ``min_compression_rate`` not a number >= 1.
 
     Example::
 
@@ -83,7 +95,13 @@ warm_start=True, seed=0))
         object.__setattr__(self, "min_compression_rate", float(self.min_compression_rate))
 
     def hook(self) -> PowerSGDHook:
-        """A new comm hook with these settings and empty state (one per model being trained)."""
+        """A new comm hook with these settings and empty state (one per model being trained).
+
+        Returns:
+            A ``PowerSGDHook``: called with a communicator and a gradient bucket, it reduces the bucket
+            (exactly for the first ``start_iter`` reductions, compressed after) and keeps each bucket's
+            error feedback and ``Q``.
+        """
         return PowerSGDHook(self)
 
 

@@ -125,7 +125,16 @@ def shapes_fingerprint(batch: Any) -> int:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """The shape (``None`` for the batch dimension) and dtype of a tensor (``tf.TensorSpec``)."""
+    """The shape (``None`` for the batch dimension) and dtype of a tensor (``tf.TensorSpec``).
+
+    What a distributed dataset's or iterator's ``element_spec`` holds in place of each tensor of one replica's
+    element: the structure of the input without its data, e.g. to check it before a step is traced.
+
+    Attributes:
+        shape: the tensor's shape, with None for dimension 0 (the batch dimension, whose size may vary);
+            ``()`` for a scalar.
+        dtype: the tensor's dtype.
+    """
 
     shape: tuple[int | None, ...]
     dtype: torch.dtype

@@ -24,15 +24,36 @@ class OutOfRangeError(StopIteration):
 
 
 class OptionalValue:
-    """What ``get_next_as_optional()`` returns (``tf.experimental.Optional``): a value, or nothing at the end."""
+    """What ``get_next_as_optional()`` returns (``tf.experimental.Optional``): a value, or nothing at the end.
+
+    A loop that must not raise at the end of the data (TF's ``while optional.has_value()`` idiom) checks
+    :meth:`has_value` before it takes the element with :meth:`get_value`.
+
+    Args:
+        value: the element (a ``PerReplica`` structure, as ``get_next()`` returns); ignored without ``has_value``.
+        has_value: whether there is an element; False (the default) is the empty optional of the end.
+    """
 
     def __init__(self, value: Any = None, has_value: bool = False) -> None:
         self._value, self._has_value = value, has_value
 
     def has_value(self) -> bool:
+        """Whether this optional holds an element.
+
+        Returns:
+            True before the end of the data, False at the end.
+        """
         return self._has_value
 
     def get_value(self) -> Any:
+        """The element.
+
+        Returns:
+            The element ``get_next()`` would have returned.
+
+        Raises:
+            OutOfRangeError: the optional is empty (the end of the data).
+        """
         if not self._has_value:
             raise OutOfRangeError("the iterator is exhausted: check has_value() before get_value()")
         return self._value

@@ -53,17 +53,29 @@ class InputOptions:
     """Options of ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``
     (``tf.distribute.InputOptions``, plus the auto-shard policy TF keeps on the dataset).
 
-    * ``experimental_fetch_to_device`` (default True): each replica's part is copied to its device (pinned host
-      memory first where the device is a GPU, then a ``non_blocking`` copy). False: parts stay on the host as
-      the pipeline made them; the step moves them.
-    * ``experimental_replication_mode``: :class:`InputReplicationMode` (``distribute_datasets_from_function``
-      only; ``PER_REPLICA`` calls the function once per local replica, with one input pipeline per replica).
-    * ``experimental_place_dataset_on_device`` (default False): the function's pipeline already yields tensors
-      on its replica's device (``PER_REPLICA`` only, with ``experimental_fetch_to_device=False``, as TF).
-    * ``experimental_per_replica_buffer_size`` (default 1): how many steps ahead the parts are copied to GPU
-      replicas' devices, on a side CUDA stream, while the current step runs; 0 turns the prefetch off. Nothing
-      is read ahead when every replica is on the CPU (there is no copy to overlap).
-    * ``experimental_auto_shard_policy`` (default ``AUTO``): see :class:`AutoShardPolicy`.
+    Passed as ``strategy.experimental_distribute_dataset(loader, options=ds.InputOptions(...))`` (or to
+    ``distribute_datasets_from_function``); the defaults suit most training loops.
+
+    Attributes:
+        experimental_fetch_to_device: each replica's part is copied to its device (pinned host memory first
+            where the device is a GPU, then a ``non_blocking`` copy). False: parts stay on the host as the
+            pipeline made them; the step moves them. None (the default): True, unless
+            ``experimental_place_dataset_on_device``.
+        experimental_replication_mode: :class:`InputReplicationMode` (``distribute_datasets_from_function``
+            only; ``PER_REPLICA`` calls the function once per local replica, with one input pipeline per
+            replica).
+        experimental_place_dataset_on_device: the function's pipeline already yields tensors on its replica's
+            device (``PER_REPLICA`` only, with ``experimental_fetch_to_device=False``, as TF).
+        experimental_per_replica_buffer_size: how many steps ahead the parts are copied to GPU replicas'
+            devices, on a side CUDA stream, while the current step runs; 0 turns the prefetch off. Nothing is
+            read ahead when every replica is on the CPU (there is no copy to overlap).
+        experimental_auto_shard_policy: how the workers share the input work: see :class:`AutoShardPolicy`
+            (default ``AUTO``).
+
+    Raises:
+        ValueError: ``experimental_per_replica_buffer_size`` is negative; ``experimental_place_dataset_on_device``
+            with ``experimental_fetch_to_device=True`` or without ``PER_REPLICA``; a replication mode or an
+            auto-shard policy that is not one of their enums' values.
 
     Example::
 
@@ -120,6 +132,17 @@ def resolve_options(options: Any, entry: str) -> InputOptions:
 class InputContext:
     """What one worker's input pipeline needs to know to read its share (``tf.distribute.InputContext``).
 
+    ``distribute_datasets_from_function(dataset_fn)`` calls ``dataset_fn(ctx)`` with one (once per worker, or
+    per replica with ``InputReplicationMode.PER_REPLICA``): the function reads its share of the data
+    (e.g. a ``DistributedSampler(num_replicas=ctx.num_input_pipelines, rank=ctx.input_pipeline_id)``) in
+    batches of ``ctx.get_per_replica_batch_size(global_batch_size)`` per replica.
+
+    Attributes:
+        num_input_pipelines: how many input pipelines there are in all (the workers, or the replicas with
+            ``PER_REPLICA``).
+        input_pipeline_id: this pipeline's index, from 0 to ``num_input_pipelines - 1``.
+        num_replicas_in_sync: the replicas a global batch is split over (all workers').
+
     Example::
 
         >>> ctx = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
@@ -135,7 +158,18 @@ class InputContext:
         return f"distrib.InputContext(input pipeline id {self.input_pipeline_id}, total: {self.num_input_pipelines})"
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """``global_batch_size / num_replicas_in_sync``; ValueError when it does not divide."""
+        """The batch size each replica gets from a global batch: ``global_batch_size / num_replicas_in_sync``.
+
+        Args:
+            global_batch_size: the batch size of one step over all replicas.
+
+        Returns:
+            ``global_batch_size // num_replicas_in_sync``.
+
+        Raises:
+            ValueError: ``num_replicas_in_sync`` does not divide ``global_batch_size`` (the message proposes the
+                next multiple).
+        """
         if global_batch_size % self.num_replicas_in_sync:
             up = math.ceil(global_batch_size / self.num_replicas_in_sync) * self.num_replicas_in_sync
             raise ValueError(

@@ -13,9 +13,13 @@ __all__ = ["RunOptions", "ValueContext", "UnscaledLossWarning", "unscaled_loss_m
 class RunOptions:
     """Options of one ``strategy.run`` call (``tf.distribute.RunOptions``).
 
-    ``loss_scaled_by_hand``: the step divides its loss by the global batch itself, without
-    ``ds.compute_average_loss``; do not warn that the loss looks unscaled. TF's own options
+    Passed as ``strategy.run(step, args=(...), options=ds.RunOptions(...))``. TF's own options
     (``experimental_enable_dynamic_batch_size``, ...) have no PyTorch counterpart and are not taken.
+
+    Attributes:
+        loss_scaled_by_hand: the step divides its loss by the global batch itself, without
+            ``ds.compute_average_loss``: do not warn (``UnscaledLossWarning``) that the loss looks unscaled
+            when ``optimizer.step()`` runs with several replicas in sync.
 
     Example::
 
@@ -28,7 +32,15 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class ValueContext:
-    """What ``value_fn`` of ``experimental_distribute_values_from_function`` is told (``tf.distribute.ValueContext``)."""
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` is told (``tf.distribute.ValueContext``).
+
+    The strategy calls ``value_fn(ctx)`` once per local replica, and the function returns that replica's
+    value (e.g. its slice of an array: ``data[ctx.replica_id_in_sync_group :: ctx.num_replicas_in_sync]``).
+
+    Attributes:
+        replica_id_in_sync_group: the replica's index among all replicas in sync (every worker's), from 0.
+        num_replicas_in_sync: how many replicas are in sync.
+    """
 
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1
