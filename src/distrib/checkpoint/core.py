@@ -105,17 +105,49 @@ def _check_trackable(name: str, obj: Any) -> None:
         )
 
 
+def chief_path(strategy: Strategy, path: str) -> str:
+    """The chief's ``path``, absolute, on every worker (a collective when there are several)."""
+    here = os.path.abspath(path)
+    if strategy.num_workers <= 1:
+        return here
+    return strategy.communicator.broadcast_object(here if strategy.is_chief else None)
+
+
 def writes_here(strategy: Strategy, path: str) -> bool:
     """Whether this worker writes ``path``: the chief always; another worker when ``path`` is not the chief's.
 
-    Called on every worker (a collective when there are several: the chief broadcasts its
-    absolute path). See the module docstring for why a worker given a path of its own writes there.
+    Called on every worker (a collective when there are several: :func:`chief_path`). See the
+    module docstring for why a worker given a path of its own writes there.
     """
     if strategy.num_workers <= 1:
         return strategy.is_chief
-    here = os.path.abspath(path)
-    chief_path = strategy.communicator.broadcast_object(here if strategy.is_chief else None)
-    return strategy.is_chief or chief_path != here
+    chief = chief_path(strategy, path)  # first: the chief takes part in the broadcast too
+    return strategy.is_chief or chief != os.path.abspath(path)
+
+
+def finish_write(
+    strategy: Strategy,
+    path: str,
+    timeout: float | None,
+    writes: bool,
+    keep: str,
+    write: Callable[[], None] | None,
+    after: Callable[[], None] | None,
+) -> None:
+    """The end of every save, on every worker: where ``writes``, ``write`` (None: nothing left to write),
+    remove the other format's checkpoint of that name (found first otherwise; ``keep``: this one's suffix)
+    and run ``after``; then all :func:`meet`, so that a failure here is an error on every worker."""
+    error: BaseException | None = None
+    if writes:
+        try:
+            if write is not None:
+                write()
+            idx.remove(path, keep=keep)
+            if after is not None:
+                after()
+        except Exception as e:  # shared with the other workers so that none waits in vain
+            error = e
+    meet(strategy, timeout, error, path)
 
 
 def meet(strategy: Strategy, timeout: float | None, error: BaseException | None, path: str = "") -> None:
@@ -275,23 +307,14 @@ class Checkpoint:
             return
         writes = writes_here(strategy, path)
         payload = self._payload(strategy, writes)
-        error: BaseException | None = None
-        if writes:
-            try:
-                write_data_file(path, counter, payload)
-                idx.remove(path, keep=".pt")  # a sharded checkpoint of that name would be found first
-                if after is not None:
-                    after()
-            except Exception as e:  # shared with the other workers so that none waits in vain
-                error = e
-        meet(strategy, timeout, error, path)
+        finish_write(strategy, path, timeout, writes, ".pt", lambda: write_data_file(path, counter, payload), after)
 
     def _write_sharded(
         self, strategy: Strategy, path: str, counter: int, timeout: float | None, after: Callable[[], None] | None
     ) -> None:
         """Every worker writes its own shards into ``<path>.dcp`` (sharded_objects.py), in parallel, with no
         gather; the chief then runs ``after``; all meet. Every worker writes into the chief's directory."""
-        path = strategy.communicator.broadcast_object(os.path.abspath(path) if strategy.is_chief else None)
+        path = chief_path(strategy, path)
         states = {
             name: obj if isinstance(obj, torch.Tensor) else strategy.local_checkpoint_state(obj)
             for name, obj in self._objects.items()
@@ -299,15 +322,7 @@ class Checkpoint:
         failed = sharded_objects.write(strategy, path, counter, states, timeout)
         if failed is not None:  # every worker has it already (or lost its group): nothing to agree on
             raise failed
-        error: BaseException | None = None
-        if strategy.is_chief:
-            try:
-                idx.remove(path, keep=sharded_objects.SUFFIX)  # a plain file of that name would be found first
-                if after is not None:
-                    after()
-            except Exception as e:  # shared with the other workers so that none waits in vain
-                error = e
-        meet(strategy, timeout, error, path)
+        finish_write(strategy, path, timeout, strategy.is_chief, sharded_objects.SUFFIX, None, after)
 
     # ------------------------------------------------------------------ reading
     def restore(self, save_path: str | os.PathLike[str] | None) -> LoadStatus:
