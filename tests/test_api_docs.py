@@ -153,16 +153,10 @@ NOT_YET_DOCUMENTED = frozenset(
     {
         "ds.Checkpoint",
         "ds.CheckpointManager",
-        "ds.Server",
         "ds.checkpoints_iterator",
         "ds.cluster_resolver.SlurmClusterResolver",
         "ds.cluster_resolver.TFConfigClusterResolver",
         "ds.cluster_resolver.TorchrunClusterResolver",
-        "ds.coordinator.ClusterCoordinator",
-        "ds.coordinator.FailurePolicy",
-        "ds.coordinator.PerWorkerDataset",
-        "ds.coordinator.PerWorkerIterator",
-        "ds.coordinator.RemoteValue",
         "ds.experimental.DeviceMesh",
         "ds.experimental.LayoutMap",
         "ds.experimental.MeshStrategy",
@@ -170,9 +164,6 @@ NOT_YET_DOCUMENTED = frozenset(
         "ds.experimental.TerminationConfig",
         "ds.function",
         "ds.latest_checkpoint",
-        "ds.partitioners.FixedShardsPartitioner",
-        "ds.partitioners.MaxSizePartitioner",
-        "ds.partitioners.MinSizePartitioner",
     }
 )
 

@@ -62,6 +62,16 @@ class Partitioner:
 class FixedShardsPartitioner(Partitioner):
     """A fixed number of shards (fewer if dim 0 has fewer rows).
 
+    ``ParameterServerStrategy(resolver, variable_partitioner=FixedShardsPartitioner(n))`` splits every
+    parameter built in its scope into ``min(n, rows)`` shards along dim 0; called as
+    ``partitioner(shape, dtype)``, it returns ``[min(n, shape[0]), 1, ...]``.
+
+    Args:
+        num_shards: how many shards each parameter gets (at most one per row).
+
+    Raises:
+        ValueError: ``num_shards`` is not a positive int.
+
     Example::
 
         >>> FixedShardsPartitioner(num_shards=4)((3, 8), torch.float32)
@@ -85,6 +95,19 @@ class FixedShardsPartitioner(Partitioner):
 
 class MinSizePartitioner(Partitioner):
     """Shards of at least ``min_shard_bytes`` each, at most ``max_shards`` of them.
+
+    As many shards as keep each at least ``min_shard_bytes``: called as ``partitioner(shape, dtype)``, it
+    returns ``[max(1, min(shape[0], max_shards, ceil(bytes / min_shard_bytes))), 1, ...]`` (TF's rule). It
+    keeps small parameters whole while spreading large ones over the ps tasks.
+
+    Args:
+        min_shard_bytes: the least bytes a shard holds (256 KiB by default).
+        max_shards: the most shards a parameter gets (1 by default: no sharding unless raised; the number of
+            ps tasks is the usual choice).
+        bytes_per_string: the bytes an element of TF's ``"string"`` dtype (given as a str) is priced at.
+
+    Raises:
+        ValueError: an argument is not positive.
 
     Example::
 
@@ -118,6 +141,20 @@ class MinSizePartitioner(Partitioner):
 
 class MaxSizePartitioner(Partitioner):
     """As few shards as keep each below ``max_shard_bytes`` (``max_shards`` takes precedence).
+
+    Shards hold whole rows: called as ``partitioner(shape, dtype)``, it returns
+    ``[ceil(shape[0] / max(1, floor(max_shard_bytes / row_bytes))), 1, ...]``, capped by ``max_shards``
+    (TF's rule); a row larger than ``max_shard_bytes`` gets a shard of its own. It bounds the size of each
+    message to and from a ps task.
+
+    Args:
+        max_shard_bytes: the most bytes a shard holds (exceeded only by a single row that is larger).
+        max_shards: the most shards a parameter gets; None: no cap.
+        bytes_per_string: the bytes an element of TF's ``"string"`` dtype (given as a str) is priced at.
+
+    Raises:
+        ValueError: ``max_shard_bytes`` or ``bytes_per_string`` is not positive, or ``max_shards`` is neither
+            positive nor None.
 
     Example::
 

@@ -73,6 +73,12 @@ class PerWorkerDataset:
 
     A worker that comes back after a failure builds its dataset again (from the start).
     An iterator the coordinator no longer references is dropped by the workers too.
+    Made by ``ClusterCoordinator.create_per_worker_dataset``, not by hand.
+
+    Args:
+        dataset_id: the name the coordinator and the workers know the dataset function by.
+        on_release: called with an iterator's id when the coordinator drops that iterator (the workers then
+            drop theirs); None: never.
     """
 
     def __init__(self, dataset_id: str, on_release: Callable[[str], None] | None = None) -> None:
@@ -120,16 +126,11 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
 
     One per strategy: creating a second one for the same strategy returns the first (as
     in TF; options given to that second call are ignored, with a warning).
-    ``failure_policy`` decides retries (default: TF's, see
-    :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy`); ``probe_interval``
-    is how often (seconds) an unreachable worker is asked whether it is back.
 
-    ``heartbeat_timeout`` (seconds, default 10; None: no heartbeat) bounds how long a
-    worker that runs a function may stay silent: while a call is out the coordinator
-    asks the worker for its health every ``heartbeat_interval`` seconds (default: a third
-    of the timeout, at most 1 s), and a worker that has answered none of them for
-    ``heartbeat_timeout`` seconds (hung, SIGSTOPped, a cable pulled) is marked down: its
-    functions go back to the queue for the other workers at once, and it is used again
+    The heartbeat bounds how long a worker that runs a function may stay silent: while a call is out the
+    coordinator asks the worker for its health every ``heartbeat_interval`` seconds, and a worker that has
+    answered none of them for ``heartbeat_timeout`` seconds (hung, SIGSTOPped, a cable pulled) is marked
+    down: its functions go back to the queue for the other workers at once, and it is used again
     when it answers. A worker that dies outright is noticed as soon as its connection
     breaks. A function taken from a hung worker may still finish there later (it ran
     at least once; its result and metric updates are then ignored).
@@ -147,8 +148,22 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
     found or not) is replayed on the coordinator's scaler, once per completed call, in the
     order results arrive (see :mod:`distrib.parameter_server.scaler`).
 
-    ``connect`` makes the connection to each worker (a fake one in the dispatch tests).
     See the module docstring for a runnable example.
+
+    Args:
+        strategy: the coordinator's (the chief's) ``ParameterServerStrategy``.
+        failure_policy: decides whether a failed function is retried on another worker or fails; None: TF's
+            (see :class:`~distrib.parameter_server.client.failure_policy.FailurePolicy`).
+        probe_interval: how often, in seconds, an unreachable worker is asked whether it is back.
+        connect: makes the connection to each worker (a fake one in the dispatch tests).
+        heartbeat_timeout: seconds a worker running a function may leave every health query unanswered
+            before it is marked down (default 10); None: no heartbeat (a worker is lost only when its
+            connection breaks).
+        heartbeat_interval: seconds between health queries; None: a third of ``heartbeat_timeout``, at most 1 s.
+
+    Raises:
+        ValueError: ``strategy`` is not the coordinator's ``ParameterServerStrategy``, or ``heartbeat_timeout``
+            or ``heartbeat_interval`` is not a positive number or None.
     """
 
     def __init__(
@@ -218,8 +233,21 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
         ``fn`` and what it captures are sent once (a snapshot: later changes to
         captured Python values are not seen). Arguments go with every call: tensors,
         numbers, strings, nested lists/tuples/dicts, per-worker iterators, and
-        RemoteValues (fetched first). Raises the error of an earlier failed function
-        that ``join`` has not raised yet.
+        RemoteValues (fetched first).
+
+        Args:
+            fn: the function; it runs under the strategy on a worker, reading and updating the variables on the
+                ps tasks.
+            args: its positional arguments.
+            kwargs: its keyword arguments; None: none.
+
+        Returns:
+            The call's :class:`RemoteValue`, PENDING: ``fetch()`` it (or ``coordinator.fetch``) for the result.
+
+        Raises:
+            TypeError: ``fn`` (or what it captures) cannot be pickled.
+            ValueError: an argument is a per-worker iterator of another coordinator.
+            ScheduledFunctionError: the error of an earlier failed function that ``join`` has not raised yet.
         """
         closure = Closure(self._payload(fn), tuple(args), dict(kwargs or {}))
         self._check_iterators((closure.args, closure.kwargs))
@@ -243,8 +271,17 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
         has not started there. Functions already running on other workers finish (a
         running Python function cannot be interrupted safely; TF cancels them too) and
         keep their results; ``join`` waits for them, raises the error once, and then
-        scheduling works again, as in TF. ``timeout`` (seconds, a distrib extension)
-        raises TimeoutError instead of waiting longer.
+        scheduling works again, as in TF.
+
+        Args:
+            timeout: the most seconds to wait (a distrib extension); None: as long as it takes.
+
+        Raises:
+            TimeoutError: ``timeout`` passed with functions still pending or running (the message gives the
+                counts and each worker's state).
+            ScheduledFunctionError: the first error a scheduled function raised on a worker (also an instance
+                of its builtin class: a ``ValueError`` there is one here), with the worker's traceback.
+            ParameterServerUnavailableError: a ps task was lost (the cluster must be restarted and restored).
         """
         state = self._dispatch
         if not state.wait(timeout):
@@ -254,11 +291,29 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
             )
 
     def done(self) -> bool:
-        """Whether every scheduled function has finished; raises the first error among them."""
+        """Whether every scheduled function has finished, without waiting.
+
+        Returns:
+            True when nothing is pending or running.
+
+        Raises:
+            ScheduledFunctionError: the first error a scheduled function raised, as :meth:`join` does.
+        """
         return self._dispatch.done()
 
     def fetch(self, val: Any) -> Any:
-        """``val`` with every RemoteValue in it (nested in lists, tuples, dicts) replaced by its result."""
+        """``val`` with every RemoteValue in it (nested in lists, tuples, dicts) replaced by its result.
+
+        Args:
+            val: a :class:`RemoteValue`, or a structure of them (and of other values, kept as they are).
+
+        Returns:
+            The same structure with each RemoteValue's result, waiting for those not ready yet.
+
+        Raises:
+            ScheduledFunctionError: a function's RemoteValue FAILED (its error on the worker).
+            ClosureCancelledError: a function's RemoteValue was CANCELLED (an earlier function failed).
+        """
         return fetch_remote_values(val)
 
     def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:
@@ -267,6 +322,17 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
 
         ``input_context`` has ``input_pipeline_id`` = the worker's index and
         ``num_input_pipelines`` = the number of workers (to shard or seed the data).
+
+        Args:
+            dataset_fn: makes one worker's dataset (an iterable of batches) on that worker, called with no
+                argument or with an ``InputContext``; or a distributed dataset of the strategy.
+
+        Returns:
+            A :class:`PerWorkerDataset`: ``iter()`` of it gives a :class:`PerWorkerIterator` to pass to the
+            scheduled functions, each of which then reads the next element of its own worker's iterator.
+
+        Raises:
+            TypeError: ``dataset_fn`` cannot be pickled.
         """
         dataset_id = uuid.uuid4().hex[:16]
         try:
@@ -281,11 +347,20 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
 
     # ------------------------------------------------------------------ introspection
     def worker_states(self) -> dict[str, str]:
-        """Each worker's state as the coordinator sees it: ``connecting``, ``idle``, ``busy`` or ``down``."""
+        """Each worker's state as the coordinator sees it.
+
+        Returns:
+            Task name (``/job:worker/replica:0/task:0``) -> ``"connecting"``, ``"idle"``, ``"busy"`` or ``"down"``.
+        """
         return {w.task: w.state.value for w in self._workers}
 
     def worker_stats(self) -> list[dict]:
-        """Each reachable worker's health reply: task, functions held, bytes it sent to/received from the ps tasks."""
+        """Each worker's health reply, asked now (a call to every worker, at most 5 s each).
+
+        Returns:
+            One dict per worker: its task, the functions it holds, the bytes it sent to and received from the
+            ps tasks; ``{"task": ..., "ok": False}`` for a worker that cannot be reached.
+        """
         stats = []
         for w in self._workers:
             try:
@@ -296,6 +371,7 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
 
     @property
     def num_workers(self) -> int:
+        """How many worker tasks the cluster has (those down included)."""
         return len(self._workers)
 
     def close(self) -> None:

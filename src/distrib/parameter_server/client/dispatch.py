@@ -86,8 +86,15 @@ class WorkerState(enum.Enum):
 class PerWorkerIterator:
     """``iter(per_worker_dataset)``: pass it to scheduled functions; each worker uses its own iterator.
 
-    When the object is garbage-collected on the coordinator, ``on_release(iterator_id)``
-    is called, and the workers drop their iterators with the next call they get.
+    On the coordinator it is only a name (``next()`` of it raises ``TypeError``): a scheduled function
+    that gets it in its arguments gets, on its worker, that worker's iterator over its own dataset, made on
+    first use and kept across calls. When the object is garbage-collected on the coordinator,
+    ``on_release(iterator_id)`` is called, and the workers drop their iterators with the next call they get.
+    Made by ``iter(per_worker_dataset)``, not by hand.
+
+    Args:
+        dataset_id: the per-worker dataset it iterates.
+        on_release: called with ``iterator_id`` when the object is garbage-collected; None: never.
     """
 
     def __init__(self, dataset_id: str, on_release: Callable[[str], None] | None = None) -> None:

@@ -34,7 +34,17 @@ class Decision(enum.Enum):
 
 @dataclass(frozen=True)
 class FailurePolicy:
-    """``max_attempts``: how many workers may take one function before a lost worker fails it (None: no limit).
+    """What the coordinator does when a scheduled function fails: retry it on another worker, or raise.
+
+    Give it to ``ClusterCoordinator(strategy, failure_policy=...)``; the default is TF's behaviour (see the
+    module docstring): a function whose worker was lost runs again elsewhere, however many times it takes.
+
+    Attributes:
+        max_attempts: how many workers may take one function before a lost worker fails it (its RemoteValue
+            FAILED, ``join`` raises); None: no limit.
+
+    Raises:
+        ValueError: ``max_attempts`` is neither a positive int nor None.
 
     Example::
 
@@ -51,7 +61,18 @@ class FailurePolicy:
             raise ValueError(f"FailurePolicy(max_attempts={self.max_attempts!r}): must be a positive int or None")
 
     def decide(self, kind: FailureKind, attempts: int) -> Decision:
-        """What to do after a failure of ``kind`` on the function's ``attempts``-th run."""
+        """What to do after a failure of ``kind`` on the function's ``attempts``-th run.
+
+        Args:
+            kind: what failed: the worker was lost, the function raised, a ps task was lost, or a protocol
+                error (a refused token, an incompatible peer, arguments that cannot be sent).
+            attempts: how many workers have taken the function so far, this failed run included.
+
+        Returns:
+            ``Decision.RETRY`` for a lost worker while ``attempts < max_attempts`` (always without a limit);
+            ``Decision.RAISE_FATAL`` for a lost ps task (every later ``schedule``/``join`` raises too); else
+            ``Decision.RAISE``.
+        """
         if kind is FailureKind.WORKER_LOST:
             if self.max_attempts is None or attempts < self.max_attempts:
                 return Decision.RETRY

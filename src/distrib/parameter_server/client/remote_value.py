@@ -48,7 +48,10 @@ class RemoteValue:
     """The result of ``ClusterCoordinator.schedule`` (``tf.distribute.experimental.coordinator.RemoteValue``).
 
     ``fetch()`` blocks until the function has run and returns its result (tensors
-    and Python values as the function returned them), or raises its error.
+    and Python values as the function returned them), or raises its error. ``status`` says where the
+    function is in its life cycle (see the module docstring for the transitions); ``worker`` is the task
+    that produced the result and ``attempts`` how many workers took the function. A RemoteValue can be
+    passed in a later ``schedule(..., args=...)`` (the worker gets its result), not captured by a function.
 
     Example::
 
@@ -74,6 +77,7 @@ class RemoteValue:
 
     @property
     def status(self) -> RemoteValueStatus:
+        """Where the function is: PENDING, RUNNING, READY, FAILED or CANCELLED (the last three are final)."""
         return self._status
 
     def transition(self, new: RemoteValueStatus, value: Any = None, error: BaseException | None = None) -> None:
@@ -84,6 +88,14 @@ class RemoteValue:
         ``status`` and calls ``fetch``. A transition the module docstring does not list raises
         RuntimeError (a bug in the dispatch, never a silent overwrite of a final result).
         Going to RUNNING counts one more attempt.
+
+        Args:
+            new: the status to move to.
+            value: the function's result (with ``READY``).
+            error: the error ``fetch`` will raise (with ``FAILED`` or ``CANCELLED``).
+
+        Raises:
+            RuntimeError: the life cycle does not allow going from the current status to ``new``.
         """
         with self._lock:
             if new not in _ALLOWED.get(self._status, ()):
@@ -96,7 +108,20 @@ class RemoteValue:
                 self._done.set()
 
     def fetch(self, timeout: float | None = None) -> Any:
-        """The function's result; blocks until it is known. Raises the function's error, if any."""
+        """The function's result; blocks until it is known (``get`` is the same, TF's other name).
+
+        Args:
+            timeout: the most seconds to wait (a distrib extension); None: as long as it takes.
+
+        Returns:
+            What the function returned.
+
+        Raises:
+            TimeoutError: ``timeout`` passed before the function finished.
+            ScheduledFunctionError: the function raised on its worker (FAILED; also an instance of the
+                error's builtin class).
+            ClosureCancelledError: the function was cancelled because an earlier one failed.
+        """
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"the scheduled function has not finished within {timeout}s (status {self._status.name})"

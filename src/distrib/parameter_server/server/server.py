@@ -128,23 +128,40 @@ def running_servers() -> list[Server]:
 class Server:
     """Serves one ``ps`` or ``worker`` task of a cluster on that task's address.
 
-    ``token`` defaults to ``DISTRIB_CLUSTER_TOKEN`` and ``tls`` to the
-    ``DISTRIB_TLS_*`` variables (see :mod:`distrib.parameter_server.transport.rpc`). The server
-    listens on exactly the address the cluster spec gives the task, unless ``bind_address``
-    (default ``DISTRIB_BIND_ADDRESS``) says otherwise: ``"0.0.0.0"`` listens on every interface,
-    at the task's port, as TF's servers do (see :func:`listen_address`); needed behind NAT or a
-    Kubernetes Service, where the spec's address is not one of the host's. When the spec's name
-    resolves on this host only to loopback (Debian's ``/etc/hosts`` maps the host's own name to
-    127.0.1.1) while other tasks' hosts do not, it also listens on this host's address that routes
-    to them (``also_listening``; see :func:`routed_address`). Every call still
-    needs the cluster token. The server starts at
-    once unless ``start=False``, and serves until :meth:`stop` whether or not the
-    program keeps a reference to it. ``config`` (a TF ``ConfigProto``) is accepted for TF
-    compatibility and ignored; ``protocol`` may only be ``"grpc"``. Requests larger than
-    ``max_message_bytes`` (default ``DISTRIB_MAX_MESSAGE_BYTES``, else 1 GiB) are refused.
-    A ``worker`` task computes on ``device`` (default ``DISTRIB_WORKER_DEVICE``, else its GPU when
-    it has one, else its CPU; see :mod:`distrib.parameter_server.worker_device`); a ``ps`` task
-    keeps its variables in host memory, as TF's do.
+    A ``ps`` task holds variables (in host memory, as TF's do) and applies updates to them; a ``worker``
+    task runs the functions the coordinator schedules, reading and updating the variables on the ps tasks.
+    Every call needs the cluster token; the server listens on exactly the address the cluster spec gives the
+    task unless ``bind_address`` says otherwise. When the spec's name resolves on this host only to loopback
+    (Debian's ``/etc/hosts`` maps the host's own name to 127.0.1.1) while other tasks' hosts do not, it also
+    listens on this host's address that routes to them (``also_listening``; see :func:`routed_address`). A
+    started server serves until :meth:`stop`, whether or not the program keeps a reference to it.
+
+    Args:
+        cluster_spec: the cluster (a ``ClusterSpec`` or its dict, ``{"ps": [...], "worker": [...]}``); it
+            must have at least one ``ps`` task.
+        job_name: ``"ps"`` or ``"worker"`` (the chief runs the user's script, not a server).
+        task_index: the task's index in its job.
+        token: the cluster's shared secret (at least 16 characters); None: ``DISTRIB_CLUSTER_TOKEN``.
+        tls: certificates for TLS; None: from the ``DISTRIB_TLS_*`` variables (see
+            :mod:`distrib.parameter_server.transport.rpc`), else plaintext.
+        start: start serving at once; False: call :meth:`start` later.
+        config: TF's ``ConfigProto``: accepted for TF compatibility and ignored.
+        protocol: ``"grpc"`` or None (the same).
+        max_workers: threads serving calls; None: 16 for a ps task, 4 for a worker task.
+        max_message_bytes: requests larger than this are refused; None: ``DISTRIB_MAX_MESSAGE_BYTES``, else
+            1 GiB.
+        bind_address: where to listen; None: ``DISTRIB_BIND_ADDRESS``, else the spec's address. ``"0.0.0.0"``
+            listens on every interface at the task's port, as TF's servers do (see :func:`listen_address`):
+            needed behind NAT or a Kubernetes Service, where the spec's address is not one of the host's.
+        device: where a ``worker`` task computes; None: ``DISTRIB_WORKER_DEVICE``, else its GPU when it has
+            one, else its CPU (see :mod:`distrib.parameter_server.worker_device`). A ps task takes only
+            None or ``"cpu"``.
+
+    Raises:
+        ValueError: ``protocol`` is not ``"grpc"``, ``job_name`` is not ``"ps"`` or ``"worker"``, the cluster has
+            no ps task, a ps task is given a device, or the token, ``bind_address``, ``max_message_bytes`` or
+            a worker's device is unusable (each message says what to give instead).
+        OSError: ``start`` is True and the address is taken or not this host's.
 
     Example::
 
@@ -268,11 +285,22 @@ class Server:
             log.info("/job:worker/task:%d computes on %s", self.task_index, self.device)
 
     def join(self, timeout: float | None = None) -> bool:
-        """Block until the server stops (or ``timeout`` seconds pass); True once it has stopped."""
+        """Block until the server stops (or ``timeout`` seconds pass): what a task's main program ends with.
+
+        Args:
+            timeout: the most seconds to wait; None: until :meth:`stop` is called.
+
+        Returns:
+            True once the server has stopped; False when ``timeout`` passed first.
+        """
         return self._stopped.wait(timeout)
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop serving; calls in progress get ``grace`` seconds to finish."""
+        """Stop serving (and release :meth:`join`); a stopped server can be started again with :meth:`start`.
+
+        Args:
+            grace: seconds the calls in progress get to finish; None: they are cancelled at once.
+        """
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
             self._grpc = None
