@@ -109,7 +109,13 @@ def undo_capturable(optimizer: torch.optim.Optimizer) -> None:
     optimizer.defaults["capturable"] = all(was for was, _ in originals)
 
 
+_SCALAR_TYPES = frozenset({bool, int, float, str, type(None)})
+
+
 def _frozen(value: Any) -> bool:
+    # the exact types first: this runs for every hyperparameter at every replay
+    if type(value) in _SCALAR_TYPES:
+        return True
     return isinstance(value, (bool, int, float, str, type(None))) or (
         isinstance(value, tuple) and all(_frozen(v) for v in value)
     )
@@ -146,5 +152,5 @@ class OptimizerWatch:
                 continue
             parts.append(state_version(o))
             for group in o.param_groups:
-                parts.append(tuple((k, v) for k, v in group.items() if k != "params" and _frozen(v)))
+                parts.append(tuple([(k, v) for k, v in group.items() if k != "params" and _frozen(v)]))
         return tuple(parts)

@@ -48,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from distrib import context
 from distrib.graphs import capturable, paths
 from distrib.graphs.cuda_graph import CapturedGraph, CaptureError
-from distrib.graphs.signature import Inputs, describe, flatten_inputs
+from distrib.graphs.signature import Inputs, describe, flatten_inputs, quick_key
 
 __all__ = ["Function", "function"]
 
@@ -257,6 +257,8 @@ class Function:
         self.captures = 0
         self.name = getattr(python_function, "__qualname__", repr(python_function))
         self._signatures: dict[Hashable, _Signature] = {}
+        #: the same signatures by :func:`quick_key`, for the calls it covers (with a template of their inputs)
+        self._quick: dict[Hashable, tuple[_Signature, Inputs]] = {}
         self._first_captured: dict[Hashable, Hashable] = {}
         #: True once a call has found that no graph can be captured in this process (no CUDA): calls go straight
         #: to the Python function, without taking their arguments apart
@@ -266,10 +268,17 @@ class Function:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.always_eager or _tracing[0] or context.current_replica() is not None:
             return self.python_function(*args, **kwargs)  # no CUDA here, or part of an outer step
+        quick = quick_key(args, kwargs)
+        if quick is not None:
+            known = self._quick.get(quick[0])
+            if known is not None:  # the common call, seen before: no pytree walk
+                return known[0].call(known[1].with_leaves(quick[1]))
         inputs = flatten_inputs(args, kwargs)
         signature = self._signatures.get(inputs.key)
         if signature is None:
             signature = self._signatures[inputs.key] = _Signature(self, inputs)
+        if quick is not None:
+            self._quick[quick[0]] = (signature, inputs)
         return signature.call(inputs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
