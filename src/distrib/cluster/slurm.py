@@ -164,18 +164,35 @@ def _count_gpus(env: Mapping[str, str]) -> int:
 class SlurmClusterResolver(ClusterResolver):
     """A cluster from Slurm's variables (``tf.distribute.cluster_resolver.SlurmClusterResolver``).
 
-    ``jobs`` maps job names to task counts (default: every task a ``worker``). ``tasks_per_node``
-    (an int, or a dict host -> count) overrides Slurm's. ``gpus_per_node`` (default: counted)
-    and ``gpus_per_task`` (default: an even share) choose each task's GPUs; with ``auto_set_gpu``,
-    ``cluster_spec()`` sets ``CUDA_VISIBLE_DEVICES`` to them, as TF does (GPU *k* is the *k*-th
-    already visible one when Slurm has narrowed ``CUDA_VISIBLE_DEVICES``). ``port_base``: the
-    first port on each node; default ``MASTER_PORT`` when set, else a block of ports of this job
-    step's own (:func:`default_port_base`), so that concurrent steps on a node do not collide
-    (TF: always 8888). ``environ`` (distrib's) reads another mapping than ``os.environ``.
+    Every task of the job step (started by ``srun``) reads the same variables (``SLURM_PROCID``,
+    ``SLURM_STEP_NODELIST``, ``SLURM_STEP_TASKS_PER_NODE``, ...) and lists the same cluster: the tasks in node
+    order, block by block, node *n*'s *k*-th task at ``host:port_base + k``. Unlike TF's, the default ports
+    are a block of this job step's own, so that concurrent steps on a node do not collide (TF: always 8888).
 
     Parameter servers: ``jobs={"chief": 1, "ps": 1, "worker": 2}`` with ``srun -n 4``; rank 0
     (the chief) runs the coordinator, the others ``ds.Server(...).join()``. A process started
     in an allocation of several tasks or nodes but outside ``srun`` is refused at once.
+
+    Args:
+        jobs: job name -> task count, taken in that (sorted) order from the step's tasks; None: every task
+            a ``worker``.
+        port_base: the first port on each node; None: ``MASTER_PORT`` when set, else a block of ports of this
+            job step's own (:func:`default_port_base`).
+        gpus_per_node: GPUs on each node; None: counted (``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``).
+        gpus_per_task: GPUs each task gets; None: an even share of ``gpus_per_node``.
+        tasks_per_node: tasks on each node, an int or a dict host -> count; None: Slurm's
+            (``SLURM_STEP_TASKS_PER_NODE``).
+        auto_set_gpu: ``cluster_spec()`` sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs, as TF does (GPU
+            *k* is the *k*-th already visible one when Slurm has narrowed ``CUDA_VISIBLE_DEVICES``).
+        rpc_layer: the protocol ``master()`` prefixes.
+        environ: the variables to read (distrib's); None: ``os.environ``.
+
+    Raises:
+        RuntimeError: the process is not inside an ``srun`` job step, or the variables, ``jobs`` and
+            ``tasks_per_node`` disagree (task counts, the task's rank or node), or more GPUs are asked per
+            node than there are.
+        ValueError: ``port_base`` (or ``MASTER_PORT``) leaves no room for this node's tasks, ``jobs`` names an
+            unknown job, or a ``tasks_per_node`` count or a job's count is not a non-negative integer.
 
     Example (``srun -N 2 --ntasks-per-node 2 python train.py``, task 3)::
 
@@ -331,13 +348,30 @@ class SlurmClusterResolver(ClusterResolver):
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> SlurmClusterResolver:
-        """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
+        """This resolver read from ``environ``, as ``resolve()`` builds it.
+
+        Args:
+            environ: the variables to read; None: ``os.environ``.
+
+        Returns:
+            ``SlurmClusterResolver(environ=environ)``, with the defaults of every other argument.
+
+        Raises:
+            RuntimeError: not inside an ``srun`` job step, or the variables disagree (see the class).
+        """
         return cls(environ=environ)
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
-        """True inside an ``srun`` job step, and in an allocation of several tasks or nodes started without
-        srun (the constructor then says to use srun, at once)."""
+        """Whether ``environ`` is a Slurm job's (how ``resolve()`` picks this resolver).
+
+        Args:
+            environ: the variables to look at; None: ``os.environ``.
+
+        Returns:
+            True inside an ``srun`` job step, and in an allocation of several tasks or nodes started without
+            srun (the constructor then says to use srun, at once); False elsewhere.
+        """
         env = os.environ if environ is None else environ
         if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_STEP_NODELIST" in env):
             return True
@@ -350,7 +384,14 @@ class SlurmClusterResolver(ClusterResolver):
         return any(value not in ("", "0", "1") for value in several)
 
     def cluster_spec(self) -> ClusterSpec:
-        """The cluster; with ``auto_set_gpu``, also sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs (as TF)."""
+        """The cluster; with ``auto_set_gpu``, also sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs (as TF).
+
+        Setting it after CUDA was initialised only affects processes started later: a ``RuntimeWarning``
+        says so.
+
+        Returns:
+            The jobs' tasks, ``host:port`` each, in node order.
+        """
         if self._auto_set_gpu and self._gpus_per_task > 0:
             visible = self._gpu_allocation[self._rank]
             torch = sys.modules.get("torch")
@@ -372,13 +413,26 @@ class SlurmClusterResolver(ClusterResolver):
         return self._port_base
 
     def get_task_info(self) -> tuple[str | None, int | None]:
-        """``(task_type, task_id)`` of this process."""
+        """This process's task (TF's ``SlurmClusterResolver.get_task_info``).
+
+        Returns:
+            ``(task_type, task_id)``: its job and its index in that job.
+        """
         return self.task_type, self.task_id
 
     def num_accelerators(
         self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
     ) -> dict[str, int]:
-        """``{"GPU": gpus_per_task}`` (the arguments are unused, as in TF)."""
+        """The GPUs each task gets.
+
+        Args:
+            task_type: unused, as in TF.
+            task_id: unused, as in TF.
+            config_proto: unused, as in TF.
+
+        Returns:
+            ``{"GPU": gpus_per_task}``.
+        """
         return {"GPU": self._gpus_per_task}
 
 

@@ -236,10 +236,20 @@ def _wrap(parse: Any, value: Any, where: str) -> Any:
 class TFConfigClusterResolver(ClusterResolver):
     """Reads ``TF_CONFIG`` (``{"cluster": {...}, "task": {"type": ..., "index": ...}}``), as TF.
 
-    ``task_type``, ``task_id`` and ``rpc_layer`` override what ``TF_CONFIG`` says; ``master()``
-    is TF's (this task's address prefixed ``rpc_layer://``, or ``session_master``, or ``""`` for a
-    one-task cluster); ``rendezvous_address()`` is where workers meet. ``environ`` (distrib's)
-    reads another mapping than ``os.environ``. ``TF_CONFIG`` is read and checked once, here.
+    ``master()`` is TF's (this task's address prefixed ``rpc_layer://``, or ``session_master``, or ``""``
+    for a one-task cluster); ``rendezvous_address()`` is where workers meet. ``TF_CONFIG`` is read and
+    checked once, here; without it (or blank) the cluster is empty: one process.
+
+    Args:
+        task_type: this task's type (``"worker"``, ``"chief"``, ``"ps"``, ...); None: ``TF_CONFIG``'s.
+        task_id: this task's index in its job; None: ``TF_CONFIG``'s.
+        rpc_layer: the protocol ``master()`` prefixes (``"grpc"``); None: ``TF_CONFIG``'s.
+        environment: TF's environment name (``"google"``), kept for ``environment``; nothing reads it.
+        environ: the variables to read ``TF_CONFIG`` from (distrib's); None: ``os.environ``.
+
+    Raises:
+        TFConfigError: ``TF_CONFIG`` is malformed (a ``ValueError``; the message names the field at fault).
+        ValueError: ``task_type`` / ``task_id`` name a task the cluster does not have.
 
     Example::
 
@@ -277,20 +287,49 @@ class TFConfigClusterResolver(ClusterResolver):
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> TFConfigClusterResolver:
-        """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
+        """This resolver read from ``environ``, as ``resolve()`` builds it.
+
+        Args:
+            environ: the variables to read; None: ``os.environ``.
+
+        Returns:
+            ``TFConfigClusterResolver(environ=environ)``.
+
+        Raises:
+            TFConfigError: ``TF_CONFIG`` is malformed.
+        """
         return cls(environ=environ)
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
-        """True when ``TF_CONFIG`` is set and not blank."""
+        """Whether ``environ`` describes a cluster with ``TF_CONFIG`` (how ``resolve()`` picks this resolver).
+
+        Args:
+            environ: the variables to look at; None: ``os.environ``.
+
+        Returns:
+            True when ``TF_CONFIG`` is set and not blank (whether or not it is valid).
+        """
         return bool((os.environ if environ is None else environ).get("TF_CONFIG", "").strip())
 
     def cluster_spec(self) -> ClusterSpec:
         return self._spec
 
     def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
-        """TF's session master: ``session_master`` if ``TF_CONFIG`` has one; ``""`` for a cluster of at most
-        one task; else the given task's (default: this task's) address, prefixed ``rpc_layer://``."""
+        """TF's session master: the address a TF client would connect to.
+
+        Args:
+            task_type: the task whose address to give; None: this task's.
+            task_id: its index; None: this task's.
+            rpc_layer: the protocol to prefix; None: this resolver's ``rpc_layer``.
+
+        Returns:
+            ``session_master`` if ``TF_CONFIG`` has one; ``""`` for a cluster of at most one task; else the
+            task's address, prefixed ``rpc_layer://`` when there is an rpc layer.
+
+        Raises:
+            ValueError: neither the arguments nor ``TF_CONFIG`` name a task.
+        """
         if self._session_master is not None:
             return self._session_master
         spec = self._spec
@@ -310,7 +349,16 @@ class TFConfigClusterResolver(ClusterResolver):
     def num_accelerators(
         self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
     ) -> dict[str, int]:
-        """This machine's GPUs (see ``ClusterResolver.num_accelerators``)."""
+        """This machine's GPUs (see ``ClusterResolver.num_accelerators``).
+
+        Args:
+            task_type: accepted for TF's signature, ignored (default: this task's).
+            task_id: accepted for TF's signature, ignored (default: this task's).
+            config_proto: accepted for TF's signature, ignored.
+
+        Returns:
+            ``{"GPU": n}`` with the number of CUDA devices this process sees, ``{}`` when there are none.
+        """
         return super().num_accelerators(
             task_type if task_type is not None else self.task_type,
             task_id if task_id is not None else self.task_id,

@@ -29,6 +29,14 @@ class TorchrunClusterResolver(ClusterResolver):
     ``local_world_size`` are torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (None when
     unset); ``spans_hosts`` says whether the workers run on several hosts (None: unknown).
 
+    Args:
+        environ: the variables to read (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and
+            optionally ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); None: ``os.environ``.
+
+    Raises:
+        ValueError: one of the four variables is missing, ``RANK``/``WORLD_SIZE``/``MASTER_PORT`` (or a local
+            one) is not an integer or out of range, or ``MASTER_ADDR`` is not a valid host.
+
     Example::
 
         >>> r = TorchrunClusterResolver({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
@@ -85,6 +93,17 @@ class TorchrunClusterResolver(ClusterResolver):
         tutorials set them), else ``localhost:29500`` (torch's default port): the group is
         used as it is, so the addresses are descriptive only.
 
+        Args:
+            rank: this process's rank in the group.
+            world_size: the group's size.
+            environ: where to read ``MASTER_ADDR`` and ``MASTER_PORT``; None: ``os.environ``.
+
+        Returns:
+            A resolver of ``world_size`` workers, this one worker ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is out of range for ``world_size``, or ``MASTER_ADDR`` is not a valid host.
+
         Example::
 
             >>> r = TorchrunClusterResolver.from_process_group(1, 2, {"MASTER_ADDR": "localhost", "MASTER_PORT": "12355"})
@@ -127,12 +146,29 @@ class TorchrunClusterResolver(ClusterResolver):
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> TorchrunClusterResolver:
-        """This resolver read from ``environ`` (default ``os.environ``), as ``resolve()`` builds it."""
+        """This resolver read from ``environ``, as ``resolve()`` builds it.
+
+        Args:
+            environ: the variables to read; None: ``os.environ``.
+
+        Returns:
+            ``TorchrunClusterResolver(environ)``.
+
+        Raises:
+            ValueError: a variable is missing or malformed (see the class).
+        """
         return cls(environ)
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] | None = None) -> bool:
-        """True when ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are all set."""
+        """Whether ``environ`` describes a torchrun cluster (how ``resolve()`` picks this resolver).
+
+        Args:
+            environ: the variables to look at; None: ``os.environ``.
+
+        Returns:
+            True when ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are all set.
+        """
         env = os.environ if environ is None else environ
         return all(v in env for v in _VARS)
 
