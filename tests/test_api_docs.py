@@ -157,9 +157,6 @@ NOT_YET_DOCUMENTED = frozenset(
         "ds.experimental.DeviceMesh",
         "ds.experimental.LayoutMap",
         "ds.experimental.MeshStrategy",
-        "ds.experimental.PreemptionCheckpointHandler",
-        "ds.experimental.TerminationConfig",
-        "ds.function",
         "ds.latest_checkpoint",
     }
 )

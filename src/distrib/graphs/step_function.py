@@ -364,8 +364,34 @@ def function(
 ) -> Callable[..., Any] | Callable[[F], F]:
     """Capture the decorated step once per signature as a CUDA graph and replay it (``tf.function``).
 
-    See :mod:`distrib.graphs.step_function` for what a call does. On a CPU the step runs eagerly, and the
-    first call says so once:
+    A step of many small kernels (a small model, or many layers at a small batch) spends its time
+    launching them from Python; replayed as one CUDA graph, the whole step (forward, backward, the gradients'
+    reduction, the optimizer's update) is a single launch. See :mod:`distrib.graphs.step_function` for what a
+    call does: a signature's first ``warmup_steps`` calls run eagerly, the next is captured and later ones
+    replay it; a step that cannot be captured runs eagerly, and its first call logs why once. Use it as
+    ``@ds.function`` or ``@ds.function(warmup_steps=3, ...)``.
+
+    Args:
+        python_function: the step to decorate; None when called with options only
+            (``@ds.function(mode="eager")``).
+        warmup_steps: eager calls of each new signature before its capture (at least 1: they create the
+            optimizer's state and let cuDNN and cuBLAS settle).
+        max_captures: the most graphs this function may hold; past it, new signatures run eagerly, with a
+            warning.
+        reduce_retracing: capture one graph per structure and dtypes of the arguments: calls of other shapes
+            (the last, shorter batch) run eagerly instead of capturing graphs of their own.
+        mode: ``"auto"`` (capture where possible, else eager), ``"eager"`` (never capture) or ``"cuda_graph"``
+            (a step that cannot be captured raises instead of running eagerly).
+
+    Returns:
+        With ``python_function``, a ``Function`` that is called as the step itself (``paths()`` says each
+        signature's path: captured, warming up, or eager and why); without it, a decorator that makes one.
+
+    Raises:
+        ValueError: ``mode`` is not one of the three, or ``warmup_steps`` or ``max_captures`` is below 1.
+
+    Examples:
+        On a CPU the step runs eagerly, and the first call says so once:
 
         >>> import distrib as ds, torch
         >>> @ds.function

@@ -59,13 +59,27 @@ def _signals(value: int | Iterable[int] | None) -> tuple[int, ...]:
 class TerminationConfig:
     """How a :class:`~distrib.preemption.PreemptionCheckpointHandler` learns of, and answers, a termination notice.
 
-    ``termination_watcher_fn``: called about once a second, returns True once a notice is
-    there (a cloud metadata query, a file); when given, no signal handler is installed.
-    ``exit_fn``: called after the checkpoint is saved (default ``sys.exit(exit_code)``).
-    ``grace_period``: seconds from the notice to the kill (default: ``$DISTRIB_GRACE_SECONDS``,
-    which ``distrib launch`` sets, else 30); the handler exits before it whatever happens.
-    ``save_fn``: called instead of ``CheckpointManager.save()`` to save (on every worker).
-    ``signals``: the notice's signal(s), SIGTERM by default. ``exit_code``: 42 by default.
+    TF's defaults, which distrib keeps (see the module docstring): the notice is SIGTERM, the exit is
+    ``sys.exit(42)``. ``signals`` and ``exit_code`` are distrib's additions, keyword-only.
+
+    Args:
+        termination_watcher_fn: called about once a second, returns True once a notice is there (a cloud
+            metadata query, a file); when given, no signal handler is installed.
+        exit_fn: called after the checkpoint is saved; None: ``sys.exit(exit_code)``.
+        grace_period: seconds from the notice to the kill; the handler exits before it whatever happens.
+            None (or 0): ``$DISTRIB_GRACE_SECONDS``, which ``distrib launch`` sets, else 30.
+        save_fn: called on every worker instead of ``CheckpointManager.save()`` to save, with the arguments
+            given to ``save_checkpoint_if_preempted``.
+        signals: the notice's signal(s) (Slurm's ``--signal=USR1@120`` sends SIGUSR1 ahead of the time
+            limit); None: SIGTERM.
+        exit_code: what the default ``exit_fn`` and the deadline's forced exit use (42: ``distrib launch``
+            restarts without counting it against ``--max-restarts``).
+
+    Raises:
+        TypeError: ``termination_watcher_fn``, ``exit_fn`` or ``save_fn`` is not callable, or a signal is not
+            a signal number.
+        ValueError: ``grace_period`` is negative, ``exit_code`` is not in 1..255, ``signals`` is empty or
+            names SIGKILL or SIGSTOP (which cannot be caught).
 
     Example::
 
@@ -108,7 +122,14 @@ class TerminationConfig:
         self.exit_code = exit_code
 
     def grace_seconds(self) -> float:
-        """The grace period in force: the config's if positive, else ``$DISTRIB_GRACE_SECONDS``, else 30 s."""
+        """The grace period in force, read now.
+
+        Returns:
+            The config's ``grace_period`` if positive, else ``$DISTRIB_GRACE_SECONDS`` if positive, else 30 (s).
+
+        Raises:
+            ValueError: ``$DISTRIB_GRACE_SECONDS`` is not a number.
+        """
         if self.grace_period:
             return float(self.grace_period)
         given = os.environ.get(GRACE_ENV)
@@ -122,7 +143,15 @@ class TerminationConfig:
         return DEFAULT_GRACE_PERIOD
 
     def deadline_seconds(self) -> float:
-        """Seconds after the notice by which the handler exits even without a checkpoint (:func:`exit_deadline`)."""
+        """When the handler gives up on the save (a hung peer, a save too slow) and exits anyway.
+
+        Returns:
+            Seconds after the notice: :meth:`grace_seconds` less a margin of 20 %, at most 2 s, for the exit
+            itself (:func:`exit_deadline`).
+
+        Raises:
+            ValueError: ``$DISTRIB_GRACE_SECONDS`` is not a number.
+        """
         return exit_deadline(self.grace_seconds())
 
     def __repr__(self) -> str:

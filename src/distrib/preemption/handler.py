@@ -63,15 +63,31 @@ _ITERATION_VARIABLE = "checkpointed_runs"  # TF's name for the count saved with 
 class PreemptionCheckpointHandler:
     """Save one checkpoint at a step every worker agrees on when a termination notice comes, then exit.
 
-    ``cluster_resolver``: the strategy's (``strategy.cluster_resolver``; None for a single
-    process). ``checkpoint_or_checkpoint_manager``: a :class:`~distrib.Checkpoint` (then
-    ``checkpoint_dir`` is required, and the handler manages it there, keeping one) or a
-    :class:`~distrib.CheckpointManager` (its directory is used; ``checkpoint_dir`` is
-    ignored). The checkpoint gains a tracked ``checkpointed_runs`` tensor, as in TF.
-    ``termination_config``: :class:`~distrib.experimental.TerminationConfig`.
+    Made on every worker (a collective under several workers), it restores the newest checkpoint of its
+    directory (``total_run_calls`` with it) and installs a handler for the notice's signal(s); see the module
+    docstring for the life cycle. The checkpoint gains a tracked ``checkpointed_runs`` tensor, as in TF.
 
     Use a directory for the handler alone, as TF advises: a checkpoint there saved
     without the handler lacks ``checkpointed_runs`` and is refused at restore.
+
+    Args:
+        cluster_resolver: the strategy's (``strategy.cluster_resolver``); None for a single process.
+        checkpoint_or_checkpoint_manager: a :class:`~distrib.Checkpoint` of the training state (then
+            ``checkpoint_dir`` is required, and the handler manages it there, keeping one) or a
+            :class:`~distrib.CheckpointManager` (its directory is used; ``checkpoint_dir`` is ignored).
+        checkpoint_dir: where to save a ``Checkpoint``.
+        termination_config: what a notice is, how to exit and how long there is; None:
+            ``TerminationConfig()`` (SIGTERM, ``sys.exit(42)``, the launcher's grace period).
+
+    Raises:
+        TypeError: ``termination_config`` is not a ``TerminationConfig``, the second argument is neither a
+            ``Checkpoint`` nor a ``CheckpointManager``, or the checkpoint tracks something else as
+            ``checkpointed_runs``.
+        ValueError: a ``Checkpoint`` without ``checkpoint_dir``, or several workers whose chief cannot be
+            located (no cluster resolver and no ``MASTER_ADDR``).
+        RuntimeError: made outside the main thread without a ``termination_watcher_fn`` (signal handlers
+            are installed from the main thread only).
+        CheckpointError: the directory's newest checkpoint was saved without the handler, or cannot be read.
     """
 
     def __init__(
@@ -171,6 +187,15 @@ class PreemptionCheckpointHandler:
 
         Give it one training step (one ``strategy.run`` and its optimizer step): the save
         happens between two calls, and every worker must call it the same number of times.
+
+        Args:
+            distributed_train_function: one training step.
+            *args: its positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            What the step returned. After a notice, the call at the agreed count saves and exits (calls
+            ``exit_fn``) before the step instead.
         """
         if self._pending:  # the one check on the path of a step without a notice
             self._check_preemption_and_maybe_checkpoint()
@@ -190,7 +215,11 @@ class PreemptionCheckpointHandler:
     @contextlib.contextmanager
     def watch_preemption_scope(self) -> Iterator[None]:
         """TF's scope for TPUStrategy; under distrib's strategies it only runs its body (TF does the same for
-        ``MultiWorkerMirroredStrategy``), so code written for either runs unchanged."""
+        ``MultiWorkerMirroredStrategy``), so code written for either runs unchanged.
+
+        Yields:
+            Nothing: the body runs as it would outside the scope.
+        """
         yield
 
     # ------------------------------------------------------------------ notices
