@@ -154,9 +154,6 @@ NOT_YET_DOCUMENTED = frozenset(
         "ds.Checkpoint",
         "ds.CheckpointManager",
         "ds.checkpoints_iterator",
-        "ds.experimental.DeviceMesh",
-        "ds.experimental.LayoutMap",
-        "ds.experimental.MeshStrategy",
         "ds.latest_checkpoint",
     }
 )

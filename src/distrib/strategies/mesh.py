@@ -54,11 +54,24 @@ Layout = Any
 class DeviceMesh:
     """The workers as an array with named axes (Keras 3's ``keras.distribution.DeviceMesh``).
 
-    ``shape``: the size of each axis; their product is the number of workers (one axis may be -1: the
-    workers left). ``axis_names``: one name per axis. ``batch_dim_name`` / ``replicate_dim_name`` name
-    the data axes (parameters sharded over the first, replicated over the second); every other axis is
-    a model axis. Worker ``r`` sits at ``r``'s row-major position, so the last axis holds neighbours
-    (put the model axis last: its collectives run every layer).
+    Give it to ``ds.experimental.MeshStrategy(mesh, layout_map)``: the data axes split the global batch
+    (parameters sharded over the batch axis, replicated over the replicate axis), the model axis (at most
+    one) is tensor parallelism. Worker ``r`` sits at ``r``'s row-major position, so the last axis holds
+    neighbours (put the model axis last: its collectives run every layer).
+
+    Args:
+        shape: the size of each axis; their product is the number of workers (one axis may be -1: the
+            workers left, fixed when the strategy builds the mesh).
+        axis_names: one name per axis: the data axes first (``"replicate"`` if any, then ``"batch"``), then
+            the model axis.
+        batch_dim_name: the name of the axis that splits the batch and shards the parameters (FSDP).
+        replicate_dim_name: the name of the axis over which parameters are replicated (HSDP), if the mesh
+            has one.
+
+    Raises:
+        ValueError: ``shape`` and ``axis_names`` differ in length (or are empty), names repeat, a size is 0
+            or below -1 (or -1 twice), there is no batch axis, the data axes are not first and in order, or
+            there is more than one model axis.
     """
 
     shape: tuple[int, ...]
@@ -112,8 +125,20 @@ class DeviceMesh:
 
         ``shard_size="host"`` (the default) shards within each host (``LOCAL_WORLD_SIZE``, which ``distrib
         launch`` and torchrun set) and replicates across hosts: the all-gathers stay on the host's links,
-        and one all-reduce per step crosses hosts. ``num_workers``: the world size (read from ``WORLD_SIZE``
-        when left out; -1 infers it when the strategy builds the mesh)."""
+        and one all-reduce per step crosses hosts.
+
+        Args:
+            shard_size: the workers of one sharding group (the batch axis); ``"host"``: ``LOCAL_WORLD_SIZE``.
+            num_workers: the world size; None: ``WORLD_SIZE``, else -1 (inferred when the strategy builds the
+                mesh).
+
+        Returns:
+            ``DeviceMesh((num_workers // shard_size, shard_size), ("replicate", "batch"))``.
+
+        Raises:
+            ValueError: ``shard_size="host"`` without ``LOCAL_WORLD_SIZE``, ``shard_size`` is not a positive
+                number, or it does not divide ``num_workers``.
+        """
         if shard_size == "host":
             local = os.environ.get("LOCAL_WORLD_SIZE")
             if local is None:
@@ -143,7 +168,17 @@ class DeviceMesh:
         return tuple(n for n in self.axis_names if n not in self.data_axes)
 
     def resolved(self, num_workers: int) -> DeviceMesh:
-        """This mesh with ``-1`` replaced for ``num_workers`` workers; ValueError naming both when they differ."""
+        """This mesh for ``num_workers`` workers: what the strategy builds torch's mesh from.
+
+        Args:
+            num_workers: the workers running.
+
+        Returns:
+            A mesh of the same axes with the ``-1`` size (if any) replaced by the workers left.
+
+        Raises:
+            ValueError: the mesh cannot hold ``num_workers`` workers (the message names both counts).
+        """
         known = math.prod(s for s in self.shape if s != -1)
         shape = tuple(num_workers // known if s == -1 else s for s in self.shape)
         if math.prod(shape) != num_workers or (-1 in self.shape and num_workers % known):
@@ -157,12 +192,29 @@ class DeviceMesh:
         )
 
     def size(self, axes: str | Sequence[str]) -> int:
-        """The number of workers along ``axes`` (a name or several)."""
+        """The number of workers along ``axes``.
+
+        Args:
+            axes: an axis name, or several.
+
+        Returns:
+            The product of their sizes (e.g. the tensor-parallel group's size for the model axis).
+
+        Raises:
+            ValueError: a name is not an axis of the mesh.
+        """
         names = (axes,) if isinstance(axes, str) else tuple(axes)
         return math.prod(self.shape[self.axis_names.index(n)] for n in names)
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """Worker ``rank``'s index along each axis (row-major, as torch's ``init_device_mesh``)."""
+        """Worker ``rank``'s index along each axis (row-major, as torch's ``init_device_mesh``).
+
+        Args:
+            rank: the worker's rank, from 0.
+
+        Returns:
+            Axis name -> the worker's index along it, in the mesh's axis order.
+        """
         coords: dict[str, int] = {}
         for name, size in reversed(list(zip(self.axis_names, self.shape))):
             coords[name] = rank % size
@@ -181,6 +233,13 @@ class LayoutMap(MutableMapping[str, Layout]):
     ColwiseParallel()`` (any torch ``ParallelStyle``): every module whose name matches is parallelised
     with it, as in ``parallelize_module``'s plan. A key that matches nothing in the model is an error when
     the model is distributed, naming the key and the model's names.
+
+    Setting a key raises ``ValueError`` when it already has a layout, is not a regular expression, or its
+    layout names an axis the mesh lacks or a data axis (the strategy shards over those itself), and
+    ``TypeError`` for a layout that is neither a tuple nor a ``ParallelStyle``.
+
+    Args:
+        device_mesh: the mesh whose axis names the layouts use.
     """
 
     def __init__(self, device_mesh: DeviceMesh) -> None:
@@ -225,8 +284,19 @@ class LayoutMap(MutableMapping[str, Layout]):
         return len(self._layouts)
 
     def key_for(self, name: str, styles: bool = False) -> str | None:
-        """The key whose layout ``name`` takes (an exact key first, else the one that ``re.search``-matches);
-        ``styles``: among the ``ParallelStyle`` keys (module names), else among the tuple keys (parameters)."""
+        """The key whose layout ``name`` takes: an exact key first, else the one that ``re.search``-matches.
+
+        Args:
+            name: a parameter name (``"blocks.0.mlp.up.weight"``) or, with ``styles``, a module name.
+            styles: look among the ``ParallelStyle`` keys (module names); False: among the tuple keys
+                (parameters).
+
+        Returns:
+            The key, or None when none matches.
+
+        Raises:
+            ValueError: several keys match ``name`` (Keras 3 refuses this too).
+        """
         keys = [k for k, v in self._layouts.items() if isinstance(v, tuple) != styles]
         if name in keys:
             return name
@@ -239,7 +309,18 @@ class LayoutMap(MutableMapping[str, Layout]):
         return found[0] if found else None
 
     def get(self, key: str, default: Any = None) -> Layout:
-        """The layout of ``key`` (a parameter or module name), by Keras's lookup; ``default`` when none matches."""
+        """The layout of ``key`` (a parameter or module name), by Keras's lookup.
+
+        Args:
+            key: a parameter name, else a module name (the tuple keys are tried first).
+            default: what to return when no key matches.
+
+        Returns:
+            The matching key's layout (a tuple of axis names or a ``ParallelStyle``), or ``default``.
+
+        Raises:
+            ValueError: several keys match ``key``.
+        """
         k = self.key_for(key) or self.key_for(key, styles=True)
         return self._layouts[k] if k is not None else default
 

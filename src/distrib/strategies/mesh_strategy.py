@@ -66,10 +66,31 @@ log = logging.getLogger("distrib.strategies")
 class MeshStrategy(ShardedStrategy):
     """Data parallelism (sharded, or hybrid) and tensor parallelism over a mesh of workers (module docstring).
 
-    ``mesh``: a :class:`DeviceMesh` of the workers (default: the layout map's, else every worker on one
-    ``"batch"`` axis, which is ``ShardedStrategy``); ``layout_map``: a :class:`LayoutMap` on the mesh's
-    model axis (None: no tensor parallelism). The other arguments are ``ShardedStrategy``'s; its sharding
-    policy, ZeRO stage and mixed precision apply over the data axes.
+    One worker process per point of the mesh (``distrib launch --workers N``, torchrun), one device each.
+    The keyword arguments after ``layout_map`` are ``ShardedStrategy``'s; its sharding policy, ZeRO stage
+    and mixed precision apply over the data axes.
+
+    Args:
+        mesh: a :class:`DeviceMesh` of the workers; None: the layout map's, else every worker on one
+            ``"batch"`` axis (which is ``ShardedStrategy``).
+        layout_map: a :class:`LayoutMap` on the mesh's model axis; None: no tensor parallelism.
+        cluster_resolver: the cluster; None: from the environment (``TF_CONFIG``, torchrun, Slurm), else one
+            worker.
+        communication_options: the collectives' options (timeout, bucket size, backend).
+        devices: this process's one device (``["cuda:0"]``, ``["cpu"]``); None: its GPU, else the CPU.
+        sharding_policy: which blocks become FSDP units over the data axes; None: ``ShardingPolicy()``.
+        reshard_after_forward: free the gathered parameters after the forward pass (ZeRO-3); False keeps
+            them until backward.
+        mixed_precision: ``"bf16-mixed"``, ``"16-mixed"``, ``"32"`` or None.
+        checkpoint_format: ``"sharded"`` or ``"plain"``.
+        deferred_init: build modules in the scope without data and fill each worker's part from the
+            recorded build (the model is never whole in one process).
+
+    Raises:
+        ValueError: ``layout_map`` is on another mesh than ``mesh``, names parameters while the mesh has no
+            model axis, the mesh does not hold the number of workers running, or one of
+            ``ShardedStrategy``'s (a ``checkpoint_format`` or ``mixed_precision`` it does not know, more than
+            one device per process, CUDA workers on gloo).
     """
 
     def __init__(
@@ -143,6 +164,7 @@ class MeshStrategy(ShardedStrategy):
 
     @property
     def num_data_workers(self) -> int:
+        """The data axes' size: how many parts each global batch is split into across the workers."""
         return self._num_data
 
     @property
@@ -156,7 +178,15 @@ class MeshStrategy(ShardedStrategy):
         return self.device_mesh.size(self._model_axis) if self._model_axis else 1
 
     def torch_mesh(self, device_type: str = "cpu") -> Any:
-        """torch's ``DeviceMesh`` of :attr:`device_mesh` (``init_device_mesh``; made once, on every worker)."""
+        """torch's ``DeviceMesh`` of :attr:`device_mesh` (``init_device_mesh``; made once, on every worker).
+
+        Args:
+            device_type: the device type of the mesh (``"cpu"``, ``"cuda"``), used the first time only.
+
+        Returns:
+            The ``torch.distributed.device_mesh.DeviceMesh``, its dimensions named as the mesh's axes: index
+            it by axis name (``mesh["model"]``) for a sub-mesh.
+        """
         if self._torch_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -169,8 +199,19 @@ class MeshStrategy(ShardedStrategy):
 
     # ------------------------------------------------------------------ applying the mesh to a model
     def distribute_module(self, module: nn.Module) -> None:
-        """As ``ShardedStrategy``'s; without a data axis to shard over, the parameters that no layout splits stay
-        plain tensors (whole on every worker of the group), and are recorded as this strategy's."""
+        """Lay ``module`` out on the mesh: tensor parallelism by the layout map, then FSDP over the data axes.
+
+        As ``ShardedStrategy``'s otherwise; without a data axis to shard over, the parameters that no layout
+        splits stay plain tensors (whole on every worker of the group), and are recorded as this strategy's.
+
+        Args:
+            module: a root module built under ``strategy.scope()``.
+
+        Raises:
+            ValueError: a layout map key matches nothing in ``module``, a layout does not fit its parameter
+                (the number of dimensions, a size the model axis does not divide, a module torch's styles do
+                not cover), or a submodule belongs to another strategy or scope block.
+        """
         super().distribute_module(module)
         for param in module.parameters():
             if not _fsdp().is_sharded(param):
