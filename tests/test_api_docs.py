@@ -146,18 +146,6 @@ def check(name: str, value: Any) -> list[str]:
 
 PUBLIC = sorted(dict(public_names()).items())
 
-# The names whose docstrings do not meet this standard yet (the work of issue 30, item 8 goes on): the test
-# expects each of them still to fail, so a name leaves the list as soon as it is documented, and a new name
-# cannot join it unnoticed. The list only shrinks.
-NOT_YET_DOCUMENTED = frozenset(
-    {
-        "ds.Checkpoint",
-        "ds.CheckpointManager",
-        "ds.checkpoints_iterator",
-        "ds.latest_checkpoint",
-    }
-)
-
 
 def test_the_walk_finds_the_public_api():
     names = {name for name, _ in PUBLIC}
@@ -169,10 +157,7 @@ def test_the_walk_finds_the_public_api():
 @pytest.mark.parametrize("name", [name for name, _ in PUBLIC])
 def test_every_public_name_documents_its_arguments_returns_and_raises(name):
     problems = check(name, dict(PUBLIC)[name])
-    if name in NOT_YET_DOCUMENTED:
-        assert problems, f"{name} is documented now: remove it from NOT_YET_DOCUMENTED"
-    else:
-        assert not problems, "\n".join(problems)
+    assert not problems, "\n".join(problems)
 
 
 # --------------------------------------------------------------------------- the checker, on planted names

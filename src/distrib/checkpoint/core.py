@@ -189,6 +189,17 @@ class Checkpoint:
     restored value; modules and optimizers via strict ``load_state_dict``. Tracked
     objects are also attributes (``ckpt.epoch``); assigning one (``ckpt.step = t``)
     tracks it. Restoring is all or nothing, and the file's checksums are verified first.
+    Under a strategy every worker makes the same ``Checkpoint`` and calls the same methods: the chief
+    writes (or, for sharded state, every worker writes its own shards), and every worker restores.
+
+    Args:
+        **objects: what to track, by name: modules, optimizers, tensors (restored in place), and any object
+            with ``state_dict()`` and ``load_state_dict()`` (an LR scheduler, a ``GradScaler``, a metric).
+
+    Raises:
+        ValueError: a name is not an identifier, starts with ``_`` or shadows a method of ``Checkpoint``.
+        TypeError: an object is none of the kinds above (a list or dict of tensors: the message says how
+            to track it).
 
     Example::
 
@@ -241,15 +252,27 @@ class Checkpoint:
     def save(self, file_prefix: str | os.PathLike[str], *, timeout: float | None = None) -> str:
         """Write ``<file_prefix>-<n>`` (n = save_counter + 1), make it the directory's latest, return it.
 
-        ``timeout``: seconds the other workers wait for the chief to write (default
-        ``$DISTRIB_CHECKPOINT_TIMEOUT`` or 1800). A failed write raises :class:`CheckpointError`
-        on every worker and leaves the counter and the previous checkpoints as they were.
+        A failed write raises :class:`CheckpointError` on every worker and leaves the counter and the
+        previous checkpoints as they were.
 
         On a worker other than the chief the path returned is always a checkpoint that
         exists: given the chief's ``file_prefix``, the chief's file (which this worker did not
         write: on another host it is on the chief's disk, or shared storage); given a
         ``file_prefix`` of its own (the TF tutorials' temporary directory), this worker's own
         copy, written there as TF writes it (see the module docstring).
+
+        Args:
+            file_prefix: the path without its number (``"ckpt_dir/ckpt"``); the directory is made if missing.
+            timeout: seconds the other workers wait for the chief to write; None:
+                ``$DISTRIB_CHECKPOINT_TIMEOUT``, else 1800.
+
+        Returns:
+            The path written, ``<file_prefix>-<n>`` (the data file adds ``.pt``, or ``.dcp`` for sharded state).
+
+        Raises:
+            ValueError: ``timeout`` (or ``$DISTRIB_CHECKPOINT_TIMEOUT``) is not a positive number.
+            CheckpointError: the write failed (the message names the file and the cause), on every worker.
+            CollectiveError: a worker that writes died or did not finish within ``timeout``.
         """
         path = f"{os.fspath(file_prefix)}-{self._save_counter + 1}"
         return self.save_as(path, timeout=timeout, on_written=lambda: idx.record(path))
@@ -269,6 +292,20 @@ class Checkpoint:
         and a worker given a path of its own), right after it is: what must succeed with the
         write (recording it in an index); its error is the save's error on every worker. A
         failed save leaves ``save_counter`` as it was. Under several workers, every worker calls it.
+
+        Args:
+            path: the path to write, without ``.pt``.
+            timeout: seconds the other workers wait for the chief to write; None:
+                ``$DISTRIB_CHECKPOINT_TIMEOUT``, else 1800.
+            on_written: run where the file was written, right after it is; None: nothing.
+
+        Returns:
+            ``path``.
+
+        Raises:
+            ValueError: ``timeout`` is not a positive number.
+            CheckpointError: the write or ``on_written`` failed, on every worker.
+            CollectiveError: a worker that writes died or did not finish within ``timeout``.
         """
         path = os.fspath(path)
         n = self._save_counter + 1
@@ -286,6 +323,20 @@ class Checkpoint:
         and ``ModelCheckpoint`` do); by default the index is left alone, as TF's ``write``.
         Under several workers, as :meth:`save`: the chief writes, and a worker given a path of
         its own writes its own copy there.
+
+        Args:
+            file_prefix: the path to write, without ``.pt``.
+            timeout: seconds the other workers wait for the chief to write; None:
+                ``$DISTRIB_CHECKPOINT_TIMEOUT``, else 1800.
+            update_latest: record it in its directory's index as the latest checkpoint.
+
+        Returns:
+            ``file_prefix``, as a string.
+
+        Raises:
+            ValueError: ``timeout`` is not a positive number.
+            CheckpointError: the write failed, on every worker.
+            CollectiveError: a worker that writes died or did not finish within ``timeout``.
         """
         path = os.fspath(file_prefix)
         self._write(path, self._save_counter, timeout, after=(lambda: idx.record(path)) if update_latest else None)
@@ -333,13 +384,36 @@ class Checkpoint:
         ``.expect_partial()`` is called. Tracked names the file lacks are an error. Nothing
         changes unless everything can be restored. ``save_path=None`` (no checkpoint yet)
         restores nothing and returns a status whose assertions fail, as in TF.
+
+        Args:
+            save_path: a path ``save`` returned (or ``latest_checkpoint(directory)``), without ``.pt``; None:
+                restore nothing.
+
+        Returns:
+            A ``LoadStatus``: ``assert_consumed()`` checks that everything in the file was restored,
+            ``expect_partial()`` silences the warning about objects in the file that are not tracked.
+
+        Raises:
+            CheckpointError: the file is missing, damaged (a checksum fails) or unsafe, lacks a tracked name,
+                or a state does not fit its object (a shape, a missing key).
         """
         if save_path is None:
             return LoadStatus(None)
         return self._load(os.fspath(save_path), restore_counter=True)
 
     def read(self, save_path: str | os.PathLike[str]) -> LoadStatus:
-        """Like :meth:`restore`, but the save counter keeps its value (pair with :meth:`write`)."""
+        """Like :meth:`restore`, but the save counter keeps its value (pair with :meth:`write`).
+
+        Args:
+            save_path: a path ``write`` returned, without ``.pt``.
+
+        Returns:
+            A ``LoadStatus``, as :meth:`restore`'s.
+
+        Raises:
+            TypeError: ``save_path`` is None.
+            CheckpointError: as :meth:`restore`.
+        """
         if save_path is None:
             raise TypeError("Checkpoint.read(None): give the path that write() returned")
         return self._load(os.fspath(save_path), restore_counter=False)

@@ -156,8 +156,17 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> str | None:
     """Path (without ``.pt`` or ``.dcp``) of the newest checkpoint in ``checkpoint_dir``, or None.
 
     Prefers the index's ``latest``, then the newest entry of ``all`` whose data file still
-    exists, so a deleted file never makes ``restore`` fail. Raises :class:`CheckpointError`
-    for an index that is damaged or names a file outside the directory.
+    exists, so a deleted file never makes ``restore`` fail.
+
+    Args:
+        checkpoint_dir: the directory that ``Checkpoint.save`` or a ``CheckpointManager`` writes in.
+
+    Returns:
+        The path to give ``Checkpoint.restore``; None when the directory has no index (no checkpoint saved
+        there yet, or no directory) or none of the files it names exists.
+
+    Raises:
+        CheckpointError: the index is damaged or names a file outside the directory.
 
     Example::
 
@@ -205,15 +214,26 @@ def checkpoints_iterator(
 ) -> Iterator[str]:
     """Yield each new checkpoint of ``checkpoint_dir`` as it appears (``tf.train.checkpoints_iterator``).
 
-    Polls :func:`latest_checkpoint` every second. ``timeout``: seconds to wait for the next
-    checkpoint (None: for ever); then the iterator stops, unless ``timeout_fn`` is given and
-    returns False (keep waiting). ``min_interval_secs``: least time between two yields. A
-    checkpoint written while the caller is busy may be skipped: only the newest is yielded.
-    The side-car evaluator of TF's tutorials::
+    Polls :func:`latest_checkpoint` every second. A checkpoint written while the caller is busy may be
+    skipped: only the newest is yielded. The side-car evaluator of TF's tutorials::
 
         for path in ds.checkpoints_iterator(checkpoint_dir, timeout=600):
             ds.Checkpoint(model=model).restore(path).expect_partial()
             evaluate(model)
+
+    Args:
+        checkpoint_dir: the directory to watch.
+        min_interval_secs: the least seconds between two yields.
+        timeout: seconds to wait for the next checkpoint; None: for ever.
+        timeout_fn: called when ``timeout`` passes without a new checkpoint: True ends the iteration, False
+            waits again; None: the iteration ends.
+
+    Yields:
+        The path of each new checkpoint, for ``Checkpoint.restore``: at each poll the directory's newest,
+        when it differs from the one yielded last.
+
+    Raises:
+        CheckpointError: the directory's index is damaged or names a file outside the directory.
 
     Example::
 

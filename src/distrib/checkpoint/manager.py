@@ -21,15 +21,34 @@ _log = logging.getLogger("distrib.checkpoint")
 class CheckpointManager:
     """Numbered saves ``<directory>/<checkpoint_name>-<n>``, keeping only the newest ``max_to_keep``.
 
-    As in TF: ``max_to_keep=None`` keeps all; with ``keep_checkpoint_every_n_hours`` a
-    checkpoint leaving the kept set is preserved on disk (not deleted, no longer listed)
-    when it is that many hours newer than the last one preserved; with ``step_counter`` and
-    ``checkpoint_interval``, ``save()`` writes only every ``checkpoint_interval`` steps (and
-    returns None otherwise); ``restore_or_initialize()`` restores the newest checkpoint or
-    calls ``init_fn``. A new manager in the same directory continues the previous one's
+    As in TF: ``save()`` writes the next numbered checkpoint and deletes the oldest beyond
+    ``max_to_keep``; ``restore_or_initialize()`` restores the newest checkpoint or calls
+    ``init_fn``. A new manager in the same directory continues the previous one's
     list. Old files are deleted only after the index no longer names them, and only those
-    named ``<checkpoint_name>-<n>`` that a manager saved. ``timeout``: seconds the other
-    workers wait for the chief to write (default ``$DISTRIB_CHECKPOINT_TIMEOUT`` or 1800).
+    named ``<checkpoint_name>-<n>`` that a manager saved. Made on every worker: the chief writes
+    (see :meth:`save`).
+
+    Args:
+        checkpoint: the :class:`Checkpoint` to save and restore.
+        directory: where the checkpoints go (made by the chief if missing).
+        max_to_keep: how many of the newest checkpoints to keep; None: all.
+        keep_checkpoint_every_n_hours: a checkpoint leaving the kept set is preserved on disk (not deleted,
+            no longer listed) when it is that many hours newer than the last one preserved; None: none is.
+        checkpoint_name: the file name's prefix (``ckpt`` -> ``ckpt-1``, ``ckpt-2``, ...).
+        step_counter: the training step (a tensor or an int-convertible object read at each ``save()``);
+            needed with ``checkpoint_interval``.
+        checkpoint_interval: ``save()`` writes only every this many steps of ``step_counter`` (and returns
+            None otherwise); None: every call writes.
+        init_fn: what ``restore_or_initialize()`` calls when there is no checkpoint yet; None: nothing.
+        last_checkpoint_step: the step of the last checkpoint, for the interval (None: the first ``save``
+            writes).
+        timeout: seconds the other workers wait for the chief to write; None: ``$DISTRIB_CHECKPOINT_TIMEOUT``,
+            else 1800.
+
+    Raises:
+        ValueError: ``max_to_keep`` is not a positive int or None, ``checkpoint_name`` is not a plain file
+            name, ``checkpoint_interval`` is given without ``step_counter``, ``keep_checkpoint_every_n_hours``
+            is not positive, or ``timeout`` (or ``$DISTRIB_CHECKPOINT_TIMEOUT``) is not a positive number.
 
     Example::
 
@@ -153,6 +172,20 @@ class CheckpointManager:
         another host, a file on the chief's disk or shared storage); a worker whose manager has
         a directory of its own (the TF tutorials' ``write_filepath`` temporary directory) writes
         and manages its own copy there, as a TF worker does, and returns that path.
+
+        Args:
+            checkpoint_number: the number ``n`` of the file (e.g. the step); None: the checkpoint's save
+                counter plus one.
+            check_interval: with ``checkpoint_interval``, skip the save when too few steps passed; False:
+                save anyway.
+
+        Returns:
+            The path written (without ``.pt``/``.dcp``), or None when the interval skipped the save.
+
+        Raises:
+            ValueError: the manager's ``timeout`` (or ``$DISTRIB_CHECKPOINT_TIMEOUT``) is not a positive number.
+            CheckpointError: the write failed, on the chief or (named so) on every other worker.
+            CollectiveError: a worker that writes died or did not finish within ``timeout``.
         """
         if self._checkpoint_interval is not None:
             step = int(self._step_counter)
@@ -202,7 +235,14 @@ class CheckpointManager:
         idx.write_index(self.directory, index)
 
     def restore_or_initialize(self) -> str | None:
-        """Restore the newest checkpoint and return its path; else call ``init_fn`` (if given) and return None."""
+        """Restore the newest checkpoint, or initialise: what a training script starts with.
+
+        Returns:
+            The path restored; None when the directory has no checkpoint (``init_fn``, if given, was called).
+
+        Raises:
+            CheckpointError: the newest checkpoint cannot be read, or does not match the checkpoint's objects.
+        """
         if self._latest is not None:
             self.checkpoint.restore(self._latest)
             if self._checkpoint_interval is not None:
