@@ -99,6 +99,6 @@ def render_as_markdown(text: str) -> str:
 class ReSTIdioms(griffe.Extension):
     """Rewrites every docstring griffe loads (module, class, function, attribute) with :func:`render_as_markdown`."""
 
-    def on_instance(self, *, node: Any, obj: griffe.Object, agent: Any, **kwargs: Any) -> None:
+    def on_instance(self, *, node: Any, obj: griffe.Object, agent: Any = None, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = render_as_markdown(obj.docstring.value)
