@@ -1,14 +1,14 @@
 """One worker of a timeout trial (issue 30, item 2): a phase that waits for a peer that never comes, died or hangs.
 
-    TF_CONFIG=... python tests/scripts/timeout_phase.py PHASE TIMEOUT [--fault dead|hung] [--dir DIR]
+    TF_CONFIG=... python tests/scripts/timeout_phase.py PHASE TIMEOUT [--fault dead|hung] [--late S] [--dir DIR]
 
 PHASE is ``join`` (build ``ds.MultiWorkerMirroredStrategy``; the test starts this worker alone, or with some
 workers missing), ``collective`` (a ``strategy.reduce``), ``barrier`` (``strategy.barrier()``) or ``checkpoint``
 (``ds.Checkpoint.save(timeout=TIMEOUT)`` while the chief hangs or dies mid-write; the collectives' own timeout
-is then the default 300 s, so only the checkpoint's bound can end the wait). TIMEOUT is the user's number. After
-joining, both workers make one reduction together; then the faulty worker (worker 1, the chief for
-``checkpoint``) dies (``--fault dead``: ``os._exit``) or hangs (``--fault hung``: sleeps until the test kills
-it), and the other times its call. The waiting worker prints one line,
+is then the default 300 s, so only the checkpoint's bound can end the wait). TIMEOUT is the user's number.
+The faulty worker is the chief: it starts ``--late`` seconds after the other, both make one reduction
+together, then it dies (``--fault dead``: ``os._exit``) or hangs (``--fault hung``: sleeps until the test
+kills it), and the other times its call. The waiting worker prints one line,
 
     TIMED phase=<p> rank=<r> outcome=<CollectiveError|joined|returned|other exception> elapsed=<s> message=<line>
 
@@ -31,6 +31,7 @@ p.add_argument("phase", choices=["join", "collective", "barrier", "checkpoint"])
 p.add_argument("timeout", type=float)
 p.add_argument("--fault", choices=["dead", "hung"], default="hung")
 p.add_argument("--dir", default=".")
+p.add_argument("--late", type=float, default=0.0, help="the faulty worker joins this many seconds after the other")
 args = p.parse_args()
 rank = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", "?")
 
@@ -59,9 +60,13 @@ options = ds.CommunicationOptions(timeout_seconds=comm_timeout)
 if args.phase == "join":
     timed(lambda: ds.MultiWorkerMirroredStrategy(communication_options=options))
 
+faulty = rank == 0  # the chief: the other worker's join waits for its store
+if faulty:
+    # the other worker's join then uses up part of its deadline before the group is made: the group must still
+    # wait the whole timeout
+    time.sleep(args.late)
 strategy = ds.MultiWorkerMirroredStrategy(communication_options=options)
 strategy.reduce("SUM", torch.ones(3))  # both joined and have made a collective together
-faulty = strategy.worker_index == (0 if args.phase == "checkpoint" else 1)
 
 
 def fault() -> None:
