@@ -373,7 +373,7 @@ def test_a_fake_tensor_skeleton_saves_without_data_and_its_records_are_in_pickle
 
 
 def test_what_deferred_initialisation_reads_of_torch() -> None:
-    """strategies/deferred_init.py: a wrapper subclass with torch function disabled reports its device and
+    """strategies/deferred_record.py: a wrapper subclass with torch function disabled reports its device and
     reaches ``__torch_dispatch__`` from ``nn.init``; an in-place view op changes the wrapper's own size when run
     under no_dispatch; an op's schema says which arguments it writes; a dispatch mode sees ``torch.empty`` as
     ``aten.empty.memory_format``; the graph task id tells a backward pass apart."""

@@ -24,7 +24,7 @@ parameter servers)
                                           with copies for other local replicas   that one module instance
 a dispatch mode (``TorchDispatchMode``,   a ``ShardedStrategy`` scope with       that scope closes
 this thread's only) and the global        several workers is entered
-module forward pre/post hooks (public)    (``strategies/deferred_init.py``)
+module forward pre/post hooks (public)    (``strategies/deferred_record.py``)
 ========================================  =====================================  =========================================
 
 ``import distrib`` applies none of them (``tests/test_torch_untouched.py``), and
@@ -454,7 +454,7 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 def wrapper_tensor(cls: type, like: torch.Tensor, device: torch.device, requires_grad: bool) -> Any:
     """A tensor of class ``cls`` with ``like``'s size, strides, offset and dtype on ``device``, and no data.
 
-    ``strategies/deferred_init.py`` builds a sharded model's tensors as these: they report the device the
+    ``strategies/deferred_record.py`` builds a sharded model's tensors as these: they report the device the
     plain build would have used (``nn.init`` skips meta tensors: ``if tensor.is_meta: return``), while their
     ``__torch_dispatch__`` records the ops. ``Tensor._make_wrapper_subclass`` is how torch's own DTensor and
     FakeTensor are made.

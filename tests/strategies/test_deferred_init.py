@@ -1,4 +1,4 @@
-"""Deferred initialisation under ``ds.ShardedStrategy`` (strategies/deferred_init.py, deferred_materialise.py).
+"""Deferred initialisation under ``ds.ShardedStrategy`` (strategies/deferred_record.py, deferred_materialise.py).
 
 * One process: the recorder against a plain build with the same seed, bit for bit, for torch.nn layers
   and user modules with custom init, weight tying, buffers, a data-dependent init (``trunc_normal_``'s
@@ -22,8 +22,8 @@ from helpers import SCRIPTS, launch
 from torch import nn
 
 import distrib as ds
-from distrib.strategies.deferred_init import DeferredInit, DeferredTensor
 from distrib.strategies.deferred_materialise import plan_materialisation
+from distrib.strategies.deferred_record import BuildRecorder, DeferredTensor
 
 
 class Block(nn.Module):
@@ -94,7 +94,7 @@ def _materialise_whole(root: nn.Module) -> None:
 
 
 def _deferred(build: Callable[[], nn.Module]) -> tuple[nn.Module, int]:
-    recorder = DeferredInit()
+    recorder = BuildRecorder()
     recorder.open()
     try:
         model = build()
@@ -150,7 +150,7 @@ def test_values_asked_for_during_the_build_are_the_plain_builds() -> None:
 
     torch.manual_seed(3)
     _, want = build()
-    recorder = DeferredInit()
+    recorder = BuildRecorder()
     recorder.open()
     torch.manual_seed(3)
     try:
@@ -179,7 +179,7 @@ def test_only_building_defers_not_a_forward_or_a_plain_strategys_scope() -> None
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.empty(3).fill_(2.0) + x
 
-    recorder = DeferredInit()
+    recorder = BuildRecorder()
     recorder.open()
     try:
         out = Scratch()(torch.ones(3))  # inside a module's forward: real

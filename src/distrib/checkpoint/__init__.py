@@ -21,7 +21,9 @@ Parts: ``errors.py`` (the error, the timeout), ``fileio.py`` (atomic writes), ``
 ``manager.py`` (``CheckpointManager``). Sharded checkpoints (a directory, each worker writing only
 its own shards through ``torch.distributed.checkpoint``, with the same atomicity, checksums and
 no-code-on-load guarantees): ``sharded.py`` (``save_sharded``, ``load_sharded``),
-``sharded_format.py`` (the JSON manifest), ``sharded_export.py`` (``consolidate`` to one file);
+``sharded_format.py`` (the JSON manifest), ``sharded_readers.py`` (a tensor whole from its chunks,
+the saved structure from the manifest: what every restore of one reads with), ``sharded_export.py``
+(``consolidate`` to one file), ``sharded_objects.py`` (``Checkpoint``'s ``<prefix>.dcp``);
 they are imported on use, not by ``import distrib``.
 """
 

@@ -9,7 +9,7 @@ The directory holds ``{"save_counter": n, "objects": {name: state}}``, the same 
 single file ``<prefix>.pt``.
 
 Reading it back needs targets shaped like what was saved: the saved structure comes from the
-manifest alone (``sharded_export.read_structure``, as ``consolidate`` builds it), every tensor a
+manifest alone (``sharded_readers.read_structure``, as ``consolidate`` builds it), every tensor a
 ``meta`` tensor (a shape and a dtype, no storage) or read whole. Then:
 
 * a strategy that keeps whole states (every other one, or a plain process) reads every tensor
@@ -75,7 +75,7 @@ def _read(directory: str, tensor: str) -> dict[str, Any]:
     """The checkpoint's ``{"save_counter": n, "objects": {...}}`` from its checked manifest; each tensor ``meta``
     (a shape and a dtype: a skeleton to lay targets out by) or ``whole`` (read and checked by this process)."""
     from distrib.checkpoint.sharded import manifest_of
-    from distrib.checkpoint.sharded_export import fill_tensor, read_structure
+    from distrib.checkpoint.sharded_readers import fill_tensor, read_structure
 
     manifest = manifest_of(directory)
 

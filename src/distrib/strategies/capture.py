@@ -9,7 +9,7 @@ such hook, so ``torch.optim.Optimizer.__init__`` is wrapped while a scope is ope
 built in the scope is handed to the strategy's ``distribute_optimizer`` (after the modules).
 
 A strategy that defers initialisation (``ShardedStrategy`` with several workers: see
-:mod:`distrib.strategies.deferred_init`) records the build while its scope is open, so the modules
+:mod:`distrib.strategies.deferred_record`) records the build while its scope is open, so the modules
 handed over hold no data yet; every other strategy's modules are built as in plain PyTorch.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from distrib import context, torch_patches
-from distrib.strategies import deferred_init
+from distrib.strategies import deferred_record
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -71,7 +71,7 @@ def _on_optimizer_built(self: torch.optim.Optimizer) -> None:
 def install_capture_hooks() -> None:
     """Start capturing (nested scopes share one set of hooks); the current scope's strategy starts recording
     its build if it defers initialisation."""
-    recorder = deferred_init.recorder_of(context.current_scope())
+    recorder = deferred_record.recorder_of(context.current_scope())
     if recorder is not None:
         recorder.open()
     with _capture.lock:
@@ -88,7 +88,7 @@ def install_capture_hooks() -> None:
 
 def remove_capture_hooks() -> None:
     """Stop capturing once the outermost scope closes (and the current scope's recording of its build)."""
-    recorder = deferred_init.recorder_of(context.current_scope())
+    recorder = deferred_record.recorder_of(context.current_scope())
     if recorder is not None:
         recorder.close()
     with _capture.lock:

@@ -1,4 +1,4 @@
-"""The log of a deferred build, and its replay: what ``deferred_init`` records and ``deferred_materialise`` runs.
+"""The log of a deferred build, and its replay: what ``deferred_record`` records and ``deferred_materialise`` runs.
 
 A node is one storage of the build (a ``torch.empty``, or an op's output: a value computed for real
 during the build is written into its node by a recorded ``copy_`` from a :class:`Const`);
@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 if TYPE_CHECKING:
-    from distrib.strategies.deferred_init import Session
+    from distrib.strategies.deferred_record import Session
 
 __all__ = ["Ref", "Const", "Node", "Entry", "Scratch", "replay", "view_of"]
 

@@ -1,7 +1,7 @@
 """Materialising a deferred build: a sharded root gets its values, one tensor at a time, never whole.
 
 ``ShardedStrategy.distribute_module`` takes a root built under deferred initialisation
-(:mod:`distrib.strategies.deferred_init`) through a :class:`MaterialisePlan`: every worker checks that
+(:mod:`distrib.strategies.deferred_record`) through a :class:`MaterialisePlan`: every worker checks that
 it built the same thing; tensors built with values take the chief's (broadcast, as before); the
 deferred parameters and buffers become meta tensors, which ``fully_shard`` shards; ``to_empty``
 allocates the shards; then the recorded build is replayed on the CPU, and each tensor's whole value,
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from distrib.strategies.deferred_init import CPU, META, DeferredTensor, Session
 from distrib.strategies.deferred_log import Ref, replay, view_of
+from distrib.strategies.deferred_record import CPU, META, DeferredTensor, Session
 
 __all__ = ["MaterialisePlan", "plan_materialisation"]
 

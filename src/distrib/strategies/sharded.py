@@ -45,8 +45,8 @@ from distrib.cluster.resolver import ClusterResolver
 from distrib.comm import CommunicationOptions
 from distrib.strategies import allocator
 from distrib.strategies.base import Strategy
-from distrib.strategies.deferred_init import DeferredInit, pause_recording
 from distrib.strategies.deferred_materialise import plan_materialisation
+from distrib.strategies.deferred_record import BuildRecorder, pause_recording
 from distrib.strategies.extended import GradientMerge
 from distrib.strategies.patch_lease import lease_torch_patches
 from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
@@ -159,8 +159,8 @@ class ShardedStrategy(Strategy):
         self._checkpoint_format = checkpoint_format
         self._param_dtype = _PARAM_DTYPES[mixed_precision]
         #: with several workers, the scope records the build and distribute_module initialises shard by shard
-        #: (strategies/deferred_init.py); ``deferred_init=False`` builds whole and shards when the scope closes
-        self.deferred_init = DeferredInit() if deferred_init and self.num_workers > 1 else None
+        #: (strategies/deferred_record.py); ``deferred_init=False`` builds whole and shards when the scope closes
+        self.build_recorder = BuildRecorder() if deferred_init and self.num_workers > 1 else None
         self._replica = ReplicaContext(self, 0, InPlaceMerger())
         self._mesh: Any = None
         # a parameter replaced by its shard -> (the old parameter, its module, its name): moves optimizers built
@@ -208,7 +208,7 @@ class ShardedStrategy(Strategy):
 
         A module built under deferred initialisation holds no data yet: it is sharded on the meta device,
         allocated (``to_empty``), and each parameter's rows are filled from the recorded build, one tensor
-        at a time (strategies/deferred_init.py); the workers then agree on the chief's values.
+        at a time (strategies/deferred_record.py); the workers then agree on the chief's values.
 
         Args:
             module: a root module built under ``strategy.scope()``.

@@ -58,7 +58,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from distrib import context, torch_patches
 from distrib.strategies.deferred_log import Const, Entry, Node, Ref, Scratch, replay, view_of
 
-__all__ = ["DeferredTensor", "DeferredInit", "Session", "recorder_of", "pause_recording"]
+__all__ = ["DeferredTensor", "BuildRecorder", "Session", "recorder_of", "pause_recording"]
 
 log = logging.getLogger("distrib.strategies")
 
@@ -180,7 +180,7 @@ class DeferredTensor(torch.Tensor):
 class Session:
     """The log of one deferred build (one outermost scope): nodes, entries, and the ops' dispatch."""
 
-    def __init__(self, owner: DeferredInit) -> None:
+    def __init__(self, owner: BuildRecorder) -> None:
         self.owner = owner
         self.nodes: list[Node] = []
         self.entries: list[Entry] = []
@@ -193,7 +193,7 @@ class Session:
     def node_of(self, meta: torch.Tensor) -> int:
         found = self._by_storage.get(id(meta.untyped_storage()))
         if found is None:
-            raise RuntimeError("a deferred tensor's storage is not in its build's log (a bug in deferred_init)")
+            raise RuntimeError("a deferred tensor's storage is not in its build's log (a bug in deferred_record)")
         return found
 
     def new_node(self, meta: torch.Tensor, kind: str) -> int:
@@ -378,7 +378,7 @@ class _EmptyFactories(torch_patches.TorchDispatchMode):
     """While a deferring scope is open on this thread: CPU ``torch.empty`` (and ``empty_strided``) make
     :class:`DeferredTensor`\\ s; every other op runs as usual (ops on deferred tensors reach their session)."""
 
-    def __init__(self, owner: DeferredInit) -> None:
+    def __init__(self, owner: BuildRecorder) -> None:
         super().__init__()
         self.owner = owner
 
@@ -396,8 +396,8 @@ class _EmptyFactories(torch_patches.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class DeferredInit:
-    """A strategy's deferred initialisation: opened and closed with its scope (``capture.py``).
+class BuildRecorder:
+    """Records the build a strategy defers (``deferred_init=True``): opened and closed with its scope (``capture.py``).
 
     Only building defers: not while the strategy shards or replays (:meth:`paused`: FSDP's own
     ``torch.empty`` must be real), nor inside a module's forward, a backward pass or ``strategy.run``
@@ -476,16 +476,16 @@ class DeferredInit:
             self._local.paused -= 1
 
 
-def recorder_of(strategy: Any) -> DeferredInit | None:
-    """The strategy's :class:`DeferredInit` (``ShardedStrategy`` with several workers), else None: only such a
+def recorder_of(strategy: Any) -> BuildRecorder | None:
+    """The strategy's :class:`BuildRecorder` (``ShardedStrategy`` with several workers), else None: only such a
     strategy defers; every other one builds as it always did."""
-    found = getattr(strategy, "deferred_init", None)
-    return found if isinstance(found, DeferredInit) else None
+    found = getattr(strategy, "build_recorder", None)
+    return found if isinstance(found, BuildRecorder) else None
 
 
 @contextlib.contextmanager
 def pause_recording(strategy: Any) -> Iterator[None]:
-    """The strategy's recording paused in the block (its recorder's :meth:`DeferredInit.paused`; nothing to
+    """The strategy's recording paused in the block (its recorder's :meth:`BuildRecorder.paused`; nothing to
     pause: the block as is)."""
     recorder = recorder_of(strategy)
     with recorder.paused() if recorder is not None else contextlib.nullcontext():
