@@ -22,7 +22,11 @@ A is captured by hand (cuBLAS workspaces cleared around it) and replayed 4 times
 
 * ``later_function``: C captured by ``@ds.function`` (called 4 times);
 * ``later_hand``: C captured by hand too (no distrib in the capture at all);
-* ``later_hand_gpt``: a GPT-style decoder step (bf16 autocast, AdamW(capturable=True)) captured by hand as C.
+* ``later_hand_gpt``: a GPT-style decoder step (bf16 autocast, AdamW(capturable=True)) captured by hand as C;
+* ``hand_then_function``: ``function_step.py``'s own pair: its hand-made graph of the main job's step captured
+  first, then the main job's step under ``@ds.function`` (captured at its 3rd call), then both replayed in turn
+  (on the H100: an illegal memory access at the first synchronize);
+* ``function_then_hand``: the same two in the other order (on the H100: clean).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from distrib.graphs.capturable import make_capturable
 
 SCENARIOS = ("hand", "hand_cleared", "function", "hand_host_tensor", "later_function", "later_hand", "later_hand_gpt")
 LATER = ("later_function", "later_hand", "later_hand_gpt")
+PAIRS = ("hand_then_function", "function_then_hand")
+SCENARIOS = SCENARIOS + PAIRS
 OPTIMIZERS: dict[torch.nn.Module, torch.optim.Optimizer] = {}  # each step's optimizer, by its model
 BATCH = 64
 Step = Callable[..., Any]
@@ -160,7 +166,31 @@ def largest(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def pair(name: str, steps: int) -> dict[str, Any]:
+    """``hand_then_function`` / ``function_then_hand``: how the benchmark's two graphs end, in each order."""
+    from function_step import function_job, hand_graph
+    from gpu import device_batches
+
+    device = torch.device("cuda", 0)
+    batches = device_batches(device)[0](BATCH).batches
+    function_step, _ = function_job(device, BATCH)
+    if name == "hand_then_function":
+        hand_step = hand_graph(device, BATCH, batches[0])
+    for i in range(4):  # the 3rd call captures
+        function_step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    if name == "function_then_hand":
+        hand_step = hand_graph(device, BATCH, batches[0])
+    for i in range(steps):
+        function_step(batches[i % len(batches)])
+        hand_step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    return {"scenario": name, "max_difference_to_eager": None}
+
+
 def scenario(name: str, steps: int) -> dict[str, Any]:
+    if name in PAIRS:
+        return pair(name, steps)
     torch.backends.cudnn.deterministic = True
     device = torch.device("cuda", 0)
     batches = data(device)

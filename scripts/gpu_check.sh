@@ -12,7 +12,8 @@
 # 7 files, within what the GPU machine sends back (8).
 # Each stage is bounded by `timeout`; a failing stage does not stop the next; the exit status is non-zero
 # when any stage failed. DISTRIB_CHECK_DEVICE=cpu is how the dry run runs the CUDA tests on the CPU.
-# GPU_CHECK_STAGES=tests,benchmark,probe,function (the default: all) picks stages, for a rerun in the time left.
+# GPU_CHECK_STAGES=tests,benchmark,probe,function picks stages (the default: all but the probe), for a rerun in the
+# time left.
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -71,7 +72,8 @@ fi
 
 TIMEOUT_ARGS=()
 "$PY" -c 'import pytest_timeout' 2>/dev/null && TIMEOUT_ARGS=(--timeout "$PER_TEST")
-STAGES=",${GPU_CHECK_STAGES:-tests,benchmark,probe,function},"
+# the probe (benchmarks/capture_probe.py: 9 scenarios, each in its own process) runs when asked for
+STAGES=",${GPU_CHECK_STAGES:-tests,benchmark,function},"
 # addopts='': not the suite's --doctest-modules and -m 'not faults_full'; -m cuda selects these tests alone
 rm -f "$OUTDIR/function-table.jsonl"
 [[ $STAGES == *,tests,* ]] && DISTRIB_FUNCTION_TABLE="$OUTDIR/function-table.jsonl" \
@@ -82,7 +84,7 @@ stage "CUDA tests (DISTRIB_CHECK_DEVICE=$DISTRIB_CHECK_DEVICE)" "$TESTS_LIMIT" /
 [[ $STAGES == *,benchmark,* ]] && stage "benchmark (benchmarks/gpu.py ${BENCH_ARGS[*]})" "$BENCH_LIMIT" /dev/null \
     "$PY" benchmarks/gpu.py "${BENCH_ARGS[@]}" --json "$OUTDIR/benchmark.json"
 
-[[ $STAGES == *,probe,* && $DRY -eq 0 ]] && stage "capture probe (benchmarks/capture_probe.py)" 150 /dev/null \
+[[ $STAGES == *,probe,* && $DRY -eq 0 ]] && stage "capture probe (benchmarks/capture_probe.py)" 300 /dev/null \
     "$PY" benchmarks/capture_probe.py --scenario all --steps 300 --json "$OUTDIR/capture-probe.json"
 
 [[ $STAGES == *,function,* ]] && stage "ds.function benchmark (benchmarks/function_step.py ${FUNCTION_ARGS[*]})" \
