@@ -30,6 +30,10 @@ SCRIPT = str(SCRIPTS / "mesh_checkpoint_matrix.py")
 # (workers, kinds) per launch; MWMS apart: a process that made a ShardedStrategy first may hang at its exit
 RUNS = [(4, ["hybrid", "fsdp_tp", "sharded"]), (2, ["sharded"]), (2, ["mwms"]), (1, ["plain", "one_device"])]
 NAMES = ["hybrid-4", "fsdp_tp-4", "sharded-4", "sharded-2", "mwms-2", "one_device-1", "plain-1"]
+# the README's suite: the two meshes and plain PyTorch, each saved and loaded under the others (9 cells, 4
+# launches instead of 8); the whole matrix (49 cells) is faults_full's (bash scripts/faults.sh)
+FAST_RUNS = [(4, ["hybrid", "fsdp_tp"]), (1, ["plain"])]
+FAST_NAMES = ["hybrid-4", "fsdp_tp-4", "plain-1"]
 
 
 def _run(mode: str, directory: Path, workers: int, kinds: list[str]) -> str:
@@ -42,16 +46,28 @@ def _run(mode: str, directory: Path, workers: int, kinds: list[str]) -> str:
     return out
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("mesh_matrix")
+def _matrix(directory: Path, runs: list[tuple[int, list[str]]]) -> Path:
     for mode in ("save", "load"):
-        for workers, kinds in RUNS:
+        for workers, kinds in runs:
             _run(mode, directory, workers, kinds)
     return directory
 
 
-def test_every_mesh_loads_under_every_other_and_resumes_as_one_uninterrupted_run(matrix: Path) -> None:
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _matrix(tmp_path_factory.mktemp("mesh_matrix"), FAST_RUNS)
+
+
+def test_the_meshes_and_plain_pytorch_load_each_others_checkpoints_and_resume_exactly(matrix: Path) -> None:
+    _check_matrix(matrix, FAST_NAMES)
+
+
+@pytest.mark.faults_full
+def test_every_mesh_loads_under_every_other_and_resumes_as_one_uninterrupted_run(tmp_path: Path) -> None:
+    _check_matrix(_matrix(tmp_path, RUNS), NAMES)
+
+
+def _check_matrix(matrix: Path, names: list[str]) -> None:
     for name in ("hybrid-4", "fsdp_tp-4"):  # the sharded format: every worker wrote its own shard file
         assert len(list((matrix / name / "ckpt-1.dcp").glob("*.distcp"))) == 4
     model = build(0)
@@ -62,15 +78,15 @@ def test_every_mesh_loads_under_every_other_and_resumes_as_one_uninterrupted_run
         optimizer.zero_grad()
     reference = model.state_dict()
     table = {}
-    for saver in NAMES:
-        for loader in NAMES:
+    for saver in names:
+        for loader in names:
             got = torch.load(matrix / "results" / f"{saver}__{loader}.pt", weights_only=True)
             table[saver, loader] = max((got["model"][k] - v).abs().max().item() for k, v in reference.items())
             assert set(got["steps"]) == {5.0}, (saver, loader, got["steps"])
     print("\nlargest difference against 5 uninterrupted steps, saver (rows) x loader (columns):")
-    print(" " * 14 + " ".join(f"{n:>12}" for n in NAMES))
-    for saver in NAMES:
-        print(f"{saver:>14}" + " ".join(f"{table[saver, loader]:12.1e}" for loader in NAMES))
+    print(" " * 14 + " ".join(f"{n:>12}" for n in names))
+    for saver in names:
+        print(f"{saver:>14}" + " ".join(f"{table[saver, loader]:12.1e}" for loader in names))
     assert max(table.values()) < 1e-5
 
 
