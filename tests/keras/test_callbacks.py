@@ -288,7 +288,7 @@ def test_jsonl_logger_writes_every_nth_step_whatever_its_logs_and_refuses_a_nega
     path = tmp_path / "m.jsonl"
     logger = ds.callbacks.JsonlLogger(str(path), log_every=2)
     model, optimizer = build(ds.get_strategy())
-    from distrib.keras.loop import Loop
+    from distrib.keras.training import Loop
 
     logger.set_loop(Loop(model, optimizer, ds.get_strategy()))
     logger.on_epoch_begin(0)

@@ -25,9 +25,9 @@ import distrib as ds
 from distrib.app import models
 from distrib.app.datasets import load_fashion_mnist
 from distrib.app.plot import PICTURE, draw_run
-from distrib.keras.callbacks import Callback, CallbackList, History, JsonlLogger, TensorBoard
-from distrib.keras.loop import Loop
+from distrib.keras.callbacks import Callback, JsonlLogger, TensorBoard
 from distrib.keras.progress import Progbar, data_length
+from distrib.keras.training import Loop, Training
 from distrib.precision import Precision, backward_and_step
 from distrib.strategies import registry
 
@@ -271,46 +271,42 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
     if job.graphs:
         distributed_train_step = ds.function(distributed_train_step)
         distributed_test_step = ds.function(distributed_test_step)
-    history = History()
-    callbacks = CallbackList([*job.reporters, history])  # History last, as fit's
-    loop = Loop(job.model, job.optimizer, strategy)
-    callbacks.set_loop(loop)
+    run = Training(Loop(job.model, job.optimizer, strategy), job.reporters)  # fit's bookkeeping, fit's callbacks
     global_step = 0
 
     # the chief's progress alone (its epoch lines cover every worker): a tqdm bar on a terminal, a line every
     # DISTRIB_PROGRESS_INTERVAL seconds on a pipe (a log file, a worker of distrib launch), none with --no-progress
-    verbose = 1 if chief and config.progress is not False else 0
-    callbacks.on_train_begin()  # a preemption backup, if there is one, sets loop.epoch and loop.step_in_epoch
-    for epoch in range(int(loop.epoch), config.epochs):
+    # (verbosity 2: this loop prints its own epoch line)
+    bar_verbosity = 1 if _verbosity(config, chief) == 1 else 0
+    run.begin()  # a preemption backup, if there is one, sets the epoch and batch to resume at
+    for epoch in run.epochs(config.epochs):
         train_batches.set_epoch(epoch)
-        callbacks.on_epoch_begin(epoch)
         total_loss: Any = 0.0  # a tensor on the step's device after the first step: read only when shown
         num_batches = 0
         start = time.perf_counter()
         bar = Progbar(
             data_length(train_dist_dataset),
-            verbose,
+            bar_verbosity,
             style="tqdm",
             desc=f"epoch {epoch + 1}/{config.epochs}",
             postfix=_postfix,
         )
-        skip = int(loop.step_in_epoch)  # resumed mid-epoch: these batches were trained before the preemption
+        skip = run.resume_at  # resumed mid-epoch: these batches were trained before the preemption
         for index, x in enumerate(train_dist_dataset):
             if index < skip:
                 continue
-            callbacks.on_train_batch_begin(index)
+            run.batch_begin(index)
             total_loss = total_loss + distributed_train_step(x)  # no .cpu() per step: the GPU runs ahead
-            loop.step_in_epoch += 1
             num_batches += 1
             global_step += 1
             logged = chief and config.log_every > 0 and global_step % config.log_every == 0
             step_logs: dict[str, float] = {}
-            if logged or (verbose and num_batches % POSTFIX_EVERY == 0):
+            if logged or (bar_verbosity and num_batches % POSTFIX_EVERY == 0):
                 # running means over the epoch so far: the loss the loop already summed, this worker's accuracy;
                 # computed on the steps the reporters write (every --log-every) and the bar shows, not on every step
                 step_logs = {"loss": float(total_loss) / num_batches, "accuracy": float(train_accuracy.local_result())}
             bar.update(num_batches, step_logs)
-            callbacks.on_train_batch_end(index, step_logs)
+            run.batch_end(step_logs)
         bar.update(num_batches, finalize=True)
         seconds = time.perf_counter() - start
         train_loss = float(total_loss) / num_batches
@@ -333,9 +329,7 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
             )
         if chief:
             print(EPOCH_TEMPLATE.format(**row), flush=True)
-        loop.epoch += 1
-        loop.step_in_epoch.zero_()
-        callbacks.on_epoch_end(
+        run.end_epoch(
             epoch,
             {
                 "loss": row["loss"],
@@ -348,8 +342,7 @@ def _custom_loop(job: _Job) -> dict[str, list[float]]:
         test_loss.reset_states()
         train_accuracy.reset_states()
         test_accuracy.reset_states()
-    callbacks.on_train_end()
-    return history.history
+    return run.end().history
 
 
 def metrics_path(config: TrainConfig) -> str:
@@ -357,12 +350,14 @@ def metrics_path(config: TrainConfig) -> str:
     return config.metrics_file or os.path.join(config.checkpoint_dir, "metrics.jsonl")
 
 
-def _fit_verbose(config: TrainConfig, is_chief: bool) -> int:
-    """The ``verbose`` argument ``distrib train`` gives ``ds.fit`` (which resolves it as Keras does: keras/loop.py's
-    ``_verbosity``): 1 (a bar on a terminal, bar lines on a pipe), 2 (a line per epoch) with --no-progress.
+def _verbosity(config: TrainConfig, is_chief: bool) -> int:
+    """Keras' verbosity of ``distrib train``'s progress, in both loops: 1 (a bar on a terminal, bar lines on a
+    pipe), 2 (a line per epoch) with --no-progress; ``ds.fit`` is given it as its ``verbose`` (which it resolves
+    as Keras does: keras/loop.py's ``_verbosity``), and the custom loop, which prints its own epoch line, draws
+    its bar at 1 only.
 
     ``distrib train`` shows the chief's progress alone (its epoch lines already cover every worker), so the
-    other workers pass 0: ``fit`` itself prints on every worker, as Keras.
+    other workers get 0: ``fit`` itself prints on every worker, as Keras.
     """
     if not is_chief:
         return 0
@@ -466,7 +461,7 @@ def _fit(job: _Job) -> dict[str, list[float]]:
         metrics=["accuracy"],
         validation_data=test_data,
         validation_steps=validation_steps,
-        verbose=_fit_verbose(config, strategy.is_chief),
+        verbose=_verbosity(config, strategy.is_chief),
         callbacks=job.reporters,
         precision=config.precision,
         jit_compile=job.graphs,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from distrib.keras.loop import Loop
+    from distrib.keras.training import Loop
 
 __all__ = [
     "Callback",

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,12 +43,13 @@ from distrib import context
 from distrib import metrics as metrics_lib
 from distrib.keras.callback_base import Callback, CallbackList, History
 from distrib.keras.progress import Progbar, data_length
+from distrib.keras.training import Loop, Training
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
 from distrib.precision import Precision, backward_and_step
 from distrib.strategies.base import Strategy
 from distrib.strategies.execution import EndOfData, StepExecutor, StepFn
 
-__all__ = ["fit", "evaluate", "predict", "Loop"]
+__all__ = ["fit", "evaluate", "predict"]
 
 Logs = dict[str, float]
 #: fit and evaluate compute in full precision unless told otherwise
@@ -56,44 +57,6 @@ FULL_PRECISION = Precision.parse("32")
 
 #: what fit/evaluate read: an iterable of ``(x, y)`` batches, or (parameter servers) a per-worker dataset function
 Data = Iterable[Any] | Callable[..., Iterable[Any]]
-
-
-@dataclass
-class Loop:
-    """What callbacks see of a running ``fit``: ``epoch`` and ``step_in_epoch`` are where it resumes from.
-
-    ``scheduled``: the steps run on other processes, scheduled by the strategy's executor
-    (:attr:`~distrib.strategies.execution.StepExecutor.scheduled`), so the model never runs here.
-    """
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
-    strategy: Strategy
-    steps_per_epoch: int | None = None
-    epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
-    step_in_epoch: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
-    scheduled: bool = False
-    _stop: bool = field(default=False, repr=False)
-
-    @property
-    def is_chief(self) -> bool:
-        return self.strategy.is_chief
-
-    @property
-    def stop_training(self) -> bool:
-        """Set it (``self.loop.stop_training = True``) to stop after this batch or epoch.
-
-        Keras' own spelling, ``self.model.stop_training = True`` in a callback, stops training
-        too: it sets a plain attribute on the module, which ``fit`` reads here (and sets back
-        to False when a ``fit`` starts, as Keras does), so a literal port is never ignored.
-        """
-        return self._stop or vars(self.model).get("stop_training") is True
-
-    @stop_training.setter
-    def stop_training(self, value: bool) -> None:
-        self._stop = bool(value)
-        if not value and vars(self.model).get("stop_training") is True:
-            setattr(self.model, "stop_training", False)  # noqa: B010 the user's attribute (Module types it as a submodule)
 
 
 class _Tracked:
@@ -362,11 +325,9 @@ def fit(
         warnings.warn(f"fit(precision={precision!r}): {slow}", UserWarning, stacklevel=2)
     loss_fn = per_example_loss(loss)
     tracked = _Tracked(strategy, metrics, loss)
-    history = History()
     loop = Loop(model, optimizer, strategy, steps_per_epoch, scheduled=executor.scheduled)
     loop.stop_training = False  # as Keras' fit: a model.stop_training left by an earlier fit does not stop this one
-    cbs = CallbackList([*callbacks, history])  # History last, as Keras: it sees what callbacks add to the logs
-    cbs.set_loop(loop)
+    run = Training(loop, callbacks)
     verbosity = _verbosity(executor, verbose)
 
     def train_step(x: torch.Tensor, y: Any, n: int) -> Any:
@@ -379,18 +340,16 @@ def fit(
         optimizer.zero_grad()
         return tracked.deltas(_float(per_example.detach()), y, _float(pred.detach()))
 
-    cbs.on_train_begin()
+    run.begin()
     logs: Logs = {}
     trained = 0  # steps run on real data by this call of fit
     warned = False
-    while int(loop.epoch) < epochs and not loop.stop_training:
-        epoch = int(loop.epoch)
-        cbs.on_epoch_begin(epoch)
+    for epoch in run.epochs(epochs):
         tracked.reset()
         if verbosity:
             print(f"Epoch {epoch + 1}/{epochs}", flush=True)
         bar = Progbar(steps_per_epoch or data_length(data), verbosity)
-        first = int(loop.step_in_epoch)
+        first = run.resume_at
         if steps_per_epoch:
             inputs = executor.feed(
                 data, start=epoch * steps_per_epoch + first, steps=steps_per_epoch - first, cycle=True, per_worker=True
@@ -402,10 +361,9 @@ def fit(
 
         def trained_one(result: Any) -> None:
             tracked.merge(result)
-            loop.step_in_epoch += 1
             step_logs = tracked.logs(synced=False)
-            cbs.on_train_batch_end(int(loop.step_in_epoch) - 1, step_logs)
-            bar.update(int(loop.step_in_epoch), step_logs)  # noqa: B023 (called within this epoch only)
+            batch = run.batch_end(step_logs)
+            bar.update(batch + 1, step_logs)  # noqa: B023 (called within this epoch only)
 
         # a batch hook may stop training (TerminateOnNaN): no further step is submitted
         driven = _drive(
@@ -413,7 +371,7 @@ def fit(
             inputs,
             train_step,
             first=first,
-            begin=cbs.on_train_batch_begin,
+            begin=run.batch_begin,
             done=trained_one,
             stop=lambda: loop.stop_training,
         )
@@ -450,7 +408,7 @@ def fit(
                     loss_fn,
                     tracked,
                     validation_steps,
-                    cbs,
+                    run.callbacks,
                     verbosity=0,
                     graphs=graphs,
                     prefix="val_",
@@ -461,11 +419,8 @@ def fit(
                 )
             )
         bar.update(int(loop.step_in_epoch), logs, finalize=True)
-        loop.epoch += 1
-        loop.step_in_epoch.zero_()
-        cbs.on_epoch_end(epoch, logs)
-    cbs.on_train_end(logs)
-    return history
+        run.end_epoch(epoch, logs)
+    return run.end(logs)
 
 
 def _evaluate(
