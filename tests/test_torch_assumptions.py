@@ -77,6 +77,27 @@ def test_grad_scaler_keeps_its_scale_and_inf_flags_where_torch_patches_reads_the
     assert scaler.get_scale() == 4.0  # backoff_factor 0.5
 
 
+def test_awaits_unscale_is_when_torchs_step_would_call_unscale() -> None:
+    """amp.py unscales the sums itself before torch's ``GradScaler.step`` exactly when torch would: a scale,
+    stage READY (``_per_optimizer_states``), an optimizer that does not unscale in its own step."""
+    model, sgd = _model_and_sgd()
+    scaler = GradScaler("cpu", init_scale=8.0)
+    assert not torch_patches.awaits_unscale(scaler, sgd)  # no scale yet: torch's step raises its own error
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    assert torch_patches.awaits_unscale(scaler, sgd)
+    scaler.unscale_(sgd)
+    assert not torch_patches.awaits_unscale(scaler, sgd)
+    calls: list[str] = []
+    real = GradScaler.unscale_
+    scaler.unscale_ = lambda opt: (calls.append("unscale_"), real(scaler, opt))[1]  # type: ignore[method-assign]
+    scaler.step(sgd)  # unscaled already: torch's step does not unscale again
+    assert calls == []
+    scaler.update()
+    fused = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    assert getattr(fused, "_step_supports_amp_scaling", False) and not torch_patches.awaits_unscale(scaler, fused)
+
+
 def test_strategy_patches_are_counted_leases_that_restore_torch() -> None:
     """The first lease puts the methods and the global hook in place; the last release puts torch's back."""
     original = GradScaler.__dict__["update"]

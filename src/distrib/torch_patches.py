@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import GradScaler
+from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _python_dispatch
 
@@ -180,6 +180,15 @@ def scale_tensor(scaler: GradScaler) -> torch.Tensor | None:
 def found_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
     """The inf flags ``unscale_`` recorded for ``optimizer`` this step (``_per_optimizer_states``), one per device."""
     return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def awaits_unscale(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch's ``GradScaler.step`` would call ``unscale_`` for ``optimizer`` now: the scale exists, the
+    stage is READY (``_per_optimizer_states``: not unscaled nor stepped this step), and the optimizer does not
+    unscale inside its own step (``_step_supports_amp_scaling``: the fused ones)."""
+    if scaler._scale is None or getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
 
 
 def set_found_inf_per_device(

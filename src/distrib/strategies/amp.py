@@ -138,12 +138,42 @@ def _agree(strategy: Strategy, scaler: GradScaler, optimizer: Any) -> None:
     torch_patches.set_found_inf_per_device(scaler, optimizer, {total.device: total.clamp_(max=1.0)})
 
 
-def _unscale_summed(strategy: Strategy, scaler: GradScaler, optimizer: Any) -> None:
-    def unscale() -> None:
-        torch_patches.torch_unscale_(scaler, optimizer)
-        _agree(strategy, scaler, optimizer)
+def _unscale_agreed(strategy: Strategy, scaler: GradScaler, optimizer: Any) -> None:
+    """torch's ``unscale_`` of the summed gradients, then the inf flag agreed over the workers (:func:`_agree`)."""
+    torch_patches.torch_unscale_(scaler, optimizer)
+    _agree(strategy, scaler, optimizer)
 
-    strategy.extended.reduce_gradients_then(optimizer, unscale)
+
+def _merged_unscale_(strategy: Strategy, scaler: GradScaler, optimizer: Any) -> None:
+    """The user's ``scaler.unscale_(optimizer)``, once for every replica: sum (the sums then wait for the step),
+    unscale and agree."""
+    strategy.extended.reduce_gradients_then(optimizer, lambda: _unscale_agreed(strategy, scaler, optimizer))
+
+
+def _merged_step(strategy: Strategy, scaler: GradScaler, optimizer: Any, args: Any, kwargs: Any) -> float | None:
+    """``scaler.step(optimizer)`` once for every replica, cross-replica. The chain, in order:
+
+    1. ``strategy.extended.reduce_gradients_then``: the strategy sums the gradients over the replicas and
+       workers (once a step: a ``scaler.unscale_`` earlier in the step already did);
+    2. :func:`_unscale_agreed`: torch's ``unscale_`` on the sums and the inf flag agreed over the workers,
+       unless the user unscaled already or the optimizer unscales in its own step (fused: torch checks the
+       sums there, the same on every worker);
+    3. torch's own ``GradScaler.step``: ``optimizer.step()`` unless an inf was found (the step is then skipped
+       on every replica of every worker); that call, the optimizer's merged step, finds the sums in place and
+       applies them as they are;
+    4. ``strategy.extended.end_gradient_reduction``: the next step's gradients are summed anew.
+    """
+
+    def unscale_then_step() -> float | None:
+        if torch_patches.awaits_unscale(scaler, optimizer):
+            _unscale_agreed(strategy, scaler, optimizer)
+        result: float | None = torch_patches.torch_scaler_step(scaler, optimizer, *args, **kwargs)
+        return result
+
+    try:
+        return strategy.extended.reduce_gradients_then(optimizer, unscale_then_step)
+    finally:
+        strategy.extended.end_gradient_reduction(optimizer)
 
 
 def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -151,26 +181,18 @@ def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
     strategy = _merging_strategy(self, optimizer)
     if strategy is None:
         return torch_patches.torch_unscale_(self, optimizer)
-    _as_merge_point(strategy, "unscale_", self, optimizer, lambda: _unscale_summed(strategy, self, optimizer))
+    _as_merge_point(strategy, "unscale_", self, optimizer, lambda: _merged_unscale_(strategy, self, optimizer))
 
 
 def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-    """``GradScaler.step``: under a strategy, one decision over the summed gradients, one step (or none) everywhere."""
+    """``GradScaler.step``: under a strategy, one decision over the summed gradients, one step (or none) everywhere
+    (:func:`_merged_step`)."""
     strategy = _merging_strategy(self, optimizer)
     if strategy is None or "closure" in kwargs:  # torch refuses a closure itself
         return torch_patches.torch_scaler_step(self, optimizer, *args, **kwargs)
-
-    def merged_step() -> float | None:
-        try:
-            # torch's step: unscale_ (the replacement above, on summed gradients) unless the user called it,
-            # then optimizer.step() only if no worker found an inf
-            return strategy.extended.reduce_gradients_then(
-                optimizer, lambda: torch_patches.torch_scaler_step(self, optimizer, *args, **kwargs)
-            )
-        finally:
-            strategy.extended.end_gradient_reduction(optimizer)
-
-    result: float | None = _as_merge_point(strategy, "step", self, optimizer, merged_step)
+    result: float | None = _as_merge_point(
+        strategy, "step", self, optimizer, lambda: _merged_step(strategy, self, optimizer, args, kwargs)
+    )
     return result
 
 

@@ -22,6 +22,7 @@ strategy's :class:`~distrib.strategies.extended.GradientMerge`, the seam ``strat
 
 from __future__ import annotations
 
+import enum
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,6 +50,21 @@ __all__ = ["ReplicaEngine"]
 T = TypeVar("T")
 
 
+class _Sums(enum.Enum):
+    """Where a ``GradScaler``'s call (strategies/amp.py) left an optimizer's gradients this step.
+
+    An optimizer absent from ``ReplicaEngine._sums`` has nothing summed yet: its ``optimizer.step()``
+    merges as usual (sum, step, refresh the copies). Once a scaler's call has summed them:
+    """
+
+    #: summed, and :meth:`ReplicaEngine.reduce_gradients_then` is still running the scaler's call: an
+    #: ``optimizer.step()`` inside it applies the sums as they are; the engine refreshes the copies when it returns
+    APPLYING = enum.auto()
+    #: summed by a scaler's call that is over (``scaler.unscale_`` alone, or a step skipped for an inf): the sums
+    #: wait; an ``optimizer.step()`` applies them as they are and refreshes the copies itself
+    HELD = enum.auto()
+
+
 class ReplicaEngine:
     """Runs a strategy's replicas in lockstep and merges their optimizer steps (see the module docstring).
 
@@ -73,10 +89,10 @@ class ReplicaEngine:
         self._comm_hook: CommHook = allreduce_hook
         self._unscaled_loss = UnscaledLossCheck()
         self._merging = 0  # merge functions running (with several replicas, their threads wait in it)
-        # optimizers whose step() this engine merges, and those whose gradients a GradScaler call has already
-        # summed this step (True while inside _apply_update, which refreshes the copies itself): see amp.py
+        # optimizers whose step() this engine merges, and those whose gradients a GradScaler's call has already
+        # summed this step (see _Sums and amp.py)
         self._merged_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._summed: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._sums: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Sums] = weakref.WeakKeyDictionary()
         # with one replica per worker: one reducer per optimizer, overlapped with backward; its autograd hooks
         # go when the optimizer goes
         self._reducers: weakref.WeakKeyDictionary[torch.optim.Optimizer, BucketedGradientReducer] = (
@@ -197,12 +213,8 @@ class ReplicaEngine:
         self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         ctx = context.current_replica()
-        if ctx is None and optimizer in self._summed:  # a GradScaler summed this step's gradients (amp.py)
-            inside_update = self._summed.pop(optimizer)
-            result = step(*args, **kwargs)
-            if not inside_update:
-                self._mirrored.refresh()
-            return result
+        if ctx is None and optimizer in self._sums:  # torch's GradScaler.step, on sums a scaler's call made (amp.py)
+            return self._step_on_sums(optimizer, step, args, kwargs)
         if ctx is None:  # cross-replica: the gradients are already where they are
             return self._apply_update(optimizer, step, args, kwargs)
         if (args or kwargs.get("closure") is not None) and self._n > 1:
@@ -220,14 +232,29 @@ class ReplicaEngine:
     def _apply_update(
         self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        """The merged step: sum the gradients, step once, refresh the replicas' copies."""
+        self._reduce(optimizer)
+        result = step(*args, **kwargs)
+        self._mirrored.refresh(average_buffers=True)
+        return result
+
+    def _step_on_sums(
+        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``optimizer.step()`` on gradients a ``GradScaler``'s call has summed: applied as they are, once."""
+        sums = self._sums.pop(optimizer)
+        result = step(*args, **kwargs)
+        if sums is _Sums.HELD:  # no reduce_gradients_then is running to refresh the copies after this step
+            self._mirrored.refresh()
+        return result
+
+    def _reduce(self, optimizer: torch.optim.Optimizer) -> None:
+        """Sum ``optimizer``'s gradients over the local replicas and the workers into the parameters' ``.grad``."""
         reducer = self._reducers.get(optimizer)
         if reducer is not None:
             reducer.synchronize()  # backward already reduced the buckets: wait for the last ones
         else:
             self._sync_gradients(optimizer_params(optimizer))
-        result = step(*args, **kwargs)
-        self._mirrored.refresh(average_buffers=True)
-        return result
 
     def _sync_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """Sum every parameter's gradient over local replicas, then over workers, into ``param.grad``."""
@@ -259,7 +286,7 @@ class ReplicaEngine:
             reducer.discard()
         ctx = context.current_replica()
         params = optimizer_params(optimizer)
-        self._summed.pop(optimizer, None)
+        self._sums.pop(optimizer, None)
         if ctx is None:
             zero_grad(set_to_none)
             self._mirrored.zero_copy_grads(params, None, set_to_none)
@@ -276,27 +303,25 @@ class ReplicaEngine:
     def reduce_gradients_then(self, optimizer: torch.optim.Optimizer, then: Callable[[], T]) -> T:
         """Sum ``optimizer``'s gradients over replicas and workers (once a step), then call ``then``.
 
-        The engine's own reduction (``_apply_update``) runs with ``then`` in place of the optimizer's
-        step; an ``optimizer.step()`` that ``then`` (or a later call) makes applies the update without
-        summing again.
+        As the merged ``optimizer.step()`` (:meth:`_apply_update`), with ``then`` in place of the step: sum,
+        ``then()``, refresh the copies. An ``optimizer.step()`` that ``then`` (or a later call) makes applies
+        the sums as they are (:meth:`_step_on_sums`); see :class:`_Sums` for the states.
         """
-        if optimizer in self._summed:
+        if optimizer in self._sums:  # summed earlier this step (a scaler.unscale_ before scaler.step)
             return then()
-
-        def summed_then() -> T:
-            self._summed[optimizer] = True
-            return then()
-
+        self._reduce(optimizer)
+        self._sums[optimizer] = _Sums.APPLYING
         try:
-            result: T = self._apply_update(optimizer, summed_then, (), {})
+            result = then()
+            self._mirrored.refresh(average_buffers=True)
             return result
         finally:
-            if optimizer in self._summed:  # unscale_ alone, or a skipped step: the sums stay until step/zero_grad
-                self._summed[optimizer] = False
+            if optimizer in self._sums:  # then() applied no step (unscale_ alone, or a skipped step): the sums wait
+                self._sums[optimizer] = _Sums.HELD
 
     def end_gradient_reduction(self, optimizer: torch.optim.Optimizer) -> None:
         """The step that used the summed gradients is over (applied or skipped): the next ones are summed anew."""
-        self._summed.pop(optimizer, None)
+        self._sums.pop(optimizer, None)
 
     def warn_if_loss_unscaled(self, scaled: Sequence[bool]) -> None:
         """Warn once when a step's loss was not scaled by distrib's helpers while several replicas are in sync."""
