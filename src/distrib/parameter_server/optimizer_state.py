@@ -10,14 +10,14 @@ that received no sparse gradient in a step does not count it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from distrib.parameter_server.variables import VariableSpec
 
-__all__ = ["merge_shard_states", "split_state"]
+__all__ = ["gather_state", "group_options", "merge_shard_states", "scatter_state", "split_state"]
 
 
 def _shard_shape(spec: VariableSpec, index: int) -> tuple[int, ...]:
@@ -62,3 +62,54 @@ def split_state(spec: VariableSpec, state: dict) -> list[dict]:
         for i in range(len(spec.shards)):
             out[i][key] = spec.shard_view(value, i).clone() if whole else value
     return out
+
+
+def group_options(group: dict) -> dict:
+    """A parameter group's options (``lr``, ``betas``, ...): the group without its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def gather_state(
+    optimizer: torch.optim.Optimizer, opt_id: str, spec_of: Callable[[torch.Tensor], VariableSpec], ps: Any
+) -> dict[int, Any]:
+    """The ``state`` of ``optimizer.state_dict()``, read from the ps tasks: whole tensors, by parameter index."""
+    state = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            spec = spec_of(p)
+            merged = merge_shard_states(spec, ps.optimizer_state(opt_id, spec))
+            if merged:
+                state[index] = merged
+            index += 1
+    return state
+
+
+def scatter_state(
+    optimizer: torch.optim.Optimizer,
+    opt_id: str,
+    spec_of: Callable[[torch.Tensor], VariableSpec],
+    ps: Any,
+    state_dict: dict,
+) -> None:
+    """``optimizer.load_state_dict(state_dict)`` for an optimizer whose state lives on the ps tasks.
+
+    Raises:
+        ValueError: the saved groups do not match this optimizer's (number of groups or of parameters).
+    """
+    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved_groups) or any(
+        len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+    ):
+        raise ValueError(
+            "loaded optimizer state has a different number of parameter groups or parameters "
+            f"({[len(s['params']) for s in saved_groups]}) than this optimizer "
+            f"({[len(g['params']) for g in groups]})"
+        )
+    saved_state = state_dict.get("state", {})
+    for group, saved in zip(groups, saved_groups):
+        group.update(group_options(saved))
+        for p, key in zip(group["params"], saved["params"]):
+            spec = spec_of(p)
+            state = saved_state.get(key, saved_state.get(str(key), {}))
+            ps.set_optimizer_state(opt_id, spec, split_state(spec, state), group_options(group))

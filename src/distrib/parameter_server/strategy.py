@@ -66,7 +66,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -80,7 +79,10 @@ from torch.amp.grad_scaler import GradScaler
 from distrib import context
 from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
+from distrib.parameter_server.captured_metrics import MetricCopy, is_metric
+from distrib.parameter_server.cluster_checks import check_cluster
 from distrib.parameter_server.datasets import DatasetSource
+from distrib.parameter_server.optimizer_state import gather_state, group_options, scatter_state
 from distrib.parameter_server.scaler import Acknowledgements, ScalerAuthority
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
@@ -158,7 +160,7 @@ class ParameterServerStrategy(Strategy):
                 "ds.cluster_resolver.TFConfigClusterResolver() or ds.testing.create_in_process_cluster(2, 1)"
             )
         spec = cluster_resolver.cluster_spec()
-        _check_cluster(spec, getattr(cluster_resolver, "task_type", None))
+        check_cluster(spec, getattr(cluster_resolver, "task_type", None))
         super().__init__(
             [None], cluster_resolver=cluster_resolver, device_names=["/job:chief/replica:0/task:0/device:CPU:0"]
         )
@@ -394,7 +396,9 @@ class ParameterServerStrategy(Strategy):
             )
         opt_id = f"{self._session}/opt{len(self._optimizers)}"
         entries = [
-            (self._variables[id(p)].spec, _options(group)) for group in optimizer.param_groups for p in group["params"]
+            (self._variables[id(p)].spec, group_options(group))
+            for group in optimizer.param_groups
+            for p in group["params"]
         ]
         self._ps.create_optimizer(opt_id, cloudpickle.dumps(type(optimizer)), entries)
         self._optimizers[id(optimizer)] = (optimizer, opt_id)
@@ -421,7 +425,7 @@ class ParameterServerStrategy(Strategy):
             if p.grad is not None
         ]
         if items:
-            self._ps.push(self._optimizers[id(optimizer)][1], items, [_options(g) for g in optimizer.param_groups])
+            self._ps.push(self._optimizers[id(optimizer)][1], items, [group_options(g) for g in optimizer.param_groups])
         return loss
 
     def optimizer_options(self) -> dict[str, list[dict[str, Any]]]:
@@ -431,45 +435,17 @@ class ParameterServerStrategy(Strategy):
             Optimizer id -> one dict of options (``lr``, ...) per parameter group.
         """
         return {
-            opt_id: [_options(g) for g in optimizer.param_groups] for optimizer, opt_id in self._optimizers.values()
+            opt_id: [group_options(g) for g in optimizer.param_groups]
+            for optimizer, opt_id in self._optimizers.values()
         }
 
     def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str, sd: dict) -> dict:
         """``optimizer.state_dict()``'s post-hook: torch's dict, its ``state`` read from the ps tasks."""
-        from distrib.parameter_server.optimizer_state import merge_shard_states
-
-        state = {}
-        index = 0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                spec = self._variables[id(p)].spec
-                merged = merge_shard_states(spec, self._ps.optimizer_state(opt_id, spec))
-                if merged:
-                    state[index] = merged
-                index += 1
-        sd["state"] = state
+        sd["state"] = gather_state(optimizer, opt_id, lambda p: self._variables[id(p)].spec, self._ps)
         return sd
 
     def _optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str, state_dict: dict) -> None:
-        from distrib.parameter_server.optimizer_state import split_state
-
-        groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
-        if len(groups) != len(saved_groups) or any(
-            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
-        ):
-            raise ValueError(
-                "loaded optimizer state has a different number of parameter groups or parameters "
-                f"({[len(s['params']) for s in saved_groups]}) than this optimizer "
-                f"({[len(g['params']) for g in groups]})"
-            )
-        saved_state = state_dict.get("state", {})
-        for group, saved in zip(groups, saved_groups):
-            options = {k: v for k, v in saved.items() if k != "params"}
-            group.update(options)
-            for p, key in zip(group["params"], saved["params"]):
-                spec = self._variables[id(p)].spec
-                state = saved_state.get(key, saved_state.get(str(key), {}))
-                self._ps.set_optimizer_state(opt_id, spec, split_state(spec, state), _options(group))
+        scatter_state(optimizer, opt_id, lambda p: self._variables[id(p)].spec, self._ps, state_dict)
 
     # ------------------------------------------------------------------ metrics
     def _metric_key(self, metric: Any) -> str:
@@ -532,14 +508,14 @@ class ParameterServerStrategy(Strategy):
             return ("strategy",)
         if isinstance(obj, GradScaler) and obj.is_enabled():
             return ("scaler", self._scalers.key(obj), scaler_device(obj))
-        if _is_metric(obj):
-            return ("metric", self._metric_key(obj), _MetricCopy(obj))
+        if is_metric(obj):
+            return ("metric", self._metric_key(obj), MetricCopy(obj))
         if isinstance(obj, torch.Tensor):
             var = self._variables.get(id(obj))
             return ("var", var.spec) if var is not None and var.tensor is obj else None
         entry = self._optimizers.get(id(obj))
         if entry is not None and entry[0] is obj:
-            groups = [(_options(g), [self._variables[id(p)].spec for p in g["params"]]) for g in obj.param_groups]
+            groups = [(group_options(g), [self._variables[id(p)].spec for p in g["params"]]) for g in obj.param_groups]
             return ("opt", entry[1], groups)
         return None
 
@@ -634,92 +610,3 @@ class ParameterServerStrategy(Strategy):
 
 # a worker's strategy answers isinstance(strategy, ParameterServerStrategy), as TF's does
 ParameterServerStrategy.register(ParameterServerWorkerStrategy)
-
-
-def _options(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _check_cluster(spec: ClusterSpec, task_type: str | None) -> None:
-    """TF's checks of a parameter-server cluster, with TF's messages and what to do."""
-    allowed = ("chief", "worker", "ps", "evaluator")
-    jobs = sorted(spec.jobs)
-    unknown = [j for j in jobs if j not in allowed]
-    if unknown:
-        raise ValueError(
-            f"Disallowed task type found in cluster spec: {unknown[0]!r}; a parameter-server cluster "
-            f"has only {', '.join(repr(a) for a in allowed)} jobs ({spec})"
-        )
-    if task_type is not None and task_type not in allowed:
-        raise ValueError(
-            f"Unrecognized task_type: {task_type}; the coordinator is the 'chief' task (this process), "
-            "and 'ps'/'worker' tasks run ds.Server"
-        )
-
-    def count(job: str) -> int:  # ClusterSpec.num_tasks raises for a job the cluster lacks (as TF)
-        return spec.num_tasks(job) if job in spec.jobs else 0
-
-    if count("chief") > 1:
-        raise ValueError(f"There must be at most one 'chief' job; the cluster has {count('chief')} ({spec})")
-    if not count("worker"):
-        raise ValueError(
-            f"There must be at least one worker. The cluster has no 'worker' task ({spec}); "
-            "ParameterServerStrategy needs at least one 'ps' and one 'worker'"
-        )
-    if not count("ps"):
-        raise ValueError(
-            f"There must be at least one ps. The cluster has no 'ps' task ({spec}); "
-            "ParameterServerStrategy needs at least one 'ps' and one 'worker'"
-        )
-
-
-def _is_metric(obj: Any) -> bool:
-    from distrib.metrics.base import Metric
-
-    if isinstance(obj, Metric):
-        return True
-    torchmetrics = sys.modules.get("torchmetrics")  # only if the user imported it: then such objects can exist
-    return torchmetrics is not None and isinstance(obj, torchmetrics.Metric)
-
-
-class _MetricCopy:
-    """Pickles as a copy of ``metric`` with a fresh state (the metric's own pickling rules)."""
-
-    def __init__(self, metric: Any) -> None:
-        if not hasattr(metric, "merge_deltas") and (
-            metric.full_state_update or metric.full_state_update is None or metric.dist_sync_on_step
-        ):
-            raise TypeError(
-                f"{type(metric).__name__} (torchmetrics, full_state_update or dist_sync_on_step) cannot "
-                "add up updates made on several workers; use a metric whose states merge "
-                "(full_state_update=False), or a ds.metrics one"
-            )
-        self.metric = metric
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        metric = self.metric
-        if not hasattr(metric, "merge_deltas"):  # torchmetrics: a copy reset to its defaults
-            metric = metric.clone()
-            metric.reset()
-        reduced = metric.__reduce_ex__(protocol)  # ds.metrics: __getstate__ gives a fresh state
-        if not isinstance(reduced, tuple) or len(reduced) < 3 or getattr(reduced[0], "__name__", "") != "__newobj__":
-            raise TypeError(f"cannot send metric {metric!r} to the workers: it does not pickle as a plain object")
-        return (_rebuild_metric, (reduced[1][0], reduced[1][1:], reduced[2]))
-
-
-def _rebuild_metric(cls: type, args: tuple, state: Any) -> Any:
-    """Unpickle what ``_MetricCopy`` pickled: ``cls.__new__(cls, *args)`` given ``state`` as pickle does."""
-    metric = cls.__new__(cls, *args)
-    if state is None:
-        return metric
-    if hasattr(metric, "__setstate__") and not isinstance(state, tuple):
-        metric.__setstate__(state)
-        return metric
-    slots = None
-    if isinstance(state, tuple) and len(state) == 2:
-        state, slots = state
-    if state:
-        metric.__dict__.update(state)
-    for name, value in (slots or {}).items():
-        setattr(metric, name, value)
-    return metric
