@@ -81,6 +81,9 @@ from typing import Any
 
 import torch
 from sharded_model import reset_high_water_mark, vm_status, warm_up, worker_env  # this directory is sys.path[0]
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from mesh_decoder import Block, Decoder  # noqa: E402 - the example's decoder, at the benchmark's size
 from torch import nn
 from torch.nn import functional as F
 
@@ -93,47 +96,6 @@ MESHES: dict[str, tuple[tuple[int, ...], tuple[str, ...]] | None] = {
 }
 WORKERS = 4
 MB = 1e6
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.head_dim = dim // heads
-        # no key bias: its true gradient is 0 (tests/strategies/test_mesh.py says why)
-        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # -1 heads: a worker of a model axis of size T holds heads / T of them
-        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(dim, heads), nn.LayerNorm(dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class Decoder(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, context: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
 
 
 def build(args: argparse.Namespace) -> Decoder:
