@@ -10,6 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# One intra-op thread for every process of the session (this one and what it starts; `distrib launch` already gives
+# each of 2 tasks on 2 cores 1): two test processes share the 2 cores, and a process with torch's default, a thread
+# per core, spins OpenMP threads waiting for a core the other holds (a one-process `distrib train` epoch: 2x the CPU
+# time, 2-4x the wall time when the cores are busy). Set before anything imports torch; a caller's value is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def write_idx(path: Path, array: np.ndarray) -> None:
     header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
@@ -71,6 +77,68 @@ def scope_of(nodeid: str) -> str:
     return SERIAL_SCOPE if file in SERIAL_FILES else file
 
 
+# Seconds each of the slowest files took (pytest -n 2 --durations=0, summed per file; the slurm-and-hosts scope: its
+# files together). Only the order matters: the scheduler hands out the longest first, so that no long file starts
+# last while the other test process has nothing left to do (xdist's own order is by test count: a file of one long
+# test, test_gpu_check's, came last). The files not named here follow in collection order.
+EXPECTED_SECONDS = {
+    SERIAL_SCOPE: 480,
+    "tests/app/test_train_cli.py": 340,
+    "tests/checkpoint/test_checkpoint_matrix.py": 270,
+    "tests/cluster/test_torchrun.py": 200,
+    "tests/test_benchmarks.py": 190,
+    "tests/preemption/test_preemption_launch.py": 165,
+    "tests/test_gpu_check.py": 160,
+    "tests/cluster/test_resize.py": 160,
+    "tests/strategies/test_multi_worker.py": 140,
+    "tests/test_doc_blocks.py": 120,
+    "tests/test_ports.py": 100,
+    "tests/checkpoint/test_sharded_checkpoint.py": 100,
+    "tests/input/test_dataloader_workers.py": 90,
+    "tests/test_checkpoint_strategies.py": 85,
+    "tests/preemption/test_torchrun.py": 85,
+    "tests/strategies/test_deferred_init.py": 80,
+    "tests/faults/test_checkpoint.py": 80,
+    "tests/strategies/test_sharded.py": 80,
+    "tests/test_examples.py": 75,
+    "tests/cluster/test_launch.py": 70,
+    "tests/parameter_server/test_parameter_server.py": 70,
+    "tests/test_tutorials.py": 65,
+    "tests/faults/test_parameter_server.py": 65,
+    "tests/faults/test_processes.py": 60,
+    "tests/preemption/test_preemption_train.py": 55,
+    "tests/strategies/test_amp.py": 55,
+    "tests/strategies/test_sharded_memory.py": 55,
+    "tests/preemption/test_preemption_fit.py": 50,
+    "tests/preemption/test_handler.py": 50,
+    "tests/preemption/test_parameter_servers.py": 50,
+    "tests/comm/test_compression.py": 50,
+    "tests/input/test_fit_resume.py": 45,
+    "tests/comm/test_collectives.py": 45,
+    "tests/faults/test_torchrun.py": 45,
+    "tests/keras/test_fit.py": 40,
+    "tests/parameter_server/test_tutorial.py": 35,
+    "tests/parameter_server/test_parameter_server_faults.py": 35,
+    "tests/parameter_server/test_amp_ps.py": 35,
+    "tests/input/test_sharding.py": 30,
+    "tests/faults/test_fit.py": 30,
+    "tests/parameter_server/test_ps_metrics.py": 30,
+    "tests/keras/test_tutorial_ports.py": 30,
+    "tests/keras/test_sharded_fit.py": 25,
+    "tests/keras/test_model_checkpoint.py": 25,
+    "tests/test_layering.py": 25,
+    "tests/parameter_server/test_grad_scaler_ps.py": 20,
+    "tests/faults/test_tf_config.py": 20,
+    "tests/test_torch_untouched.py": 20,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest scopes first (:data:`EXPECTED_SECONDS`; a stable sort: each file keeps its tests' order, and
+    the files of the serial scope stay together)."""
+    items.sort(key=lambda item: -EXPECTED_SECONDS.get(scope_of(item.nodeid), 0))
+
+
 class _FileScheduling:
     """xdist's ``--dist loadfile`` with :func:`scope_of` as the scope. Not ``--dist loadgroup`` with marks: with
     pytest 9.2 its group suffix no longer reaches the scheduler (pytest-xdist issue #1386), and it splits files."""
@@ -83,6 +151,9 @@ class _FileScheduling:
             def _split_scope(self, nodeid: str) -> str:
                 return scope_of(nodeid)
 
+        # the scopes in collection order, which pytest_collection_modifyitems made longest first (not xdist's
+        # reordering by test count)
+        config.option.loadscopereorder = False
         return FileScheduling(config, log)
 
 
