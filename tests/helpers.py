@@ -17,9 +17,9 @@ import torch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 #: what a timing test in the README's suite allows past a user's timeout: it must hold on a loaded 2-core machine
-#: (load ~8, a worker gets a quarter of a core); the target, timeout + 1 s on a quiet machine, is the fault suite's
-#: (tests/faults/test_timeouts.py, whose table in docs/multi-node.md shows what load costs)
-LOADED_SLACK = 8.0
+#: (load ~8 and more; the worst excess measured at load 17 was 0.3 s, docs/multi-node.md's timeout table); the
+#: target, timeout + 1 s, is the fault suite's (tests/faults/test_timeouts.py)
+LOADED_SLACK = 5.0
 
 
 def run_bounded(

@@ -383,10 +383,10 @@ def _join(
     Rank 0 hosts the store at ``host:port`` and the others connect to it, as torch's
     ``tcp://`` rendezvous does; under a torchrun agent that keeps its store
     (``agent_store``), the store is this attempt's own (:func:`~distrib.comm.rendezvous.attempt_store`).
-    The phases (the store's connect, NCCL's GPU check, the group's making: every worker's
-    address through the store, then gloo's mesh) share the deadline: each is given what is
-    left of it, not a fresh ``timeout`` (a store connect that took 2 s, then a group that
-    waited its whole timeout, was 2 s over). Once joined, the group's collectives and the
+    The phases (the store's connect, every worker's arrival at the store, NCCL's GPU check,
+    the group's making: gloo's mesh) share the deadline: each is given what is left of it, not
+    a fresh ``timeout`` (a store connect that took 1 s, then a group that waited its whole
+    timeout, was 1 s over). Once joined, the group's collectives and the
     store get the whole ``timeout`` back. Returns the backend initialised: for ``"nccl"``,
     see :func:`_nccl_or_gloo`.
     """
@@ -395,6 +395,7 @@ def _join(
     # torch 2.4 cannot change a group's timeout once made: there the group gets the whole timeout, and the
     # thread's join below is the bound
     settable = hasattr(dist.ProcessGroup, "set_timeout")
+    decided = threading.Lock()  # the thread's success and the caller's giving up exclude each other
 
     def left() -> datetime.timedelta:
         return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.1))
@@ -409,25 +410,36 @@ def _join(
             else:
                 store = connect_store(host, port, world_size, deadline)
             outcome["store"] = store
-            outcome["phase"] = "waiting for every worker at the chief's store, then for gloo's connections"
-            store.set(f"{_ARRIVED}/{rank}", "1")  # names the workers that never came, if some do not
+            outcome["phase"] = "waiting for every worker at the chief's store"
+            # every worker's arrival, awaited here against the deadline: gloo's mesh waits for each peer's address
+            # in turn, each wait with the group's whole timeout, so a late second worker pushed a missing third's
+            # error past the deadline; and the keys name the workers that never came
+            store.set(f"{_ARRIVED}/{rank}", "1")
+            store.wait([f"{_ARRIVED}/{r}" for r in range(world_size)], left())
+            outcome["phase"] = "every worker came; connecting to each other (gloo's mesh)"
             chosen = _nccl_or_gloo(store, rank, world_size, gpu, nccl_asked) if backend == "nccl" else backend
             group_timeout = left() if settable else datetime.timedelta(seconds=timeout)
             dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size, timeout=group_timeout)
             if settable and dist.group.WORLD is not None:
                 dist.group.WORLD.set_timeout(datetime.timedelta(seconds=timeout))
             store.set_timeout(datetime.timedelta(seconds=timeout))
-            outcome["backend"] = chosen
+            with decided:
+                if outcome.get("abandoned"):  # joined just after the caller gave up: leave no group behind
+                    dist.destroy_process_group()
+                    return
+                outcome["backend"] = chosen
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             outcome["error"] = e
 
     thread = threading.Thread(target=rendezvous, name="distrib-rendezvous", daemon=True)
     thread.start()
     thread.join(max(deadline - time.monotonic(), 0.0) + JOIN_GRACE)
+    with decided:
+        outcome["abandoned"] = "backend" not in outcome
     error = outcome.get("error")
     if isinstance(error, CollectiveError):  # distrib's own verdict (ranks sharing a GPU) says it all
         raise error
-    if thread.is_alive() or error is not None:
+    if outcome["abandoned"]:
         raise CollectiveError(
             f"worker {rank} could not join the {world_size}-worker cluster at {address} within {timeout:g}s: "
             f"{_join_failure(outcome, rank, world_size, alive=thread.is_alive())}. Check that every worker is "
@@ -450,7 +462,7 @@ def _join_failure(outcome: dict[str, Any], rank: int, world_size: int, alive: bo
         return f"{outcome['phase']}{detail}"
     if missing:
         return f"waited for worker{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, which never came"
-    return f"every worker came, but the connections between them (gloo's mesh) did not complete{detail}"
+    return f"{outcome['phase']}{detail}"
 
 
 def _difference(signatures: list[str]) -> str:
