@@ -21,6 +21,8 @@ in modules of their own without importing one another.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "as_learning_rate",
     "first_learning_rate",
     "set_learning_rate",
+    "user_stacklevel",
 ]
 
 Logs = dict[str, Any]
@@ -336,3 +339,24 @@ class History(Callback):
         self.epoch.append(epoch)
         for k, v in (logs or {}).items():
             self.history.setdefault(k, []).append(v)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # src/distrib/
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised by the caller that points at the first frame outside distrib.
+
+    A callback's warning is meant for the line of the user's ``fit`` (or custom loop), however many of
+    distrib's frames (the callback list, the loop's bookkeeping) lie between; a fixed number breaks when
+    those change.
+
+    Returns:
+        1 when the caller is itself outside distrib, else 1 + the number of distrib frames above it.
+    """
+    frame = sys._getframe(1)  # the caller: the frame that calls warnings.warn
+    level = 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level

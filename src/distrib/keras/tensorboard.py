@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from distrib import context
-from distrib.keras.callback_base import Callback, Logs
+from distrib.keras.callback_base import Callback, Logs, user_stacklevel
 
 __all__ = ["TensorBoard"]
 
@@ -108,8 +108,8 @@ class TensorBoard(Callback):
                 f"with torch.jit.trace, so none is written ({type(e).__name__}: {str(e).strip()[:300]}). "
                 "Training goes on; pass write_graph=False to skip it.",
                 UserWarning,
-                stacklevel=6,
-            )  # the user's fit: _trace_graph, the hook, CallbackList, settle, fit
+                stacklevel=user_stacklevel(),  # the user's fit
+            )
         self._writer("train").flush()
 
     def _release_hook(self) -> None:
@@ -151,8 +151,8 @@ class TensorBoard(Callback):
                 f"TensorBoard(write_graph=True): no graph is written: {reason}. Pass write_graph=False "
                 "to silence this.",
                 UserWarning,
-                stacklevel=4,
-            )  # the user's fit: the hook, CallbackList, fit
+                stacklevel=user_stacklevel(),  # the user's fit
+            )
         for w in self._writers.values():
             w.close()
         self._writers = {}
