@@ -40,13 +40,12 @@ from typing import Any
 import torch
 
 from distrib import context
-from distrib import metrics as metrics_lib
 from distrib.keras.callback_base import Callback, CallbackList, History
 from distrib.keras.progress import Progbar, data_length
+from distrib.keras.tracked import TrackedValues
 from distrib.keras.training import Loop, Training
 from distrib.losses import LossLike, compute_average_loss, per_example_loss
 from distrib.precision import Precision, backward_and_step
-from distrib.strategies.base import Strategy
 from distrib.strategies.execution import EndOfData, StepExecutor, StepFn
 
 __all__ = ["fit", "evaluate", "predict"]
@@ -57,52 +56,6 @@ FULL_PRECISION = Precision.parse("32")
 
 #: what fit/evaluate read: an iterable of ``(x, y)`` batches, or (parameter servers) a per-worker dataset function
 Data = Iterable[Any] | Callable[..., Iterable[Any]]
-
-
-class _Tracked:
-    """The loss and the metrics of one loop: steps return deltas, merged here in step order.
-
-    Metric objects the user built outside the scope are tied to the loop's strategy, so
-    that their result covers every worker too.
-    """
-
-    def __init__(self, strategy: Strategy, metrics: Sequence[Any], loss: LossLike | None = None) -> None:
-        self.strategy = strategy
-        threshold = 0.0 if _takes_logits(loss) else 0.5  # binary accuracy of logits: positive means class 1
-        with strategy.scope():
-            self.loss = metrics_lib.Mean(name="loss")
-            self.metrics = [metrics_lib.get(m, binary_threshold=threshold) for m in metrics]
-        for m in self.metrics:
-            m.set_strategy(strategy)
-
-    @property
-    def all(self) -> list[metrics_lib.Metric]:
-        return [self.loss, *self.metrics]
-
-    def deltas(self, per_example: torch.Tensor, y: Any, pred: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """What one replica's step adds to every tracked value (computed on the replica, or on a worker)."""
-        return [self.loss.deltas(per_example)] + [m.deltas(y, pred) for m in self.metrics]
-
-    def merge(self, result: Any) -> None:
-        """Add a step's deltas (its ``strategy.run`` result) from every local replica."""
-        for replica_deltas in self.strategy.experimental_local_results(result):
-            for metric, d in zip(self.all, replica_deltas):
-                metric.merge_deltas(d)
-
-    def reset(self) -> None:
-        for m in self.all:
-            m.reset_state()
-
-    def logs(self, prefix: str = "", synced: bool = True) -> Logs:
-        """Every value by name; ``synced=False`` is this worker's view, without a collective (per-step display)."""
-        return {prefix + m.name: float(m.result() if synced else m.local_result()) for m in self.all}
-
-
-def _takes_logits(loss: Any) -> bool:
-    """Whether ``loss`` scores binary logits (distrib's ``"binary_crossentropy"``, ``BCEWithLogitsLoss``)."""
-    if isinstance(loss, str):
-        return loss.lower() == "binary_crossentropy"
-    return isinstance(loss, torch.nn.BCEWithLogitsLoss)
 
 
 @dataclass
@@ -324,7 +277,7 @@ def fit(
     if slow:
         warnings.warn(f"fit(precision={precision!r}): {slow}", UserWarning, stacklevel=2)
     loss_fn = per_example_loss(loss)
-    tracked = _Tracked(strategy, metrics, loss)
+    tracked = TrackedValues(strategy, metrics, loss)
     loop = Loop(model, optimizer, strategy, steps_per_epoch, scheduled=executor.scheduled)
     loop.stop_training = False  # as Keras' fit: a model.stop_training left by an earlier fit does not stop this one
     run = Training(loop, callbacks)
@@ -427,7 +380,7 @@ def _evaluate(
     model: torch.nn.Module,
     data: Any,
     loss_fn: Any,
-    tracked: _Tracked,
+    tracked: TrackedValues,
     steps: int | None,
     cbs: CallbackList,
     verbosity: int,
@@ -535,7 +488,7 @@ def evaluate(
         model,
         data,
         per_example_loss(loss),
-        _Tracked(strategy, metrics, loss),
+        TrackedValues(strategy, metrics, loss),
         steps,
         cbs,
         _verbosity(strategy.step_executor(), verbose),

@@ -8,9 +8,13 @@ each call's result and are added to the coordinator's metric.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
-__all__ = ["MetricCopy", "is_metric", "rebuild_metric"]
+from distrib.parameter_server.weak_names import WeakNames
+from distrib.torch_patches import mark_metric_updated
+
+__all__ = ["CapturedMetrics", "MetricCopy", "is_metric", "rebuild_metric"]
 
 
 def is_metric(obj: Any) -> bool:
@@ -63,3 +67,29 @@ def rebuild_metric(cls: type, args: tuple, state: Any) -> Any:
     for name, value in (slots or {}).items():
         setattr(metric, name, value)
     return metric
+
+
+class CapturedMetrics:
+    """The coordinator's metrics that scheduled functions captured, by the names they travel under."""
+
+    def __init__(self, prefix: str) -> None:
+        self._names = WeakNames(prefix)
+        self._lock = threading.Lock()  # one call's deltas merged at a time
+
+    def key(self, metric: Any) -> str:
+        """The name ``metric`` travels under (the same for every function that captures it)."""
+        return self._names.name(metric)
+
+    def merge(self, deltas: dict[str, dict[str, Any]]) -> None:
+        """Add one completed call's deltas (metric name -> its worker copy's state) into the metrics here;
+        metrics garbage-collected since are skipped."""
+        with self._lock:
+            for key, state in deltas.items():
+                metric = self._names.get(key)
+                if metric is None:
+                    continue
+                if hasattr(metric, "merge_deltas"):
+                    metric.merge_deltas(state)
+                else:  # a torchmetrics.Metric
+                    metric.merge_state(state)
+                    mark_metric_updated(metric)  # it has seen an update: compute() must not warn

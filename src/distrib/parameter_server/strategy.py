@@ -66,7 +66,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -79,7 +78,7 @@ from torch.amp.grad_scaler import GradScaler
 from distrib import context
 from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
-from distrib.parameter_server.captured_metrics import MetricCopy, is_metric
+from distrib.parameter_server.captured_metrics import CapturedMetrics, MetricCopy, is_metric
 from distrib.parameter_server.cluster_checks import check_cluster
 from distrib.parameter_server.datasets import DatasetSource
 from distrib.parameter_server.optimizer_state import gather_state, group_options, scatter_state
@@ -87,13 +86,12 @@ from distrib.parameter_server.scaler import Acknowledgements, ScalerAuthority
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
 from distrib.parameter_server.variables import LocalVariable, ParameterClient, Placer
-from distrib.parameter_server.weak_names import WeakNames
 from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 from distrib.strategies.base import Strategy
 from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
 from distrib.strategies.replication import optimizer_params
 from distrib.strategies.run_options import RunOptions
-from distrib.torch_patches import mark_metric_updated, replace_load_state_dict, scaler_device, wrap_optimizer
+from distrib.torch_patches import replace_load_state_dict, scaler_device, wrap_optimizer
 
 if TYPE_CHECKING:
     from distrib.strategies.execution import StepExecutor
@@ -173,8 +171,7 @@ class ParameterServerStrategy(Strategy):
         self._connected = False
         self._session = uuid.uuid4().hex[:12]
         self._placer = Placer(spec.num_tasks("ps"), variable_partitioner, self._session, self._ps.budget)
-        self._metrics = WeakNames(f"{self._session}/m")  # metrics sent to the workers inside scheduled functions
-        self._metric_lock = threading.Lock()  # one call's deltas merged at a time
+        self._metrics = CapturedMetrics(f"{self._session}/m")  # metrics sent to the workers in scheduled functions
         self._scalers = ScalerAuthority(self._session)  # GradScalers sent to the workers: the one scale of each
         self._variables: dict[int, LocalVariable] = {}
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, str]] = {}
@@ -448,28 +445,13 @@ class ParameterServerStrategy(Strategy):
         scatter_state(optimizer, opt_id, lambda p: self._variables[id(p)].spec, self._ps, state_dict)
 
     # ------------------------------------------------------------------ metrics
-    def _metric_key(self, metric: Any) -> str:
-        return self._metrics.name(metric)
-
     def merge_metric_deltas(self, deltas: dict[str, dict[str, Any]]) -> None:
         """Add what one completed scheduled call added to workers' copies of metrics into the metrics here.
 
-        ``deltas`` maps a metric's id (given when the function was sent) to its state
-        after that call; metrics garbage-collected since are skipped.
-
         Args:
-            deltas: metric id -> its state on the worker after the call.
+            deltas: metric id (given when the function was sent) -> its state on the worker after the call.
         """
-        with self._metric_lock:
-            for key, state in deltas.items():
-                metric = self._metrics.get(key)
-                if metric is None:
-                    continue
-                if hasattr(metric, "merge_deltas"):
-                    metric.merge_deltas(state)
-                else:  # a torchmetrics.Metric
-                    metric.merge_state(state)
-                    mark_metric_updated(metric)  # it has seen an update: compute() must not warn
+        self._metrics.merge(deltas)
 
     # ------------------------------------------------------------------ GradScalers
     def scaler_snapshot(self, acks: Acknowledgements) -> dict[str, Any] | None:
@@ -509,7 +491,7 @@ class ParameterServerStrategy(Strategy):
         if isinstance(obj, GradScaler) and obj.is_enabled():
             return ("scaler", self._scalers.key(obj), scaler_device(obj))
         if is_metric(obj):
-            return ("metric", self._metric_key(obj), MetricCopy(obj))
+            return ("metric", self._metrics.key(obj), MetricCopy(obj))
         if isinstance(obj, torch.Tensor):
             var = self._variables.get(id(obj))
             return ("var", var.spec) if var is not None and var.tensor is obj else None
