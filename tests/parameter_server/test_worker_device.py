@@ -47,5 +47,6 @@ def test_a_worker_server_reports_its_device(monkeypatch):
 
 
 def test_tensors_move_and_the_rest_stays():
-    moved = to_worker_device({"x": torch.ones(2), "n": 3, "s": "a"}, torch.device("cpu"))
-    assert moved["n"] == 3 and moved["s"] == "a" and torch.equal(moved["x"], torch.ones(2))
+    moved = to_worker_device({"x": torch.ones(2), "n": 3, "s": "a", "t": (torch.zeros(1),)}, torch.device("meta"))
+    assert moved["n"] == 3 and moved["s"] == "a"
+    assert moved["x"].device.type == "meta" and moved["t"][0].device.type == "meta"  # nested tensors move too
