@@ -10,6 +10,9 @@
 # function-table.jsonl (ds.function against eager, per strategy x feature: tests/cuda/test_cuda_function.py),
 # capture-probe.json (benchmarks/capture_probe.py) and function-benchmark.json (benchmarks/function_step.py):
 # 7 files, within what the GPU machine sends back (8).
+# The mesh tests that fit one GPU (tests/cuda/test_cuda_mesh.py): MeshStrategy on one-worker meshes over NCCL
+# (FSDP x TP 1x1, hybrid 1x1, hybrid x TP 1x1x1) against plain PyTorch; the meshes of several workers (hybrid 2x2,
+# FSDP x TP 2x2, TP 4, the checkpoint matrix) need 4 GPUs, since NCCL refuses two ranks on one GPU (docs/mesh.md).
 # Each stage is bounded by `timeout`; a failing stage does not stop the next; the exit status is non-zero
 # when any stage failed. DISTRIB_CHECK_DEVICE=cpu is how the dry run runs the CUDA tests on the CPU.
 # GPU_CHECK_STAGES=tests,benchmark,probe,function picks stages (the default: all but the probe), for a rerun in the

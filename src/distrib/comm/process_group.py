@@ -51,6 +51,7 @@ __all__ = [
     "choose_interface",
     "current_group",
     "gpu_identity",
+    "one_rank_group",
     "shared_gpus",
     "uses_agent_store",
 ]
@@ -305,6 +306,47 @@ def current_group() -> tuple[int, int, str] | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     return dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+
+
+def one_rank_group(device: torch.device) -> str:
+    """A default process group of this process alone (rank 0 of 1), for torch's mesh of a one-worker strategy.
+
+    torch's ``init_device_mesh``, ``parallelize_module`` and ``fully_shard`` need an initialised group even
+    where every axis holds one worker. The group meets through an in-process store (``HashStore``: no
+    socket, no port; gloo on the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise): gloo for
+    CPU tensors, and NCCL for CUDA ones (gloo cannot reduce-scatter them). An
+    initialised group of one rank (the script's own) is used as it is. It is destroyed at exit, as a
+    joined group is (``torch.distributed.destroy_process_group()`` ends it sooner).
+
+    Args:
+        device: the worker's device.
+
+    Returns:
+        The group's backend (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, or the initialised group's).
+
+    Raises:
+        CollectiveError: a group of several ranks is initialised, or a CUDA device without NCCL.
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise CollectiveError(
+                f"a one-worker mesh needs a process group of one rank, but torch.distributed is initialised as "
+                f"rank {dist.get_rank()} of {dist.get_world_size()}"
+            )
+        return str(dist.get_backend())
+    backend = "gloo"
+    if device.type == "cuda":
+        if not dist.is_nccl_available():
+            raise CollectiveError(
+                f"a mesh on {device} needs NCCL (gloo cannot reduce-scatter CUDA tensors), which this torch "
+                f"{torch.__version__} lacks: train on the CPU (devices=['cpu']) or install torch with NCCL"
+            )
+        backend = "cpu:gloo,cuda:nccl"
+    configure_interface("127.0.0.1", ["127.0.0.1"], False, "gloo")  # one rank: nothing leaves the host
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_shutdown)
+    log.info("a one-rank process group (%s) for a one-worker mesh", backend)
+    return backend
 
 
 def gpu_identity(device: torch.device | None) -> str | None:

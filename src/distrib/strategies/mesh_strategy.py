@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distrib.comm.process_group import one_rank_group
 from distrib.strategies import tensor_parallel
 from distrib.strategies.mesh import BATCH, DeviceMesh, LayoutMap
 from distrib.strategies.sharded import ShardedStrategy, _fsdp
@@ -67,6 +68,10 @@ class MeshStrategy(ShardedStrategy):
     """Data parallelism (sharded, or hybrid) and tensor parallelism over a mesh of workers (module docstring).
 
     One worker process per point of the mesh (``distrib launch --workers N``, torchrun), one device each.
+    One worker given a ``mesh`` or a ``layout_map`` (every axis of size 1) lays the model out all the same,
+    over a process group of its own rank: the parameters are ``DTensor`` s, the layout map is checked and
+    applied, torch's FSDP2 hooks run, so a mesh program runs on one device the code of N workers (and
+    ``ds.function`` runs its steps eagerly). Without either, one worker trains as one device.
     The keyword arguments after ``layout_map`` are ``ShardedStrategy``'s; its sharding policy, ZeRO stage
     and mixed precision apply over the data axes.
 
@@ -107,6 +112,7 @@ class MeshStrategy(ShardedStrategy):
         checkpoint_format: str = "sharded",
         deferred_init: bool = True,
     ) -> None:
+        given = mesh is not None or layout_map is not None
         if mesh is None:
             mesh = layout_map.device_mesh if layout_map is not None else DeviceMesh((-1,), (BATCH,))
         elif layout_map is not None and layout_map.device_mesh != mesh:
@@ -142,6 +148,8 @@ class MeshStrategy(ShardedStrategy):
         self._model_axis = model_axes[0] if model_axes else None
         self._tp_index = coords[self._model_axis] if self._model_axis else 0
         self._torch_mesh: Any = None
+        #: one worker given a mesh: every axis of size 1, laid out all the same (DTensors, torch's hooks)
+        self._one_worker_mesh = self.num_workers == 1 and given
         # the parameters no layout splits where no data axis shards them (plain tensors, whole on every worker)
         self._plain: dict[int, weakref.ref[nn.Parameter]] = {}
         log.info(
@@ -191,6 +199,8 @@ class MeshStrategy(ShardedStrategy):
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = self.device_mesh
+            if self.num_workers == 1:  # torch's mesh needs a process group, even of one rank
+                one_rank_group(torch.device(device_type))
             self._torch_mesh = self.communicator.guarded(
                 "making the device mesh",
                 lambda: init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names),
@@ -198,6 +208,22 @@ class MeshStrategy(ShardedStrategy):
         return self._torch_mesh
 
     # ------------------------------------------------------------------ applying the mesh to a model
+    @property
+    def graph_capture_blocker(self) -> str | None:
+        """With the model laid out (several workers, or one given a mesh): ``ds.function`` runs the step eagerly."""
+        if self._lays_out_model:
+            return (
+                f"MeshStrategy lays the model out on torch's mesh {self.device_mesh.shape}: FSDP2 all-gathers and "
+                "frees the parameters around every unit, and DTensor redistributes them, from Python on the host, "
+                "which a CUDA graph does not replay"
+            )
+        return super().graph_capture_blocker
+
+    @property
+    def _lays_out_model(self) -> bool:
+        """Several workers, or one given a mesh (or a layout map): the model is laid out on torch's mesh."""
+        return self.num_workers > 1 or self._one_worker_mesh
+
     def distribute_module(self, module: nn.Module) -> None:
         """Lay ``module`` out on the mesh: tensor parallelism by the layout map, then FSDP over the data axes.
 
@@ -230,13 +256,13 @@ class MeshStrategy(ShardedStrategy):
             else {}
         )
         tmesh = self.torch_mesh(device.type if device is not None else "cpu")
-        if plan and self._model_axis is not None and self.tensor_parallel_size > 1:
+        if plan and self._model_axis is not None and (self.tensor_parallel_size > 1 or self._one_worker_mesh):
             tp_mesh = tmesh[self._model_axis]
             self.communicator.guarded(
                 "applying the layout map (parallelize_module)", lambda: tensor_parallel.apply(module, tp_mesh, plan)
             )
         units: list[nn.Module] = []
-        if self._num_data > 1:
+        if self._num_data > 1 or self._one_worker_mesh:
             units = self._policy.units(module)
             data_mesh = tmesh[mesh.data_axes] if len(mesh.data_axes) > 1 else tmesh[mesh.data_axes[0]]
             self.communicator.guarded(

@@ -190,12 +190,18 @@ class ShardedStrategy(Strategy):
         """With several workers FSDP2 gathers and frees parameters between its hooks, deciding on the host, and
         its process group may be gloo: ``ds.function`` runs such a step eagerly. With one worker nothing is
         sharded and the step is captured as under ``OneDeviceStrategy``."""
-        if self.num_workers > 1:
+        if self._lays_out_model:
             return (
                 "ShardedStrategy's FSDP2 all-gathers and frees the parameters around every unit from Python "
                 "hooks on the host, which a CUDA graph does not replay"
             )
         return super().graph_capture_blocker
+
+    @property
+    def _lays_out_model(self) -> bool:
+        """Whether ``distribute_module`` applies torch's parallelism (FSDP2) to a model: with several workers.
+        ``MeshStrategy`` also does on one worker given a mesh."""
+        return self.num_workers > 1
 
     @property
     def sharding_policy(self) -> ShardingPolicy:
@@ -226,7 +232,7 @@ class ShardedStrategy(Strategy):
                     "strategy or scope block distributes; build the whole model inside one scope block"
                 )
         device = self.local_devices[0]
-        if self.num_workers == 1:  # nothing to shard
+        if not self._lays_out_model:  # one worker: nothing to shard
             if device is not None:
                 module.to(device)
         else:
