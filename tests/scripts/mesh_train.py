@@ -1,11 +1,11 @@
 """20 Adam steps of a small decoder under ds.experimental.MeshStrategy, per mesh, against one process.
 
 Run by ``distrib launch --workers 4``. For each mesh named by --meshes (hybrid 2x2, FSDP x TP 2x2,
-TP 4, FSDP 4), one strategy trains the model (built in the scope under deferred init, the
-optimizer built over its parameters in the same scope) on the global batches; the chief also
-trains the same model in plain PyTorch on the whole global batch (fp32, the same seed) and writes
-the largest difference of any parameter, the losses, and the local parameter count of every
-worker to --out (JSON). --lr sets Adam's learning rate.
+TP 4, FSDP x TP 2x2 with sequence parallelism, FSDP 4), one strategy trains the model (built in the
+scope under deferred init, the optimizer built over its parameters in the same scope) on the global
+batches; the chief also trains the same model in plain PyTorch on the whole global batch (fp32, the
+same seed) and writes the largest difference of any parameter, the losses, and the local parameter
+count of every worker to --out (JSON). --lr sets Adam's learning rate.
 """
 
 import argparse
@@ -23,7 +23,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--lr", type=float, default=1e-3)
-p.add_argument("--meshes", default="hybrid,fsdp_tp,tp")
+p.add_argument("--meshes", default="hybrid,fsdp_tp,tp,fsdp_tp_sp")
 args = p.parse_args()
 
 VOCAB, DIM, HEADS, SEQ, GLOBAL = 32, 16, 4, 8, 8
@@ -84,11 +84,35 @@ def layouts(mesh: DeviceMesh) -> LayoutMap:
     return layout_map
 
 
-MESHES = {
-    "hybrid": lambda: (DeviceMesh((2, 2), ("replicate", "batch")), False),
-    "fsdp_tp": lambda: (DeviceMesh((2, 2), ("batch", "model")), True),
-    "tp": lambda: (DeviceMesh((1, 4), ("batch", "model")), True),
-    "fsdp": lambda: (DeviceMesh((4,), ("batch",)), False),
+def sequence_parallel_layouts(mesh: DeviceMesh) -> LayoutMap:
+    """FSDP x TP with sequence parallelism, torchtitan's plan: the LayerNorms (and the residual stream between
+    blocks) split along the sequence, gathered before attention and the MLP, reduce-scattered after."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    layout_map = LayoutMap(mesh)
+    layout_map[r"^tok$"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))  # tokens split
+    layout_map[r"(^|\.)ln[12]?$"] = SequenceParallel()  # every LayerNorm, on its part of the sequence
+    layout_map[r"attn$"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    layout_map[r"attn\.[qkv]\.weight"] = ("model", None)  # ColwiseParallel, its input whole (gathered above)
+    layout_map[r"attn\.o$"] = RowwiseParallel(output_layouts=Shard(1))  # reduce-scattered along the sequence
+    layout_map[r"\.up$"] = ColwiseParallel(input_layouts=Shard(1))  # gathers the sequence
+    layout_map[r"\.down$"] = RowwiseParallel(output_layouts=Shard(1))
+    layout_map[r"^head$"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return layout_map
+
+
+MESHES = {  # name: the mesh, its layout map (or None)
+    "hybrid": lambda: (DeviceMesh((2, 2), ("replicate", "batch")), None),
+    "fsdp_tp": lambda: (DeviceMesh((2, 2), ("batch", "model")), layouts),
+    "tp": lambda: (DeviceMesh((1, 4), ("batch", "model")), layouts),
+    "fsdp_tp_sp": lambda: (DeviceMesh((2, 2), ("batch", "model")), sequence_parallel_layouts),
+    "fsdp": lambda: (DeviceMesh((4,), ("batch",)), None),
 }
 
 g = torch.Generator().manual_seed(1)
@@ -98,27 +122,28 @@ for _ in range(args.steps):
     batches.append((idx[:, :-1], idx[:, 1:]))
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference() -> dict:
+    """One process on each whole global batch: the parameters and the losses."""
     torch.manual_seed(0)
     model = Decoder()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    losses = []
     for x, y in batches:
         loss = per_example_loss(model, x, y).sum() / GLOBAL
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        REFERENCE_LOSSES.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-REFERENCE_LOSSES: list[float] = []
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"state": state, "losses": losses}
 
 
 results: dict[str, dict] = {}
-ref = reference() if int(os.environ.get("RANK", "0")) == 0 else None
+chief = int(os.environ.get("RANK", "0")) == 0
+ref = reference() if chief else {}
 for name in args.meshes.split(","):
-    mesh, tp = MESHES[name]()
-    strategy = MeshStrategy(mesh, layouts(mesh) if tp else None, devices=["cpu"])
+    mesh, layout_fn = MESHES[name]()
+    strategy = MeshStrategy(mesh, layout_fn(mesh) if layout_fn else None, devices=["cpu"])
     with strategy.scope():
         torch.manual_seed(0)
         model = Decoder()
@@ -137,13 +162,23 @@ for name in args.meshes.split(","):
     state = strategy.checkpoint_state(model)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     counts = strategy.communicator.all_gather_object(local)
-    if ref is not None:
-        worst = max((state[k] - v).abs().max().item() for k, v in ref.items())
-        results[name] = {"max_diff": worst, "losses": losses, "local_params": counts, "mesh": repr(mesh)}
+    meshes = {
+        n: list(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else [] for n, p in model.named_parameters()
+    }
+    if chief:
+        worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
+        results[name] = {
+            "max_diff": worst,
+            "losses": losses,
+            "ref_losses": ref["losses"],
+            "local_params": counts,
+            "mesh": repr(mesh),
+            "param_meshes": meshes,
+        }
         print(f"{name}: largest difference {worst:.3g}, local parameters {counts}", flush=True)
         if os.environ.get("MESH_DEBUG"):
-            print({k: f"{(state[k] - v).abs().max().item():.2g}" for k, v in ref.items()}, flush=True)
+            print({k: f"{(state[k] - v).abs().max().item():.2g}" for k, v in ref["state"].items()}, flush=True)
 
-if ref is not None:
+if chief:
     with open(args.out, "w") as f:
-        json.dump({"results": results, "total": sum(v.numel() for v in ref.values()), "losses": REFERENCE_LOSSES}, f)
+        json.dump({"results": results, "total": sum(v.numel() for v in ref["state"].values())}, f)

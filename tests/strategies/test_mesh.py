@@ -1,10 +1,12 @@
 """``ds.experimental.MeshStrategy``, ``DeviceMesh`` and ``LayoutMap``: real workers against one process, and the errors.
 
 tests/scripts/mesh_train.py trains a small decoder (embedding, attention, MLP, LayerNorms) for 20 Adam
-steps (lr 1e-3, fp32) under three meshes of 4 gloo workers in one launch: hybrid 2x2 (replicate x
-batch), FSDP x TP 2x2 (batch x model) and TP 4 (model), built under deferred init; the chief trains the
-same model in plain PyTorch on each global batch. Every parameter must agree to 1e-5, and the loss that
-``strategy.reduce`` gives (each tensor-parallel group counted once) must equal one process's.
+steps (lr 1e-3, fp32) under four meshes of 4 gloo workers in one launch: hybrid 2x2 (replicate x
+batch), FSDP x TP 2x2 (batch x model), TP 4 (model) and FSDP x TP 2x2 with sequence parallelism
+(torchtitan's plan: the LayerNorms ``SequenceParallel``, the residual stream split along the sequence),
+built under deferred init; the chief trains the same model in plain PyTorch on each global batch. Every
+parameter must agree to 1e-5, and the loss that ``strategy.reduce`` gives (each tensor-parallel group
+counted once) must equal one process's.
 """
 
 from __future__ import annotations
@@ -22,19 +24,23 @@ from distrib.experimental import DeviceMesh, LayoutMap, MeshStrategy
 from distrib.strategies import tensor_parallel
 
 
-def test_three_meshes_on_four_workers_equal_one_process_on_the_global_batch(tmp_path: Path) -> None:
+def test_four_meshes_on_four_workers_equal_one_process_on_the_global_batch(tmp_path: Path) -> None:
     out = tmp_path / "mesh.json"
     code, log, _ = launch("--workers", "4", str(SCRIPTS / "mesh_train.py"), "--out", str(out), timeout=240)
     assert code == 0, log
     got = json.loads(out.read_text())
     total, results = got["total"], got["results"]
-    assert set(results) == {"hybrid", "fsdp_tp", "tp"}
+    assert set(results) == {"hybrid", "fsdp_tp", "tp", "fsdp_tp_sp"}
     for name, r in results.items():
         assert r["max_diff"] <= 1e-5, f"{name}: largest difference {r['max_diff']:.3g}"
-        assert r["losses"] == pytest.approx(got["losses"], abs=1e-5), name  # reduce counts each TP group once
+        assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), name  # reduce counts each TP group once
     assert results["hybrid"]["local_params"] == [total // 2] * 4  # sharded over 2, replicated over 2
     assert all(n < total // 2 for n in results["fsdp_tp"]["local_params"])  # 1/4 of the split ones, 1/2 of the rest
     assert all(n < total for n in results["tp"]["local_params"])  # the layouts' parameters split over 4
+    # sequence parallelism: the LayerNorms are laid out on the model axis too (replicated there, sharded over batch)
+    sp_meshes = results["fsdp_tp_sp"]["param_meshes"]
+    assert sp_meshes["blocks.0.ln1.weight"] == sp_meshes["ln.bias"] == ["batch", "model"], sp_meshes
+    assert results["fsdp_tp"]["param_meshes"]["blocks.0.ln1.weight"] == ["batch"]  # without: on the data axis
 
 
 # ----------------------------------------------------------------------------- the mesh and the layouts, one process
