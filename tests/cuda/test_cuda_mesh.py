@@ -6,7 +6,8 @@ map is applied by ``parallelize_module``, FSDP2's ``fully_shard`` runs over the 
 parameter is a ``DTensor`` on the device. Each mesh trains a small decoder (embedding, causal attention,
 MLP, LayerNorms) for 10 Adam steps (lr 1e-3, fp32) beside the same model in plain PyTorch on the same
 device; every parameter and the loss ``strategy.reduce`` returns must agree to 1e-5 (the figures measured
-are recorded as junit properties). The meshes of several workers (hybrid 2x2, FSDP x TP 2x2, TP 4, the
+are recorded as junit properties). FSDP x TP 1x1 also trains with ``ds.experimental.clip_grad_norm_``
+(its parameters on two meshes, where torch's own raises) against torch's clipping in plain PyTorch. The meshes of several workers (hybrid 2x2, FSDP x TP 2x2, TP 4, the
 checkpoint matrix) need 4 GPUs: NCCL refuses two ranks on one GPU (tests/strategies/test_mesh*.py run them
 on 4 CPU workers).
 """
@@ -26,6 +27,7 @@ import distrib as ds
 from distrib.experimental import DeviceMesh, LayoutMap, MeshStrategy
 
 VOCAB, DIM, HEADS, SEQ, BATCH, STEPS, LR = 32, 16, 4, 8, 8, 10, 1e-3
+MAX_NORM = 0.6  # the gradients' norm is 0.56-0.64 over the 10 steps: most are clipped
 TOLERANCE = 1e-5  # the mesh tests' bar; measured: 0 on the CPU dry run (the same kernels on each worker's whole)
 
 
@@ -98,8 +100,11 @@ def batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def reference(device: torch.device, data: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, list[float]]:
-    """The same model in plain PyTorch on the same device: its parameters and loss per step."""
+def reference(
+    device: torch.device, data: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float | None = None
+) -> tuple[dict, list[float]]:
+    """The same model in plain PyTorch on the same device (clipped by torch with ``max_norm``): its parameters and
+    loss per step."""
     torch.manual_seed(0)
     model = Decoder().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -107,13 +112,18 @@ def reference(device: torch.device, data: list[tuple[torch.Tensor, torch.Tensor]
     for x, y in data:
         loss = per_example_loss(model, x, y).sum() / BATCH
         loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return {k: v.detach() for k, v in model.state_dict().items()}, losses
 
 
-def build(mesh: DeviceMesh, tp: bool, device: torch.device) -> tuple[MeshStrategy, nn.Module, Callable[..., Any]]:
+def build(
+    mesh: DeviceMesh, tp: bool, device: torch.device, max_norm: float | None = None
+) -> tuple[MeshStrategy, nn.Module, Callable[..., Any]]:
+    """The mesh's strategy, the model and a training step returning the reduced loss (clipped with ``max_norm``)."""
     strategy = MeshStrategy(mesh, layouts(mesh) if tp else None, devices=[str(device)])
     with strategy.scope():
         torch.manual_seed(0)
@@ -123,6 +133,8 @@ def build(mesh: DeviceMesh, tp: bool, device: torch.device) -> tuple[MeshStrateg
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = ds.compute_average_loss(per_example_loss(model, x, y), global_batch_size=BATCH)
         loss.backward()
+        if max_norm is not None:
+            ds.experimental.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad()
         return loss.detach()
@@ -179,3 +191,26 @@ def test_a_mesh_step_under_ds_function_runs_eagerly_and_says_why(
     diff = largest_difference(strategy, model, ref)
     record_testsuite_property("mesh fsdp_tp_1x1 under ds.function: largest parameter difference", diff)
     assert diff <= TOLERANCE and max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOLERANCE
+
+
+def test_clip_grad_norm_across_the_meshes_of_a_one_worker_mesh(
+    device: torch.device, record_testsuite_property: Callable[[str, object], None]
+) -> None:
+    """FSDP x TP 1x1: the layout map's parameters on the 2-D mesh, the rest on the data axis. torch's own
+    clip_grad_norm_ refuses two meshes (recorded); ds.experimental.clip_grad_norm_ clips as torch does one process."""
+    mesh, _ = MESHES["fsdp_tp_1x1"]()
+    data = batches(device)
+    ref, ref_losses = reference(device, data, max_norm=MAX_NORM)
+    strategy, model, train_step = build(mesh, True, device, max_norm=MAX_NORM)
+    x, y = data[0]
+    per_example_loss(model, x, y).mean().backward()  # torch's clip on these gradients (max_norm=inf scales by 1)
+    try:
+        torch_says = f"norm {float(torch.nn.utils.clip_grad_norm_(model.parameters(), float('inf')).full_tensor()):.6g}"
+    except RuntimeError as e:
+        torch_says = f"raised RuntimeError: {str(e).strip().splitlines()[0]}"
+    record_testsuite_property("mesh fsdp_tp_1x1: torch's clip_grad_norm_", torch_says)
+    model.zero_grad()
+    losses = [float(train_step(x, y)) for x, y in strategy.experimental_distribute_dataset(data)]
+    diff = largest_difference(strategy, model, ref)
+    record_testsuite_property("mesh fsdp_tp_1x1 clipped: largest parameter difference", diff)
+    assert diff <= TOLERANCE and max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOLERANCE, diff

@@ -6,7 +6,9 @@ batch), FSDP x TP 2x2 (batch x model), TP 4 (model) and FSDP x TP 2x2 with seque
 (torchtitan's plan: the LayerNorms ``SequenceParallel``, the residual stream split along the sequence),
 built under deferred init; the chief trains the same model in plain PyTorch on each global batch. Every
 parameter must agree to 1e-5, and the loss that ``strategy.reduce`` gives (each tensor-parallel group
-counted once) must equal one process's.
+counted once) must equal one process's. FSDP x TP and TP 4 clip the gradients' norm every step with
+``ds.experimental.clip_grad_norm_`` (their parameters are on two meshes, or DTensors beside plain
+tensors, where torch's own raises), against one process clipping with torch's.
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ def test_four_meshes_on_four_workers_equal_one_process_on_the_global_batch(tmp_p
     # sequence parallelism: the LayerNorms are laid out on the model axis too (replicated there, sharded over batch)
     sp_meshes = results["fsdp_tp_sp"]["param_meshes"]
     assert sp_meshes["blocks.0.ln1.weight"] == sp_meshes["ln.bias"] == ["batch", "model"], sp_meshes
-    assert results["fsdp_tp"]["param_meshes"]["blocks.0.ln1.weight"] == ["batch"]  # without: on the data axis
+    assert results["fsdp_tp"]["param_meshes"]["blocks.0.ln1.weight"] == ["batch"]  # two meshes: the clip's case
+    assert results["tp"]["param_meshes"]["blocks.0.ln1.weight"] == []  # a plain tensor beside DTensors
+    for name in ("fsdp_tp", "tp"):  # the clipped norm: the true one, on every worker; clipping was active
+        r = results[name]
+        assert r["clip"] and len(r["norms"]) == 4, name
+        for norms in r["norms"]:
+            assert norms == pytest.approx(r["ref_norms"], rel=1e-5, abs=1e-6), name
+        assert 0 < sum(n > got["max_norm"] for n in r["ref_norms"]) < len(r["ref_norms"]), r["ref_norms"]
+    print({name: r["torch_clip_grad_norm"] for name, r in results.items()}, "the true norm:", got["true_norm"])
 
 
 # ----------------------------------------------------------------------------- the mesh and the layouts, one process
@@ -164,3 +174,28 @@ class ColwiseLike:
 
     def _apply(self, module: nn.Module, mesh: object) -> nn.Module:
         return module
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_on_plain_tensors_is_torchs(norm_type: float) -> None:
+    """Without DTensors (one device, MirroredStrategy's replicas) the result and the gradients are torch's own."""
+    torch.manual_seed(0)
+    ours, theirs = [nn.Parameter(torch.randn(5, 3)) for _ in range(3)], []
+    for p in ours:
+        p.grad = torch.randn_like(p)
+        q = nn.Parameter(p.detach().clone())
+        q.grad = p.grad.clone()
+        theirs.append(q)
+    ours.append(nn.Parameter(torch.ones(2)))  # no gradient: left out, as by torch
+    norm = ds.experimental.clip_grad_norm_(ours, 0.5, norm_type=norm_type)
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type=norm_type))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours, theirs)) and ours[-1].grad is None
+    assert float(ds.experimental.clip_grad_norm_([nn.Parameter(torch.ones(1))], 1.0)) == 0.0  # no gradients
+
+
+def test_clip_grad_norm_of_a_nonfinite_gradient_raises_when_asked() -> None:
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.tensor([1.0, float("nan"), 0.0])
+    with pytest.raises(RuntimeError, match="non-finite"):
+        ds.experimental.clip_grad_norm_(param, 1.0, error_if_nonfinite=True)
+    assert torch.isnan(ds.experimental.clip_grad_norm_(param, 1.0))
