@@ -38,6 +38,9 @@ def _train(idx_dir: Path, ckpt: Path, kill_after_step: int = -1, timeout: float 
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # fresh tasks: _worker finds worker 1 by its /proc/PID/environ, which a forked task shares with the fork
+        # server (docs/multi-node.md)
+        env={**os.environ, "DISTRIB_START_METHOD": "spawn"},
     )
     try:
         deadline = time.monotonic() + timeout

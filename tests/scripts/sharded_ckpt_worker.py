@@ -173,3 +173,8 @@ elif mode == "time":  # two rounds, distrib's and torch's own calls interleaved 
 dist.barrier()
 dist.destroy_process_group()
 print("DONE", rank, flush=True)
+# torch's teardown at the interpreter's exit aborted this process once in a full test run, after DONE and with the
+# group destroyed ("terminate called without an active exception", SIGABRT; docs/multi-node.md, pytorch#190489):
+# the work is done and checked, so leave without that teardown
+sys.stderr.flush()
+os._exit(0)

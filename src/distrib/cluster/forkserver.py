@@ -1,0 +1,318 @@
+"""Start ``distrib launch``'s tasks by forking a process that has imported torch once (a fork server).
+
+A fresh Python process that trains spends about 2 CPU-seconds before its first line of work: ``import torch``
+(about 1.1 s) and, at the first optimizer built, ``import torch._dynamo`` (about 1 s: torch's
+``Optimizer.add_param_group`` is wrapped in ``torch._disable_dynamo``, which imports it). A launch of 4 workers
+on a 2-core laptop pays that 4 times over, and every restart pays it again. The fork server pays it once: the
+launcher starts one ``python -m distrib.cluster.forkserver`` that imports torch, ``torch._dynamo`` and
+distrib, then forks each task from it, as :mod:`multiprocessing`'s ``forkserver`` with
+``set_forkserver_preload`` does, and runs the task's script as ``python script.py`` would (``runpy``, with
+``__name__ == "__main__"``, the task's ``sys.argv``, ``sys.path[0]``, environment and working directory).
+
+What a forked task shares with the others, where a fresh process would differ: Python's hash seed (string and
+set ordering, unless ``PYTHONHASHSEED`` is set: the same on every task, which only helps collectives agree), and
+the modules already imported. NumPy's and torch's default generators are reseeded in each task from the OS, as a
+fresh import does (torch 2.13 seeds its default generator at random in each process); Python's ``random`` is
+reseeded by CPython's own fork handler.
+
+A task's exit code is its script's: 0, ``sys.exit(n)``'s ``n``, 1 with the traceback for an uncaught
+exception (from the script's first frame, as Python prints it), and killed by a signal, ``-signal``. Its
+``atexit`` handlers run. The server is single-threaded (a fork from a threaded process can inherit a lock
+another thread held) and exits when the launcher closes its socket, or dies.
+
+Only plain ``python SCRIPT ...`` and ``python -m MODULE ...`` commands are forked, and only tasks whose
+variables read at import (:data:`IMPORT_TIME_VARIABLES`) equal the server's; any other command starts a fresh
+process. ``distrib launch --start-method spawn`` (``DISTRIB_START_METHOD=spawn``) starts every task fresh.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = ["IMPORT_TIME_VARIABLES", "ForkServer", "ForkedProcess", "become_subreaper", "forkable", "reap_orphans"]
+
+#: variables that a process reads when it starts or imports torch (thread pools, allocators, Python itself): a
+#: task whose values differ from the server's is started fresh, since the server already read its own
+IMPORT_TIME_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "KMP_AFFINITY",
+    "GOMP_CPU_AFFINITY",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONHOME",
+    "PYTHONWARNINGS",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONMALLOC",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_LOGS",
+)
+#: what the server imports before its first fork: what nearly every training task imports first
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "distrib")
+_MESSAGE = 1 << 20
+_PR_SET_CHILD_SUBREAPER = 36
+#: how much of a script :func:`forkable` reads for the words torch and distrib
+_SCRIPT_SCAN = 1 << 20
+
+
+def forkable(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is ``[sys.executable, script, ...]`` or ``[sys.executable, "-m", module, ...]``: a command
+    the server can run by forking (interpreter options, another interpreter or a program start fresh), and whether
+    forking it pays: a script whose text names neither torch nor distrib (a shell-like helper) starts fresh, as
+    it would not use what the server imported (that costs the server's start, about 2 CPU-seconds, for nothing)."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return False
+    if argv[1] == "-m":
+        return len(argv) >= 3
+    if argv[1].startswith("-"):
+        return False
+    try:
+        with open(argv[1], "rb") as f:
+            text = f.read(_SCRIPT_SCAN)
+    except OSError:
+        return False  # python reports the missing script as it always does
+    return b"torch" in text or b"distrib" in text
+
+
+def import_environment(env: Mapping[str, str]) -> dict[str, str | None]:
+    """The values of :data:`IMPORT_TIME_VARIABLES` in ``env`` (None where unset)."""
+    return {name: env.get(name) for name in IMPORT_TIME_VARIABLES}
+
+
+class ForkedProcess:
+    """A task forked by the server, with the part of :class:`subprocess.Popen`'s interface the launcher uses. It is
+    the launcher's own child (:func:`become_subreaper`), so its exit status is the launcher's to wait for."""
+
+    def __init__(self, pid: int, stdout: IO[bytes]) -> None:
+        self.pid, self.stdout = pid, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def become_subreaper() -> None:
+    """Make this process the parent of the orphans below it (Linux' ``PR_SET_CHILD_SUBREAPER``): the server forks
+    each task through a child that exits at once, so the task is the launcher's child, as a fresh one would be
+    (its exit status, ``process_tree``, a signal to the launcher's children). Raises OSError where it cannot."""
+    if not sys.platform.startswith("linux"):
+        raise OSError(f"a fork server needs Linux' PR_SET_CHILD_SUBREAPER ({sys.platform})")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def reap_orphans(known: set[int]) -> None:
+    """Reap the exited children that are not ``known`` tasks: a subreaper inherits its tasks' orphans (a loader
+    process whose task was killed), which would stay zombies until the launcher exits. Stops at the first exited
+    known task, which its own :meth:`ForkedProcess.poll` (or ``Popen.poll``) reaps."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid in known:
+            return
+        os.waitpid(info.si_pid, 0)
+
+
+class ForkServer:
+    """The launcher's end: starts the server process once, then asks it for each task."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        become_subreaper()
+        self.env = dict(env)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket = ours
+        self._lock = threading.Lock()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "distrib.cluster.forkserver", str(theirs.fileno())],
+                env=self.env,
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,  # the launcher's signals are for its tasks, not for the server
+            )
+        finally:
+            theirs.close()
+
+    def accepts(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+        """Whether a task of this command and environment can be forked from this server."""
+        return forkable(argv) and import_environment(env) == import_environment(self.env)
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
+        """Fork a task running ``argv`` (``python SCRIPT ...`` or ``python -m MODULE ...``) in ``env``, its stdout
+        and stderr together in the returned process's ``stdout``. Raises RuntimeError if the server is gone."""
+        read, write = os.pipe()
+        request = {"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd()}
+        try:
+            with self._lock:
+                socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
+                reply = self._socket.recv(_MESSAGE)
+            if not reply:
+                raise RuntimeError(f"the fork server (pid {self.process.pid}) exited: {self.process.poll()}")
+            message = json.loads(reply)
+            if "error" in message:
+                raise RuntimeError(f"the fork server could not start {list(argv)}: {message['error']}")
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)  # the task holds it now: its exit is the relay's end of file
+        return ForkedProcess(int(message["started"]), os.fdopen(read, "rb"))
+
+    def close(self) -> None:
+        """Stop the server (tasks it started go on: the launcher stops them itself)."""
+        self._socket.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+# --------------------------------------------------------------------------------------------------- the server side
+def serve(connection: socket.socket) -> None:
+    """Import :data:`PRELOAD`, then fork a task for each request until the launcher closes the connection.
+
+    A forked task leaves this function by its script's ``SystemExit``, which unwinds to the interpreter's own exit
+    (``atexit``, thread joins, finalisation, as after ``python script.py``): nothing on its way may catch it."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    torch = sys.modules["torch"]
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA: the launcher then starts tasks fresh
+        raise SystemExit("distrib fork server: CUDA was initialised while importing; not forking tasks from it")
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(connection, _MESSAGE, 1)
+        except OSError:
+            return
+        if not data:
+            return
+        reply: dict[str, int | str]
+        try:
+            reply = {"started": _fork_task(connection, json.loads(data), fds[0])}
+        except OSError as e:
+            reply = {"error": str(e)}
+        for fd in fds:
+            os.close(fd)
+        connection.send(json.dumps(reply).encode())
+
+
+def _fork_task(connection: socket.socket, request: dict[str, Any], output: int) -> int:
+    """Fork twice: the middle process exits at once, so the task is reparented to the launcher (the subreaper)."""
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        task = -1
+        try:
+            os.close(read)
+            connection.close()
+            task = os.fork()
+        except BaseException:
+            os._exit(1)
+        if task == 0:
+            os.close(write)
+            _become_task(request, output)  # raises the task's SystemExit, up to the interpreter's exit
+        os.write(write, str(task).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        pid = pipe.read()
+    os.waitpid(middle, 0)  # once reaped, the task's parent is the launcher
+    if not pid:
+        raise OSError("the task's fork failed")
+    return int(pid)
+
+
+def _become_task(request: dict[str, Any], output: int) -> None:
+    """In the forked child: take the task's output, environment and place, then run it as ``python`` would."""
+    try:
+        _take_place(request, output)
+    except BaseException:  # never back into the server's loop
+        traceback.print_exc()
+        os._exit(1)
+    argv = request["argv"]
+    module = argv[1] if argv[0] == "-m" else None
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:  # as Python does: the traceback, then death by SIGINT
+        _print_from_task(sys.exc_info())
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise SystemExit(130) from None
+    except BaseException:
+        _print_from_task(sys.exc_info())
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+def _take_place(request: dict[str, Any], output: int) -> None:
+    """The task's session, output, environment, working directory, generators, ``sys.argv`` and ``sys.path[0]``."""
+    os.setsid()  # its own process group, as the launcher starts fresh tasks: a signal to the group reaches it all
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    # a fresh import seeds these from the OS: so must each task, not share the server's generators
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    argv = request["argv"]
+    module = argv[1] if argv[0] == "-m" else None
+    sys.argv = [argv[1], *argv[2:]] if module else list(argv)
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
+
+
+def _print_from_task(info: Any) -> None:
+    """The traceback as ``python script.py`` prints it: from the script's frame, not the server's and runpy's."""
+    kind, value, tb = info
+    skipped = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and tb.tb_frame.f_code.co_filename in skipped:
+        tb = tb.tb_next
+    traceback.print_exception(kind, value, tb)
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))

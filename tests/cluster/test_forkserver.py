@@ -1,0 +1,174 @@
+"""``distrib launch``'s fork server (:mod:`distrib.cluster.forkserver`): a forked task sees what a fresh ``python``
+would (argv, ``__name__``, ``__file__``, ``sys.path[0]``, its environment, its own generators' seeds, exit codes,
+tracebacks, ``atexit``), costs less CPU to start, and nothing it or the server started outlives the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import alive, launch, process_tree, run_bounded
+
+from distrib.cluster.forkserver import ForkServer, forkable
+
+PROBE = textwrap.dedent(
+    """
+    import atexit, json, os, random, resource, sys
+    import numpy, torch
+    out = sys.argv[1]
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    m = torch.nn.Linear(2, 2)
+    torch.optim.Adam(m.parameters())  # torch imports torch._dynamo here: the server already did
+    seen = {
+        "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
+        "task": task, "restart": os.environ["DISTRIB_RESTART"], "torch_seed": torch.initial_seed(),
+        "numpy": float(numpy.random.rand()), "random": random.random(), "sid": os.getsid(0) == os.getpid(),
+        "cpu": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
+    }
+    atexit.register(lambda: open(f"{out}/atexit{task}", "w").close())
+    with open(f"{out}/seen{task}.json", "w") as f:
+        json.dump(seen, f)
+    if task == 1 and len(sys.argv) > 2:
+        def fails():
+            raise ValueError("the task's own error")
+        fails()
+    """
+)
+
+
+def _probe(tmp_path: Path, method: str, *extra: str) -> tuple[int, str, list[dict]]:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out = tmp_path / method
+    out.mkdir()
+    code, log, _ = launch("--workers", "2", "--start-method", method, str(script), str(out), *extra, timeout=120)
+    return code, log, [json.loads((out / f"seen{i}.json").read_text()) for i in range(2)]
+
+
+def test_a_forked_task_sees_what_a_fresh_python_sees_and_starts_for_less_cpu(tmp_path: Path) -> None:
+    code, log, forked = _probe(tmp_path, "forkserver")
+    assert code == 0, log
+    code, log, fresh = _probe(tmp_path, "spawn")
+    assert code == 0, log
+    for f, s in zip(forked, fresh):
+        for key in ("name", "file", "path0", "cwd", "task", "restart", "sid"):
+            assert f[key] == s[key], key
+        assert f["argv"][0] == s["argv"][0] and f["argv"][1:] != s["argv"][1:]  # each its own output folder
+        assert f["name"] == "__main__" and f["path0"] == str(tmp_path) and f["sid"]
+    for seen in (forked, fresh):  # each task's generators are its own, as in fresh processes
+        for key in ("torch_seed", "numpy", "random"):
+            assert seen[0][key] != seen[1][key], key
+    for method in ("forkserver", "spawn"):
+        assert all((tmp_path / method / f"atexit{i}").exists() for i in range(2)), method
+    # the CPU a task spent by the time it wrote: a forked task did not import torch and torch._dynamo again
+    assert max(s["cpu"] for s in forked) < min(s["cpu"] for s in fresh) - 0.3, (forked, fresh)
+
+
+def test_a_forked_task_s_exception_prints_the_script_s_traceback_and_exits_1(tmp_path: Path) -> None:
+    code, log, _ = _probe(tmp_path, "forkserver", "fail")
+    assert code == 1 and "worker 1 failed with exit code 1" in log, log
+    lines = [line for line in log.splitlines() if line.startswith("[worker 1]")]
+    start = lines.index("[worker 1] Traceback (most recent call last):")
+    assert f'File "{tmp_path / "probe.py"}"' in lines[start + 1], lines  # the script's frame first: no runpy
+    assert lines[-1] == "[worker 1] ValueError: the task's own error" or "ValueError" in "".join(lines[-3:])
+    assert (tmp_path / "forkserver" / "atexit1").exists()  # atexit handlers ran, as Python runs them on an error
+
+
+def test_exit_codes_signals_and_nothing_left_behind(tmp_path: Path) -> None:
+    script = tmp_path / "codes.py"
+    script.write_text(
+        "import json, os, signal, sys, time\n"
+        "t = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "if t == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    code, log, _ = launch("--workers", "2", str(script), timeout=60)
+    assert code == 128 + 9 and "worker 0 failed with exit code 137" in log, log
+    script.write_text("import sys; sys.exit(5)\n")
+    assert launch("--workers", "1", str(script), timeout=60)[0] == 5
+
+
+def test_the_server_ends_with_the_launcher_and_every_task_with_it(tmp_path: Path) -> None:
+    """The launcher killed (SIGKILL: nothing of it runs): the server sees its socket close and exits; the tasks,
+    each in its own session as fresh tasks are, are the launcher's to stop, here the test's."""
+    import subprocess
+    import time
+
+    script = tmp_path / "sleep.py"
+    script.write_text("import time, torch; print('up', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ups = 0
+        while ups < 2:
+            line = proc.stdout.readline()
+            assert line, "the launcher ended early"
+            ups += "up" in line
+        tree = process_tree(proc.pid)
+        # the server and the tasks are all the launcher's children (a task is forked through a middle process that
+        # exits, and the launcher is a subreaper); the server started first. Each shows the server's command line,
+        # as the children of Python's own forkserver do
+        assert all(_stat(p)[1] == proc.pid for p in tree) and len(tree) == 3, tree
+        servers = {min(tree, key=lambda p: _stat(p)[19])}
+        tasks = tree - servers
+        os.kill(proc.pid, 9)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(servers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(servers)
+    finally:
+        for pid in alive(process_tree(proc.pid) | locals().get("tasks", set())):
+            os.killpg(pid, 9) if os.getpgid(pid) == pid else os.kill(pid, 9)
+
+
+def _stat(pid: int) -> list[int | str]:
+    """/proc/PID/stat's fields after the command: [state, parent, ..., start time at 19]."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return [fields[0], *map(int, fields[1:])]
+
+
+def test_what_is_forked_and_what_starts_fresh(tmp_path: Path) -> None:
+    py = sys.executable
+    train, helper = tmp_path / "train.py", tmp_path / "helper.py"
+    train.write_text("import distrib as ds\n")
+    helper.write_text("import json, sys\nsys.exit(3)\n")  # nothing the server imported: a fresh start is cheaper
+    assert forkable([py, str(train), "--x"]) and forkable([py, "-m", "pkg.mod"])
+    assert not forkable([py, str(helper)]) and not forkable([py, str(tmp_path / "missing.py")])
+    assert not forkable([py, "-u", str(train)]) and not forkable(["/bin/echo", "x"]) and not forkable([py, "-m"])
+    train = train.with_name("t.py")
+    train.write_text("import torch\n")
+    server = ForkServer({**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert server.accepts([py, str(train)], {"OMP_NUM_THREADS": "1", "TF_CONFIG": "{}"} | _same_imports())
+        assert not server.accepts([py, str(train)], {**os.environ, "OMP_NUM_THREADS": "2"})
+    finally:
+        server.close()
+    assert server.process.returncode == 0
+
+
+def _same_imports() -> dict[str, str]:
+    from distrib.cluster.forkserver import IMPORT_TIME_VARIABLES
+
+    return {k: os.environ[k] for k in IMPORT_TIME_VARIABLES if k in os.environ and k != "OMP_NUM_THREADS"}
+
+
+def test_a_start_method_that_does_not_exist_is_an_error_naming_the_choices(tmp_path: Path) -> None:
+    code, out, _ = run_bounded(
+        [sys.executable, "-m", "distrib.app.cli", "launch", "--start-method", "thread", "x.py"], timeout=30
+    )
+    assert code == 2 and "forkserver" in out and "spawn" in out
+    from distrib.cluster.launch import LaunchConfig
+
+    with pytest.raises(ValueError, match="use one of forkserver, spawn"):
+        LaunchConfig(command=["x.py"], start_method="thread")
