@@ -172,3 +172,14 @@ def test_a_start_method_that_does_not_exist_is_an_error_naming_the_choices(tmp_p
 
     with pytest.raises(ValueError, match="use one of forkserver, spawn"):
         LaunchConfig(command=["x.py"], start_method="thread")
+
+
+def test_the_server_s_environment_names_no_task() -> None:
+    from distrib.cluster.forkserver import shared_environment
+
+    envs = [
+        {"PATH": "/bin", "TF_CONFIG": f'{{"task": {i}}}', "RANK": str(i), "DISTRIB_TLS_KEY": f"k{i}", "SEED": str(i)}
+        for i in range(2)
+    ]
+    assert shared_environment(envs, ("TF_CONFIG", "RANK", "DISTRIB_TLS_")) == {"PATH": "/bin"}
+    assert shared_environment(envs[:1], ("TF_CONFIG", "RANK", "DISTRIB_TLS_")) == {"PATH": "/bin", "SEED": "0"}

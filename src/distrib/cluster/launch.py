@@ -101,7 +101,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
-from distrib.cluster.forkserver import ForkedProcess, ForkServer, forkable, reap_orphans
+from distrib.cluster.forkserver import ForkedProcess, ForkServer, forkable, reap_orphans, shared_environment
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
@@ -122,6 +122,16 @@ GRACE_ENV = "DISTRIB_GRACE_SECONDS"
 _print_lock = threading.Lock()
 #: how tasks start (``LaunchConfig.start_method``)
 START_METHODS = ("forkserver", "spawn")
+#: a task's own variables, left out of the fork server's environment
+_OWN_VARIABLES = (
+    "TF_CONFIG",
+    "DISTRIB_RESTART",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "DISTRIB_TLS_",
+)
 
 
 @dataclass(frozen=True)
@@ -421,18 +431,6 @@ class _Group:
             time.sleep(0.05)
 
 
-def _shared_environment(tasks: list[_Task]) -> dict[str, str]:
-    """The fork server's environment: what every task's has in common, without a task's own variables (each task
-    gets its own; ``/proc/PID/environ`` shows a forked task the server's, which then names no task)."""
-    first = tasks[0].env
-    own = {"TF_CONFIG", "DISTRIB_RESTART", *torchrun_variables({"worker": ["h:1"]}, "worker", 0)}
-    return {
-        k: v
-        for k, v in first.items()
-        if k not in own and not k.startswith("DISTRIB_TLS_") and all(t.env.get(k) == v for t in tasks)
-    }
-
-
 def _say(message: str) -> None:
     with _print_lock:
         print(f"[launch] {message}", flush=True)
@@ -537,7 +535,7 @@ def launch(config: LaunchConfig) -> int:
                     and any(forkable(t.argv) for t in group.tasks)
                 ):
                     try:
-                        server = ForkServer(_shared_environment(group.tasks))
+                        server = ForkServer(shared_environment([t.env for t in group.tasks], _OWN_VARIABLES))
                     except OSError as e:
                         _say(f"no fork server ({e}): every task starts as a fresh process")
                         config = dataclasses.replace(config, start_method="spawn")
