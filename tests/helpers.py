@@ -50,6 +50,18 @@ def launch(*args: str, timeout: float = 120) -> tuple[int, str, float]:
     return run_bounded([sys.executable, "-m", "distrib.app.cli", "launch", *args], timeout=timeout)
 
 
+def start_launch(*args: str) -> subprocess.Popen[str]:
+    """Start `distrib launch ARGS` in its own session, its output (text, stdout and stderr together) in
+    ``stdout``: for a test that acts while it runs (a signal, a kill); the test stops its group when done."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "distrib.app.cli", "launch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def assert_params_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):

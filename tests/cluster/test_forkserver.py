@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import alive, launch, process_tree, run_bounded
+from helpers import alive, launch, process_tree, run_bounded, start_launch
 
 from distrib.cluster.forkserver import ForkServer, forkable
 
@@ -95,18 +95,11 @@ def test_exit_codes_signals_and_nothing_left_behind(tmp_path: Path) -> None:
 def test_the_server_ends_with_the_launcher_and_every_task_with_it(tmp_path: Path) -> None:
     """The launcher killed (SIGKILL: nothing of it runs): the server sees its socket close and exits; the tasks,
     each in its own session as fresh tasks are, are the launcher's to stop, here the test's."""
-    import subprocess
     import time
 
     script = tmp_path / "sleep.py"
     script.write_text("import time, torch; print('up', flush=True); time.sleep(60)\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_launch("--workers", "2", str(script))
     try:
         assert proc.stdout is not None
         ups = 0

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import alive, launch, process_tree
+from helpers import alive, launch, process_tree, start_launch
 
 
 def test_launch_returns_the_first_failures_exit_code(tmp_path):
@@ -63,13 +63,7 @@ def start_and_signal(
 
     Returns its exit code, its output, the processes it had started, and those still alive afterwards.
     """
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distrib.app.cli", "launch", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_launch(*args)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + timeout

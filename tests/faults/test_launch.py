@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
-from helpers import alive, process_tree
+from helpers import alive, process_tree, start_launch
 
 # the chief of a parameter-server cluster that ignores the polite signals and starts a process of its own:
 # the launcher must kill both after its grace period
@@ -30,13 +28,7 @@ STUBBORN_CHIEF = textwrap.dedent("""
 
 def _one_trial(script: str, sig: int) -> tuple[int, int, int]:
     """(launcher exit code, tasks and their children started, how many are alive after the launcher exited)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", "2", "--ps", "1", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_launch("--workers", "2", "--ps", "1", script)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 120
