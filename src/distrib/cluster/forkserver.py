@@ -164,7 +164,10 @@ def reap_orphans(known: set[int]) -> None:
 
 
 class ForkServer:
-    """The launcher's end: starts the server process once, then asks it for each task."""
+    """The launcher's end: starts the server process once, then asks it for each task.
+
+    Making one makes the calling process a subreaper (:func:`become_subreaper`) for the rest of its life: the
+    orphans of what it started become its children (reap them with :func:`reap_orphans`)."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         become_subreaper()
