@@ -48,7 +48,6 @@ __all__ = [
     "become_subreaper",
     "forkable",
     "reap_orphans",
-    "shared_environment",
 ]
 
 #: variables that a process reads when it starts or imports torch (thread pools, allocators, Python itself): a
@@ -95,17 +94,6 @@ def forkable(argv: Sequence[str]) -> bool:
     except OSError:
         return False  # python reports the missing script as it always does
     return b"torch" in text or b"distrib" in text
-
-
-def shared_environment(envs: Sequence[Mapping[str, str]], own: Sequence[str]) -> dict[str, str]:
-    """The server's environment: what every task's has in common, without the variables named (or prefixed) in
-    ``own``. ``/proc/PID/environ`` shows a forked task the server's, which then names no task."""
-    first = envs[0]
-    return {
-        k: v
-        for k, v in first.items()
-        if not any(k == o or (o.endswith("_") and k.startswith(o)) for o in own) and all(e.get(k) == v for e in envs)
-    }
 
 
 def import_environment(env: Mapping[str, str]) -> dict[str, str | None]:

@@ -71,7 +71,7 @@ nothing is left to redo). No task outlives the launcher.
 
 Start: each task is forked from one process that imported torch once (:mod:`distrib.cluster.forkserver`; about
 2 CPU-seconds less per task and per restart), a command it cannot fork (interpreter options, another program)
-or a task whose import-time variables differ from the first's is a fresh process; ``--start-method spawn``
+or a task whose import-time variables differ from the server's is a fresh process; ``--start-method spawn``
 (``DISTRIB_START_METHOD=spawn``) makes every task a fresh ``python``.
 
 Preemption: a script task that exits with 42 (:data:`PREEMPTION_EXIT_CODE`, what
@@ -83,7 +83,6 @@ the whole group at the same size. Such a restart is not counted against ``--max-
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -101,7 +100,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
-from distrib.cluster.forkserver import ForkedProcess, ForkServer, forkable, reap_orphans, shared_environment
+from distrib.cluster.forkserver import ForkedProcess, ForkServer, forkable, reap_orphans
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
@@ -122,16 +121,6 @@ GRACE_ENV = "DISTRIB_GRACE_SECONDS"
 _print_lock = threading.Lock()
 #: how tasks start (``LaunchConfig.start_method``)
 START_METHODS = ("forkserver", "spawn")
-#: a task's own variables, left out of the fork server's environment
-_OWN_VARIABLES = (
-    "TF_CONFIG",
-    "DISTRIB_RESTART",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "DISTRIB_TLS_",
-)
 
 
 @dataclass(frozen=True)
@@ -338,20 +327,24 @@ class _Group:
         threads = _threads_per_task(cluster, config.ps > 0, {**os.environ, **config.env})
         self.tasks: list[_Task] = []
         self.server: ForkServer | None = None
+        #: what every task's environment holds (the fork server's: it names no task, in /proc/PID/environ either)
+        self.shared_env = {
+            "GRPC_VERBOSITY": "ERROR",
+            **os.environ,
+            **config.env,
+            "PYTHONUNBUFFERED": "1",
+            "DISTRIB_CLUSTER_TOKEN": token,
+            GRACE_ENV: f"{config.grace_seconds:g}",
+        }
+        if threads is not None:
+            self.shared_env["OMP_NUM_THREADS"] = threads
         for task_type, addresses in cluster.items():
             for index in range(len(addresses)):
                 env = {
-                    "GRPC_VERBOSITY": "ERROR",
-                    **os.environ,
-                    **config.env,
-                    "PYTHONUNBUFFERED": "1",
-                    "DISTRIB_CLUSTER_TOKEN": token,
+                    **self.shared_env,
                     "DISTRIB_RESTART": str(restart),
-                    GRACE_ENV: f"{config.grace_seconds:g}",
                     "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}}),
                 }
-                if threads is not None:
-                    env["OMP_NUM_THREADS"] = threads
                 if not config.ps:
                     env.update(torchrun_variables(cluster, task_type, index))
                 if tls is not None:
@@ -517,6 +510,7 @@ def launch(config: LaunchConfig) -> int:
     tls_dir = tempfile.mkdtemp(prefix="distrib-tls-") if config.tls else None
     group: _Group | None = None
     server: ForkServer | None = None
+    forking = config.start_method == "forkserver"
     code = 1
     with _SignalForwarding() as signals:
         try:
@@ -529,16 +523,12 @@ def launch(config: LaunchConfig) -> int:
             while True:
                 group = _Group(config, token, starts, tls, workers)
                 _say(f"starting {len(group.tasks)} task(s): {json.dumps(group.cluster)}")
-                if (
-                    server is None
-                    and config.start_method == "forkserver"
-                    and any(forkable(t.argv) for t in group.tasks)
-                ):
+                if forking and server is None and any(forkable(t.argv) for t in group.tasks):
                     try:
-                        server = ForkServer(shared_environment([t.env for t in group.tasks], _OWN_VARIABLES))
+                        server = ForkServer(group.shared_env)
                     except OSError as e:
                         _say(f"no fork server ({e}): every task starts as a fresh process")
-                        config = dataclasses.replace(config, start_method="spawn")
+                        forking = False
                 group.start(server)
                 ok, code, who = group.watch(server_restarts)
                 signals.armed = False
