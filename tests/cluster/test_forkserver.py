@@ -30,7 +30,11 @@ PROBE = textwrap.dedent(
         "numpy": float(numpy.random.rand()), "random": random.random(), "sid": os.getsid(0) == os.getpid(),
         "preloaded": preloaded,
     }
-    atexit.register(lambda: open(f"{out}/atexit{task}", "w").close())
+    atexit.register(os.mknod, f"{out}/atexit{task}")  # no lambda: it would hold the script's globals
+    ran = []
+    atexit.register(ran.append, True)
+    from witness import Witness  # python frees the script's globals at its exit, after atexit (a DDP model
+    witness = Witness(f"{out}/freed{task}", ran)  # freed sooner can deadlock): this one says when
     with open(f"{out}/seen{task}.json", "w") as f:
         json.dump(seen, f)
     if task == 1 and len(sys.argv) > 2:
@@ -40,10 +44,24 @@ PROBE = textwrap.dedent(
     """
 )
 
+# in a module of its own: a class defined in the script would tie its instance to the script's globals in a cycle,
+# which only the garbage collector frees, whenever the script's globals die
+WITNESS = textwrap.dedent(
+    """
+    class Witness:
+        def __init__(self, path, ran):
+            self.path, self.ran, self.open = path, ran, open  # builtins are gone by the interpreter's exit
+        def __del__(self):
+            with self.open(self.path, "w") as f:
+                f.write("after atexit" if self.ran else "before atexit")
+    """
+)
+
 
 def _probe(tmp_path: Path, method: str, *extra: str) -> tuple[int, str, list[dict]]:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
+    (tmp_path / "witness.py").write_text(WITNESS)
     out = tmp_path / method
     out.mkdir()
     code, log, _ = launch("--workers", "2", "--start-method", method, str(script), str(out), *extra, timeout=120)
@@ -65,6 +83,8 @@ def test_a_forked_task_sees_what_a_fresh_python_sees_and_finds_torch_imported(tm
             assert seen[0][key] != seen[1][key], key
     for method in ("forkserver", "spawn"):
         assert all((tmp_path / method / f"atexit{i}").exists() for i in range(2)), method
+        freed = [(tmp_path / method / f"freed{i}").read_text() for i in range(2)]
+        assert freed == ["after atexit"] * 2, (method, freed)
     # a forked task found torch._dynamo imported (by the server: what it saves); a fresh one imports it itself
     assert [s["preloaded"] for s in forked] == [True, True] and [s["preloaded"] for s in fresh] == [False, False]
 
@@ -77,6 +97,44 @@ def test_a_forked_task_s_exception_prints_the_script_s_traceback_and_exits_1(tmp
     assert f'File "{tmp_path / "probe.py"}"' in lines[start + 1], lines  # the script's frame first: no runpy
     assert "[worker 1] ValueError: the task's own error" in lines[start:], lines
     assert (tmp_path / "forkserver" / "atexit1").exists()  # atexit handlers ran, as Python runs them on an error
+
+
+MODULE_PROBE = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    spec = __spec__
+    seen = {"argv": sys.argv[:1], "name": __name__, "file": __file__, "package": __package__, "spec": spec.name,
+            "path0": sys.path[0], "annotations": "annotations" in globals()}
+    with open(os.path.join(sys.argv[1], f"{spec.name}.json"), "w") as f:
+        json.dump(seen, f)
+    """
+)
+
+
+def test_a_forked_module_sees_what_python_m_sees(tmp_path: Path) -> None:
+    """``-m pkg.mod`` and ``-m pkg`` (its ``__main__``): the same ``__name__``, ``__file__``, ``__spec__``,
+    ``__package__``, ``sys.argv[0]`` and ``sys.path[0]`` forked as fresh, and no ``__future__`` of the server's."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(MODULE_PROBE)
+    (package / "__main__.py").write_text(MODULE_PROBE)
+    seen: dict[str, dict] = {}
+    for method in ("forkserver", "spawn"):
+        out = tmp_path / method
+        out.mkdir()
+        for module in ("pkg.mod", "pkg"):
+            code, log, _ = run_bounded(
+                [sys.executable, "-m", "distrib.app.cli", "launch", "--start-method", method, "-m", module, str(out)],
+                timeout=60,
+                cwd=tmp_path,
+            )
+            assert code == 0, log
+        seen[method] = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
+    assert seen["forkserver"] == seen["spawn"] and len(seen["spawn"]) == 2, seen
+    mod = seen["spawn"]["pkg.mod.json"]
+    assert mod["name"] == "__main__" and mod["file"] == str(package / "mod.py") == mod["argv"][0], mod
+    assert mod["package"] == "pkg" and not mod["annotations"], mod
 
 
 def test_exit_codes_signals_and_nothing_left_behind(tmp_path: Path) -> None:

@@ -363,7 +363,13 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
         "that imported torch once, about 2 CPU-seconds less per task and restart; spawn: a fresh python per task",
     )
     p.add_argument(
-        "script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]", help="the script each task runs (or -m MODULE)"
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module each task runs as python -m MODULE does (torchrun's -m)",
+    )
+    p.add_argument(
+        "script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]", help="the script each task runs (or MODULE)"
     )
 
 
@@ -374,6 +380,8 @@ def _launch(args: argparse.Namespace) -> int:
     if not command:
         print("distrib launch: name the script to run, e.g. distrib launch --workers 2 train.py", file=sys.stderr)
         return 2
+    if args.module:
+        command = ["-m", *command]
     low, high = args.workers
     return launch(
         LaunchConfig(

@@ -6,8 +6,8 @@ A fresh Python process that trains spends about 2 CPU-seconds before its first l
 on a 2-core laptop pays that 4 times over, and every restart pays it again. The fork server pays it once: the
 launcher starts one ``python -m distrib.cluster.forkserver`` that imports torch, ``torch._dynamo`` and
 distrib, then forks each task from it, as :mod:`multiprocessing`'s ``forkserver`` with
-``set_forkserver_preload`` does, and runs the task's script as ``python script.py`` would (``runpy``, with
-``__name__ == "__main__"``, the task's ``sys.argv``, ``sys.path[0]``, environment and working directory).
+``set_forkserver_preload`` does, and runs the task's script as ``python script.py`` would (in a new
+``__main__`` module kept until the interpreter's exit, the task's ``sys.argv``, ``sys.path[0]``, environment and working directory).
 
 What a forked task shares with the others, where a fresh process would differ: Python's hash seed (string and
 set ordering, unless ``PYTHONHASHSEED`` is set: the same on every task, which only helps collectives agree), and
@@ -27,10 +27,11 @@ process. ``distrib launch --start-method spawn`` (``DISTRIB_START_METHOD=spawn``
 
 from __future__ import annotations
 
+import builtins
 import ctypes
+import importlib.util
 import json
 import os
-import runpy
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
@@ -271,13 +273,8 @@ def _become_task(request: dict[str, Any], output: int) -> None:
     except BaseException:  # never back into the server's loop
         traceback.print_exc()
         os._exit(1)
-    argv = request["argv"]
-    module = argv[1] if argv[0] == "-m" else None
     try:
-        if module:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(argv[0], run_name="__main__")
+        _run_as_main(request["argv"])
     except SystemExit:
         raise
     except KeyboardInterrupt:  # as Python does: the traceback, then death by SIGINT
@@ -289,6 +286,35 @@ def _become_task(request: dict[str, Any], output: int) -> None:
         _print_from_task(sys.exc_info())
         raise SystemExit(1) from None
     raise SystemExit(0)
+
+
+def _run_as_main(argv: Sequence[str]) -> None:
+    """Run ``SCRIPT ...`` or ``-m MODULE ...`` in a new ``sys.modules["__main__"]``, as ``python`` does.
+
+    Not :func:`runpy.run_path`: its module lives only while the script runs, so the script's globals die as it
+    returns, while other threads still run and can take the GIL. ``python script.py`` keeps them until the
+    interpreter's exit, whose threads can no longer take the GIL. A DDP model freed that early deadlocks: the
+    Reducer's destructor, holding the GIL, joins gloo's worker thread, which waits for the GIL to free its last
+    work (8 of 105 launches of tests/scripts/torchrun_ddp.py; 0 of 75 since)."""
+    main = types.ModuleType("__main__")
+    if argv[0] == "-m":
+        spec = importlib.util.find_spec(argv[1])
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            spec = importlib.util.find_spec(f"{argv[1]}.__main__")
+        if spec is None or spec.loader is None or spec.origin is None:
+            print(f"{sys.executable}: No module named {argv[1]}", file=sys.stderr)
+            raise SystemExit(1)
+        code = spec.loader.get_code(spec.name)  # type: ignore[attr-defined]
+        path = sys.argv[0] = spec.origin
+        main.__dict__.update(__spec__=spec, __loader__=spec.loader, __package__=spec.parent, __cached__=spec.cached)
+    else:
+        path = os.path.abspath(argv[0])  # as __main__.__file__ is since Python 3.9
+        with open(path, "rb") as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)  # not this module's __future__ imports
+        main.__dict__.update(__spec__=None, __package__=None, __cached__=None)
+    main.__dict__.update(__file__=path, __builtins__=builtins)
+    sys.modules["__main__"] = main  # till the interpreter's exit, as python keeps it
+    exec(code, main.__dict__)
 
 
 def _take_place(request: dict[str, Any], output: int) -> None:
@@ -315,10 +341,9 @@ def _take_place(request: dict[str, Any], output: int) -> None:
 
 
 def _print_from_task(info: Any) -> None:
-    """The traceback as ``python script.py`` prints it: from the script's frame, not the server's and runpy's."""
+    """The traceback as ``python script.py`` prints it: from the script's frame, not the server's."""
     kind, value, tb = info
-    skipped = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
-    while tb is not None and tb.tb_frame.f_code.co_filename in skipped:
+    while tb is not None and tb.tb_frame.f_code.co_filename == os.path.abspath(__file__):
         tb = tb.tb_next
     traceback.print_exception(kind, value, tb)
     sys.stderr.flush()
