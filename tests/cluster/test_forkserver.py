@@ -17,7 +17,8 @@ from distrib.cluster.forkserver import ForkServer, forkable
 
 PROBE = textwrap.dedent(
     """
-    import atexit, json, os, random, sys
+    import atexit, gc, json, os, random, sys
+    frozen = gc.get_freeze_count() > 0  # the server's objects, which no collection of a forked task walks
     preloaded = "torch._dynamo" in sys.modules  # imported by the fork server, not by this script
     import numpy, torch
     out = sys.argv[1]
@@ -28,7 +29,7 @@ PROBE = textwrap.dedent(
         "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
         "task": task, "restart": os.environ["DISTRIB_RESTART"], "torch_seed": torch.initial_seed(),
         "numpy": float(numpy.random.rand()), "random": random.random(), "sid": os.getsid(0) == os.getpid(),
-        "preloaded": preloaded,
+        "preloaded": preloaded, "frozen": frozen, "gc": gc.isenabled(),
     }
     atexit.register(os.mknod, f"{out}/atexit{task}")  # no lambda: it would hold the script's globals
     ran = []
@@ -87,6 +88,9 @@ def test_a_forked_task_sees_what_a_fresh_python_sees_and_finds_torch_imported(tm
         assert freed == ["after atexit"] * 2, (method, freed)
     # a forked task found torch._dynamo imported (by the server: what it saves); a fresh one imports it itself
     assert [s["preloaded"] for s in forked] == [True, True] and [s["preloaded"] for s in fresh] == [False, False]
+    # the server's objects are frozen (gc.freeze): a task's collections, and its exit's, skip them
+    assert [s["frozen"] for s in forked] == [True, True] and [s["frozen"] for s in fresh] == [False, False]
+    assert all(s["gc"] for s in forked + fresh)  # collections run in a task, as in any python
 
 
 def test_a_forked_task_s_exception_prints_the_script_s_traceback_and_exits_1(tmp_path: Path) -> None:
