@@ -201,3 +201,24 @@ def test_the_sharded_checkpoint_benchmark_compares_both_formats(tmp_path):
     assert min(sharded["written_mb_per_worker"]) > 0  # every worker wrote its own shards
     assert plain["written_mb_per_worker"][0] > 0 and plain["written_mb_per_worker"][1] == 0  # the chief alone
     assert all(row[k] > 0 for row in (sharded, plain) for k in ("save_s", "restore_s"))
+
+
+def test_the_launch_start_benchmark_compares_both_start_methods(tmp_path):
+    """benchmarks/launch_start.py, tiny (1 worker, 1 round): a launch each way, each with its figures, and the
+    ratios and the table. (That a forked task finds torch imported is tests/cluster/test_forkserver.py's.)"""
+    import json
+
+    from helpers import run_bounded
+
+    out = tmp_path / "start.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "launch_start.py"
+    code, log, _ = run_bounded(
+        [sys.executable, str(bench), "--workers", "1", "--rounds", "1", "--json", str(out)], timeout=120
+    )
+    assert code == 0, log
+    run = json.loads(out.read_text())["workers"]["1"]
+    for method in ("forkserver", "spawn"):
+        (launch,) = run["launches"][method]
+        assert launch["wall_s"] > 0 and launch["cpu_s"] > 0 and len(launch["task_cpu_s"]) == 1, launch
+    assert set(run["forkserver_vs_spawn"]) == {"wall_s", "cpu_s"}
+    assert "forkserver" in log and "spawn" in log  # the table
