@@ -22,15 +22,15 @@ import argparse
 import json
 import os
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+from preemption import run_launch  # distrib launch, bounded (this directory is sys.path[0])
 
 METHODS = ("forkserver", "spawn")
 PROBE = textwrap.dedent(
@@ -59,26 +59,11 @@ def launch_once(workdir: Path, method: str, workers: int, timeout: float = 180) 
     if not script.exists():
         script.write_text(PROBE)
     out = Path(tempfile.mkdtemp(prefix=f"{method}-{workers}-", dir=workdir))
-    env = {k: v for k, v in os.environ.items() if k != "DISTRIB_START_METHOD"}
     before, started = _children_cpu(), time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distrib.app.cli", "launch", "--workers", str(workers), "--start-method", method]
-        + [str(script), str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=env,
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise RuntimeError(f"a {method} launch of {workers} did not finish in {timeout}s:\n{log}") from None
+    code, log = run_launch(["--workers", str(workers), "--start-method", method, str(script), str(out)], timeout)
     wall, cpu = time.monotonic() - started, _children_cpu() - before
-    if proc.returncode != 0:
-        raise RuntimeError(f"a {method} launch of {workers} failed ({proc.returncode}):\n{log}")
+    if code != 0:
+        raise RuntimeError(f"a {method} launch of {workers} failed ({code}):\n{log}")
     tasks = [json.loads((out / f"task{i}.json").read_text())["cpu_s"] for i in range(workers)]
     return {"wall_s": wall, "cpu_s": cpu, "task_cpu_s": tasks}
 

@@ -44,7 +44,7 @@ _LINE = re.compile(r"^\[(?:worker|chief) \d+\] (NOTICE|START|EXIT) (.*)$")
 _SAVED = re.compile(r"worker (\d+): preemption checkpoint at run (\d+) saved")
 
 
-def _launch(args: list[str], timeout: float = 240) -> tuple[int, str]:
+def run_launch(args: list[str], timeout: float = 240) -> tuple[int, str]:
     """``distrib launch`` in its own session, killed as a whole if it overruns (or whatever happens)."""
     import signal
 
@@ -85,7 +85,7 @@ def reference(workdir: Path, strategy: str = "mwms") -> list[Any]:
     import torch
 
     out_file = workdir / "reference.pt"
-    code, out = _launch(
+    code, out = run_launch(
         [
             "--workers",
             "2",
@@ -128,10 +128,10 @@ def trial(
         # machine under a load of 15, past the default 5 s, and a task killed then makes the launcher exit 143
         common = common[:2] + ["--grace-seconds", "15"] + common[2:] + ["--step-seconds", "0.02"]
     started = time.monotonic()
-    code, out = _launch(common + ["--notice-at", str(notice_at), "--notice-to", via])
+    code, out = run_launch(common + ["--notice-at", str(notice_at), "--notice-to", via])
     codes = [code]
     if via == "launcher" and code == 42:  # the scheduler above starts the job again (on 42 only)
-        code, again = _launch(common)
+        code, again = run_launch(common)
         codes.append(code)
         out += "\n" + again
     seconds = time.monotonic() - started
@@ -285,7 +285,7 @@ def _run_overhead_cost(calls: int = 200_000) -> float:
 def overhead(steps: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="preemption-overhead-") as tmp:
         out = Path(tmp) / "rounds.json"
-        code, text = _launch(
+        code, text = run_launch(
             [
                 "--workers",
                 "2",
