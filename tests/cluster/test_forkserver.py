@@ -213,6 +213,24 @@ def test_what_is_forked_and_what_starts_fresh(tmp_path: Path) -> None:
     assert server.process.returncode == 0
 
 
+def test_once_the_server_is_gone_every_later_task_starts_fresh(tmp_path: Path) -> None:
+    """A server that died (killed, out of memory) fails the task it was asked for, which the launcher then starts
+    fresh, and accepts no later one: each of those would fail the same way."""
+    script = tmp_path / "t.py"
+    script.write_text("import torch\n")
+    argv, env = [sys.executable, str(script)], dict(os.environ)
+    server = ForkServer(env)
+    try:
+        server.process.kill()
+        server.process.wait(timeout=10)
+        assert server.accepts(argv, env) and not server.gone
+        with pytest.raises(RuntimeError, match="exited"):
+            server.start(argv, env)
+        assert server.gone and not server.accepts(argv, env)
+    finally:
+        server.close()
+
+
 def _same_imports() -> dict[str, str]:
     from distrib.cluster.forkserver import IMPORT_TIME_VARIABLES
 

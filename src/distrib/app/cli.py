@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -358,8 +357,7 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--start-method",
         choices=("forkserver", "spawn"),
-        default=os.environ.get("DISTRIB_START_METHOD", "forkserver"),
-        help="forkserver (default: %(default)s; DISTRIB_START_METHOD sets it): fork each task from one process "
+        help="forkserver (the default, unless DISTRIB_START_METHOD says otherwise): fork each task from one process "
         "that imported torch once, about 2 CPU-seconds less per task and restart; spawn: a fresh python per task",
     )
     p.add_argument(
@@ -393,7 +391,7 @@ def _launch(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             tls=args.tls,
             grace_seconds=args.grace_seconds,
-            start_method=args.start_method,
+            **({"start_method": args.start_method} if args.start_method else {}),  # else LaunchConfig's default
         )
     )
 

@@ -169,6 +169,8 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket = ours
         self._lock = threading.Lock()
+        #: set when the server was found gone: every later task then starts fresh (:meth:`accepts` says no)
+        self.gone = False
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "distrib.cluster.forkserver", str(theirs.fileno())],
@@ -181,18 +183,23 @@ class ForkServer:
 
     def accepts(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether a task of this command and environment can be forked from this server."""
-        return forkable(argv) and import_environment(env) == import_environment(self.env)
+        return not self.gone and forkable(argv) and import_environment(env) == import_environment(self.env)
 
     def start(self, argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
         """Fork a task running ``argv`` (``python SCRIPT ...`` or ``python -m MODULE ...``) in ``env``, its stdout
-        and stderr together in the returned process's ``stdout``. Raises RuntimeError if the server is gone."""
+        and stderr together in the returned process's ``stdout``. Raises RuntimeError if the server is gone (then
+        :attr:`gone`) or could not fork."""
         read, write = os.pipe()
         request = {"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd()}
         try:
             with self._lock:
-                socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
-                reply = self._socket.recv(_MESSAGE)
+                try:
+                    socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
+                    reply = self._socket.recv(_MESSAGE)
+                except OSError:
+                    reply = b""
             if not reply:
+                self.gone = True
                 raise RuntimeError(f"the fork server (pid {self.process.pid}) exited: {self.process.poll()}")
             message = json.loads(reply)
             if "error" in message:

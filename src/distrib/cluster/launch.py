@@ -259,9 +259,8 @@ class _Task:
         if self.server is not None and self.server.accepts(self.argv, self.env):
             try:
                 self.proc = self.server.start(self.argv, self.env)
-            except (OSError, RuntimeError) as e:  # the server is gone: start this task, and the next, fresh
+            except RuntimeError as e:  # this task starts fresh; once the server is gone, so does every later one
                 _say(f"the fork server failed ({e}): starting {self.name} as a fresh process")
-                self.server = None
         if self.proc is None:
             self.proc = subprocess.Popen(
                 self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
