@@ -26,7 +26,18 @@ A is captured by hand (cuBLAS workspaces cleared around it) and replayed 4 times
 * ``hand_then_function``: ``function_step.py``'s own pair: its hand-made graph of the main job's step captured
   first, then the main job's step under ``@ds.function`` (captured at its 3rd call), then both replayed in turn
   (on the H100: an illegal memory access at the first synchronize);
-* ``function_then_hand``: the same two in the other order (on the H100: clean).
+* ``function_then_hand``: the same two in the other order (on the H100: clean);
+* ``hand_then_hand``: two hand-made graphs of that step (two models), the second captured after the first:
+  whether ``ds.function`` is needed for the fault at all;
+* ``hand_then_eager_function``: the ``@ds.function`` step with ``mode="eager"`` (its warm-up and optimizer
+  changes, no capture);
+* ``hand_then_function_no_clear``: no cuBLAS workspace cleared anywhere (neither the hand capture nor
+  ``ds.function``'s);
+* ``hand_then_function_sync``: a synchronize after every call, and which call failed first;
+* ``hand_then_function_blocking`` / ``_memcheck`` (``all`` only): the first under ``CUDA_LAUNCH_BLOCKING=1``
+  and under ``compute-sanitizer --tool memcheck`` (a few steps).
+
+``--scenario`` takes one name, ``all``, or a comma-separated list; ``--parallel N`` runs N processes at once.
 """
 
 from __future__ import annotations
@@ -51,7 +62,17 @@ from distrib.graphs.capturable import make_capturable
 
 SCENARIOS = ("hand", "hand_cleared", "function", "hand_host_tensor", "later_function", "later_hand", "later_hand_gpt")
 LATER = ("later_function", "later_hand", "later_hand_gpt")
-PAIRS = ("hand_then_function", "function_then_hand")
+PAIRS = (
+    "hand_then_function",
+    "function_then_hand",
+    "hand_then_hand",
+    "hand_then_eager_function",
+    "hand_then_function_no_clear",
+    "hand_then_function_sync",
+)
+#: how ``all`` also runs ``hand_then_function``: every kernel launched synchronously (the failing launch raises),
+#: and under compute-sanitizer's memcheck (the faulting kernel and address), where it is installed
+WRAPPED = ("hand_then_function_blocking", "hand_then_function_memcheck")
 SCENARIOS = SCENARIOS + PAIRS
 OPTIMIZERS: dict[torch.nn.Module, torch.optim.Optimizer] = {}  # each step's optimizer, by its model
 BATCH = 64
@@ -167,25 +188,45 @@ def largest(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def pair(name: str, steps: int) -> dict[str, Any]:
-    """``hand_then_function`` / ``function_then_hand``: how the benchmark's two graphs end, in each order."""
+    """The ``hand_then_*`` / ``function_then_hand`` scenarios: how the benchmark's two graphs end, in each order."""
     from function_step import function_job, hand_graph
     from gpu import device_batches
 
     device = torch.device("cuda", 0)
+    if name == "hand_then_function_no_clear":
+        torch_patches.clear_cublas_workspaces = lambda: None  # type: ignore[assignment]  # this process only
     batches = device_batches(device)[0](BATCH).batches
-    function_step, _ = function_job(device, BATCH)
-    if name == "hand_then_function":
-        hand_step = hand_graph(device, BATCH, batches[0])
-    for i in range(4):  # the 3rd call captures
-        function_step(batches[i % len(batches)])
-    torch.cuda.synchronize()
+    made: dict[str, Callable[[Any], None]] = {}  # in the order of their captures
     if name == "function_then_hand":
-        hand_step = hand_graph(device, BATCH, batches[0])
-    for i in range(steps):
-        function_step(batches[i % len(batches)])
-        hand_step(batches[i % len(batches)])
+        made["ds.function"] = function_job(device, BATCH)[0]
+        for i in range(4):  # the 3rd call captures
+            made["ds.function"](batches[i % len(batches)])
+        made["hand"] = hand_graph(device, BATCH, batches[0])
+    elif name == "hand_then_hand":
+        made["hand"] = hand_graph(device, BATCH, batches[0])
+        made["second hand"] = hand_graph(device, BATCH, batches[0])
+    else:
+        made["hand"] = hand_graph(device, BATCH, batches[0])
+        mode = "eager" if name == "hand_then_eager_function" else "auto"
+        made["ds.function"] = function_job(device, BATCH, mode=mode)[0]
+        for i in range(4):
+            made["ds.function"](batches[i % len(batches)])
     torch.cuda.synchronize()
-    return {"scenario": name, "max_difference_to_eager": None}
+    calls = 0
+    order = sorted(made, key=lambda k: k == "hand")  # the hand-made graph replayed last in each turn, as before
+    for i in range(steps):
+        for label in order:
+            made[label](batches[i % len(batches)])
+            calls += 1
+            if name == "hand_then_function_sync":
+                try:
+                    torch.cuda.synchronize()
+                except RuntimeError as e:
+                    captured = list(made).index(label) + 1
+                    raise RuntimeError(f"call {calls}, a replay of {label!r} (captured {captured}.) failed: {e}") from e
+    torch.cuda.synchronize()
+    paths = {k: v.function.paths() for k, v in made.items() if hasattr(v, "function")}  # type: ignore[attr-defined]
+    return {"scenario": name, "max_difference_to_eager": None, "calls": calls, "order": list(made), "paths": paths}
 
 
 def scenario(name: str, steps: int) -> dict[str, Any]:
@@ -233,38 +274,61 @@ def scenario(name: str, steps: int) -> dict[str, Any]:
     return out
 
 
+def run_one(name: str, steps: int) -> dict[str, Any]:
+    """One scenario in a process of its own: how it ended, its JSON line, its stderr's tail where it failed."""
+    import os
+    import shutil
+
+    env = dict(os.environ)
+    cmd = [sys.executable, __file__, "--scenario", name, "--steps", str(steps)]
+    if name == "hand_then_function_blocking":
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+        cmd[3] = "hand_then_function"
+    elif name == "hand_then_function_memcheck":
+        sanitizer = shutil.which("compute-sanitizer") or next(
+            (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None
+        )
+        if sanitizer is None:
+            return {"scenario": name, "ended": "skipped: compute-sanitizer not found"}
+        cmd = [sanitizer, "--tool", "memcheck", "--print-limit", "8", *cmd[:3], "hand_then_function", "--steps", "3"]
+    t0 = time.perf_counter()
+    limit = 240 if name.endswith("memcheck") else 120
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired as e:
+        return {"scenario": name, "ended": f"timed out ({limit} s)", "stderr_tail": str(e.stderr)[-3000:]}
+    ended = f"signal {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}"
+    row: dict[str, Any] = {"scenario": name, "ended": ended, "seconds": round(time.perf_counter() - t0, 1)}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if lines:
+        row.update(json.loads(lines[-1]))
+        row["scenario"] = name
+    if p.returncode != 0 or name.endswith("memcheck"):
+        row["stderr_tail"] = (p.stderr + p.stdout)[-3000:] if name.endswith("memcheck") else p.stderr[-3000:]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="all", choices=("all",) + SCENARIOS)
+    parser.add_argument("--scenario", default="all", help="one of " + ", ".join(("all",) + SCENARIOS + WRAPPED))
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--parallel", type=int, default=1, help="scenarios run at once (each its own process)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.scenario != "all":
+    names = list(SCENARIOS + WRAPPED) if args.scenario == "all" else args.scenario.split(",")
+    unknown = [n for n in names if n not in SCENARIOS + WRAPPED]
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}: use {', '.join(('all',) + SCENARIOS + WRAPPED)}")
+    if len(names) == 1 and names[0] in SCENARIOS and args.scenario != "all":
         faulthandler.enable()
-        print(json.dumps(scenario(args.scenario, args.steps)), flush=True)
+        print(json.dumps(scenario(names[0], args.steps)), flush=True)
         return
-    results = []
-    for name in SCENARIOS:
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run(
-                [sys.executable, __file__, "--scenario", name, "--steps", str(args.steps)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-        except subprocess.TimeoutExpired as e:
-            results.append({"scenario": name, "ended": "timed out (120 s)", "stderr_tail": str(e.stderr)[-1500:]})
-            continue
-        ended = f"signal {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit {p.returncode}"
-        row: dict[str, Any] = {"scenario": name, "ended": ended, "seconds": round(time.perf_counter() - t0, 1)}
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        if lines:
-            row.update(json.loads(lines[-1]))
-        if p.returncode != 0:
-            row["stderr_tail"] = p.stderr[-1500:]
-        results.append(row)
-        print(f"{name:24s} {ended:16s} max diff to eager: {row.get('max_difference_to_eager', '-')}", flush=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        results = list(pool.map(lambda n: run_one(n, args.steps), names))
+    for row in results:
+        print(f"{row['scenario']:30s} {row['ended']:16s} max diff to eager: {row.get('max_difference_to_eager', '-')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -143,6 +143,62 @@ def test_a_float_written_into_a_tensor_rate_is_copied_into_it():
     assert watch.current_guard() != guard
 
 
+def test_the_guard_sees_every_change_of_a_hyperparameter_and_nothing_else():
+    """The guard is rebuilt only when a group's objects changed (its fast path, run before every replay): a new
+    value, a new key, a new group, a load; an equal float written anew keeps the same guard."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    watch = capturable.OptimizerWatch([opt])
+    guard = watch.current_guard()
+    assert watch.current_guard() is guard  # nothing changed: the same object, no rebuild
+    group = opt.param_groups[0]
+    group["lr"] = float("0.1")  # a new float of the same value (what a scheduler writes): the same graph
+    assert watch.current_guard() == guard
+    group["momentum"] = 0.5
+    assert watch.current_guard() != guard
+    group["momentum"] = 0.9
+    assert watch.current_guard() == guard
+    del group["dampening"]
+    group["extra"] = 0.0  # as many keys as before, one replaced
+    assert watch.current_guard() != guard
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    changed = watch.current_guard()
+    assert changed != guard and watch.current_guard() is changed
+
+
+def test_a_graph_replays_only_in_the_grad_state_it_was_captured_in():
+    """``CapturedGraph.matches`` (no GPU needed: it reads ``.grad`` alone): a graph captured with no gradients
+    that left them set (a step that accumulates) matches either state; one captured with gradients that it set
+    to None (``zero_grad`` inside the step) does not match None, since it would read the gradients it found."""
+    from distrib.graphs.cuda_graph import CapturedGraph
+    from distrib.graphs.signature import flatten_inputs
+
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    inputs = flatten_inputs((torch.ones(1),), {})
+    grads = [torch.zeros(2) for _ in params]
+
+    def graph(entry: list, left: list) -> CapturedGraph:
+        return CapturedGraph(None, list(inputs.leaves), inputs, params, entry, left, torch.ones(()))  # type: ignore[arg-type]
+
+    accumulates = graph([None] * 3, grads)
+    assert accumulates.matches()
+    for p, g in zip(params, grads):
+        p.grad = g
+    assert accumulates.matches()
+    params[1].grad = torch.zeros(2)  # another tensor than the graph's: a different state
+    assert not accumulates.matches()
+
+    zeroes = graph(grads, [None] * 3)
+    for p, g in zip(params, grads):
+        p.grad = g
+    assert zeroes.matches()
+    for p in params:
+        p.grad = None
+    assert not zeroes.matches()
+    params[0].grad = grads[0]  # mixed: one as found, the others None
+    assert not zeroes.matches()
+
+
 def test_a_state_load_is_counted_so_that_its_graphs_are_dropped():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.Adam(model.parameters())

@@ -25,6 +25,7 @@ same as an eager call:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ from distrib import torch_patches
 from distrib.graphs.signature import Inputs
 
 __all__ = ["CaptureError", "CapturedGraph", "HostWorkGuard"]
+
+_grad_of = operator.attrgetter("grad")
 
 
 class CaptureError(RuntimeError):
@@ -117,6 +120,8 @@ class CapturedGraph:
         self._params = list(params)
         self._entry = entry_grads
         self._exit = exit_grads
+        #: whether the state the capture left matches too: not where it set a .grad it found to None
+        self._exit_matches = all(entry is None for entry, left in zip(entry_grads, exit_grads) if left is None)
         self._out_leaves, self._out_spec = pytree.tree_flatten(output)
         self._out_is_leaf = self._out_spec.is_leaf()
 
@@ -156,8 +161,13 @@ class CapturedGraph:
 
     def matches(self) -> bool:
         """Whether every tracked parameter's ``.grad`` is in the state this graph was captured in."""
-        for p, entry, left in zip(self._params, self._entry, self._exit):
-            grad = p.grad
+        grads = list(map(_grad_of, self._params))
+        # the common states, checked in C: every .grad as the capture found it, or as it left it
+        if all(map(operator.is_, grads, self._entry)) or (
+            self._exit_matches and all(map(operator.is_, grads, self._exit))
+        ):
+            return True
+        for grad, entry, left in zip(grads, self._entry, self._exit):
             if grad is None:
                 if entry is not None:
                     return False
@@ -165,14 +175,16 @@ class CapturedGraph:
                 return False
         return True
 
-    def replay(self, inputs: Inputs) -> Any:
-        """Copy ``inputs`` into the buffers, replay, put the ``.grad`` state back; a copy of the outputs."""
+    def replay(self, leaves: list[Any]) -> Any:
+        """Copy the call's tensor ``leaves`` (an :class:`Inputs`' leaves) into the buffers, replay, put the
+        ``.grad`` state back; a copy of the outputs."""
         for static, i in zip(self._static_inputs, self._positions):
-            static.copy_(inputs.leaves[i], non_blocking=True)
+            static.copy_(leaves[i], non_blocking=True)
         self._graph.replay()
-        for p, left in zip(self._params, self._exit):
-            if p.grad is not left:
-                p.grad = left
+        if not all(map(operator.is_, map(_grad_of, self._params), self._exit)):
+            for p, left in zip(self._params, self._exit):
+                if p.grad is not left:
+                    p.grad = left
         return self._outputs()
 
     def _outputs(self) -> Any:
