@@ -34,8 +34,11 @@ A is captured by hand (cuBLAS workspaces cleared around it) and replayed 4 times
 * ``hand_then_function_no_clear``: no cuBLAS workspace cleared anywhere (neither the hand capture nor
   ``ds.function``'s);
 * ``hand_then_function_sync``: a synchronize after every call, and which call failed first;
-* ``hand_then_function_blocking`` / ``_memcheck`` (``all`` only): the first under ``CUDA_LAUNCH_BLOCKING=1``
-  and under ``compute-sanitizer --tool memcheck`` (a few steps).
+* ``hand_then_hand_dropped`` / ``hand_then_function_dropped``: as the benchmark's hand-made graph was made
+  until 2026-11-28, with nothing holding its model, optimizer and metrics once captured (their memory freed
+  while the graph writes into it: the cause of the crash); the other scenarios keep them;
+* ``hand_then_function_blocking`` / ``_memcheck`` (``all`` only): ``hand_then_function_dropped`` under
+  ``CUDA_LAUNCH_BLOCKING=1`` and under ``compute-sanitizer --tool memcheck`` (a few steps).
 
 ``--scenario`` takes one name, ``all``, or a comma-separated list; ``--parallel N`` runs N processes at once.
 """
@@ -69,6 +72,8 @@ PAIRS = (
     "hand_then_eager_function",
     "hand_then_function_no_clear",
     "hand_then_function_sync",
+    "hand_then_hand_dropped",
+    "hand_then_function_dropped",
 )
 #: how ``all`` also runs ``hand_then_function``: every kernel launched synchronously (the failing launch raises),
 #: and under compute-sanitizer's memcheck (the faulting kernel and address), where it is installed
@@ -196,17 +201,18 @@ def pair(name: str, steps: int) -> dict[str, Any]:
     if name == "hand_then_function_no_clear":
         torch_patches.clear_cublas_workspaces = lambda: None  # type: ignore[assignment]  # this process only
     batches = device_batches(device)[0](BATCH).batches
+    keep = not name.endswith("_dropped")  # _dropped: the model, optimizer and metrics of the first graph let go
     made: dict[str, Callable[[Any], None]] = {}  # in the order of their captures
     if name == "function_then_hand":
         made["ds.function"] = function_job(device, BATCH)[0]
         for i in range(4):  # the 3rd call captures
             made["ds.function"](batches[i % len(batches)])
         made["hand"] = hand_graph(device, BATCH, batches[0])
-    elif name == "hand_then_hand":
-        made["hand"] = hand_graph(device, BATCH, batches[0])
+    elif name.startswith("hand_then_hand"):
+        made["hand"] = hand_graph(device, BATCH, batches[0], keep_alive=keep)
         made["second hand"] = hand_graph(device, BATCH, batches[0])
     else:
-        made["hand"] = hand_graph(device, BATCH, batches[0])
+        made["hand"] = hand_graph(device, BATCH, batches[0], keep_alive=keep)
         mode = "eager" if name == "hand_then_eager_function" else "auto"
         made["ds.function"] = function_job(device, BATCH, mode=mode)[0]
         for i in range(4):
@@ -283,14 +289,24 @@ def run_one(name: str, steps: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--scenario", name, "--steps", str(steps)]
     if name == "hand_then_function_blocking":
         env["CUDA_LAUNCH_BLOCKING"] = "1"
-        cmd[3] = "hand_then_function"
+        cmd[3] = "hand_then_function_dropped"
     elif name == "hand_then_function_memcheck":
         sanitizer = shutil.which("compute-sanitizer") or next(
             (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None
         )
         if sanitizer is None:
             return {"scenario": name, "ended": "skipped: compute-sanitizer not found"}
-        cmd = [sanitizer, "--tool", "memcheck", "--print-limit", "8", *cmd[:3], "hand_then_function", "--steps", "3"]
+        cmd = [
+            sanitizer,
+            "--tool",
+            "memcheck",
+            "--print-limit",
+            "8",
+            *cmd[:3],
+            "hand_then_function_dropped",
+            "--steps",
+            "3",
+        ]
     t0 = time.perf_counter()
     limit = 240 if name.endswith("memcheck") else 120
     try:

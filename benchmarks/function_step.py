@@ -65,9 +65,17 @@ def function_job(
     return step, strategy
 
 
-def hand_graph(device: torch.device, batch: int, first: tuple[torch.Tensor, torch.Tensor]) -> Step:
+def hand_graph(
+    device: torch.device, batch: int, first: tuple[torch.Tensor, torch.Tensor], keep_alive: bool = True
+) -> Step:
     """The main job's step (no strategy) captured by hand: 3 warm-up steps on a side stream, then replays (with
-    cuBLAS's workspaces cleared around the capture, as ``ds.function`` does)."""
+    cuBLAS's workspaces cleared around the capture, as ``ds.function`` does).
+
+    The returned step holds the model, the optimizer and the metrics: the graph writes into their tensors at
+    every replay, and nothing else holds them once this function returns. ``keep_alive=False`` is how this
+    benchmark was until 2026-11-28 (``capture_probe.py``'s ``hand_then_hand_dropped``): their memory went back
+    to the caching allocator while the graph kept writing into it, and the next capture's ``empty_cache`` handed
+    it back to the driver, which made the next replay an illegal memory access (issue 28's crash)."""
     torch.manual_seed(0)
     model = models.fashion_mnist_cnn().to(device)
     opt = models.fashion_mnist_optimizer(model.parameters())
@@ -94,6 +102,8 @@ def hand_graph(device: torch.device, batch: int, first: tuple[torch.Tensor, torc
         graph.replay()
         total.add_(loss)
 
+    if keep_alive:
+        step.keep_alive = (model, opt, metrics, train_step)  # type: ignore[attr-defined]
     return step
 
 

@@ -150,9 +150,50 @@ def test_eval_mode_is_another_graph(device: torch.device) -> None:
     assert torch.equal(forward(x), model[0](x).detach())  # dropout off: not the training graph replayed
 
 
+def test_a_graph_keeps_alive_the_memory_it_replays_into(device: torch.device) -> None:
+    """The cause of issue 28's crash, made harmless: the step reaches its model and optimizer through a dict that
+    is emptied after the capture, so nothing of the user's holds them; the graph still writes into their tensors
+    at every replay. It must hold them (else their memory is freed, handed back to the driver by the next
+    ``empty_cache``, and the replay is an illegal memory access, or writes into another tensor)."""
+    if device.type != "cuda":
+        pytest.skip("a CUDA graph's memory: on the CPU the step runs eagerly and needs the objects it reads")
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(device)
+    holder = {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=0.1, capturable=True)}
+    del model
+
+    @ds.function
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = holder["model"](x).square().mean()
+        loss.backward()
+        holder["opt"].step()
+        holder["opt"].zero_grad()
+        return loss.detach()
+
+    x = torch.randn(16, 8, device=device)
+    losses = [float(step(x)) for _ in range(3)]  # 2 warm-up calls, then the capture
+    assert list(step.paths().values()) == ["cuda_graph (1 graph)"]
+    weight = holder["model"].weight
+    state = weakref.ref(holder["opt"].state[weight]["exp_avg"])
+    del weight
+    holder.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert state() is not None, "the optimizer's state was freed while the graph writes into it"
+    junk = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(16)]  # what would reuse freed memory
+    losses += [float(step(x)) for _ in range(20)]
+    torch.cuda.synchronize()
+    del junk
+    assert all(a > b for a, b in zip(losses, losses[1:])), losses  # still training, on finite numbers
+
+
 def test_two_captured_functions_replayed_in_turn_stay_exact() -> None:
     """The issue's crash: two whole-step graphs in one process (a plain step, one around OneDeviceStrategy.run)
-    replayed in turn. By hand they end in an illegal memory access; as ``ds.function`` s they train as eager.
+    replayed in turn, as ``ds.function`` s, train as eager (by hand, with nothing left holding the first graph's
+    model and optimizer, the next capture made its replay an illegal memory access: ``hand_then_hand_dropped``).
     ``benchmarks/capture_probe.py`` runs each scenario in its own process and reports how it ended."""
     if not torch.cuda.is_available():
         pytest.skip("the probe captures CUDA graphs")

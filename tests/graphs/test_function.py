@@ -130,6 +130,26 @@ def test_the_host_work_guard_refuses_what_a_replay_would_not_repeat():
         assert float((torch.ones(3) * 2).sum()) == 6.0
 
 
+def test_the_capture_notes_the_tensors_that_outlive_it():
+    """What a graph must keep alive (see ``cuda_graph``'s docstring): every tensor its ops used that is still alive
+    when the capture ends (parameters, state, a list argument of a fused op), not the temporaries."""
+    import gc
+    import weakref
+
+    w, state = torch.ones(3), torch.zeros(3)
+    guard = HostWorkGuard()
+    with guard:
+        temporary = w * 2
+        gone = weakref.ref(temporary)
+        torch._foreach_add_([state], [temporary])  # a list argument, as the fused optimizers take
+        del temporary
+    gc.collect()
+    assert gone() is None
+    survivors = guard.survivors()
+    assert any(t is w for t in survivors) and any(t is state for t in survivors)
+    assert all(t.shape == (3,) for t in survivors) and len(survivors) == 2
+
+
 def test_a_float_written_into_a_tensor_rate_is_copied_into_it():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1), capturable=False, foreach=False)
@@ -167,9 +187,10 @@ def test_the_guard_sees_every_change_of_a_hyperparameter_and_nothing_else():
 
 
 def test_a_graph_replays_only_in_the_grad_state_it_was_captured_in():
-    """``CapturedGraph.matches`` (no GPU needed: it reads ``.grad`` alone): a graph captured with no gradients
-    that left them set (a step that accumulates) matches either state; one captured with gradients that it set
-    to None (``zero_grad`` inside the step) does not match None, since it would read the gradients it found."""
+    """``CapturedGraph.matches`` (no GPU needed: it reads ``.grad`` alone), as the accumulation tests on a GPU need
+    it: a graph captured with no gradients writes fresh ones, so it must not replay once they exist (it would
+    overwrite what should add up); a graph captured with gradients adds into those very tensors, in either state
+    it leaves; one that set them to None (``zero_grad`` inside) matches only the gradients it found."""
     from distrib.graphs.cuda_graph import CapturedGraph
     from distrib.graphs.signature import flatten_inputs
 
@@ -180,20 +201,27 @@ def test_a_graph_replays_only_in_the_grad_state_it_was_captured_in():
     def graph(entry: list, left: list) -> CapturedGraph:
         return CapturedGraph(None, list(inputs.leaves), inputs, params, entry, left, torch.ones(()))  # type: ignore[arg-type]
 
-    accumulates = graph([None] * 3, grads)
-    assert accumulates.matches()
-    for p, g in zip(params, grads):
-        p.grad = g
-    assert accumulates.matches()
+    def set_grads(values: list) -> None:
+        for p, g in zip(params, values):
+            p.grad = g
+
+    first_micro_batch = graph([None] * 3, grads)
+    set_grads([None] * 3)
+    assert first_micro_batch.matches()
+    set_grads(grads)  # the state it leaves: the next micro-batch must add, which this graph does not
+    assert not first_micro_batch.matches()
+
+    later_micro_batch = graph(grads, grads)
+    assert later_micro_batch.matches()
     params[1].grad = torch.zeros(2)  # another tensor than the graph's: a different state
-    assert not accumulates.matches()
+    assert not later_micro_batch.matches()
+    set_grads([None] * 3)
+    assert not later_micro_batch.matches()
 
     zeroes = graph(grads, [None] * 3)
-    for p, g in zip(params, grads):
-        p.grad = g
+    set_grads(grads)
     assert zeroes.matches()
-    for p in params:
-        p.grad = None
+    set_grads([None] * 3)
     assert not zeroes.matches()
     params[0].grad = grads[0]  # mixed: one as found, the others None
     assert not zeroes.matches()

@@ -17,6 +17,12 @@ same as an eager call:
   segmentation fault a hand-made capture can end in) and an in-place write to a CPU tensor (it would
   happen once, at capture, and never again). Either is a :class:`CaptureError` naming the op, and the
   signature runs eagerly instead;
+* **the memory it replays into is kept alive**: a graph holds raw addresses, and a tensor freed after the
+  capture (a model, an optimizer or a metric only the step's first trace could reach: a global rebound, an
+  object dropped) would go back to the caching allocator while the graph still writes into it, then to another
+  tensor or to the driver (an illegal memory access, or silent corruption). The capture notes every tensor an op
+  is given; those still alive at its end are held by the graph, as long as it lives. That was the crash of a
+  hand-made graph in issue 28: its model and optimizer had no reference left (``benchmarks/capture_probe.py``);
 * **a private memory pool per graph**: tensors the graph allocates stay reserved for it while it lives, cuBLAS's
   workspace included (``torch_patches.clear_cublas_workspaces`` around the capture): a graph captured with a
   workspace from outside its pool writes into freed memory once a later capture empties the cache, which is the
@@ -26,6 +32,7 @@ same as an eager call:
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,10 +52,25 @@ class CaptureError(RuntimeError):
 
 
 class HostWorkGuard(torch_patches.TorchDispatchMode):
-    """While capturing: refuse the ops whose effect a replay would not repeat (see the module docstring)."""
+    """While capturing: refuse the ops whose effect a replay would not repeat (see the module docstring), and
+    note every tensor an op reads or writes, so that :meth:`survivors` can name those that outlive the capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: id -> weak reference of each tensor an op was given (the latest, where an id was reused)
+        self._seen: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def survivors(self) -> list[torch.Tensor]:
+        """The tensors the captured ops used that are still alive: what a replay reads and writes outside its
+        own memory pool (parameters, optimizer and metric state, inputs), which must live as long as the graph."""
+        alive = (ref() for ref in self._seen.values())
+        return [t for t in alive if t is not None]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._seen[id(leaf)] = weakref.ref(leaf)
         name = str(func)
         if name.startswith(("aten._to_copy", "aten.copy_", "aten.to.", "aten._copy_from")):
             self._check_copy(name, args, kwargs)
@@ -120,8 +142,11 @@ class CapturedGraph:
         self._params = list(params)
         self._entry = entry_grads
         self._exit = exit_grads
-        #: whether the state the capture left matches too: not where it set a .grad it found to None
-        self._exit_matches = all(entry is None for entry, left in zip(entry_grads, exit_grads) if left is None)
+        #: whether the state the capture left matches too: only where it left None where it found None and a
+        #: tensor where it found one (a graph that found None writes fresh gradients; one that found them adds)
+        self._exit_matches = all((entry is None) == (left is None) for entry, left in zip(entry_grads, exit_grads))
+        #: every tensor the capture used that outlived it (see the module docstring: memory kept alive)
+        self._keep_alive: list[torch.Tensor] = []
         self._out_leaves, self._out_spec = pytree.tree_flatten(output)
         self._out_is_leaf = self._out_spec.is_leaf()
 
@@ -138,12 +163,13 @@ class CapturedGraph:
         entry = [p.grad for p in params]
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
+        guard = HostWorkGuard()
         try:
             with torch.cuda.device(device):
                 torch_patches.clear_cublas_workspaces()  # the graph's matmuls get a workspace of its own pool
                 try:
                     with torch.cuda.graph(graph):
-                        with HostWorkGuard():
+                        with guard:
                             output = fn(*args, **kwargs)
                 finally:
                     torch_patches.clear_cublas_workspaces()  # and no eager matmul shares it afterwards
@@ -156,6 +182,7 @@ class CapturedGraph:
             raise CaptureError(f"{type(e).__name__}: {e}") from e
         exit_grads = [p.grad for p in params]
         captured = cls(graph, static_leaves, inputs, params, entry, exit_grads, output)
+        captured._keep_alive = guard.survivors()
         graph.replay()
         return captured, captured._outputs()
 
