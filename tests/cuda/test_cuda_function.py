@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -151,10 +152,11 @@ def test_eval_mode_is_another_graph(device: torch.device) -> None:
 
 
 def test_a_graph_keeps_alive_the_memory_it_replays_into(device: torch.device) -> None:
-    """The cause of issue 28's crash, made harmless: the step reaches its model and optimizer through a dict that
-    is emptied after the capture, so nothing of the user's holds them; the graph still writes into their tensors
-    at every replay. It must hold them (else their memory is freed, handed back to the driver by the next
-    ``empty_cache``, and the replay is an illegal memory access, or writes into another tensor)."""
+    """The cause of issue 28's crash, made harmless: the step reaches its model, optimizer and a running total
+    through a dict that is emptied after the capture, so nothing of the user's holds them; the graph still writes
+    into their tensors at every replay. It must hold them (else their memory is freed, handed back to the driver
+    by the next ``empty_cache``, and the replay is an illegal memory access, or writes into another tensor), and
+    go on replaying (the optimizer it steps is the one it was captured with, as a tf.function's variables)."""
     if device.type != "cuda":
         pytest.skip("a CUDA graph's memory: on the CPU the step runs eagerly and needs the objects it reads")
     import gc
@@ -162,7 +164,11 @@ def test_a_graph_keeps_alive_the_memory_it_replays_into(device: torch.device) ->
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to(device)
-    holder = {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=0.1, capturable=True)}
+    holder = {
+        "model": model,
+        "opt": torch.optim.Adam(model.parameters(), lr=0.1, capturable=True),
+        "total": torch.zeros((), device=device),
+    }
     del model
 
     @ds.function
@@ -171,23 +177,26 @@ def test_a_graph_keeps_alive_the_memory_it_replays_into(device: torch.device) ->
         loss.backward()
         holder["opt"].step()
         holder["opt"].zero_grad()
+        holder["total"].add_(loss.detach())
         return loss.detach()
 
     x = torch.randn(16, 8, device=device)
     losses = [float(step(x)) for _ in range(3)]  # 2 warm-up calls, then the capture
     assert list(step.paths().values()) == ["cuda_graph (1 graph)"]
-    weight = holder["model"].weight
-    state = weakref.ref(holder["opt"].state[weight]["exp_avg"])
-    del weight
+    total = weakref.ref(holder["total"])  # held by nothing but the graph once the dict is emptied
+    state = weakref.ref(holder["opt"].state[holder["model"].weight]["exp_avg"])
     holder.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    assert state() is not None, "the optimizer's state was freed while the graph writes into it"
+    assert total() is not None and state() is not None, "memory the graph writes into was freed"
     junk = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(16)]  # what would reuse freed memory
     losses += [float(step(x)) for _ in range(20)]
     torch.cuda.synchronize()
     del junk
-    assert all(a > b for a, b in zip(losses, losses[1:])), losses  # still training, on finite numbers
+    assert list(step.paths().values()) == ["cuda_graph (1 graph)"]  # replayed: no new capture (it would fail)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] / 2, losses  # still training
+    running = total()
+    assert running is not None and float(running) == pytest.approx(sum(losses), rel=1e-5)  # every call added
 
 
 def test_two_captured_functions_replayed_in_turn_stay_exact() -> None:

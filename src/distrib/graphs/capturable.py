@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, cast
 
 import torch
 
@@ -135,7 +135,9 @@ class OptimizerWatch:
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self._optimizers = [weakref.ref(o) for o in optimizers]
+        #: held, not weakly: the graph steps their state, which must live as long as the graph (a step that
+        #: reaches its optimizer through a global rebound since would otherwise free it under the graph)
+        self._optimizers = list(optimizers)
         self._rates: list[tuple[dict[str, Any], torch.Tensor]] = [
             (group, group["lr"])
             for o in optimizers
@@ -162,35 +164,24 @@ class OptimizerWatch:
             return self._guard
         parts: list[Any] = []
         snapshot: list[Any] = []
-        for ref in self._optimizers:
-            o = ref()
-            if o is None:
-                parts.append(None)
-                snapshot.append(None)
-                continue
+        for o in self._optimizers:
             parts.append(state_version(o))
             groups = list(o.param_groups)
             entries = []
             for group in groups:
                 parts.append(tuple([(k, v) for k, v in group.items() if k != "params" and _frozen(v)]))
                 keys = tuple(group)
-                values_of = operator.itemgetter(*keys) if len(keys) > 1 else _one_value(keys[0])
+                values_of = _values_of(keys)
                 entries.append((group, keys, values_of, values_of(group)))
-            snapshot.append((groups, entries))  # not the optimizer: the watch holds it weakly
+            snapshot.append((groups, entries))
         self._snapshot, self._guard, self._loads = snapshot, tuple(parts), _all_loads[0]
         return self._guard
 
     def _unchanged(self) -> bool:
         """Whether every optimizer holds the same groups, keys and value objects as when the guard was built."""
-        if not self._snapshot or self._loads != _all_loads[0]:
+        if self._loads != _all_loads[0]:  # a load since (or no guard built yet: -1)
             return False
-        for ref, entry in zip(self._optimizers, self._snapshot):
-            o = ref()
-            if o is None or entry is None:
-                if o is not None or entry is not None:
-                    return False
-                continue
-            groups, entries = entry
+        for o, (groups, entries) in zip(self._optimizers, self._snapshot):
             if len(o.param_groups) != len(groups):
                 return False
             if not all(map(operator.is_, o.param_groups, groups)):
@@ -206,6 +197,10 @@ class OptimizerWatch:
         return True
 
 
-def _one_value(key: str) -> Any:
-    """``operator.itemgetter(key)``, but a tuple as ``itemgetter(k1, k2)`` returns (a group of one key: 'params')."""
-    return lambda group: (group[key],)
+def _values_of(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A group's values for ``keys``, as a tuple, in C (``operator.itemgetter``; a group of one key gets a tuple too)."""
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda group: (group[key],)
+    getter: Any = operator.itemgetter  # typed through Any: mypy 2.4 crashes expanding itemgetter(*keys)
+    return cast(Callable[[dict[str, Any]], tuple[Any, ...]], getter(*keys))

@@ -114,6 +114,15 @@ def _host_copy_error(name: str, src: torch.Tensor) -> CaptureError:
     )
 
 
+def _first_error(error: BaseException) -> BaseException:
+    """The error that started a failed capture: an error inside ``torch.cuda.graph`` ends the capture, and ending a
+    broken capture raises again ('operation failed due to a previous error during capture'), which hides the
+    first error as its ``__context__``."""
+    while error.__context__ is not None and error.__context__ is not error:
+        error = error.__context__
+    return error
+
+
 def _clone_output(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -177,9 +186,10 @@ class CapturedGraph:
             for p, g in zip(params, entry):
                 p.grad = g
             torch.cuda.synchronize(device)
-            if isinstance(e, CaptureError):
-                raise
-            raise CaptureError(f"{type(e).__name__}: {e}") from e
+            cause = _first_error(e)
+            if isinstance(cause, CaptureError):
+                raise cause from None
+            raise CaptureError(f"{type(cause).__name__}: {cause}") from e
         exit_grads = [p.grad for p in params]
         captured = cls(graph, static_leaves, inputs, params, entry, exit_grads, output)
         captured._keep_alive = guard.survivors()
