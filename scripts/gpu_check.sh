@@ -75,7 +75,7 @@ fi
 
 TIMEOUT_ARGS=()
 "$PY" -c 'import pytest_timeout' 2>/dev/null && TIMEOUT_ARGS=(--timeout "$PER_TEST")
-# the probe (benchmarks/capture_probe.py: 9 scenarios, each in its own process) runs when asked for
+# the probe (benchmarks/capture_probe.py: 17 scenarios, each in its own process, 4 at once) runs when asked for
 STAGES=",${GPU_CHECK_STAGES:-tests,benchmark,function},"
 # addopts='': not the suite's --doctest-modules and -m 'not faults_full'; -m cuda selects these tests alone
 rm -f "$OUTDIR/function-table.jsonl"
@@ -88,7 +88,7 @@ stage "CUDA tests (DISTRIB_CHECK_DEVICE=$DISTRIB_CHECK_DEVICE)" "$TESTS_LIMIT" /
     "$PY" benchmarks/gpu.py "${BENCH_ARGS[@]}" --json "$OUTDIR/benchmark.json"
 
 [[ $STAGES == *,probe,* && $DRY -eq 0 ]] && stage "capture probe (benchmarks/capture_probe.py)" 300 /dev/null \
-    "$PY" benchmarks/capture_probe.py --scenario all --steps 300 --json "$OUTDIR/capture-probe.json"
+    "$PY" benchmarks/capture_probe.py --scenario all --parallel 4 --steps 300 --json "$OUTDIR/capture-probe.json"
 
 [[ $STAGES == *,function,* ]] && stage "ds.function benchmark (benchmarks/function_step.py ${FUNCTION_ARGS[*]})" \
     "$FUNCTION_LIMIT" /dev/null "$PY" benchmarks/function_step.py "${FUNCTION_ARGS[@]}" \
