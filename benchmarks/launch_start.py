@@ -1,9 +1,10 @@
-"""What a task of ``distrib launch`` costs to start: the fork server (the default) against a fresh python per task.
+"""What a task of ``distrib launch`` costs to start: the fork server (the default) against a fresh python per task,
+and against a shared fork server (``DISTRIB_FORK_SERVER_DIR``: :mod:`distrib.cluster.shared_forkserver`).
 
     python benchmarks/launch_start.py [--workers 1 2 4] [--rounds 5] [--json out.json]
 
-Each round launches a probe script under ``--start-method forkserver`` and ``--start-method spawn``, in an order
-that alternates from round to round. The probe imports torch, builds a small model and an Adam optimizer (torch
+Each round launches a probe script under ``--start-method forkserver``, ``--start-method spawn`` and the shared
+server (``shared``: warmed up by one launch first), in an order that alternates from round to round. The probe imports torch, builds a small model and an Adam optimizer (torch
 imports ``torch._dynamo`` there, for plain PyTorch too), writes its own CPU time, and exits: what every training
 task does before its first step. Per launch:
 
@@ -12,8 +13,10 @@ task does before its first step. Per launch:
   across the launch: the launcher is reaped here, and it reaps the fork server and the tasks, its children);
 - ``task_cpu_s``: each task's own CPU-seconds when its optimizer is built (a forked task counts from its fork).
 
-Reports the medians over rounds, and the forkserver/spawn ratios taken within each round (a loaded machine's
-drift falls on both alike). Prints a JSON object and a short table.
+A shared server is no launch's child: its own CPU is read from /proc at the end (``shared_server_cpu_s``, its
+start and every session it forked, over the whole run). Reports the medians over rounds, and the forkserver/spawn
+and shared/forkserver ratios taken within each round (a loaded machine's drift falls on both alike). Prints a JSON
+object and a short table.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 from preemption import run_launch  # distrib launch, bounded (this directory is sys.path[0])
 
-METHODS = ("forkserver", "spawn")
+METHODS = ("forkserver", "spawn", "shared")
 PROBE = textwrap.dedent(
     """
     import json, os, resource, sys
@@ -59,8 +62,14 @@ def launch_once(workdir: Path, method: str, workers: int, timeout: float = 180) 
     if not script.exists():
         script.write_text(PROBE)
     out = Path(tempfile.mkdtemp(prefix=f"{method}-{workers}-", dir=workdir))
+    env = {k: v for k, v in os.environ.items() if k != "DISTRIB_FORK_SERVER_DIR"}  # the default, unless asked
+    if method == "shared":
+        env["DISTRIB_FORK_SERVER_DIR"] = str(workdir / "servers")
+    start_method = "spawn" if method == "spawn" else "forkserver"
     before, started = _children_cpu(), time.monotonic()
-    code, log = run_launch(["--workers", str(workers), "--start-method", method, str(script), str(out)], timeout)
+    code, log = run_launch(
+        ["--workers", str(workers), "--start-method", start_method, str(script), str(out)], timeout, env
+    )
     wall, cpu = time.monotonic() - started, _children_cpu() - before
     if code != 0:
         raise RuntimeError(f"a {method} launch of {workers} failed ({code}):\n{log}")
@@ -71,6 +80,7 @@ def launch_once(workdir: Path, method: str, workers: int, timeout: float = 180) 
 def run(workers: list[int], rounds: int, workdir: Path) -> dict[str, Any]:
     """Every worker count, ``rounds`` rounds each, both methods per round in alternating order."""
     results: dict[str, Any] = {}
+    launch_once(workdir, "shared", 1)  # the shared server's start, measured apart (shared_server_cpu_s)
     for n in workers:
         launches: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         for r in range(rounds):
@@ -88,22 +98,44 @@ def run(workers: list[int], rounds: int, workdir: Path) -> dict[str, Any]:
             key: statistics.median(f[key] / s[key] for f, s in zip(launches["forkserver"], launches["spawn"]))
             for key in ("wall_s", "cpu_s")
         }
-        results[str(n)] = {"medians": medians, "forkserver_vs_spawn": ratios, "launches": launches}
+        shared = {
+            key: statistics.median(h[key] / f[key] for h, f in zip(launches["shared"], launches["forkserver"]))
+            for key in ("wall_s", "cpu_s")
+        }
+        results[str(n)] = {
+            "medians": medians,
+            "forkserver_vs_spawn": ratios,
+            "shared_vs_forkserver": shared,
+            "launches": launches,
+        }
     return results
+
+
+def stop_shared(workdir: Path) -> float:
+    """Stop the shared server(s) of ``workdir``; the CPU-seconds they used (from /proc, before the stop)."""
+    from distrib.cluster.shared_forkserver import stop_servers
+
+    cpu = 0.0
+    for pid_file in (workdir / "servers").glob("*.pid"):
+        try:
+            fields = Path(f"/proc/{int(pid_file.read_text())}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        cpu += (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    stop_servers(str(workdir / "servers"))
+    return cpu
 
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        f"{'workers':>7} {'method':>10} {'wall s':>7} {'CPU s':>7} {'task CPU s':>10} | forkserver/spawn wall, CPU",
+        f"{'workers':>7} {'method':>10} {'wall s':>7} {'CPU s':>7} {'task CPU s':>10} | vs spawn (forkserver), "
+        "vs forkserver (shared): wall, CPU",
     ]
     for n, r in results.items():
         for m in METHODS:
             med = r["medians"][m]
-            ratio = (
-                f" | {r['forkserver_vs_spawn']['wall_s']:.2f}, {r['forkserver_vs_spawn']['cpu_s']:.2f}"
-                if m == "forkserver"
-                else ""
-            )
+            against = {"forkserver": "forkserver_vs_spawn", "shared": "shared_vs_forkserver"}.get(m)
+            ratio = f" | {r[against]['wall_s']:.2f}, {r[against]['cpu_s']:.2f}" if against else ""
             lines.append(f"{n:>7} {m:>10} {med['wall_s']:7.2f} {med['cpu_s']:7.2f} {med['task_cpu_s']:10.3f}{ratio}")
     return "\n".join(lines)
 
@@ -121,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "workers": run(args.workers, args.rounds, Path(tmp)),
         }
+        results["shared_server_cpu_s"] = stop_shared(Path(tmp))
     text = json.dumps(results, indent=1)
     print(text)
     if args.json:

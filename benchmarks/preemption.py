@@ -44,8 +44,9 @@ _LINE = re.compile(r"^\[(?:worker|chief) \d+\] (NOTICE|START|EXIT) (.*)$")
 _SAVED = re.compile(r"worker (\d+): preemption checkpoint at run (\d+) saved")
 
 
-def run_launch(args: list[str], timeout: float = 240) -> tuple[int, str]:
-    """``distrib launch`` in its own session, killed as a whole if it overruns (or whatever happens)."""
+def run_launch(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``distrib launch`` in its own session (in ``env``, else this process's environment), killed as a whole if it
+    overruns (or whatever happens)."""
     import signal
 
     proc = subprocess.Popen(
@@ -55,6 +56,7 @@ def run_launch(args: list[str], timeout: float = 240) -> tuple[int, str]:
         text=True,
         start_new_session=True,
         cwd=ROOT,
+        env=env,
     )
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -46,6 +46,34 @@ def idx_dir(tmp_path: Path) -> Path:
 collect_ignore = ["scripts", "helpers.py"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_fork_servers(tmp_path_factory: pytest.TempPathFactory):
+    """Every ``distrib launch`` of this test process forks its tasks from a shared fork server
+    (:mod:`distrib.cluster.shared_forkserver`): one per import environment, started by the first launch that needs
+    it, instead of one per launch (about 2 CPU-seconds each, over a hundred launches). Stopped at the end. Tests
+    that look at a launcher's own process tree take the ``own_fork_server`` fixture instead."""
+    from distrib.cluster.shared_forkserver import DIRECTORY_VARIABLE, stop_servers
+
+    directory = tmp_path_factory.mktemp("fork-servers")  # this test process's own: the other's may still run
+    saved = {k: os.environ.get(k) for k in (DIRECTORY_VARIABLE, "DISTRIB_FORK_SERVER_IDLE_SECONDS")}
+    os.environ[DIRECTORY_VARIABLE] = str(directory)
+    os.environ["DISTRIB_FORK_SERVER_IDLE_SECONDS"] = "900"  # a pause between launches, not the end of the session
+    yield
+    stop_servers(str(directory))
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def own_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``distrib launch`` starts a fork server of its own, as by default: its tasks are the launcher's children
+    (their process tree, ``os.getppid()``, a signal to the parent), which a shared server's are not."""
+    monkeypatch.delenv("DISTRIB_FORK_SERVER_DIR", raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Each test leaves os.environ as it found it: an in-process cluster sets GLOO_SOCKET_IFNAME (and

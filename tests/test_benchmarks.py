@@ -203,9 +203,10 @@ def test_the_sharded_checkpoint_benchmark_compares_both_formats(tmp_path):
     assert all(row[k] > 0 for row in (sharded, plain) for k in ("save_s", "restore_s"))
 
 
-def test_the_launch_start_benchmark_compares_both_start_methods(tmp_path):
-    """benchmarks/launch_start.py, tiny (1 worker, 1 round): a launch each way, each with its figures, and the
-    ratios and the table. (That a forked task finds torch imported is tests/cluster/test_forkserver.py's.)"""
+def test_the_launch_start_benchmark_compares_the_start_methods(tmp_path):
+    """benchmarks/launch_start.py, tiny (1 worker, 1 round): a launch each way (its own fork server, fresh, a shared
+    server), each with its figures, and the ratios and the table; the shared server stopped, its CPU read. (That a
+    forked task finds torch imported is tests/cluster/test_forkserver.py's.)"""
     import json
 
     from helpers import run_bounded
@@ -217,8 +218,9 @@ def test_the_launch_start_benchmark_compares_both_start_methods(tmp_path):
     )
     assert code == 0, log
     run = json.loads(out.read_text())["workers"]["1"]
-    for method in ("forkserver", "spawn"):
+    for method in ("forkserver", "spawn", "shared"):
         (launch,) = run["launches"][method]
         assert launch["wall_s"] > 0 and launch["cpu_s"] > 0 and len(launch["task_cpu_s"]) == 1, launch
-    assert set(run["forkserver_vs_spawn"]) == {"wall_s", "cpu_s"}
-    assert "forkserver" in log and "spawn" in log  # the table
+    assert set(run["forkserver_vs_spawn"]) == set(run["shared_vs_forkserver"]) == {"wall_s", "cpu_s"}
+    assert json.loads(out.read_text())["shared_server_cpu_s"] > 0.5  # it imported torch
+    assert "forkserver" in log and "spawn" in log and "shared" in log  # the table

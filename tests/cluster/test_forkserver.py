@@ -15,6 +15,9 @@ from helpers import alive, launch, process_tree, run_bounded, start_launch
 
 from distrib.cluster.forkserver import ForkServer, forkable
 
+# these look at the launcher's own process tree: its own fork server, as by default (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("own_fork_server")
+
 PROBE = textwrap.dedent(
     """
     import atexit, gc, json, os, random, sys

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import alive, launch, process_tree, start_launch
 
+# these look at the launcher's own process tree: its own fork server, as by default (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("own_fork_server")
+
 
 def test_launch_returns_the_first_failures_exit_code(tmp_path):
     script = tmp_path / "fail.py"

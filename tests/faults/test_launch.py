@@ -14,6 +14,9 @@ import time
 import pytest
 from helpers import alive, process_tree, start_launch
 
+# these look at the launcher's own process tree: its own fork server, as by default (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("own_fork_server")
+
 # the chief of a parameter-server cluster that ignores the polite signals and starts a process of its own:
 # the launcher must kill both after its grace period
 STUBBORN_CHIEF = textwrap.dedent("""

@@ -252,7 +252,10 @@ def forwarded_arguments(args: argparse.Namespace, skip: Sequence[str] = _LAUNCHE
 def _train(args: argparse.Namespace) -> int:
     from distrib.app.datasets import DatasetNotFoundError
     from distrib.app.train import TrainConfig, train
+    from distrib.startup import freeze_imports
     from distrib.strategies import registry
+
+    freeze_imports()  # torch is imported: its objects are never garbage (about 0.6 CPU-s less at exit)
 
     name = args.strategy or registry.default_name(workers=args.workers, ps=args.ps)
     entry = registry.get(name)

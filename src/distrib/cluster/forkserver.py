@@ -108,19 +108,39 @@ def import_environment(env: Mapping[str, str]) -> dict[str, str | None]:
 
 
 class ForkedProcess:
-    """A task forked by the server, with the part of :class:`subprocess.Popen`'s interface the launcher uses. It is
-    the launcher's own child (:func:`become_subreaper`), so its exit status is the launcher's to wait for."""
+    """A task forked by the server, with the part of :class:`subprocess.Popen`'s interface the launcher uses.
 
-    def __init__(self, pid: int, stdout: IO[bytes]) -> None:
+    From the launcher's own server it is the launcher's child (:func:`become_subreaper`), so its exit status is the
+    launcher's to wait for. From a shared server (:mod:`distrib.cluster.shared_forkserver`) it is not: the process
+    that forked it waits for it and writes its exit code into ``status``, a pipe whose other end it holds."""
+
+    def __init__(self, pid: int, stdout: IO[bytes], status: int | None = None) -> None:
         self.pid, self.stdout = pid, stdout
         self.returncode: int | None = None
+        self._status = status
+        if status is not None:
+            os.set_blocking(status, False)
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+            if self._status is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            else:
+                self._read_status()
         return self.returncode
+
+    def _read_status(self) -> None:
+        assert self._status is not None
+        try:
+            data = os.read(self._status, 64)
+        except BlockingIOError:
+            return  # still running
+        os.close(self._status)
+        self._status = None
+        # no code: the process that waited for the task was killed (the task's status is lost with it)
+        self.returncode = int(data) if data else -signal.SIGKILL
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -158,19 +178,29 @@ def reap_orphans(known: set[int]) -> None:
 
 
 class ForkServer:
-    """The launcher's end: starts the server process once, then asks it for each task.
+    """The launcher's end: starts the server process once (or, with ``shared_dir``, takes a session of the shared
+    server of that directory: :mod:`distrib.cluster.shared_forkserver`), then asks it for each task.
 
     Making one makes the calling process a subreaper (:func:`become_subreaper`) for the rest of its life: the
     orphans of what it started become its children (reap them with :func:`reap_orphans`)."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], shared_dir: str | None = None) -> None:
         become_subreaper()
         self.env = dict(env)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._socket = ours
         self._lock = threading.Lock()
         #: set when the server was found gone: every later task then starts fresh (:meth:`accepts` says no)
         self.gone = False
+        #: the server process this launcher started and owns (None: a shared server's session)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.shared_dir = shared_dir
+        if shared_dir is not None:
+            from distrib.cluster.shared_forkserver import connect
+
+            self._socket, greeting = connect(shared_dir, self.env)
+            self.description = f"the shared fork server (pid {greeting.get('server')}) of {shared_dir}"
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket = ours
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "distrib.cluster.forkserver", str(theirs.fileno())],
@@ -180,6 +210,12 @@ class ForkServer:
             )
         finally:
             theirs.close()
+        self.description = f"the fork server (pid {self.process.pid})"
+
+    @property
+    def owned_pids(self) -> set[int]:
+        """The launcher's children that are this server (not tasks: :func:`reap_orphans` leaves them)."""
+        return {self.process.pid} if self.process is not None else set()
 
     def accepts(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether a task of this command and environment can be forked from this server."""
@@ -190,30 +226,38 @@ class ForkServer:
         and stderr together in the returned process's ``stdout``. Raises RuntimeError if the server is gone (then
         :attr:`gone`) or could not fork."""
         read, write = os.pipe()
+        status_read, status_write = os.pipe() if self.shared_dir is not None else (None, None)
+        sent = [write] if status_write is None else [write, status_write]
         request = {"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd()}
         try:
             with self._lock:
                 try:
-                    socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
+                    socket.send_fds(self._socket, [json.dumps(request).encode()], sent)
                     reply = self._socket.recv(_MESSAGE)
                 except OSError:
                     reply = b""
             if not reply:
                 self.gone = True
-                raise RuntimeError(f"the fork server (pid {self.process.pid}) exited: {self.process.poll()}")
+                ended = f": {self.process.poll()}" if self.process is not None else ""
+                raise RuntimeError(f"{self.description} exited{ended}")
             message = json.loads(reply)
             if "error" in message:
-                raise RuntimeError(f"the fork server could not start {list(argv)}: {message['error']}")
+                raise RuntimeError(f"{self.description} could not start {list(argv)}: {message['error']}")
         except BaseException:
             os.close(read)
+            if status_read is not None:
+                os.close(status_read)
             raise
         finally:
-            os.close(write)  # the task holds it now: its exit is the relay's end of file
-        return ForkedProcess(int(message["started"]), os.fdopen(read, "rb"))
+            for fd in sent:
+                os.close(fd)  # the task (and its relay) hold them now: the task's exit is the output's end of file
+        return ForkedProcess(int(message["started"]), os.fdopen(read, "rb"), status_read)
 
     def close(self) -> None:
-        """Stop the server (tasks it started go on: the launcher stops them itself)."""
+        """Stop the server, or end the session of a shared one (tasks it started go on: the launcher stops them)."""
         self._socket.close()
+        if self.process is None:
+            return
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -227,18 +271,30 @@ def serve(connection: socket.socket) -> None:
 
     A forked task leaves this function by its script's ``SystemExit``, which unwinds to the interpreter's own exit
     (``atexit``, thread joins, finalisation, as after ``python script.py``): nothing on its way may catch it."""
+    preload()
+    serve_requests(connection)
+
+
+def preload() -> None:
+    """Import :data:`PRELOAD` as a server does: the collector off, so that none leaves holes in the pages the tasks
+    will share (gc.freeze's documented recipe), then one collection of the imports' own garbage."""
     import importlib
 
-    gc.disable()  # no collection may leave holes in the pages the tasks share (gc.freeze's documented recipe)
+    gc.disable()
     for name in PRELOAD:
         importlib.import_module(name)
-    gc.collect()  # once: the imports' own garbage, before anything is shared
+    gc.collect()
     torch = sys.modules["torch"]
     if torch.cuda.is_initialized():  # a forked child could not use CUDA: the launcher then starts tasks fresh
         raise SystemExit("distrib fork server: CUDA was initialised while importing; not forking tasks from it")
+
+
+def serve_requests(connection: socket.socket) -> None:
+    """Fork a task for each request on ``connection`` until the launcher closes it. A request carries the task's
+    output pipe, and, from a shared server's session, a second pipe for its exit code (see :class:`ForkedProcess`)."""
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(connection, _MESSAGE, 1)
+            data, fds, _, _ = socket.recv_fds(connection, _MESSAGE, 2)
         except OSError:
             return
         if not data:
@@ -249,16 +305,31 @@ def serve(connection: socket.socket) -> None:
         # and its collections touch none of the pages it shares with the server
         gc.freeze()
         try:
-            reply = {"started": _fork_task(connection, json.loads(data), fds[0])}
-        except OSError as e:
-            reply = {"error": str(e)}
+            status = fds[1] if len(fds) > 1 else None
+            reply = {"started": _fork_task(connection, json.loads(data), fds[0], status)}
+        except (OSError, IndexError) as e:
+            reply = {"error": str(e) or type(e).__name__}
         for fd in fds:
             os.close(fd)
         connection.send(json.dumps(reply).encode())
+        _reap_children()
 
 
-def _fork_task(connection: socket.socket, request: dict[str, Any], output: int) -> int:
-    """Fork twice: the middle process exits at once, so the task is reparented to the launcher (the subreaper)."""
+def _reap_children() -> None:
+    """Reap this process's exited children (a shared session's relays, once their tasks ended)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+
+
+def _fork_task(connection: socket.socket, request: dict[str, Any], output: int, status: int | None = None) -> int:
+    """Fork twice. Without ``status`` the middle process exits at once, so the task is reparented to the launcher
+    (the subreaper). With it (a shared server's task) the middle process stays the task's parent: it waits for the
+    task and writes its exit code into ``status``."""
     read, write = os.pipe()
     middle = os.fork()
     if middle == 0:
@@ -272,16 +343,35 @@ def _fork_task(connection: socket.socket, request: dict[str, Any], output: int) 
         if task == 0:
             gc.enable()
             os.close(write)
+            if status is not None:
+                os.close(status)
             _become_task(request, output)  # raises the task's SystemExit, up to the interpreter's exit
         os.write(write, str(task).encode())
-        os._exit(0)
+        if status is None:
+            os._exit(0)
+        os.close(write)
+        os.close(output)  # the task holds it: its exit is the end of the launcher's output
+        _relay_exit_code(task, status)
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
         pid = pipe.read()
-    os.waitpid(middle, 0)  # once reaped, the task's parent is the launcher
+    if status is None:
+        os.waitpid(middle, 0)  # once reaped, the task's parent is the launcher
     if not pid:
         raise OSError("the task's fork failed")
     return int(pid)
+
+
+def _relay_exit_code(task: int, status: int) -> None:
+    """In the middle process of a shared server's task: wait for it, write its exit code, end."""
+    code = -signal.SIGKILL
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the launcher's terminal is not ours
+        _, raw = os.waitpid(task, 0)
+        code = os.waitstatus_to_exitcode(raw)
+        os.write(status, str(code).encode())
+    finally:
+        os._exit(0)
 
 
 def _become_task(request: dict[str, Any], output: int) -> None:

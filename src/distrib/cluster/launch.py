@@ -290,6 +290,22 @@ class _Task:
             self.reader.join(timeout=2)
 
 
+def _fork_server(env: dict[str, str]) -> ForkServer | None:
+    """The launch's fork server: a session of the shared one of ``DISTRIB_FORK_SERVER_DIR`` where that is set
+    (:mod:`distrib.cluster.shared_forkserver`), else one of its own; None (and why) where neither can be had."""
+    shared_dir = os.environ.get("DISTRIB_FORK_SERVER_DIR")
+    if shared_dir:
+        try:
+            return ForkServer(env, shared_dir=shared_dir)
+        except OSError as e:
+            _say(f"no shared fork server in {shared_dir} ({e}): starting one for this launch")
+    try:
+        return ForkServer(env)
+    except OSError as e:
+        _say(f"no fork server ({e}): every task starts as a fresh process")
+        return None
+
+
 def _relay(stream: IO[bytes] | None, prefix: str) -> None:
     if stream is None:
         return
@@ -402,7 +418,7 @@ class _Group:
         """
         while True:
             if self.server is not None:  # the launcher is a subreaper: its tasks' orphans come to it
-                reap_orphans({t.proc.pid for t in self.tasks if t.proc is not None} | {self.server.process.pid})
+                reap_orphans({t.proc.pid for t in self.tasks if t.proc is not None} | self.server.owned_pids)
             failed: list[tuple[_Task, int]] = []
             for t in self.tasks:
                 code = t.poll()
@@ -523,11 +539,8 @@ def launch(config: LaunchConfig) -> int:
                 group = _Group(config, token, starts, tls, workers)
                 _say(f"starting {len(group.tasks)} task(s): {json.dumps(group.cluster)}")
                 if forking and server is None and any(forkable(t.argv) for t in group.tasks):
-                    try:
-                        server = ForkServer(group.shared_env)
-                    except OSError as e:
-                        _say(f"no fork server ({e}): every task starts as a fresh process")
-                        forking = False
+                    server = _fork_server(group.shared_env)
+                    forking = server is not None
                 group.start(server)
                 ok, code, who = group.watch(server_restarts)
                 signals.armed = False

@@ -19,6 +19,9 @@ from collections.abc import Sequence
 def main(argv: Sequence[str] | None = None) -> int:
     from distrib.cluster import TFConfigClusterResolver, TFConfigError
     from distrib.parameter_server.server.server import Server
+    from distrib.startup import freeze_imports
+
+    freeze_imports()  # torch is imported: its objects are never garbage (about 0.6 CPU-s less at exit)
 
     try:
         resolver = TFConfigClusterResolver()
