@@ -57,7 +57,8 @@ def _shared_fork_servers(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("fork-servers")  # this test process's own: the other's may still run
     saved = {k: os.environ.get(k) for k in (DIRECTORY_VARIABLE, "DISTRIB_FORK_SERVER_IDLE_SECONDS")}
     os.environ[DIRECTORY_VARIABLE] = str(directory)
-    os.environ["DISTRIB_FORK_SERVER_IDLE_SECONDS"] = "900"  # a pause between launches, not the end of the session
+    # longer than a pause between launches; and the servers go soon after a pytest that was killed
+    os.environ["DISTRIB_FORK_SERVER_IDLE_SECONDS"] = "300"
     yield
     stop_servers(str(directory))
     for k, v in saved.items():
