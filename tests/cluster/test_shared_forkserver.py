@@ -115,3 +115,17 @@ def test_an_idle_server_exits_and_a_dead_one_is_replaced(
 def test_a_directory_whose_socket_path_is_too_long_is_an_error_naming_the_fix(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="too long for a Unix socket path"):
         shared_forkserver.connect(str(tmp_path / ("d" * 120)), {})
+
+
+def test_a_server_that_cannot_start_is_an_error_at_once_naming_its_output(tmp_path: Path) -> None:
+    """(the launch then starts a server of its own: distrib.cluster.launch._fork_server)"""
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("raise ImportError('a planted broken torch')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    started = time.monotonic()
+    with pytest.raises(OSError, match=r"did not listen .*exit code 1; its output: .*\.log"):
+        shared_forkserver.connect(str(tmp_path / "servers"), env)
+    assert time.monotonic() - started < 30  # not the whole START_TIMEOUT
+    (log,) = (tmp_path / "servers").glob("*.log")
+    assert "a planted broken torch" in log.read_text()

@@ -94,13 +94,18 @@ def connect(directory: str, env: Mapping[str, str]) -> tuple[socket.socket, dict
         fcntl.flock(lock, fcntl.LOCK_EX)  # one launch starts the server; the others wait, then connect
         connection = _try_connect(path)
         if connection is None:
-            _start(path, env)
+            server = _start(path, env)
             deadline = time.monotonic() + START_TIMEOUT
-            while connection is None and time.monotonic() < deadline:
+            while connection is None and time.monotonic() < deadline and server.poll() is None:
                 time.sleep(0.05)
                 connection = _try_connect(path)
             if connection is None:
-                raise OSError(f"the shared fork server for {path} did not listen within {START_TIMEOUT:.0f} s")
+                server.kill()
+                log = path[: -len(".sock")] + ".log"
+                raise OSError(
+                    f"the shared fork server for {path} did not listen within {START_TIMEOUT:.0f} s "
+                    f"(exit code {server.wait()}; its output: {log})"
+                )
     try:
         greeting = json.loads(connection.recv(_MESSAGE) or b"null")
     except (OSError, ValueError) as e:
@@ -122,14 +127,14 @@ def _try_connect(path: str) -> socket.socket | None:
     return connection
 
 
-def _start(path: str, env: Mapping[str, str]) -> None:
+def _start(path: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     """Start a server listening on ``path``, in a session of its own, with the launcher's environment and ``env``'s
     import-time variables (not a launch's own ones)."""
     server_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and k not in IMPORT_TIME_VARIABLES}
     server_env.update({k: v for k, v in import_environment(env).items() if v is not None})
     idle = os.environ.get("DISTRIB_FORK_SERVER_IDLE_SECONDS", str(IDLE_SECONDS))
     with open(path[: -len(".sock")] + ".log", "ab") as log:  # not the launcher's output: a pipe would wait for it
-        subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "distrib.cluster.shared_forkserver", path, "--idle-seconds", idle],
             env=server_env,
             stdin=subprocess.DEVNULL,
