@@ -47,20 +47,25 @@ collect_ignore = ["scripts", "helpers.py"]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _shared_fork_servers(tmp_path_factory: pytest.TempPathFactory):
+def _shared_fork_servers():
     """Every ``distrib launch`` of this test process forks its tasks from a shared fork server
     (:mod:`distrib.cluster.shared_forkserver`): one per import environment, started by the first launch that needs
     it, instead of one per launch (about 2 CPU-seconds each, over a hundred launches). Stopped at the end. Tests
     that look at a launcher's own process tree take the ``own_fork_server`` fixture instead."""
+    import shutil
+    import tempfile
+
     from distrib.cluster.shared_forkserver import DIRECTORY_VARIABLE, stop_servers
 
-    directory = tmp_path_factory.mktemp("fork-servers")  # this test process's own: the other's may still run
+    # this test process's own (the other's may still run), and short: a socket's path must fit in 108 bytes
+    directory = tempfile.mkdtemp(prefix="distrib-fs-")
     saved = {k: os.environ.get(k) for k in (DIRECTORY_VARIABLE, "DISTRIB_FORK_SERVER_IDLE_SECONDS")}
-    os.environ[DIRECTORY_VARIABLE] = str(directory)
+    os.environ[DIRECTORY_VARIABLE] = directory
     # longer than a pause between launches; and the servers go soon after a pytest that was killed
     os.environ["DISTRIB_FORK_SERVER_IDLE_SECONDS"] = "300"
     yield
-    stop_servers(str(directory))
+    stop_servers(directory)
+    shutil.rmtree(directory, ignore_errors=True)
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

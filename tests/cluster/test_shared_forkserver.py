@@ -6,7 +6,9 @@ nothing of it holds a launch's output."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,12 +28,17 @@ TASK = (
 
 
 @pytest.fixture
-def servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A directory of shared servers of this test's own (not the session's), stopped at the end."""
-    directory = tmp_path / "servers"
+def servers(monkeypatch: pytest.MonkeyPatch):
+    """A directory of shared servers of this test's own (not the session's), stopped and removed at the end. Not
+    under tmp_path: a socket's path must fit in 108 bytes, and pytest's paths under xdist do not leave room."""
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="distrib-fs-"))
     monkeypatch.setenv(DIRECTORY_VARIABLE, str(directory))
     yield directory
     stop_servers(str(directory))
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _pids(directory: Path) -> set[int]:
@@ -124,8 +131,13 @@ def test_a_server_that_cannot_start_is_an_error_at_once_naming_its_output(tmp_pa
     (fake / "torch" / "__init__.py").write_text("raise ImportError('a planted broken torch')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
     started = time.monotonic()
-    with pytest.raises(OSError, match=r"did not listen .*exit code 1; its output: .*\.log"):
-        shared_forkserver.connect(str(tmp_path / "servers"), env)
-    assert time.monotonic() - started < 30  # not the whole START_TIMEOUT
-    (log,) = (tmp_path / "servers").glob("*.log")
-    assert "a planted broken torch" in log.read_text()
+    directory = Path(tempfile.mkdtemp(prefix="distrib-fs-"))  # a short path (see `servers`)
+    try:
+        with pytest.raises(OSError, match=r"did not listen .*exit code 1; its output: .*\.log"):
+            shared_forkserver.connect(str(directory), env)
+        assert time.monotonic() - started < 30  # not the whole START_TIMEOUT
+        (log,) = directory.glob("*.log")
+        text = log.read_text()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert "a planted broken torch" in text

@@ -178,13 +178,14 @@ def reap_orphans(known: set[int]) -> None:
 
 
 class ForkServer:
-    """The launcher's end: starts the server process once (or, with ``shared_dir``, takes a session of the shared
-    server of that directory: :mod:`distrib.cluster.shared_forkserver`), then asks it for each task.
+    """The launcher's end: starts the server process once (or, given ``session``, uses a session of a shared server
+    that :func:`distrib.cluster.shared_forkserver.connect` opened: the connection and its description), then asks it
+    for each task.
 
     Making one makes the calling process a subreaper (:func:`become_subreaper`) for the rest of its life: the
     orphans of what it started become its children (reap them with :func:`reap_orphans`)."""
 
-    def __init__(self, env: Mapping[str, str], shared_dir: str | None = None) -> None:
+    def __init__(self, env: Mapping[str, str], session: tuple[socket.socket, str] | None = None) -> None:
         become_subreaper()
         self.env = dict(env)
         self._lock = threading.Lock()
@@ -192,12 +193,10 @@ class ForkServer:
         self.gone = False
         #: the server process this launcher started and owns (None: a shared server's session)
         self.process: subprocess.Popen[bytes] | None = None
-        self.shared_dir = shared_dir
-        if shared_dir is not None:
-            from distrib.cluster.shared_forkserver import connect
-
-            self._socket, greeting = connect(shared_dir, self.env)
-            self.description = f"the shared fork server (pid {greeting.get('server')}) of {shared_dir}"
+        #: a shared server's session: its tasks' exit codes come through a pipe each (see :class:`ForkedProcess`)
+        self.shared = session is not None
+        if session is not None:
+            self._socket, self.description = session
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket = ours
@@ -226,7 +225,7 @@ class ForkServer:
         and stderr together in the returned process's ``stdout``. Raises RuntimeError if the server is gone (then
         :attr:`gone`) or could not fork."""
         read, write = os.pipe()
-        status_read, status_write = os.pipe() if self.shared_dir is not None else (None, None)
+        status_read, status_write = os.pipe() if self.shared else (None, None)
         sent = [write] if status_write is None else [write, status_write]
         request = {"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd()}
         try:

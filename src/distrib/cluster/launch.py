@@ -295,8 +295,11 @@ def _fork_server(env: dict[str, str]) -> ForkServer | None:
     (:mod:`distrib.cluster.shared_forkserver`), else one of its own; None (and why) where neither can be had."""
     shared_dir = os.environ.get("DISTRIB_FORK_SERVER_DIR")
     if shared_dir:
+        from distrib.cluster.shared_forkserver import connect
+
         try:
-            return ForkServer(env, shared_dir=shared_dir)
+            connection, greeting = connect(shared_dir, env)
+            return ForkServer(env, (connection, f"the shared fork server (pid {greeting['server']}) of {shared_dir}"))
         except OSError as e:
             _say(f"no shared fork server in {shared_dir} ({e}): starting one for this launch")
     try:
