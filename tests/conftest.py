@@ -51,12 +51,16 @@ def _shared_fork_servers():
     """Every ``distrib launch`` of this test process forks its tasks from a shared fork server
     (:mod:`distrib.cluster.shared_forkserver`): one per import environment, started by the first launch that needs
     it, instead of one per launch (about 2 CPU-seconds each, over a hundred launches). Stopped at the end. Tests
-    that look at a launcher's own process tree take the ``own_fork_server`` fixture instead."""
+    that look at a launcher's own process tree take the ``own_fork_server`` fixture instead.
+    ``DISTRIB_TEST_OWN_FORK_SERVERS=1`` runs the session the default way (to compare, or to rule this out)."""
     import shutil
     import tempfile
 
     from distrib.cluster.shared_forkserver import DIRECTORY_VARIABLE, stop_servers
 
+    if os.environ.get("DISTRIB_TEST_OWN_FORK_SERVERS") == "1":  # each launch its own server, as by default
+        yield
+        return
     # this test process's own (the other's may still run), and short: a socket's path must fit in 108 bytes
     directory = tempfile.mkdtemp(prefix="distrib-fs-")
     saved = {k: os.environ.get(k) for k in (DIRECTORY_VARIABLE, "DISTRIB_FORK_SERVER_IDLE_SECONDS")}
