@@ -186,6 +186,9 @@ def serve_shared(path: str, idle_seconds: float) -> None:
     """Import what a fork server imports, listen on ``path`` and fork a session for each connection, until
     ``idle_seconds`` pass without one. A task forked in a session leaves by its ``SystemExit`` (see
     :func:`~distrib.cluster.forkserver.serve`): nothing here may catch it, nor clean up on its way."""
+    pid_file = path[: -len(".sock")] + ".pid"
+    with open(pid_file, "w") as f:  # first: stop_servers finds a server still importing too
+        f.write(str(os.getpid()))
     preload()
     become_subreaper()  # what a finished session leaves (its tasks' relays) comes here to be reaped
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -194,9 +197,6 @@ def serve_shared(path: str, idle_seconds: float) -> None:
     listener.bind(path)
     listener.listen(64)
     listener.settimeout(1.0)
-    pid_file = path[: -len(".sock")] + ".pid"
-    with open(pid_file, "w") as f:
-        f.write(str(os.getpid()))
     greeting = {"server": os.getpid(), "import_environment": import_environment(os.environ)}
     sessions: set[int] = set()
     last = time.monotonic()
