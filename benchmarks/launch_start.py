@@ -13,8 +13,9 @@ task does before its first step. Per launch:
   across the launch: the launcher is reaped here, and it reaps the fork server and the tasks, its children);
 - ``task_cpu_s``: each task's own CPU-seconds when its optimizer is built (a forked task counts from its fork).
 
-A shared server is no launch's child: its own CPU is read from /proc at the end (``shared_server_cpu_s``, its
-start and every session it forked, over the whole run). Reports the medians over rounds, and the forkserver/spawn
+A shared server is no launch's child, nor are its tasks: a ``shared`` launch's ``cpu_s`` is its launcher's alone,
+and the server's CPU is read from /proc at the end (``shared_server_cpu_s``: its start, and its sessions and the
+tasks they forked, which it reaped, over the whole run). Reports the medians over rounds, and the forkserver/spawn
 and shared/forkserver ratios taken within each round (a loaded machine's drift falls on both alike). Prints a JSON
 object and a short table.
 """
