@@ -89,6 +89,8 @@ def test_the_key_follows_the_import_environment_and_distrib_s_sources(
     key = server_key(env)
     assert server_key({**env, "TF_CONFIG": "{}"}) == key  # not an import-time variable
     assert server_key({**env, "OMP_NUM_THREADS": "3"}) != key
+    # read by glibc when a process starts: a task forked from a server without it would keep the server's allocator
+    assert server_key({**env, "MALLOC_MMAP_THRESHOLD_": "131072"}) != key
     (package / "module.py").write_text("x = 22\n")
     assert server_key(env) != key
 

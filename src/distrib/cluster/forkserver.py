@@ -74,6 +74,17 @@ IMPORT_TIME_VARIABLES = (
     "PYTHONMALLOC",
     "TORCH_CPP_LOG_LEVEL",
     "TORCH_LOGS",
+    # glibc's allocator reads these when the process starts: a task forked from a server started without them keeps
+    # the server's allocator (tests/strategies/test_sharded_memory.py sets MALLOC_MMAP_THRESHOLD_ for its limit)
+    "MALLOC_ARENA_MAX",
+    "MALLOC_ARENA_TEST",
+    "MALLOC_CHECK_",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_PERTURB_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "GLIBC_TUNABLES",
 )
 #: what the server imports before its first fork: what nearly every training task imports first
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "distrib")
