@@ -121,13 +121,21 @@ def test_an_idle_server_exits_and_a_dead_one_is_replaced(
     assert third != second and alive({third})
 
 
-def test_a_directory_whose_socket_path_is_too_long_is_an_error_naming_the_fix(tmp_path: Path) -> None:
+def test_a_directory_whose_socket_path_is_too_long_is_an_error_naming_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(OSError, match="too long for a Unix socket path"):
         shared_forkserver.connect(str(tmp_path / ("d" * 120)), {})
+    monkeypatch.setenv(DIRECTORY_VARIABLE, str(tmp_path / ("d" * 120)))
+    said: list[str] = []
+    server = shared_forkserver.launch_server(dict(os.environ), said.append)  # the launch goes on, with its own
+    assert server is not None and server.process is not None and not server.shared
+    server.close()
+    assert len(said) == 1 and "no shared fork server" in said[0] and "too long" in said[0], said
 
 
 def test_a_server_that_cannot_start_is_an_error_at_once_naming_its_output(tmp_path: Path) -> None:
-    """(the launch then starts a server of its own: distrib.cluster.launch._fork_server)"""
+    """(the launch then starts a server of its own: shared_forkserver.launch_server)"""
     fake = tmp_path / "fake"
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text("raise ImportError('a planted broken torch')\n")

@@ -54,6 +54,7 @@ __all__ = [
     "become_subreaper",
     "forkable",
     "reap_orphans",
+    "reap_children",
 ]
 
 #: variables that a process reads when it starts or imports torch (thread pools, allocators, Python itself): a
@@ -322,18 +323,21 @@ def serve_requests(connection: socket.socket) -> None:
         for fd in fds:
             os.close(fd)
         connection.send(json.dumps(reply).encode())
-        _reap_children()
+        reap_children()
 
 
-def _reap_children() -> None:
-    """Reap this process's exited children (a shared session's relays, once their tasks ended)."""
+def reap_children() -> set[int]:
+    """Reap this process's exited children (a shared session's relays once their tasks ended, a shared server's
+    sessions); their pids."""
+    done: set[int] = set()
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return done
         if not pid:
-            return
+            return done
+        done.add(pid)
 
 
 def _fork_task(connection: socket.socket, request: dict[str, Any], output: int, status: int | None = None) -> int:

@@ -100,6 +100,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
+from distrib.cluster import shared_forkserver
 from distrib.cluster.forkserver import ForkedProcess, ForkServer, forkable, reap_orphans
 
 __all__ = [
@@ -288,25 +289,6 @@ class _Task:
     def join_output(self) -> None:
         if self.reader is not None:
             self.reader.join(timeout=2)
-
-
-def _fork_server(env: dict[str, str]) -> ForkServer | None:
-    """The launch's fork server: a session of the shared one of ``DISTRIB_FORK_SERVER_DIR`` where that is set
-    (:mod:`distrib.cluster.shared_forkserver`), else one of its own; None (and why) where neither can be had."""
-    shared_dir = os.environ.get("DISTRIB_FORK_SERVER_DIR")
-    if shared_dir:
-        from distrib.cluster.shared_forkserver import connect
-
-        try:
-            connection, greeting = connect(shared_dir, env)
-            return ForkServer(env, (connection, f"the shared fork server (pid {greeting['server']}) of {shared_dir}"))
-        except OSError as e:
-            _say(f"no shared fork server in {shared_dir} ({e}): starting one for this launch")
-    try:
-        return ForkServer(env)
-    except OSError as e:
-        _say(f"no fork server ({e}): every task starts as a fresh process")
-        return None
 
 
 def _relay(stream: IO[bytes] | None, prefix: str) -> None:
@@ -542,7 +524,7 @@ def launch(config: LaunchConfig) -> int:
                 group = _Group(config, token, starts, tls, workers)
                 _say(f"starting {len(group.tasks)} task(s): {json.dumps(group.cluster)}")
                 if forking and server is None and any(forkable(t.argv) for t in group.tasks):
-                    server = _fork_server(group.shared_env)
+                    server = shared_forkserver.launch_server(group.shared_env, _say)
                     forking = server is not None
                 group.start(server)
                 ok, code, who = group.watch(server_restarts)

@@ -32,18 +32,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from distrib.cluster.forkserver import (
     _MESSAGE,
     IMPORT_TIME_VARIABLES,
+    ForkServer,
     become_subreaper,
     import_environment,
     preload,
+    reap_children,
     serve_requests,
 )
 
-__all__ = ["DIRECTORY_VARIABLE", "IDLE_SECONDS", "connect", "server_key", "stop_servers"]
+__all__ = ["DIRECTORY_VARIABLE", "IDLE_SECONDS", "connect", "launch_server", "server_key", "session", "stop_servers"]
 
 #: the variable that names the directory of shared servers (unset: each launch has its own server)
 DIRECTORY_VARIABLE = "DISTRIB_FORK_SERVER_DIR"
@@ -115,6 +117,29 @@ def connect(directory: str, env: Mapping[str, str]) -> tuple[socket.socket, dict
         connection.close()
         raise OSError(f"the shared fork server at {path} closed the connection")
     return connection, greeting
+
+
+def session(directory: str, env: Mapping[str, str]) -> ForkServer:
+    """A :class:`ForkServer` that asks a session of the shared server of ``directory`` (:func:`connect`) for tasks.
+    Raises OSError when none can be had."""
+    connection, greeting = connect(directory, env)
+    return ForkServer(env, (connection, f"the shared fork server (pid {greeting['server']}) of {directory}"))
+
+
+def launch_server(env: Mapping[str, str], say: Callable[[str], None]) -> ForkServer | None:
+    """A launch's fork server: a session of the shared one of :data:`DIRECTORY_VARIABLE` where that is set, else one
+    of its own; None where neither can be had (``say`` tells why, in the launcher's words)."""
+    shared_dir = os.environ.get(DIRECTORY_VARIABLE)
+    if shared_dir:
+        try:
+            return session(shared_dir, env)
+        except OSError as e:
+            say(f"no shared fork server in {shared_dir} ({e}): starting one for this launch")
+    try:
+        return ForkServer(env)
+    except OSError as e:
+        say(f"no fork server ({e}): every task starts as a fresh process")
+        return None
 
 
 def _try_connect(path: str) -> socket.socket | None:
@@ -201,7 +226,7 @@ def serve_shared(path: str, idle_seconds: float) -> None:
     sessions: set[int] = set()
     last = time.monotonic()
     while True:
-        sessions -= _reaped()
+        sessions -= reap_children()
         if not sessions and time.monotonic() - last > idle_seconds:
             break
         try:
@@ -222,18 +247,6 @@ def serve_shared(path: str, idle_seconds: float) -> None:
             os.unlink(name)
         except FileNotFoundError:
             pass
-
-
-def _reaped() -> set[int]:
-    done: set[int] = set()
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return done
-        if not pid:
-            return done
-        done.add(pid)
 
 
 def main(argv: list[str] | None = None) -> int:
