@@ -225,10 +225,11 @@ def test_a_function_error_fails_it_cancels_the_rest_and_join_raises_once():
 
 
 def test_an_error_cancels_the_batch_sent_ahead_to_a_busy_worker_at_once_and_it_never_starts():
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
 
     def script(worker: FakeWorker, x: int) -> tuple[Any, ...]:
         if x == 0:
+            started.set()
             gate.wait(10)  # worker 0 runs 0 while 1 waits there, sent ahead
         return ("error", "bad input 2") if x == 2 else ("ok", x)
 
@@ -236,6 +237,9 @@ def test_an_error_cancels_the_batch_sent_ahead_to_a_busy_worker_at_once_and_it_n
     values = [coordinator.schedule(_identity, args=(i,)) for i in range(4)]
     fakes[0].up = True  # takes 0, and 1 ahead (no other worker waits for work)
     _wait_for(lambda: values[1].status is RemoteValueStatus.RUNNING)
+    # RUNNING means sent: a batch the worker has not started yet may rightly be cancelled too, so
+    # wait until worker 0 really runs function 0 (on a loaded machine, the send comes well before)
+    assert started.wait(10)
     fakes[1].up = True  # takes 2 (and 3 ahead): 2 fails
     _wait_for(lambda: values[2].status is RemoteValueStatus.FAILED)
     # the queue and the batches sent ahead are cancelled at once, while worker 0 still runs function 0
@@ -255,17 +259,18 @@ def test_an_error_cancels_the_batch_sent_ahead_to_a_busy_worker_at_once_and_it_n
 
 
 def test_a_lost_worker_s_function_is_cancelled_not_run_again_after_an_error():
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
 
     def script(worker: FakeWorker, x: int) -> tuple[Any, ...]:
         if x == 0:
+            started.set()
             gate.wait(10)
             return ("lost",)  # TF's put_back: after an error, a function given back is cancelled
         return ("error", "bad input 1") if x == 1 else ("ok", x)
 
     coordinator, fakes = _coordinator(script, workers=2, down=(1,))
     values = [coordinator.schedule(_identity, args=(0,))]
-    _wait_for(lambda: values[0].status is RemoteValueStatus.RUNNING)
+    assert started.wait(10)  # the worker runs it (not only sent): its loss, not a cancel, is what is tested
     fakes[1].up = True
     values.append(coordinator.schedule(_identity, args=(1,)))
     _wait_for(lambda: values[1].status is RemoteValueStatus.FAILED)
