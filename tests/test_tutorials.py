@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import launch
+from helpers import launch, run_bounded
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 INPUT = EXAMPLES / "input_tutorial.py"
@@ -24,10 +23,10 @@ GUIDE = EXAMPLES / "distributed_training_guide.py"
 
 
 def run(script: Path, *args: str, timeout: float = 180) -> str:
-    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout)
-    print(f"$ python {script.name} {' '.join(args)}\n{result.stdout}{result.stderr}")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    code, out, _ = run_bounded([sys.executable, str(script), *args], timeout=timeout)
+    print(f"$ python {script.name} {' '.join(args)}\n{out}")
+    assert code == 0, out
+    return out
 
 
 def worker_lines(out: str, worker: int) -> list[str]:

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SCRIPTS, launch
+from helpers import SCRIPTS, launch, run_bounded
 
 import distrib as ds
 
@@ -197,10 +197,11 @@ def test_every_hook_fires_under_synchronous_strategies(make):
 
 
 def run_fit(*args: str, attempt: int = 0) -> subprocess.CompletedProcess:
+    """fit_worker.py's run: its output (stdout and stderr together) in both ``stdout`` and ``stderr``."""
     env = {**os.environ, "FIT_ATTEMPT": str(attempt), "TF_CONFIG": ""}
-    return subprocess.run(
-        [sys.executable, str(SCRIPTS / "fit_worker.py"), *args], capture_output=True, text=True, timeout=120, env=env
-    )
+    command = [sys.executable, str(SCRIPTS / "fit_worker.py"), *args]
+    code, out, _ = run_bounded(command, timeout=120, env=env)
+    return subprocess.CompletedProcess(command, code, out, out)
 
 
 def test_backup_and_restore_after_a_kill_mid_epoch_resumes_at_the_exact_step(tmp_path):

@@ -335,28 +335,23 @@ def test_server_refuses_to_start_without_a_token_or_on_a_foreign_address(monkeyp
 
 
 def test_examples_run_on_an_in_process_cluster():
-    import subprocess
     import sys
     from pathlib import Path
+
+    from helpers import run_bounded
 
     examples = Path(__file__).resolve().parents[2] / "examples"
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     env.pop("TF_CONFIG", None)
-    out = subprocess.run(
+    code, out, _ = run_bounded(
         [sys.executable, str(examples / "parameter_server.py"), "--epochs", "2", "--steps-per-epoch", "5"],
-        capture_output=True,
-        text=True,
         timeout=120,
         env=env,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Epoch 2/2" in out.stdout and "{'loss':" in out.stdout
-    out = subprocess.run(
-        [sys.executable, str(examples / "embedding_ps.py"), "--rows", "5000", "--steps", "10"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
+    assert code == 0, out[-3000:]
+    assert "Epoch 2/2" in out and "{'loss':" in out
+    code, out, _ = run_bounded(
+        [sys.executable, str(examples / "embedding_ps.py"), "--rows", "5000", "--steps", "10"], timeout=120, env=env
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "KB per step" in out.stdout and "held-out log loss" in out.stdout
+    assert code == 0, out[-3000:]
+    assert "KB per step" in out and "held-out log loss" in out

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from helpers import launch
+from helpers import launch, run_bounded
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ps_training_tutorial.py"
 
@@ -26,16 +25,12 @@ def _check(out: str, epochs: int) -> None:
 def test_the_tutorial_runs_on_an_in_process_cluster():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TF_CONFIG", None)
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--epochs", "3", "--steps-per-epoch", "4"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
+    code, out, _ = run_bounded(
+        [sys.executable, str(EXAMPLE), "--epochs", "3", "--steps-per-epoch", "4"], timeout=240, env=env
     )
-    print(result.stdout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    _check(result.stdout, epochs=3)
+    print(out)
+    assert code == 0, out[-3000:]
+    _check(out, epochs=3)
 
 
 def test_the_tutorial_runs_under_distrib_launch_with_a_process_per_task():

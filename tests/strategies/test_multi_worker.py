@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from helpers import SCRIPTS, assert_params_equal, launch
+from helpers import SCRIPTS, assert_params_equal, launch, run_bounded
 
 import distrib as ds
 
 
 def run_script(tmp_path: Path, strategy: str) -> list[torch.Tensor]:
     out = tmp_path / f"{strategy}.pt"
-    result = subprocess.run(
+    code, log, _ = run_bounded(
         [sys.executable, str(SCRIPTS / "mw_train.py"), "--out", str(out), "--strategy", strategy],
-        capture_output=True,
-        text=True,
         timeout=120,
         env={**os.environ, "TF_CONFIG": ""},
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert code == 0, log
     return torch.load(out)
 
 

@@ -194,11 +194,13 @@ class ForkServer:
     that :func:`distrib.cluster.shared_forkserver.connect` opened: the connection and its description), then asks it
     for each task.
 
-    Making one makes the calling process a subreaper (:func:`become_subreaper`) for the rest of its life: the
-    orphans of what it started become its children (reap them with :func:`reap_orphans`)."""
+    Making one with a server of its own makes the calling process a subreaper (:func:`become_subreaper`) for the
+    rest of its life: the orphans of what it started become its children (reap them with :func:`reap_orphans`). A
+    shared server's session does not: its tasks, and their orphans, stay the shared server's."""
 
     def __init__(self, env: Mapping[str, str], session: tuple[socket.socket, str] | None = None) -> None:
-        become_subreaper()
+        if session is None:
+            become_subreaper()
         self.env = dict(env)
         self._lock = threading.Lock()
         #: set when the server was found gone: every later task then starts fresh (:meth:`accepts` says no)
@@ -232,14 +234,14 @@ class ForkServer:
         """Whether a task of this command and environment can be forked from this server."""
         return not self.gone and forkable(argv) and import_environment(env) == import_environment(self.env)
 
-    def start(self, argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
-        """Fork a task running ``argv`` (``python SCRIPT ...`` or ``python -m MODULE ...``) in ``env``, its stdout
-        and stderr together in the returned process's ``stdout``. Raises RuntimeError if the server is gone (then
-        :attr:`gone`) or could not fork."""
+    def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None) -> ForkedProcess:
+        """Fork a task running ``argv`` (``python SCRIPT ...`` or ``python -m MODULE ...``) in ``env`` and ``cwd``
+        (None: this process's), its stdout and stderr together in the returned process's ``stdout``. Raises
+        RuntimeError if the server is gone (then :attr:`gone`) or could not fork."""
         read, write = os.pipe()
         status_read, status_write = os.pipe() if self.shared else (None, None)
         sent = [write] if status_write is None else [write, status_write]
-        request = {"argv": list(argv[1:]), "env": dict(env), "cwd": os.getcwd()}
+        request = {"argv": list(argv[1:]), "env": dict(env), "cwd": os.path.abspath(cwd or os.getcwd())}
         try:
             with self._lock:
                 try:

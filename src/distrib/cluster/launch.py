@@ -402,7 +402,7 @@ class _Group:
         (the others usually failed because it was gone), else the first in cluster order.
         """
         while True:
-            if self.server is not None:  # the launcher is a subreaper: its tasks' orphans come to it
+            if self.server is not None:  # with a server of its own the launcher is a subreaper: orphans come to it
                 reap_orphans({t.proc.pid for t in self.tasks if t.proc is not None} | self.server.owned_pids)
             failed: list[tuple[_Task, int]] = []
             for t in self.tasks:
