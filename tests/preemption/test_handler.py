@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
+from helpers import run_bounded
 
 import distrib as ds
 from distrib.checkpoint import CheckpointError
@@ -64,14 +63,7 @@ SCRIPT = textwrap.dedent("""
 def _run(tmp_path, how: str, notice_at: int, timeout: float = 60) -> tuple[int, str, float]:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), how, str(notice_at)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+    return run_bounded([sys.executable, str(script), str(tmp_path), how, str(notice_at)], timeout=timeout)
 
 
 def _uninterrupted(tmp_path) -> list[torch.Tensor]:
