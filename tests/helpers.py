@@ -32,7 +32,7 @@ def run_bounded(
     """Run ``cmd`` in its own process group, stdout and stderr together; kill the whole group if it
     overruns (the test fails, showing the output) and, in any case, when it ends.
 
-    A ``python SCRIPT ...`` or ``python -m MODULE ...`` that uses torch is forked from the test session's shared
+    A ``python SCRIPT ...`` that uses torch, or a ``python -m distrib.MODULE ...``, is forked from the test session's shared
     fork server (tests/conftest.py; as ``distrib launch`` starts its tasks) instead of importing torch afresh:
     about 2.5 CPU-seconds less each. ``fresh=True`` (or ``DISTRIB_TEST_OWN_FORK_SERVERS=1``) starts a new
     interpreter: for what must be seen from one (what importing does, a parent's signals)."""
@@ -71,6 +71,8 @@ def _session_server(cmd: list[str], cwd: str | Path | None, env: dict[str, str] 
     probe = [cmd[0], os.path.join(str(cwd), script), *cmd[2:]] if script and cmd[1] != "-m" else cmd
     if not forkable(probe) or cmd[1:4] == ["-m", "distrib.app.cli", "launch"]:
         return None  # a launcher imports no torch: forked, it would only add a session's round trip
+    if cmd[1] == "-m" and not cmd[2].startswith("distrib."):
+        return None  # another program run as a module (torchrun's agent): the real one, as its users start it
     try:
         return session(directory, dict(os.environ if env is None else env))
     except OSError:
