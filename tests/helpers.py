@@ -38,8 +38,9 @@ def run_bounded(
     interpreter: for what must be seen from one (what importing does, a parent's signals)."""
     if not fresh:
         server = _session_server(cmd, cwd, env)
-        if server is not None:
-            return _run_forked(server, cmd, timeout, cwd, env)
+        forked = None if server is None else _run_forked(server, cmd, timeout, cwd, env)
+        if forked is not None:
+            return forked
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd, env=env
@@ -81,13 +82,16 @@ def _session_server(cmd: list[str], cwd: str | Path | None, env: dict[str, str] 
 
 def _run_forked(
     server: Any, cmd: list[str], timeout: float, cwd: str | Path | None, env: dict[str, str] | None
-) -> tuple[int, str, float]:
-    """:func:`run_bounded` for a task of ``server`` (a :class:`~distrib.cluster.forkserver.ForkServer` session)."""
+) -> tuple[int, str, float] | None:
+    """:func:`run_bounded` for a task of ``server`` (a :class:`~distrib.cluster.forkserver.ForkServer` session);
+    None where the server could not fork it (then it starts fresh, as a launch's task would)."""
     import threading
 
     start = time.monotonic()
     try:
         proc = server.start(cmd, dict(os.environ if env is None else env), None if cwd is None else str(cwd))
+    except RuntimeError:
+        return None
     finally:
         server.close()  # the task goes on: its exit code comes through its relay
     chunks: list[bytes] = []

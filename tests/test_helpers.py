@@ -66,3 +66,20 @@ def test_a_forked_script_leaves_nothing_running(script, tmp_path):
     while alive({pid}) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive({pid})  # its process group was killed when it ended
+
+
+def test_a_server_that_cannot_fork_the_script_leaves_it_to_a_fresh_python(script, monkeypatch):
+    import helpers
+
+    class Gone:
+        closed = False
+
+        def start(self, *args: object) -> None:
+            raise RuntimeError("the shared fork server exited")
+
+        def close(self) -> None:
+            Gone.closed = True
+
+    monkeypatch.setattr(helpers, "_session_server", lambda *args: Gone())
+    code, out, _ = run_bounded([sys.executable, str(script), "3"])
+    assert code == 3 and "frozen False" in out and Gone.closed, out
