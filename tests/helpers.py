@@ -67,10 +67,7 @@ def _session_server(cmd: list[str], cwd: str | Path | None, env: dict[str, str] 
     directory = os.environ.get(DIRECTORY_VARIABLE)
     if not directory or os.environ.get("DISTRIB_TEST_OWN_FORK_SERVERS") == "1":
         return None
-    # forkable() reads a script to see whether it uses torch: a relative one is relative to the command's cwd
-    script = cmd[1] if len(cmd) > 1 and cwd is not None and not os.path.isabs(cmd[1]) else None
-    probe = [cmd[0], os.path.join(str(cwd), script), *cmd[2:]] if script and cmd[1] != "-m" else cmd
-    if not forkable(probe) or cmd[1:4] == ["-m", "distrib.app.cli", "launch"]:
+    if not forkable(cmd, None if cwd is None else str(cwd)) or cmd[1:4] == ["-m", "distrib.app.cli", "launch"]:
         return None  # a launcher imports no torch: forked, it would only add a session's round trip
     if cmd[1] == "-m" and not cmd[2].startswith("distrib."):
         return None  # another program run as a module (torchrun's agent): the real one, as its users start it

@@ -205,6 +205,8 @@ def test_what_is_forked_and_what_starts_fresh(tmp_path: Path) -> None:
     assert forkable([py, str(train), "--x"]) and forkable([py, "-m", "pkg.mod"])
     assert not forkable([py, str(helper)]) and not forkable([py, str(tmp_path / "missing.py")])
     assert not forkable([py, "-u", str(train)]) and not forkable(["/bin/echo", "x"]) and not forkable([py, "-m"])
+    # a relative script is read where the command will run
+    assert forkable([py, train.name], str(train.parent)) and not forkable([py, train.name], "/")
     train = train.with_name("t.py")
     train.write_text("import torch\n")
     server = ForkServer({**os.environ, "OMP_NUM_THREADS": "1"})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import warnings
 
@@ -196,24 +195,23 @@ def test_every_hook_fires_under_synchronous_strategies(make):
     ]
 
 
-def run_fit(*args: str, attempt: int = 0) -> subprocess.CompletedProcess:
-    """fit_worker.py's run: its output (stdout and stderr together) in both ``stdout`` and ``stderr``."""
+def run_fit(*args: str, attempt: int = 0) -> tuple[int, str]:
+    """fit_worker.py's exit code and output (stdout and stderr together)."""
     env = {**os.environ, "FIT_ATTEMPT": str(attempt), "TF_CONFIG": ""}
-    command = [sys.executable, str(SCRIPTS / "fit_worker.py"), *args]
-    code, out, _ = run_bounded(command, timeout=120, env=env)
-    return subprocess.CompletedProcess(command, code, out, out)
+    code, out, _ = run_bounded([sys.executable, str(SCRIPTS / "fit_worker.py"), *args], timeout=120, env=env)
+    return code, out
 
 
 def test_backup_and_restore_after_a_kill_mid_epoch_resumes_at_the_exact_step(tmp_path):
-    plain = run_fit("--out", str(tmp_path / "plain.pt"))
-    assert plain.returncode == 0, plain.stderr
+    code, out = run_fit("--out", str(tmp_path / "plain.pt"))
+    assert code == 0, out
     backup = str(tmp_path / "backup")
-    killed = run_fit("--out", str(tmp_path / "resumed.pt"), "--backup-dir", backup, "--kill-at", "8")
-    assert killed.returncode == -9  # killed in epoch 2 (5 steps per epoch), step 3
+    code, out = run_fit("--out", str(tmp_path / "resumed.pt"), "--backup-dir", backup, "--kill-at", "8")
+    assert code == -9, out  # killed in epoch 2 (5 steps per epoch), step 3
     assert os.path.isdir(backup)
-    resumed = run_fit("--out", str(tmp_path / "resumed.pt"), "--backup-dir", backup, "--kill-at", "8", attempt=1)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "Epoch 1/3" not in resumed.stdout and "Epoch 2/3" in resumed.stdout  # epoch 1 was not redone
+    code, out = run_fit("--out", str(tmp_path / "resumed.pt"), "--backup-dir", backup, "--kill-at", "8", attempt=1)
+    assert code == 0, out
+    assert "Epoch 1/3" not in out and "Epoch 2/3" in out  # epoch 1 was not redone
     for a, b in zip(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "plain.pt")):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert not os.path.exists(backup)  # a finished fit deletes its backup

@@ -26,7 +26,9 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("via", ["self", "launcher"])
-def test_a_notice_at_a_random_step_is_one_agreed_checkpoint_and_an_exact_resume(tmp_path, reference, via):
+def test_a_notice_at_a_random_step_is_one_agreed_checkpoint_and_an_exact_resume(tmp_path, reference, via, request):
+    if via == "launcher":  # preempt_train.py signals os.getppid(): the launcher only when it forked the task itself
+        request.getfixturevalue("own_fork_server")
     notice_at = random.Random().randint(1, bench.last_notice(via))
     result = bench.trial(tmp_path, notice_at, via, reference)
     print(

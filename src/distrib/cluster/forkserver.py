@@ -95,10 +95,10 @@ _PR_SET_CHILD_SUBREAPER = 36
 _SCRIPT_SCAN = 1 << 20
 
 
-def forkable(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` is ``[sys.executable, script, ...]`` or ``[sys.executable, "-m", module, ...]``: a command
-    the server can run by forking (interpreter options, another interpreter or a program start fresh), and whether
-    forking it pays: a script whose text names neither torch nor distrib (a shell-like helper) starts fresh, as
+def forkable(argv: Sequence[str], cwd: str | None = None) -> bool:
+    """Whether ``argv``, run in ``cwd`` (None: this process's), is ``[sys.executable, script, ...]`` or
+    ``[sys.executable, "-m", module, ...]``: a command the server can run by forking (interpreter options, another
+    interpreter or a program start fresh), and whether forking it pays: a script whose text names neither torch nor distrib (a shell-like helper) starts fresh, as
     it would not use what the server imported (that costs the server's start, about 2 CPU-seconds, for nothing)."""
     if len(argv) < 2 or argv[0] != sys.executable:
         return False
@@ -107,7 +107,7 @@ def forkable(argv: Sequence[str]) -> bool:
     if argv[1].startswith("-"):
         return False
     try:
-        with open(argv[1], "rb") as f:
+        with open(os.path.join(cwd or "", argv[1]), "rb") as f:  # (an absolute script ignores cwd)
             text = f.read(_SCRIPT_SCAN)
     except OSError:
         return False  # python reports the missing script as it always does
