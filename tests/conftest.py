@@ -15,6 +15,10 @@ import pytest
 # per core, spins OpenMP threads waiting for a core the other holds (a one-process `distrib train` epoch: 2x the CPU
 # time, 2-4x the wall time when the cores are busy). Set before anything imports torch; a caller's value is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# For the same reason, torch.compile compiles in the process that asks (inductor's default on 2 cores: a pool of 2
+# fresh compile processes per worker, each importing torch: `distrib train --workers 2 --compile` took 46 s with
+# them, 29 s without, 2026-11-29). A caller's value is kept.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

@@ -213,6 +213,8 @@ def test_what_is_forked_and_what_starts_fresh(tmp_path: Path) -> None:
     try:
         assert server.accepts([py, str(train)], {"OMP_NUM_THREADS": "1", "TF_CONFIG": "{}"} | _same_imports())
         assert not server.accepts([py, str(train)], {**os.environ, "OMP_NUM_THREADS": "2"})
+        same = {"OMP_NUM_THREADS": "1"} | _same_imports()
+        assert not server.accepts([py, str(train)], same | {"TORCHINDUCTOR_COMPILE_THREADS": "3"})  # torch's config
     finally:
         server.close()
     assert server.process.returncode == 0
@@ -237,9 +239,9 @@ def test_once_the_server_is_gone_every_later_task_starts_fresh(tmp_path: Path) -
 
 
 def _same_imports() -> dict[str, str]:
-    from distrib.cluster.forkserver import IMPORT_TIME_VARIABLES
+    from distrib.cluster.forkserver import import_environment
 
-    return {k: os.environ[k] for k in IMPORT_TIME_VARIABLES if k in os.environ and k != "OMP_NUM_THREADS"}
+    return {k: v for k, v in import_environment(os.environ).items() if v is not None and k != "OMP_NUM_THREADS"}
 
 
 def test_a_start_method_that_does_not_exist_is_an_error_naming_the_choices(tmp_path: Path) -> None:

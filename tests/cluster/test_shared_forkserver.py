@@ -65,10 +65,13 @@ def test_another_import_environment_gets_a_server_of_its_own(
     tmp_path: Path, servers: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     script = tmp_path / "task.py"
-    script.write_text(TASK)
-    assert launch("--workers", "1", str(script), "0", timeout=120)[0] == 0
-    monkeypatch.setenv("PYTHONWARNINGS", "ignore::DeprecationWarning")  # read when Python starts: another server
-    assert launch("--workers", "1", str(script), "0", timeout=120)[0] == 0
+    script.write_text("import torch._inductor.config as c\nprint('compile_threads', c.compile_threads)\n")
+    code, log, _ = launch("--workers", "1", str(script), timeout=120)
+    assert code == 0 and "compile_threads" in log, log
+    # read once, when the server imports torch._dynamo: a task of the first server would print its value
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")
+    code, log, _ = launch("--workers", "1", str(script), timeout=120)
+    assert code == 0 and "compile_threads 5" in log, log
     assert len(_pids(servers)) == 2
     first, second = sorted(servers.glob("*.pid"))
     assert first.stem != second.stem
@@ -91,6 +94,8 @@ def test_the_key_follows_the_import_environment_and_distrib_s_sources(
     assert server_key({**env, "OMP_NUM_THREADS": "3"}) != key
     # read by glibc when a process starts: a task forked from a server without it would keep the server's allocator
     assert server_key({**env, "MALLOC_MMAP_THRESHOLD_": "131072"}) != key
+    assert server_key({**env, "PYTHONWARNINGS": "ignore"}) != key  # read when Python starts
+    assert server_key({**env, "TORCHDYNAMO_VERBOSE": "1"}) != key  # read when torch._dynamo is imported
     (package / "module.py").write_text("x = 22\n")
     assert server_key(env) != key
 

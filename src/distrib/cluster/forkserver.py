@@ -24,7 +24,8 @@ exception (from the script's first frame, as Python prints it), and killed by a 
 another thread held) and exits when the launcher closes its socket, or dies.
 
 Only plain ``python SCRIPT ...`` and ``python -m MODULE ...`` commands are forked, and only tasks whose
-variables read at import (:data:`IMPORT_TIME_VARIABLES`) equal the server's; any other command starts a fresh
+variables read at import (:data:`IMPORT_TIME_VARIABLES`, and torch's own, :data:`IMPORT_TIME_PREFIXES`) equal the
+server's; any other command starts a fresh
 process. ``distrib launch --start-method spawn`` (``DISTRIB_START_METHOD=spawn``) starts every task fresh.
 """
 
@@ -48,11 +49,14 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 __all__ = [
+    "IMPORT_TIME_PREFIXES",
     "IMPORT_TIME_VARIABLES",
     "ForkServer",
     "ForkedProcess",
     "become_subreaper",
     "forkable",
+    "import_environment",
+    "is_import_time",
     "reap_orphans",
     "reap_children",
 ]
@@ -87,6 +91,13 @@ IMPORT_TIME_VARIABLES = (
     "MALLOC_TRIM_THRESHOLD_",
     "GLIBC_TUNABLES",
 )
+#: and every variable whose name starts with one of these: torch's configuration modules (``torch._dynamo.config``,
+#: ``torch._inductor.config``, ``torch._functorch.config``), which the server imports (``torch._dynamo``), read their
+#: ``TORCHINDUCTOR_*``, ``TORCHDYNAMO_*``, ``TORCH_COMPILE_*`` and ``AOT_INDUCTOR_*`` variables once, at import: a
+#: task forked from a server started without ``TORCHINDUCTOR_COMPILE_THREADS=1`` would silently keep the server's
+#: value. ``TORCH`` covers torch's own prefixes (a task with a ``TORCHELASTIC_*`` or ``TORCH_NCCL_*`` of its own
+#: starts fresh or gets a server of its own: slower, never wrong)
+IMPORT_TIME_PREFIXES = ("TORCH", "INDUCTOR_", "AOT_INDUCTOR_", "AOT_PARTITIONER_", "PARTITIONER_")
 #: what the server imports before its first fork: what nearly every training task imports first
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "distrib")
 _MESSAGE = 1 << 20
@@ -114,9 +125,21 @@ def forkable(argv: Sequence[str], cwd: str | None = None) -> bool:
     return b"torch" in text or b"distrib" in text
 
 
+def is_import_time(name: str) -> bool:
+    """Whether a process reads the variable ``name`` when it starts or imports what the server imported."""
+    return name in IMPORT_TIME_VARIABLES or name.startswith(IMPORT_TIME_PREFIXES)
+
+
 def import_environment(env: Mapping[str, str]) -> dict[str, str | None]:
-    """The values of :data:`IMPORT_TIME_VARIABLES` in ``env`` (None where unset)."""
-    return {name: env.get(name) for name in IMPORT_TIME_VARIABLES}
+    """The values of :data:`IMPORT_TIME_VARIABLES` in ``env`` (None where unset), and those of every variable of
+    ``env`` named with one of :data:`IMPORT_TIME_PREFIXES`.
+
+    >>> import_environment({"TORCHINDUCTOR_COMPILE_THREADS": "1", "TF_CONFIG": "{}"})["TORCHINDUCTOR_COMPILE_THREADS"]
+    '1'
+    """
+    named: dict[str, str | None] = {name: env.get(name) for name in IMPORT_TIME_VARIABLES}
+    named.update({name: value for name, value in env.items() if name.startswith(IMPORT_TIME_PREFIXES)})
+    return named
 
 
 class ForkedProcess:

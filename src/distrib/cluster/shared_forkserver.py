@@ -36,10 +36,10 @@ from collections.abc import Callable, Mapping
 
 from distrib.cluster.forkserver import (
     _MESSAGE,
-    IMPORT_TIME_VARIABLES,
     ForkServer,
     become_subreaper,
     import_environment,
+    is_import_time,
     preload,
     reap_children,
     serve_requests,
@@ -155,7 +155,7 @@ def _try_connect(path: str) -> socket.socket | None:
 def _start(path: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     """Start a server listening on ``path``, in a session of its own, with the launcher's environment and ``env``'s
     import-time variables (not a launch's own ones)."""
-    server_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and k not in IMPORT_TIME_VARIABLES}
+    server_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not is_import_time(k)}
     server_env.update({k: v for k, v in import_environment(env).items() if v is not None})
     idle = os.environ.get("DISTRIB_FORK_SERVER_IDLE_SECONDS", str(IDLE_SECONDS))
     with open(path[: -len(".sock")] + ".log", "ab") as log:  # not the launcher's output: a pipe would wait for it
