@@ -25,8 +25,8 @@ another thread held) and exits when the launcher closes its socket, or dies.
 
 Only plain ``python SCRIPT ...`` and ``python -m MODULE ...`` commands are forked, and only tasks whose
 variables read at import (:data:`IMPORT_TIME_VARIABLES`, and torch's own, :data:`IMPORT_TIME_PREFIXES`) equal the
-server's; any other command starts a fresh
-process. ``distrib launch --start-method spawn`` (``DISTRIB_START_METHOD=spawn``) starts every task fresh.
+server's; any other command starts a fresh process. ``distrib launch --start-method spawn``
+(``DISTRIB_START_METHOD=spawn``) starts every task fresh.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def import_environment(env: Mapping[str, str]) -> dict[str, str | None]:
     >>> import_environment({"TORCHINDUCTOR_COMPILE_THREADS": "1", "TF_CONFIG": "{}"})["TORCHINDUCTOR_COMPILE_THREADS"]
     '1'
     """
-    named: dict[str, str | None] = {name: env.get(name) for name in IMPORT_TIME_VARIABLES}
-    named.update({name: value for name, value in env.items() if name.startswith(IMPORT_TIME_PREFIXES)})
+    named: dict[str, str | None] = {name: None for name in IMPORT_TIME_VARIABLES}
+    named.update({name: value for name, value in env.items() if is_import_time(name)})
     return named
 
 
