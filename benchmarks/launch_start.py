@@ -1,5 +1,5 @@
-"""What a task of ``distrib launch`` costs to start: the fork server (the default) against a fresh python per task,
-and against a shared fork server (``DISTRIB_FORK_SERVER_DIR``: :mod:`distrib.cluster.shared_forkserver`).
+"""What a task of ``distrib launch`` costs to start: the fork server (opt-in) against a fresh python per task (the
+default), and against a shared fork server (``DISTRIB_FORK_SERVER_DIR``: :mod:`distrib.cluster.shared_forkserver`).
 
     python benchmarks/launch_start.py [--workers 1 2 4] [--rounds 5] [--json out.json]
 

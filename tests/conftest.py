@@ -19,6 +19,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # fresh compile processes per worker, each importing torch: `distrib train --workers 2 --compile` took 46 s with
 # them, 29 s without, 2026-11-29). A caller's value is kept.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# `distrib launch` forks its tasks from a fork server in this session (about 2 CPU-seconds less per task, over a
+# hundred launches), where a user's launch starts fresh interpreters; a caller's value is kept. Tests about the
+# default take the `default_start_method` fixture.
+os.environ.setdefault("DISTRIB_START_METHOD", "forkserver")
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -56,13 +60,13 @@ def _shared_fork_servers():
     (:mod:`distrib.cluster.shared_forkserver`): one per import environment, started by the first launch that needs
     it, instead of one per launch (about 2 CPU-seconds each, over a hundred launches). Stopped at the end. Tests
     that look at a launcher's own process tree take the ``own_fork_server`` fixture instead.
-    ``DISTRIB_TEST_OWN_FORK_SERVERS=1`` runs the session the default way (to compare, or to rule this out)."""
+    ``DISTRIB_TEST_OWN_FORK_SERVERS=1`` gives each launch a server of its own (to compare, or to rule this out)."""
     import shutil
     import tempfile
 
     from distrib.cluster.shared_forkserver import DIRECTORY_VARIABLE, stop_servers
 
-    if os.environ.get("DISTRIB_TEST_OWN_FORK_SERVERS") == "1":  # each launch its own server, as by default
+    if os.environ.get("DISTRIB_TEST_OWN_FORK_SERVERS") == "1":  # each launch its own server
         yield
         return
     # this test process's own (the other's may still run), and short: a socket's path must fit in 108 bytes
@@ -83,8 +87,16 @@ def _shared_fork_servers():
 
 @pytest.fixture
 def own_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``distrib launch`` starts a fork server of its own, as by default: its tasks are the launcher's children
-    (their process tree, ``os.getppid()``, a signal to the parent), which a shared server's are not."""
+    """``distrib launch --start-method forkserver`` starts a fork server of its own: its tasks are the launcher's
+    children (their process tree, ``os.getppid()``, a signal to the parent), which a shared server's are not."""
+    monkeypatch.delenv("DISTRIB_FORK_SERVER_DIR", raising=False)
+
+
+@pytest.fixture
+def default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``distrib launch`` starts its tasks as a user's launch does (fresh interpreters), not as this session's
+    launches do (``DISTRIB_START_METHOD=forkserver``, set above)."""
+    monkeypatch.delenv("DISTRIB_START_METHOD", raising=False)
     monkeypatch.delenv("DISTRIB_FORK_SERVER_DIR", raising=False)
 
 

@@ -33,7 +33,7 @@ def run_bounded(
     overruns (the test fails, showing the output) and, in any case, when it ends.
 
     A ``python SCRIPT ...`` that uses torch, or a ``python -m distrib.MODULE ...``, is forked from the test
-    session's shared fork server (tests/conftest.py; as ``distrib launch`` starts its tasks) instead of importing
+    session's shared fork server (tests/conftest.py; as this session's launches start their tasks) instead of importing
     torch afresh: about 2.5 CPU-seconds less each. ``fresh=True`` (or ``DISTRIB_TEST_OWN_FORK_SERVERS=1``) starts a new
     interpreter: for what must be seen from one (what importing does, a parent's signals)."""
     if not fresh:

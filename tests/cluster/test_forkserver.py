@@ -15,7 +15,7 @@ from helpers import alive, launch, process_tree, run_bounded, start_launch
 
 from distrib.cluster.forkserver import ForkServer, forkable
 
-# these look at the launcher's own process tree: its own fork server, as by default (tests/conftest.py)
+# these look at the launcher's own process tree: its own fork server (tests/conftest.py), not the session's shared one
 pytestmark = pytest.mark.usefixtures("own_fork_server")
 
 PROBE = textwrap.dedent(
@@ -152,10 +152,10 @@ def test_exit_codes_signals_and_nothing_left_behind(tmp_path: Path) -> None:
         "if t == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
         "time.sleep(60)\n"
     )
-    code, log, _ = launch("--workers", "2", str(script), timeout=60)
+    code, log, _ = launch("--workers", "2", "--start-method", "forkserver", str(script), timeout=60)
     assert code == 128 + 9 and "worker 0 failed with exit code 137" in log, log
     script.write_text("import sys, torch; sys.exit(5)\n")
-    assert launch("--workers", "1", str(script), timeout=60)[0] == 5
+    assert launch("--workers", "1", "--start-method", "forkserver", str(script), timeout=60)[0] == 5
 
 
 def test_the_server_ends_with_the_launcher_and_every_task_with_it(tmp_path: Path) -> None:
@@ -165,7 +165,7 @@ def test_the_server_ends_with_the_launcher_and_every_task_with_it(tmp_path: Path
 
     script = tmp_path / "sleep.py"
     script.write_text("import time, torch; print('up', flush=True); time.sleep(60)\n")
-    proc = start_launch("--workers", "2", str(script))
+    proc = start_launch("--workers", "2", "--start-method", "forkserver", str(script))
     try:
         assert proc.stdout is not None
         ups = 0
@@ -251,5 +251,5 @@ def test_a_start_method_that_does_not_exist_is_an_error_naming_the_choices(tmp_p
     assert code == 2 and "forkserver" in out and "spawn" in out
     from distrib.cluster.launch import LaunchConfig
 
-    with pytest.raises(ValueError, match="use one of forkserver, spawn"):
+    with pytest.raises(ValueError, match="use one of spawn, forkserver"):
         LaunchConfig(command=["x.py"], start_method="thread")

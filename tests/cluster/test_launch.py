@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import alive, launch, process_tree, start_launch
 
-# these look at the launcher's own process tree: its own fork server, as by default (tests/conftest.py)
+# these look at the launcher's own process tree: with a fork server, its own (tests/conftest.py), not the shared one
 pytestmark = pytest.mark.usefixtures("own_fork_server")
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from helpers import alive, process_tree, start_launch
 
-# these look at the launcher's own process tree: its own fork server, as by default (tests/conftest.py)
+# these look at the launcher's own process tree: with a fork server, its own (tests/conftest.py), not the shared one
 pytestmark = pytest.mark.usefixtures("own_fork_server")
 
 # the chief of a parameter-server cluster that ignores the polite signals and starts a process of its own:

@@ -359,9 +359,13 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--start-method",
-        choices=("forkserver", "spawn"),
-        help="forkserver (the default, unless DISTRIB_START_METHOD says otherwise): fork each task from one process "
-        "that imported torch once, about 2 CPU-seconds less per task and restart; spawn: a fresh python per task",
+        choices=("spawn", "forkserver"),
+        help="spawn (the default, unless DISTRIB_START_METHOD says otherwise): each task a fresh python SCRIPT "
+        "ARGS, as torchrun starts them. forkserver: fork each task from one process that imported torch once, "
+        "about 2 CPU-seconds less per task and restart (sweeps, test suites); but torch is imported before the "
+        "script runs, so a variable torch reads at import that the script sets in os.environ has no effect (set it "
+        "in the launch's environment), ps and /proc/PID/cmdline show the server's command line, and stdin is "
+        "/dev/null (docs/multi-node.md)",
     )
     p.add_argument(
         "-m",

@@ -25,8 +25,15 @@ another thread held) and exits when the launcher closes its socket, or dies.
 
 Only plain ``python SCRIPT ...`` and ``python -m MODULE ...`` commands are forked, and only tasks whose
 variables read at import (:data:`IMPORT_TIME_VARIABLES`, and torch's own, :data:`IMPORT_TIME_PREFIXES`) equal the
-server's; any other command starts a fresh process. ``distrib launch --start-method spawn``
-(``DISTRIB_START_METHOD=spawn``) starts every task fresh.
+server's; any other command starts a fresh process.
+
+The server is opt-in: ``distrib launch --start-method forkserver`` (``DISTRIB_START_METHOD=forkserver``). By
+default every task is a fresh ``python SCRIPT ...``, since a forked task differs from one in ways a script can
+notice: torch is imported before the script runs, so an import-time variable that the script sets in
+``os.environ`` before ``import torch`` (``TORCHDYNAMO_VERBOSE=1``, ``OMP_NUM_THREADS``) has no effect;
+``/proc/PID/cmdline``, ``ps`` and ``sys.orig_argv`` show ``python -m distrib.cluster.forkserver``, not the script
+(``pkill -f train.py``, py-spy, a restart through ``os.execv(sys.executable, sys.orig_argv)``); stdin is
+``/dev/null``.
 """
 
 from __future__ import annotations

@@ -69,10 +69,18 @@ requeues on 42) can tell a preemption from a failure; or with 0 when every scrip
 exited with 0 (the notice came so near the end that the work finished first, and
 nothing is left to redo). No task outlives the launcher.
 
-Start: each task is forked from one process that imported torch once (:mod:`distrib.cluster.forkserver`; about
-2 CPU-seconds less per task and per restart), a command it cannot fork (interpreter options, another program)
-or a task whose import-time variables differ from the server's is a fresh process; ``--start-method spawn``
-(``DISTRIB_START_METHOD=spawn``) makes every task a fresh ``python``.
+Start: each task is a fresh interpreter started as ``python SCRIPT ARGS`` (``python -m MODULE ARGS`` with
+``-m``), as torchrun starts its workers: ``ps``, ``/proc/PID/cmdline`` and ``sys.orig_argv`` name the script,
+stdin is the launcher's, and a variable torch reads at import (``TORCHDYNAMO_VERBOSE``, ``TORCHINDUCTOR_*``,
+``OMP_NUM_THREADS``) that the script sets in ``os.environ`` before ``import torch`` takes effect.
+``--start-method forkserver`` (``DISTRIB_START_METHOD=forkserver``) forks each task instead from one process that
+imported torch once (:mod:`distrib.cluster.forkserver`; about 2 CPU-seconds less per task and per restart: for
+sweeps and test suites). What differs there: torch, ``torch._dynamo`` and distrib are imported before the script
+runs, so an import-time variable the script sets itself has no effect (set it in the launch's environment: a
+task whose import-time variables differ from the server's starts fresh); ``ps``, ``/proc/PID/cmdline`` and
+``sys.orig_argv`` show ``python -m distrib.cluster.forkserver``; stdin is ``/dev/null``; the tasks share one hash
+seed; the server's objects are frozen (:func:`gc.freeze`). A command it cannot fork (interpreter options, another
+program) starts fresh there too.
 
 Preemption: a script task that exits with 42 (:data:`PREEMPTION_EXIT_CODE`, what
 ``ds.experimental.PreemptionCheckpointHandler`` exits with after its checkpoint, TF's code)
@@ -121,7 +129,7 @@ PREEMPTION_EXIT_CODE = 42
 GRACE_ENV = "DISTRIB_GRACE_SECONDS"
 _print_lock = threading.Lock()
 #: how tasks start (``LaunchConfig.start_method``)
-START_METHODS = ("forkserver", "spawn")
+START_METHODS = ("spawn", "forkserver")
 
 
 @dataclass(frozen=True)
@@ -141,10 +149,11 @@ class LaunchConfig:
     tls: bool = False
     #: the fewest workers the job may continue on (``--workers MIN:MAX``); None: a fixed size, ``workers``
     min_workers: int | None = None
-    #: ``"forkserver"``: fork each task from one process that imported torch once (:mod:`distrib.cluster.forkserver`:
-    #: about 2 CPU-seconds less per task); ``"spawn"``: a fresh ``python`` per task. Default: ``DISTRIB_START_METHOD``,
-    #: else ``"forkserver"``
-    start_method: str = field(default_factory=lambda: os.environ.get("DISTRIB_START_METHOD", "forkserver"))
+    #: ``"spawn"``: a fresh ``python SCRIPT ARGS`` per task, as torchrun starts them; ``"forkserver"``: fork each
+    #: task from one process that imported torch once (:mod:`distrib.cluster.forkserver`: about 2 CPU-seconds less
+    #: per task, with the differences the module docstring lists). Default: ``DISTRIB_START_METHOD``, else
+    #: ``"spawn"``
+    start_method: str = field(default_factory=lambda: os.environ.get("DISTRIB_START_METHOD", "spawn"))
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -511,6 +520,12 @@ def launch(config: LaunchConfig) -> int:
     group: _Group | None = None
     server: ForkServer | None = None
     forking = config.start_method == "forkserver"
+    if not forking and {**os.environ, **config.env}.get(shared_forkserver.DIRECTORY_VARIABLE):
+        _say(
+            f"{shared_forkserver.DIRECTORY_VARIABLE} is set, but the tasks start as fresh processes (start method "
+            f"{config.start_method!r}); give --start-method forkserver (or DISTRIB_START_METHOD=forkserver) to "
+            "fork them from the shared server"
+        )
     code = 1
     with _SignalForwarding() as signals:
         try:
