@@ -13,7 +13,10 @@
 #      `distrib train` explains how to get the data, and the tests do not need it),
 #   4. Debian's Slurm 22.05 (slurm-wlm: munge, slurmctld, slurmd) and iproute2, which the
 #      cluster tests run for real (tests/cluster/slurm_cluster.py starts a one-node cluster;
-#      tests/cluster/netns.py makes hosts of network namespaces); they skip with a reason without.
+#      tests/cluster/netns.py makes hosts of network namespaces); they skip with a reason without,
+#   5. Debian's chromium, in which tests/test_site_layout.py renders every page of the documentation site and
+#      fails where a table or a line runs past its column (it skips with a reason without). 3-5 as root with
+#      apt-get only; elsewhere a message says what to install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,5 +64,16 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! comm
     { apt-get install -y -qq --no-install-recommends slurm-wlm munge iproute2 >/dev/null 2>&1 \
       || { apt-get update -qq >/dev/null 2>&1; apt-get install -y -qq --no-install-recommends slurm-wlm munge iproute2 >/dev/null; }; } \
       || echo "setup: could not install slurm-wlm/munge/iproute2; the Slurm and multi-host tests will skip" >&2
+  fi
+fi
+
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -qq chromium >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1; apt-get install -y -qq chromium >/dev/null; }; } \
+      || echo "setup: could not install chromium; the site's layout check (tests/test_site_layout.py) will skip" >&2
+  else
+    echo "setup: not root (or no apt-get): install Debian's chromium to run the site's layout check (tests/test_site_layout.py)" >&2
   fi
 fi

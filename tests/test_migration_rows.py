@@ -33,10 +33,26 @@ MIGRATION = (Path(__file__).resolve().parents[1] / "docs" / "migration.md").read
 
 
 def row(first_cell: str) -> str:
-    """The one table row of migration.md whose first cell starts with ``first_cell``."""
-    rows = [line for line in MIGRATION.splitlines() if line.startswith("| " + first_cell)]
-    assert len(rows) == 1, f"{len(rows)} rows of migration.md start with {first_cell!r}"
-    return rows[0]
+    """The one table row of migration.md whose first cell starts with ``first_cell``, followed by the notes
+    under its table that the row refers to (a cell keeps a short text and ends with "(note 2)"; the long
+    reason is item 2 of the numbered list under the table)."""
+    lines = MIGRATION.splitlines()
+    found = [i for i, line in enumerate(lines) if line.startswith("| " + first_cell)]
+    assert len(found) == 1, f"{len(found)} rows of migration.md start with {first_cell!r}"
+    text = lines[found[0]]
+    after = lines[found[0] + 1 :]
+    table_end = next(i for i, line in enumerate(after + [""]) if not line.startswith("|"))
+    notes: dict[str, str] = {}
+    for line in after[table_end:]:
+        if line.startswith(("|", "#")):
+            break  # the next table or section: its notes are its own
+        item = re.match(r"(\d+)\. (.*)", line)
+        if item:
+            notes[item.group(1)] = item.group(2)
+    for number in re.findall(r"\(note (\d+)\)", text):
+        assert number in notes, f"the row {first_cell!r} refers to note {number}, which is not under its table"
+        text += " " + notes[number]
+    return text
 
 
 # -- data loading --------------------------------------------------------------------------------------------
@@ -501,7 +517,7 @@ def _linear_fit_data() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[tor
 
 def test_evaluate_returns_what_its_rows_say():
     for first_cell in ("`loss, acc = model.evaluate(x)`", "`model.evaluate(dataset)`"):
-        assert "the list `[loss, *metrics]`" in row(first_cell) and "float" in row(first_cell)
+        assert "list `[loss, *metrics]`" in row(first_cell) and "float" in row(first_cell)
     assert 'the dict `{"loss": ..., "accuracy": ...}` with `return_dict=True`' in row("`loss, acc = model.evaluate(x)`")
     evaluate = inspect.signature(ds.evaluate).parameters
     assert (evaluate["return_dict"].default, evaluate["verbose"].default) == (False, "auto")  # Keras' defaults
@@ -610,7 +626,7 @@ def test_keras_arrays_form_is_refused_and_older_batch_hooks_are_called_as_the_ro
 def test_the_checkpoint_guide_rows_read_a_file_with_torch_load_and_refuse_an_iterator(tmp_path):
     assert '`torch.load(path + ".pt", weights_only=True)["objects"]`' in row("`tf.train.load_checkpoint(path)`")
     assert "passing one is a `TypeError`" in row("`tf.train.Checkpoint(..., iterator=iter(dataset))`")
-    assert "a `Checkpoint` inside a `Checkpoint` is a `TypeError`" in row("nested `tf.train.Checkpoint(")
+    assert "`Checkpoint` inside a `Checkpoint` is a `TypeError`" in row("nested `tf.train.Checkpoint(")
     net = nn.Sequential()
     net.l1 = nn.Linear(1, 5)
     opt = torch.optim.Adam(net.parameters(), 0.1)
