@@ -486,3 +486,14 @@ def test_cublas_workspaces_can_be_cleared_where_torch_has_cuda() -> None:
     if torch.backends.cuda.is_built():
         assert callable(getattr(torch._C, "_cuda_clearCublasWorkspaces", None))
     torch_patches.clear_cublas_workspaces()  # a no-op without CUDA, never an error
+
+
+def test_dtensor_keeps_its_rng_tracker_in_a_module_global_made_without_a_state_broadcast() -> None:
+    """On CUDA, MeshStrategy sets ``torch.distributed.tensor._random._rng_tracker`` to an ``OffsetBasedRNGTracker``
+    built with ``run_state_sync=False`` (what ``_random.manual_seed`` does, as torchtitan calls it), so that DTensor's
+    random ops offset their shards within the tensor-parallel group's stream instead of taking rank 0's state."""
+    from torch.distributed.tensor import _random
+
+    assert hasattr(_random, "_rng_tracker")
+    assert "run_state_sync" in inspect.signature(_random.OffsetBasedRNGTracker.__init__).parameters
+    assert "_rng_tracker" in inspect.getsource(_random.manual_seed)

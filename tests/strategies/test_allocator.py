@@ -59,3 +59,16 @@ def test_an_untuned_sharded_cpu_job_is_warned_once_on_the_chief(monkeypatch, cap
         allocator.warn_if_untuned("cpu", 2, chief=True)
         allocator.warn_if_untuned("cpu", 4, chief=True)
     assert len(caplog.records) == 1 and "MALLOC_MMAP_THRESHOLD_=131072" in caplog.text and "1.3x" in caplog.text
+
+
+def test_the_advice_names_the_strategy_built_and_where_its_settings_go(monkeypatch, caplog):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD", "GLIBC_TUNABLES", "DISTRIB_MALLOC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    for strategy, where in (("MeshStrategy", "distrib launch"), ("ShardedStrategy", "distrib train")):
+        monkeypatch.setattr(allocator, "_warned", False)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="distrib.strategies"):
+            allocator.warn_if_untuned("cpu", 2, chief=True, strategy=strategy)
+        (message,) = [r.getMessage() for r in caplog.records]
+        assert message.startswith(f"{strategy} on the CPU") and where in message, message

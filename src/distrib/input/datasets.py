@@ -23,6 +23,7 @@ from distrib.input.sharding import GlobalBatch, ShardedLoader, sharded_loader, w
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
+    from distrib.strategies.group_random import GroupRandomStream
 
 __all__ = ["DistributedDataset"]
 
@@ -41,10 +42,18 @@ class DistributedDataset:
     With several workers, a ``DataLoader`` over a map-style dataset is auto-sharded (``options``, a
     :class:`~distrib.input.InputOptions`, picks the :class:`~distrib.input.AutoShardPolicy`): each worker's
     copy of the loader loads only its own replicas' examples, and the global batches stay those of the
-    original loader (same order, same content, from the same seeds).
+    original loader (same order, same content, from the same seeds). ``loader_stream``: the random stream a
+    sharded loader draws its worker processes' seed and its main-process transforms from (a mesh's
+    tensor-parallel group's, so that the group's workers load alike); None: the process's generators.
     """
 
-    def __init__(self, dataset: Iterable[Any], strategy: Strategy, options: Any = None) -> None:
+    def __init__(
+        self,
+        dataset: Iterable[Any],
+        strategy: Strategy,
+        options: Any = None,
+        loader_stream: GroupRandomStream | None = None,
+    ) -> None:
         self._options = resolve_options(options, "experimental_distribute_dataset")
         policy = self._options.experimental_auto_shard_policy
         if policy in (AutoShardPolicy.FILE, AutoShardPolicy.HINT):
@@ -69,7 +78,7 @@ class DistributedDataset:
             if reason is None:
                 n = strategy.num_local_replicas
                 self._sharded = sharded_loader(
-                    dataset, strategy.num_replicas_in_sync, strategy.data_worker_index * n, n
+                    dataset, strategy.num_replicas_in_sync, strategy.data_worker_index * n, n, loader_stream
                 )
             elif _has_input_work(dataset):
                 warnings.warn(

@@ -10,10 +10,16 @@ only; the loader keeps every setting of the original (``num_workers``, ``collate
 
 Skipping to a position (an exact resume) happens here too, in the batch sampler: the skipped global batches'
 indices are drawn (so the random state moves as it did) but never loaded.
+
+Under a mesh the workers of one tensor-parallel group load the same examples, and must transform them alike: the
+strategy hands in its input stream (:class:`~distrib.strategies.group_random.GroupRandomStream`), from which the
+rebuilt loader draws its worker processes' base seed and, loading in the main process, the transforms draw. The
+sampler keeps drawing from the process's own generators: the global batches must be the same on every worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 import zlib
@@ -21,11 +27,14 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distrib.input.batches import part_bounds
+
+if TYPE_CHECKING:
+    from distrib.strategies.group_random import GroupRandomStream
 
 __all__ = ["GlobalBatch", "ShardedBatchSampler", "ShardedLoader", "sharded_loader", "why_not_shardable"]
 
@@ -47,6 +56,9 @@ def _indices_crc(indices: list[Any]) -> int:
         return zlib.crc32(repr(indices).encode())
 
 
+_END = object()
+
+
 @dataclass
 class _Run:
     """One pass of the sampler, as the consumer asked for it: batches to skip, and what was drawn."""
@@ -59,12 +71,24 @@ class _Run:
 class ShardedBatchSampler:
     """The batch sampler of one worker's rebuilt loader: its replicas' slice of each of ``global_batches``'s
     batches of indices (replicas ``first .. first+count-1`` of ``num_parts``). A slice that is empty (a short
-    last batch) is not handed to the loader; the consumer learns of it from the run's record."""
+    last batch) is not handed to the loader; the consumer learns of it from the run's record. The global batches
+    are drawn with the process's own generators live, even where the loader runs inside a group's ``stream``."""
 
-    def __init__(self, global_batches: Iterable[Any], num_parts: int, first: int, count: int) -> None:
+    def __init__(
+        self,
+        global_batches: Iterable[Any],
+        num_parts: int,
+        first: int,
+        count: int,
+        stream: GroupRandomStream | None = None,
+    ) -> None:
         self.global_batches = global_batches
         self.num_parts, self.first, self.count = num_parts, first, count
         self.run = _Run()
+        self._stream = stream
+
+    def _own_generators(self) -> contextlib.AbstractContextManager[None]:
+        return self._stream.suspended() if self._stream is not None else contextlib.nullcontext()
 
     def __len__(self) -> int:
         return len(self.global_batches)  # type: ignore[arg-type]
@@ -75,7 +99,13 @@ class ShardedBatchSampler:
         return self._slices(self.run)
 
     def _slices(self, run: _Run) -> Iterator[list[Any]]:
-        for batch in self.global_batches:
+        with self._own_generators():
+            drawn = iter(self.global_batches)
+        while True:
+            with self._own_generators():  # the shuffle: the same on every worker
+                batch: Any = next(drawn, _END)
+            if batch is _END:
+                return
             indices = batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
             run.drawn += 1
             if run.skip > 0:
@@ -111,14 +141,20 @@ def why_not_shardable(dataset: Any) -> str | None:
 
 
 class ShardedLoader:
-    """One worker's share of a ``DataLoader``: the same loader rebuilt over a :class:`ShardedBatchSampler`."""
+    """One worker's share of a ``DataLoader``: the same loader rebuilt over a :class:`ShardedBatchSampler`.
 
-    def __init__(self, loader: Any, num_parts: int, first: int, count: int) -> None:
+    With a ``stream`` (a tensor-parallel group's), the loader draws its worker processes' base seed and runs
+    its main-process transforms with the stream live, so the workers of one group load alike."""
+
+    def __init__(
+        self, loader: Any, num_parts: int, first: int, count: int, stream: GroupRandomStream | None = None
+    ) -> None:
         from torch.utils.data import DataLoader
 
         # weakly: the cache of sharded_loader() is keyed by the original loader, and must not keep it alive
         self._original = weakref.ref(loader)
-        self.sampler = ShardedBatchSampler(loader.batch_sampler, num_parts, first, count)
+        self._stream = stream
+        self.sampler = ShardedBatchSampler(loader.batch_sampler, num_parts, first, count, stream)
         workers = loader.num_workers
         self.loader = DataLoader(
             loader.dataset,
@@ -147,13 +183,15 @@ class ShardedLoader:
             if n_pass is not None and original is not None and hasattr(original, "set_epoch"):
                 original.set_epoch(n_pass)
             run = self.sampler.run = _Run(skip=skip)
-            loaded = iter(self.loader)
+            with self._group_generators():  # the worker processes' base seed
+                loaded = iter(self.loader)
             held: deque[Any] = deque()  # shares loaded ahead of their global batch's turn
             exhausted = False
             while True:
                 while not run.batches and not exhausted:
                     try:
-                        held.append(next(loaded))  # the loader draws from the sampler: the run learns of batches
+                        with self._group_generators():  # the transforms, where the main process loads
+                            held.append(next(loaded))  # the loader draws from the sampler: the run learns of batches
                     except StopIteration:
                         exhausted = True
                 if not run.batches:
@@ -161,25 +199,36 @@ class ShardedLoader:
                 batch = run.batches.popleft()
                 if batch.local_size == 0:
                     yield batch, None
+                elif held:
+                    yield batch, held.popleft()
                 else:
-                    yield batch, (held.popleft() if held else next(loaded))
+                    with self._group_generators():
+                        share = next(loaded)
+                    yield batch, share
             skip = run.skip
             if run.drawn == 0:
                 return
 
+    def _group_generators(self) -> contextlib.AbstractContextManager[None]:
+        return self._stream.active() if self._stream is not None else contextlib.nullcontext()
 
-_SHARDED: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], ShardedLoader]] = weakref.WeakKeyDictionary()
+
+_SHARDED: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int, int | None], ShardedLoader]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def sharded_loader(loader: Any, num_parts: int, first: int, count: int) -> ShardedLoader:
-    """The :class:`ShardedLoader` of ``loader`` for this worker's parts, made once per loader and topology.
+def sharded_loader(
+    loader: Any, num_parts: int, first: int, count: int, stream: GroupRandomStream | None = None
+) -> ShardedLoader:
+    """The :class:`ShardedLoader` of ``loader`` for this worker's parts, made once per loader, topology and stream.
 
     Distributing the same loader again (``fit`` does, every epoch) reuses it, so that its loader processes and
     random draws go on as the original loader's would: a loader with ``persistent_workers`` keeps its processes,
     and draws its workers' base seed once, as when it is iterated plainly.
     """
     per_topology = _SHARDED.setdefault(loader, {})
-    key = (num_parts, first, count)
+    key = (num_parts, first, count, id(stream) if stream is not None else None)
     if key not in per_topology:
-        per_topology[key] = ShardedLoader(loader, num_parts, first, count)
+        per_topology[key] = ShardedLoader(loader, num_parts, first, count, stream)
     return per_topology[key]

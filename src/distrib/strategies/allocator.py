@@ -1,4 +1,5 @@
-"""glibc's allocator under ``ShardedStrategy`` on the CPU: why sharded workers need a fixed mmap threshold.
+"""glibc's allocator under ``ShardedStrategy`` (and ``MeshStrategy``) on the CPU: why sharded workers need a fixed
+mmap threshold.
 
 FSDP gathers each unit's whole parameters before its forward and backward, and frees them after; it
 does the same with the gradients before each reduce-scatter: blocks of a unit's size, allocated and
@@ -11,7 +12,7 @@ A threshold fixed below the unit size returns every such block to the system at 
 MultiWorkerMirrored's peak at N=2 and 4); the fresh mappings then cost page faults (45 % of the step's CPU
 time), which transparent huge pages mostly remove (17-19 %). Both are read by glibc when the process starts,
 so they go in the workers' environment: ``distrib train --strategy sharded`` puts :data:`RECIPE` there unless
-the user chose an allocator; a script started otherwise gets a warning naming it
+the user chose an allocator; a script started otherwise gets a warning naming it and the strategy it built
 (:func:`warn_if_untuned`).
 """
 
@@ -67,20 +68,28 @@ def recommended_env(environ: Mapping[str, str] | None = None, libc: str | None =
     }
 
 
-def warn_if_untuned(device_type: str, num_workers: int, chief: bool) -> None:
+def warn_if_untuned(device_type: str, num_workers: int, chief: bool, strategy: str = "ShardedStrategy") -> None:
     """Once per process, on the chief: sharded CPU workers on glibc as it comes hold more memory than unsharded
-    ones; say what to start them with."""
+    ones; say what to start them with, naming ``strategy`` (the class the user built) and where the settings go
+    for it (``distrib train --strategy sharded`` sets them itself; a ``MeshStrategy`` script is started by the
+    user, so the settings go into the launch's environment)."""
     global _warned
     if _warned or not chief or device_type != "cpu" or num_workers < 2 or not recommended_env():
         return
     _warned = True
     setting = " ".join(f"{k}={v}" for k, v in RECIPE.items())
+    where = (
+        "distrib train --strategy sharded does"
+        if strategy == "ShardedStrategy"
+        else "in the environment of distrib launch or torchrun: glibc reads them when a process starts"
+    )
     log.warning(
-        "ShardedStrategy on the CPU with glibc's allocator as it comes: each worker will hold about 1.3x "
-        "the memory of MultiWorkerMirroredStrategy (FSDP's freed unit buffers stay in glibc's heap). Start "
-        "the workers with %s (distrib train --strategy sharded does; docs/performance.md: 0.55x at 2 "
-        "workers, 0.33x at 4, for 17-19%% of the step's CPU time), or set %s=default to keep glibc as it "
-        "is and silence this",
+        "%s on the CPU with glibc's allocator as it comes: each worker will hold about 1.3x the memory of "
+        "MultiWorkerMirroredStrategy (FSDP's freed unit buffers stay in glibc's heap). Start the workers with "
+        "%s (%s; docs/performance.md: 0.55x at 2 workers, 0.33x at 4, for 17-19%% of the step's CPU time), or "
+        "set %s=default to keep glibc as it is and silence this",
+        strategy,
         setting,
+        where,
         OPT_OUT,
     )

@@ -27,6 +27,12 @@ workers of one tensor-parallel group are one replica, read the same part of each
 compute the same loss, so ``num_replicas_in_sync`` is the data axes' size, ``compute_average_loss``
 divides by the global batch as before, and ``strategy.reduce`` counts each group once.
 
+Random numbers follow the replicas (:mod:`~distrib.strategies.group_random`): with a model axis of two
+workers or more, every ``strategy.run`` (so ``ds.fit`` too) draws from its tensor-parallel group's stream,
+the same on each worker of the group and different across the data-parallel replicas, whatever seed each
+process set; a sharded ``DataLoader`` seeds its worker processes (and runs its main-process transforms)
+from a second such stream. Both are seeded from the chief's ``torch.initial_seed()`` at their first use.
+
 Example (run it with ``distrib launch --workers 4 script.py``)::
 
     mesh = ds.experimental.DeviceMesh((2, 2), ("batch", "model"))
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,12 +57,15 @@ from torch import nn
 
 from distrib.comm.process_group import one_rank_group
 from distrib.strategies import tensor_parallel
+from distrib.strategies.group_random import GroupRandomStream
 from distrib.strategies.mesh import BATCH, DeviceMesh, LayoutMap
 from distrib.strategies.sharded import ShardedStrategy, _fsdp
 
 if TYPE_CHECKING:
     from distrib.cluster.resolver import ClusterResolver
     from distrib.comm import CommunicationOptions
+    from distrib.input import DistributedDataset
+    from distrib.strategies.run_options import RunOptions
     from distrib.strategies.sharding_policy import ShardingPolicy
 
 __all__ = ["MeshStrategy"]
@@ -152,6 +161,16 @@ class MeshStrategy(ShardedStrategy):
         self._one_worker_mesh = self.num_workers == 1 and given
         # the parameters no layout splits where no data axis shards them (plain tensors, whole on every worker)
         self._plain: dict[int, weakref.ref[nn.Parameter]] = {}
+        #: the seed every worker's random streams derive from (the chief's), agreed at the first use of one
+        self._group_seed: int | None = None
+        #: with a model axis of 2 or more: the steps' and the sharded loader's streams of this worker's group
+        self.model_stream: GroupRandomStream | None = None
+        self.input_stream: GroupRandomStream | None = None
+        self._dtensor_tracker_checked = False
+        if self.tensor_parallel_size > 1:
+            device = self.local_devices[0] or torch.device("cpu")
+            self.model_stream = GroupRandomStream("model", self._data_index, device, self._agreed_seed)
+            self.input_stream = GroupRandomStream("input", self._data_index, device, self._agreed_seed)
         log.info(
             "MeshStrategy: worker %d at %s of %s",
             self.worker_index,
@@ -184,6 +203,65 @@ class MeshStrategy(ShardedStrategy):
     def tensor_parallel_size(self) -> int:
         """The model axis's size (1 without one)."""
         return self.device_mesh.size(self._model_axis) if self._model_axis else 1
+
+    # ------------------------------------------------------------------ random numbers: one stream per TP group
+    def _agreed_seed(self) -> int:
+        """The chief's ``torch.initial_seed()``, on every worker (a collective, once: the first stream's first use)."""
+        if self._group_seed is None:
+            self._group_seed = int(self.communicator.broadcast_object(torch.initial_seed(), src=0))
+        return self._group_seed
+
+    def _set_dtensor_rng_tracker(self) -> None:
+        """On CUDA, before the first step: DTensor's random ops (a dropout on a ``DTensor``) get torch's RNG
+        tracker without the state broadcast over the world that torch's lazy one makes at their first call (which
+        would give every data-parallel replica the chief's stream); the tracker offsets each shard's draws within
+        the live stream, as ``torch.distributed.tensor._random.manual_seed`` (torchtitan's call) sets it up."""
+        device = self.local_devices[0]
+        if self._torch_mesh is None and device is not None and device.type == "cuda":
+            return  # no model laid out yet: again at the next step
+        self._dtensor_tracker_checked = True
+        if device is None or device.type != "cuda":
+            return
+        from torch.distributed.tensor import _random as dtensor_random
+
+        if dtensor_random._rng_tracker is None:
+            dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(self._torch_mesh, run_state_sync=False)
+
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
+    ) -> Any:
+        """As ``ShardedStrategy``'s, with the tensor-parallel group's random stream live during the step.
+
+        Args:
+            fn: the step function.
+            args: positional arguments of ``fn``.
+            kwargs: keyword arguments of ``fn``.
+            options: ``RunOptions``.
+
+        Returns:
+            What ``fn`` returns.
+        """
+        if self.model_stream is None:
+            return super().call_for_each_replica(fn, args, kwargs, options)
+        if not self._dtensor_tracker_checked:
+            self._set_dtensor_rng_tracker()
+        with self.model_stream.active():
+            return super().call_for_each_replica(fn, args, kwargs, options)
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DistributedDataset:
+        """As ``ShardedStrategy``'s (each global batch split over the data axes); a sharded ``DataLoader`` draws
+        its worker processes' seed and its main-process transforms from the group's input stream.
+
+        Args:
+            dataset: an iterable of global batches.
+            options: ``ds.InputOptions``, or None.
+
+        Returns:
+            A distributed dataset whose batches are this worker's data-parallel part of each global batch.
+        """
+        from distrib.input import DistributedDataset
+
+        return DistributedDataset(dataset, self, options=options, loader_stream=self.input_stream)
 
     def torch_mesh(self, device_type: str = "cpu") -> Any:
         """torch's ``DeviceMesh`` of :attr:`device_mesh` (``init_device_mesh``; made once, on every worker).

@@ -177,7 +177,7 @@ class ShardedStrategy(Strategy):
             workers.device_names[0],
             "ZeRO-3" if reshard_after_forward else "ZeRO-2",
         )
-        allocator.warn_if_untuned(workers.devices[0].type, self.num_workers, self.is_chief)
+        allocator.warn_if_untuned(workers.devices[0].type, self.num_workers, self.is_chief, type(self).__name__)
 
     @property
     def gradient_merge(self) -> GradientMerge | None:
