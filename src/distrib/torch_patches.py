@@ -515,7 +515,7 @@ def clear_cublas_workspaces() -> None:
     ``torch.compile`` CUDA graphs do (``torch/_inductor/cudagraph_trees.py``): a graph bakes in the address of
     the workspace its matmuls used. Captured with a workspace that eager work made on the same stream, the graph
     writes into memory the caching allocator later frees or hands to other tensors (the next capture frees
-    cached memory first): an illegal memory access, or a segmentation fault, at a later replay (issue 28).
+    cached memory first): an illegal memory access, or a segmentation fault, at a later replay.
     Cleared before, the capture allocates its own workspace inside the graph's private pool; cleared after, no
     eager matmul shares it. torch has no public name for it; a no-op where torch has no CUDA."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

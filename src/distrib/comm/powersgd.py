@@ -21,7 +21,7 @@ viewed as ``shape[0] x rest``) and rank ``r``:
 
 ``Q`` is kept for the next step (warm start), so one power iteration a step tracks
 the gradients' leading subspace. ``n x m`` matrices travel as ``(n + m) r`` numbers
-instead of ``n m``: seed 001's ``Dense(128)`` weight (128 x 21632, 11 MB) as 173 KB at
+instead of ``n m``: the multi-worker tutorial's ``Dense(128)`` weight (128 x 21632, 11 MB) as 173 KB at
 rank 2.
 """
 
@@ -256,7 +256,7 @@ class PowerSGDHook:
                     torch.mm(p, q, out=m)
                     if es:
                         # not addmm(m, p, q, alpha=-1/W, out=e): on CPU that takes 15x longer than these two
-                        # passes (18 ms against 1.3 + 1.3 ms for seed 001's 128 x 21632 matrix, 1 thread)
+                        # passes (18 ms against 1.3 + 1.3 ms for a 128 x 21632 matrix, 1 thread)
                         es[i].sub_(m, alpha=1.0 / workers)
             state.has_q = self.settings.warm_start
             state.reductions += 1

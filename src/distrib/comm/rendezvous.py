@@ -1,4 +1,4 @@
-"""Rendezvous stores: a fresh store for every attempt of a torchrun job (pytorch issue 135712).
+"""Rendezvous stores: a fresh store for every attempt of a torchrun job (pytorch#135712).
 
 torchrun's agent hosts a TCP store at ``MASTER_ADDR:MASTER_PORT`` and
 (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default) keeps it across restarts and

@@ -6,13 +6,13 @@ On a terminal, a bar redrawn in place::
 
 Otherwise (a pipe: a log file, CI, the workers of ``distrib launch``), a bar *line* every
 ``line_interval`` seconds (10 s by default, or ``DISTRIB_PROGRESS_INTERVAL``), so a long epoch is
-never silent, and one line when the epoch ends, as in seed 003::
+never silent, and one line when the epoch ends, as in TF's multi-worker migration guide::
 
     10/10 - 3s - loss: 7.4912 - 3s/epoch - 259ms/step
 
 Keras writes a new line every 0.05 s on a pipe; one line every 10 s keeps logs readable.
 
-``style="tqdm"`` draws the same progress as seed 000's custom loop shows it, a tqdm bar
+``style="tqdm"`` draws the same progress as TF's custom-training tutorial shows it, a tqdm bar
 (``epoch 1/10:  40%|####      | 375/938 [00:12<00:18, ..., loss=0.5082, accuracy=81.54]``),
 on the same terms: redrawn in place on a terminal, a line every ``line_interval`` seconds
 on a pipe, nothing when ``verbose`` is 0.

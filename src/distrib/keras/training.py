@@ -1,5 +1,5 @@
 """What a training loop keeps and its callbacks see (:class:`Loop`), and the bookkeeping every training
-loop does with it (:class:`Training`): ``ds.fit``'s, and ``distrib train``'s custom loop (seed 000's).
+loop does with it (:class:`Training`): ``ds.fit``'s, and ``distrib train``'s custom loop (TF's tutorial's).
 
 Both loops resume the same way: a callback that restores a backup at ``on_train_begin``
 (``BackupAndRestore``, ``distrib train``'s preemption handler) sets ``loop.epoch`` and

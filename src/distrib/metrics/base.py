@@ -8,7 +8,7 @@ worker calls it), then computes the value.
 Which strategy's workers: the one whose scope the metric was built under, else the first
 strategy it is updated under (inside ``run`` or a ``scope()``). A metric built outside
 every scope and updated inside ``run`` on several workers therefore still reports the
-value over every worker (issue 10, A.5), as one built under the scope does.
+value over every worker, as one built under the scope does.
 
 Sample weights follow Keras' ``Reduce`` metric: a weight of rank one more than the
 values loses its last dimension of size 1, a weight of rank one less gains one; then a

@@ -160,7 +160,7 @@ def _parameter_server(request: StrategyRequest) -> Strategy:
 
     if TFConfigClusterResolver.detect():
         return ParameterServerStrategy(TFConfigClusterResolver())
-    # no cluster given: one in this process, as seed 003's notebook builds it
+    # no cluster given: one in this process, as TF's multi-worker migration guide builds it
     return ParameterServerStrategy(testing.create_in_process_cluster(num_workers=request.workers, num_ps=request.ps))
 
 
