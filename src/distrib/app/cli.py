@@ -1,6 +1,6 @@
 """The ``distrib`` command line, built from a registry of subcommands.
 
-    distrib train [--strategy mirrored] [--epochs 10] ...   the main job (seed 000's workload)
+    distrib train [--strategy mirrored] [--epochs 10] ...   the main job (TF's tutorial's workload)
     distrib launch --workers 2 script.py                    a local cluster, one process per task
     distrib plot RUN_DIR                                    draw a run's training.png again
 

@@ -1,6 +1,6 @@
 """``distrib train``: the tutorials' workload, a Fashion-MNIST CNN trained with a custom loop.
 
-This is seed 000 of the project (TF's "Custom training with tf.distribute.Strategy")
+This is TF's tutorial "Custom training with tf.distribute.Strategy"
 written with distrib: the loss is scaled by the global batch, metrics are updated
 inside ``strategy.run``, a checkpoint is written every 2 epochs, and at the end the
 last checkpoint is restored into a fresh model *without* any strategy and evaluated.
@@ -35,7 +35,7 @@ __all__ = ["TrainConfig", "TensorBatches", "make_steps", "make_strategy", "metri
 
 log = logging.getLogger("distrib.app.train")
 
-# seed 000's line, with readable precision (the seed prints float32 reprs: `Loss: 0.5044084787368774`)
+# the tutorial's line, with readable precision (the tutorial prints float32 reprs: `Loss: 0.5044084787368774`)
 # (fields by name, the keys of the epoch's row: its order cannot move a value into another's place)
 EPOCH_TEMPLATE = (
     "Epoch {epoch}, Loss: {loss:.4f}, Accuracy: {accuracy:.2f}, Test Loss: {test_loss:.4f}, "
@@ -46,7 +46,7 @@ POSTFIX_EVERY = 10  # steps between two updates of the bar's loss and accuracy (
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything ``distrib train`` can be told; the defaults are seed 000's."""
+    """Everything ``distrib train`` can be told; the defaults are the tutorial's."""
 
     strategy: str = field(default_factory=registry.default_name)  # the registry's one-process default
     epochs: int = 10
@@ -162,9 +162,9 @@ def make_steps(
 def train(config: TrainConfig, strategy: ds.Strategy | None = None) -> dict[str, Any]:
     """Run the main job; print one line per epoch; return the history (Keras' form) and the restored accuracy.
 
-    One path: the model, the optimizer, the checkpoint and the reporters (seed 000's
+    One path: the model, the optimizer, the checkpoint and the reporters (the tutorial's
     checkpoint schedule, metrics.jsonl, TensorBoard) are built once, then the epochs run
-    either in the seed's custom loop or through ``ds.fit`` (``--fit``, and under parameter
+    either in the tutorial's custom loop or through ``ds.fit`` (``--fit``, and under parameter
     servers, whose steps are scheduled on the workers). Both fire the same callbacks and
     return the same history: ``{"loss": [...], "accuracy": [...], "val_loss": [...], ...}``,
     one value per epoch (accuracies as fractions, as Keras).
@@ -365,7 +365,7 @@ def _verbosity(config: TrainConfig, is_chief: bool) -> int:
 
 
 def _reporters(config: TrainConfig, strategy: ds.Strategy, checkpoint: ds.Checkpoint) -> list[Callback]:
-    """The callbacks both loops fire: seed 000's checkpoints, the metrics.jsonl writer and, if asked, TensorBoard."""
+    """The callbacks both loops fire: the tutorial's checkpoints, the metrics.jsonl writer and, if asked, TensorBoard."""
     path = metrics_path(config)
     if strategy.is_chief:  # one file per run, and no picture of an earlier run
         for stale in (path, os.path.join(os.path.dirname(os.path.abspath(path)), PICTURE)):
@@ -385,7 +385,7 @@ class _PreemptionBackup(Callback):
     """A termination notice (SIGTERM) saves model, optimizer and data position before the next batch every worker
     agrees on, then exits with 42 (``distrib launch`` restarts the job); the next start resumes at that batch.
 
-    ``BackupAndRestore(save_before_preemption=True)`` without its backup at every epoch's end (seed 000's
+    ``BackupAndRestore(save_before_preemption=True)`` without its backup at every epoch's end (the tutorial's
     checkpoint schedule stays as it is): written only on a notice, removed when training ends.
     """
 

@@ -16,7 +16,7 @@ correct job. So at exit, before the interpreter finalizes, :func:`_shutdown` wai
 
 Under torchrun, rank 0 and the others meet through a store of the attempt's own
 (:mod:`distrib.comm.rendezvous`: torchrun's agent keeps its store across restarts,
-pytorch issue 135712). gloo binds to the interface that routes to the chief
+pytorch#135712). gloo binds to the interface that routes to the chief
 (:mod:`distrib.comm.interfaces`: a host name that resolves to ``127.0.1.1`` is refused
 across hosts, naming ``GLOO_SOCKET_IFNAME``).
 """
