@@ -116,7 +116,7 @@ def make_steps(
     test_accuracy: Any,
     precision: str = "32",
 ) -> tuple[Any, Any]:
-    """Seed 000's replica functions: ``train_step(inputs) -> scaled loss`` and ``test_step(inputs)``.
+    """The tutorial's replica functions: ``train_step(inputs) -> scaled loss`` and ``test_step(inputs)``.
 
     ``precision`` ``"bf16-mixed"`` / ``"16-mixed"``: the forward pass and the loss run under
     ``torch.autocast``; float16 also scales the loss with a ``torch.amp.GradScaler``, used as in
@@ -247,7 +247,7 @@ def use_function(config: TrainConfig, strategy: ds.Strategy) -> bool:
 
 
 def _custom_loop(job: _Job) -> dict[str, list[float]]:
-    """Seed 000's loop: ``strategy.run`` on each distributed batch, metrics in the replica function, its epoch line."""
+    """The tutorial's loop: ``strategy.run`` on each distributed batch, metrics in the replica function, its epoch line."""
     config, strategy = job.config, job.strategy
     chief = strategy.is_chief
     train_batches = TensorBatches(*job.train_split, batch_size=job.global_batch_size, shuffle=True, seed=config.seed)
@@ -421,7 +421,7 @@ class _PreemptionBackup(Callback):
 
 
 class _SeedCheckpoints(Callback):
-    """Seed 000's schedule: a checkpoint after epochs 1, 3, 5, ... (``epoch % 2 == 0``)."""
+    """The tutorial's schedule: a checkpoint after epochs 1, 3, 5, ... (``epoch % 2 == 0``)."""
 
     def __init__(self, checkpoint: ds.Checkpoint, prefix: str) -> None:
         self.checkpoint, self.prefix = checkpoint, prefix
