@@ -8,6 +8,8 @@ laptop width. A script in the page looks, in the text column and in the contents
   theme cuts off at the page's edge, with no way to reach its last columns), and
 - an element whose content is wider than its own box where that box does not scroll (text clipped, or
   spilling over its neighbour),
+- a table row taller than 60 % of the window (900 px high): cells that hold whole paragraphs, which belong in
+  numbered notes under the table,
 
 and the page as a whole being wider than the window. A table that scrolls sideways inside the column
 (docs/stylesheets/extra.css) passes: its box fits, and its content can be reached.
@@ -33,11 +35,14 @@ pytestmark = pytest.mark.skipif(
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 1280  # px: a laptop's window; the site must also hold at wider ones, where tables only get more room
+HEIGHT = 900  # px
+TALLEST_ROW = 0.6  # of the window's height: a taller table row holds paragraphs that belong in a note
 STYLESHEET = ROOT / "docs" / "stylesheets" / "extra.css"
 
 #: Run in a page: one line per problem, naming the element, its text, the heading above it and the measure.
 OVERFLOW_CHECK = r"""
 (() => {
+  const TALLEST_ROW = @TALLEST_ROW@;
   const columns = [...document.querySelectorAll('[role="main"], .bs-sidebar')];
   const headings = [...document.querySelectorAll('h1, h2, h3, h4, h5, h6')];
   const headingAbove = (el) => {
@@ -73,11 +78,19 @@ OVERFLOW_CHECK = r"""
       }
     }
   }
+  // a table row taller than most of the window: cells that hold whole paragraphs (their place is a note under the
+  // table, which the cell names)
+  for (const row of document.querySelectorAll('[role="main"] tr')) {
+    const height = row.getBoundingClientRect().height;
+    if (height > TALLEST_ROW * innerHeight) {
+      problems.push(`${describe(row)}: a table row ${Math.round(height)} px tall in a ${innerHeight} px window`);
+    }
+  }
   const page = document.documentElement;
   if (page.scrollWidth > innerWidth + 1) problems.push(`the page is ${page.scrollWidth} px wide in a ${innerWidth} px window`);
   return problems;
 })()
-"""
+""".replace("@TALLEST_ROW@", repr(TALLEST_ROW))
 
 
 def overflows(browser: Browser, page: Path) -> list[str]:
@@ -104,7 +117,7 @@ def test_no_page_of_the_site_runs_past_its_column_or_is_cut_off(site: Path) -> N
     pages = sorted(p for p in site.rglob("*.html") if "search" not in p.relative_to(site).parts)
     assert len(pages) >= 20, f"the site has only {len(pages)} pages: {pages}"  # the guides and the reference
     found: dict[str, list[str]] = {}
-    with Browser(width=WIDTH) as browser:
+    with Browser(width=WIDTH, height=HEIGHT) as browser:
         for page in pages:
             found[page.relative_to(site).as_posix()] = overflows(browser, page)
     print("\n".join(f"{name}: {len(problems)}" for name, problems in found.items()))  # the count per page
@@ -130,7 +143,7 @@ def _page(tmp_path: Path, table_cell: str, stylesheet: Path | None = None) -> Pa
 
 def test_the_check_finds_a_table_the_page_cuts_off_and_passes_it_once_it_scrolls(tmp_path: Path) -> None:
     wide = '<code style="white-space: nowrap">' + "every_local_gpu_else_the_cpu_" * 30 + "</code>"
-    with Browser(width=WIDTH) as browser:
+    with Browser(width=WIDTH, height=HEIGHT) as browser:
         assert overflows(browser, _page(tmp_path, "every local GPU, else the CPU")) == []
         cut_off = overflows(browser, _page(tmp_path, wide))
         assert len(cut_off) == 2, cut_off  # the table, and the page wider than the window
@@ -142,6 +155,13 @@ def test_the_check_finds_a_table_the_page_cuts_off_and_passes_it_once_it_scrolls
 
 def test_the_check_finds_text_clipped_by_a_box_that_does_not_scroll(tmp_path: Path) -> None:
     clipped = '<div style="width: 100px; overflow: hidden; white-space: nowrap">a line far wider than its box</div>'
-    with Browser(width=WIDTH) as browser:
+    with Browser(width=WIDTH, height=HEIGHT) as browser:
         problems = overflows(browser, _page(tmp_path, clipped))
     assert len(problems) == 1 and "in a box of 100 px that does not scroll" in problems[0], problems
+
+
+def test_the_check_finds_a_table_row_that_holds_a_paragraph(tmp_path: Path) -> None:
+    paragraph = "A reason that belongs in a note under the table, not in its cell. " * 40
+    with Browser(width=WIDTH, height=HEIGHT) as browser:
+        problems = overflows(browser, _page(tmp_path, paragraph, STYLESHEET))
+    assert len(problems) == 1 and "a table row" in problems[0] and "in a 900 px window" in problems[0], problems
