@@ -77,6 +77,7 @@ __all__ = [
     "in_backward",
     "op_schema",
     "clear_cublas_workspaces",
+    "module_tables",
 ]
 
 #: torch's own methods, taken when this module is imported (which patches nothing)
@@ -521,3 +522,10 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.is_available():
         clear()
+
+
+def module_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The dicts ``module`` keeps its own parameters, buffers and submodules in (``_parameters``, ``_buffers``,
+    ``_modules``). ``ds.function``'s guard (``graphs/guards.py``) compares their entries by identity before every
+    replay, in one pipeline of C calls; ``named_parameters(recurse=False)`` would be a Python generator per module."""
+    return module._parameters, module._buffers, module._modules

@@ -125,9 +125,12 @@ def test_the_host_work_guard_refuses_what_a_replay_would_not_repeat():
             state.add_(1)
     with pytest.raises(CaptureError, match="copies a CPU tensor of shape \\[3\\] to the GPU"):
         # what the guard sees of `cpu_tensor.to("cuda")` (a CPU build of torch refuses before dispatching it)
-        HostWorkGuard._check_copy("aten._to_copy.default", (torch.ones(3),), {"device": torch.device("cuda", 0)})
-    with HostWorkGuard():  # new CPU tensors and reads are fine: shapes, Python scalars
-        assert float((torch.ones(3) * 2).sum()) == 6.0
+        HostWorkGuard()._check_copy("aten._to_copy.default", (torch.ones(3),), {"device": torch.device("cuda", 0)})
+    with HostWorkGuard():  # new CPU tensors and their shapes are fine
+        assert (torch.ones(3) * 2).shape == (3,)
+    with pytest.raises(CaptureError, match=r"reads a tensor's value on the host at .*test_function\.py:\d+"):
+        with HostWorkGuard():  # a value read on the host would be the capture's at every replay
+            float((torch.ones(3) * 2).sum())
 
 
 def test_the_capture_notes_the_tensors_that_outlive_it():
@@ -264,20 +267,20 @@ def test_strategies_say_why_they_cannot_be_captured():
 
 
 def test_the_bound_on_captures_and_reduce_retracing(caplog):
-    """``max_captures`` and ``reduce_retracing`` decide whether another graph may be captured (checked without a
-    GPU through ``may_capture``, which a signature asks before each capture)."""
+    """``max_captures`` (the graphs held) and ``reduce_retracing`` decide whether another graph may be captured
+    (checked without a GPU through ``capture_refusal``, which a signature asks before each capture)."""
     from distrib.graphs.signature import flatten_inputs
 
     f = Function(lambda x: x, reduce_retracing=True)
     full, ragged = flatten_inputs((torch.ones(64, 3),), {}), flatten_inputs((torch.ones(40, 3),), {})
-    assert f.may_capture(full) and f.may_capture(full)  # the first shape, again (e.g. after a state load)
+    assert f.capture_refusal(full, "x") is None and f.capture_refusal(full, "x") is None  # the first shape, again
     with caplog.at_level(logging.WARNING, logger="distrib.function"):
-        assert not f.may_capture(ragged)  # another shape of the same structure and dtypes: eager
-        assert f.may_capture(flatten_inputs((torch.ones(64, 3, dtype=torch.float64),), {}))  # another dtype
+        assert "other shapes" in str(f.capture_refusal(ragged, "x"))  # another shape, same structure and dtypes
+        assert f.capture_refusal(flatten_inputs((torch.ones(64, 3, dtype=torch.float64),), {}), "x") is None
     assert any("reduce_retracing=True" in r.getMessage() for r in caplog.records)
 
     bounded = Function(lambda x: x, max_captures=2)
-    bounded.captures = 2
+    bounded.held = lambda: 2  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING, logger="distrib.function"):
-        assert not bounded.may_capture(full)
+        assert bounded.capture_refusal(full, "the signature (Tensor[64, 3])") is not None
     assert any("max_captures=2" in r.getMessage() and "retracing" in r.getMessage() for r in caplog.records)

@@ -164,9 +164,8 @@ def _train_options() -> list[tuple[str, dict[str, Any]]]:
                 action=argparse.BooleanOptionalAction,
                 default=None,
                 help="run each step as @ds.function: captured once as a CUDA graph, then replayed "
-                "(6x the eager step on an H100 at batch 64). Default: on where the strategy "
-                "computes on a GPU and can be captured, off on a CPU (where it would run eagerly) "
-                "and with --compile",
+                "(6x the eager step on an H100 at batch 64). Default: off (eager), as Keras 3 resolves "
+                'jit_compile="auto" on torch; the graph guards what the step names (docs: Graphs)',
             ),
         ),
         (

@@ -63,7 +63,7 @@ class TrainConfig:
     metrics_file: str | None = None  # one JSON line per epoch; default <checkpoint_dir>/metrics.jsonl
     log_every: int = 50  # also a line (and TensorBoard scalars) every N training steps; 0: epochs only
     precision: str = "32"  # Lightning's names: "32", "bf16-mixed", "16-mixed" (see distrib.precision.Precision)
-    function: bool | None = None  # each step under @ds.function (a CUDA graph); None: where it pays (a GPU)
+    function: bool | None = None  # each step under @ds.function (a CUDA graph); None: off, as Keras' "auto"
 
 
 class TensorBatches:
@@ -237,13 +237,9 @@ class _Job:
 
 
 def use_function(config: TrainConfig, strategy: ds.Strategy) -> bool:
-    """``--function``/``--no-function``, else on where it pays: a strategy that computes on a GPU and can be captured
-    (on a CPU a ds.function runs eagerly anyway), unless ``--compile`` was asked for."""
-    if config.function is not None:
-        return config.function
-    from distrib.graphs.paths import pays_here
-
-    return not config.compile and pays_here(strategy)
+    """``--function``/``--no-function``; by default off (eager), as ``fit(jit_compile="auto")`` and Keras 3 on
+    torch: a captured step is the user's choice (``--function``)."""
+    return bool(config.function)
 
 
 def _custom_loop(job: _Job) -> dict[str, list[float]]:

@@ -7,6 +7,8 @@
   checks, the replay, and the Python state (``.grad``) it restores;
 * :mod:`~distrib.graphs.capturable`: optimizers made capturable (device ``step``, a tensor learning rate that
   schedules keep updating, state kept in place across ``load_state_dict``);
+* :mod:`~distrib.graphs.guards`: what a graph assumes beyond its signature, checked: no host decisions in the
+  step, and the objects and storages it reads still the step's before each replay;
 * :mod:`~distrib.graphs.paths`: where a graph cannot be captured, and the message that says why.
 """
 

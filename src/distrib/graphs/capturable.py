@@ -12,7 +12,9 @@ would therefore be frozen at capture, and each is handled here:
   fill in place; a float written into ``group["lr"]`` afterwards (a hand-written schedule, Keras'
   callbacks) is copied into that tensor before the next replay (:meth:`OptimizerWatch.sync`). Every other
   hyperparameter (and the rate of an optimizer that takes no tensor) is part of the graph's guard: a
-  change is a new capture, as a new Python argument retraces a tf.function;
+  change is a new capture, as a new Python argument retraces a tf.function. Betas and momentum stay Python
+  numbers: torch's capturable Adam reads tensor betas on the host (``_foreach_pow(beta1, steps)``,
+  ``addcmul_(value=1 - beta2)``), which a graph would bake in;
 * **the state tensors**: ``load_state_dict`` (a checkpoint restore) replaces them with the tensors read,
   and the graph would go on updating the old ones. A load post-hook (torch's public
   ``register_load_state_dict_post_hook``) counts the loads; a graph captured before a load is dropped and
@@ -27,6 +29,8 @@ from collections.abc import Callable, Hashable
 from typing import Any, cast
 
 import torch
+
+from distrib.graphs.cuda_graph import backend
 
 __all__ = ["make_capturable", "undo_capturable", "OptimizerWatch", "state_version"]
 
@@ -72,7 +76,7 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> list[str]:
     changed: list[str] = []
     _watch_loads(optimizer)
     device = _device_of(optimizer)
-    if device is None or device.type != "cuda" or "capturable" not in optimizer.defaults:
+    if device is None or device.type != backend().device_type or "capturable" not in optimizer.defaults:
         return changed  # CUDA graphs only: elsewhere the optimizer stays as it was built
     name = type(optimizer).__name__
     _originals.setdefault(optimizer, [(bool(g.get("capturable")), g["lr"]) for g in optimizer.param_groups])
@@ -159,23 +163,50 @@ class OptimizerWatch:
                 group["lr"] = rate
 
     def current_guard(self) -> Hashable:
-        """What the graph baked in: each optimizer's state version, its groups' non-tensor hyperparameters."""
+        """What the graph baked in: per optimizer, its state version and its groups' non-tensor hyperparameters."""
         if self._unchanged():
             return self._guard
         parts: list[Any] = []
         snapshot: list[Any] = []
         for o in self._optimizers:
-            parts.append(state_version(o))
             groups = list(o.param_groups)
+            own: list[Any] = [state_version(o)]
             entries = []
             for group in groups:
-                parts.append(tuple([(k, v) for k, v in group.items() if k != "params" and _frozen(v)]))
+                own.append(tuple([(k, v) for k, v in group.items() if k != "params" and _frozen(v)]))
                 keys = tuple(group)
                 values_of = _values_of(keys)
                 entries.append((group, keys, values_of, values_of(group)))
+            parts.append(tuple(own))
             snapshot.append((groups, entries))
         self._snapshot, self._guard, self._loads = snapshot, tuple(parts), _all_loads[0]
         return self._guard
+
+    def host_set(self) -> list[tuple[torch.Tensor, str]]:
+        """The rate tensors the host fills before each replay, each with its name (``Adam's lr (param group 0)``)."""
+        named = []
+        for o in self._optimizers:
+            for i, group in enumerate(o.param_groups):
+                if any(group is g for g, _ in self._rates):
+                    named.append((group["lr"], f"{type(o).__name__}'s lr (param group {i})"))
+        return named
+
+    def difference(self, old: Hashable, new: Hashable) -> list[str]:
+        """What differs between two guards, in words: ``SGD's lr (param group 0)``, ``Adam's state (a load)``."""
+        if not isinstance(old, tuple) or not isinstance(new, tuple) or len(old) != len(new):
+            return ["the optimizers"]
+        out: list[str] = []
+        for o, before, after in zip(self._optimizers, old, new):
+            name = type(o).__name__
+            if before[0] != after[0]:
+                out.append(f"{name}'s state (load_state_dict)")
+            if len(before) != len(after):
+                out.append(f"{name}'s param groups")
+                continue
+            for i, (b, a) in enumerate(zip(before[1:], after[1:])):
+                keys = sorted({k for k, v in set(b) ^ set(a)})
+                out.extend(f"{name}'s {k} (param group {i})" for k in keys)
+        return out
 
     def _unchanged(self) -> bool:
         """Whether every optimizer holds the same groups, keys and value objects as when the guard was built."""

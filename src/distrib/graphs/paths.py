@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distrib.graphs.cuda_graph import backend
 from distrib.graphs.signature import Inputs
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
 
-__all__ = ["capture_device", "input_blocker", "strategy_blocker", "host_syncs", "sync_blocker", "pays_here", "MODES"]
+__all__ = ["capture_device", "input_blocker", "strategy_blocker", "host_syncs", "sync_blocker", "MODES"]
 
 #: ``ds.function(mode=...)``: "auto" captures where it can; "eager" never does; "cuda_graph" makes a
 #: failure to capture an error instead of a fallback
@@ -31,22 +32,17 @@ def capture_device(
     inputs: Inputs, strategies: Iterable[Strategy], params: Iterable[torch.Tensor] = ()
 ) -> torch.device | None:
     """The one CUDA device the step computes on (its tensors', its strategies', its parameters'), or None."""
-    devices = {t.device for t in inputs.tensors if t.device.type == "cuda"}
-    devices.update(p.device for p in params if p.device.type == "cuda")
+    kind = backend().device_type
+    devices = {t.device for t in inputs.tensors if t.device.type == kind}
+    devices.update(p.device for p in params if p.device.type == kind)
     for strategy in strategies:
-        devices.update(d for d in strategy.local_devices if d is not None and d.type == "cuda")
+        devices.update(d for d in strategy.local_devices if d is not None and d.type == kind)
     if len(devices) != 1:
         return None
     device = devices.pop()
+    if kind != "cuda":  # a stand-in's device (tests)
+        return device
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-
-
-def pays_here(strategy: Strategy, params: Iterable[torch.Tensor] = ()) -> bool:
-    """Whether a step under ``strategy`` (over ``params``) would be captured: it computes on a GPU (its strategy's
-    devices, else its parameters') and the strategy can be captured. The default of ``distrib train --function`` and
-    of ``fit(jit_compile="auto")``; elsewhere a ``ds.function`` would only run the step eagerly."""
-    on_gpu = any(d is not None and d.type == "cuda" for d in strategy.local_devices) or any(p.is_cuda for p in params)
-    return on_gpu and torch.cuda.is_available() and strategy.graph_capture_blocker is None
 
 
 def input_blocker(inputs: Inputs) -> str | None:
@@ -84,7 +80,7 @@ def strategy_blocker(inputs: Inputs, strategies: Iterable[Strategy], params: Ite
         reason = strategy.graph_capture_blocker
         if reason is not None:
             return reason
-    if not torch.cuda.is_available():
+    if not backend().available():
         return "CUDA is not available here, and CUDA graphs need a CUDA device"
     params = list(params)
     if capture_device(inputs, strategies, params) is None:
@@ -102,7 +98,7 @@ def host_syncs(found: list[str], watch: bool = True) -> Iterator[None]:
     ``float(t)``, a GradScaler's inf check, a blocking copy), through torch's public
     ``torch.cuda.set_sync_debug_mode("warn")``. The last warm-up call runs under it: a step that waits for the
     GPU cannot be captured (a capture forbids it), so it is known before a capture is tried."""
-    if not watch:
+    if not watch or backend().device_type != "cuda":
         yield
         return
     previous = torch.cuda.get_sync_debug_mode()

@@ -20,13 +20,26 @@ What happens at each call (tf.function's words in brackets):
   capture, then never again [TF: "Python side effects only happen once, when the function is traced"];
   tensors are recomputed at every call. Python values the step reads (a float attribute, ``len(list)``)
   are those of the capture [TF: captured Python values are constants]. Module ``train()``/``eval()``
-  modes, the ``.grad`` state, optimizer hyperparameters and the loads of optimizer state are watched:
-  a change picks or makes another graph; learning rates stay live (:mod:`~distrib.graphs.capturable`);
-* where a graph cannot be captured (CPU, gloo, several replicas in one process, a host sync in the step)
-  the signature runs **eagerly**, and the first call logs why once (:mod:`~distrib.graphs.paths`).
-  ``max_captures`` bounds the graphs of one function; past it, new signatures run eagerly, with
-  a warning [TF warns about frequent retracing]. ``reduce_retracing=True`` captures one graph per
-  structure and dtypes: other shapes (the last batch) run eagerly.
+  modes, ``requires_grad`` of every parameter, the ``.grad`` state, optimizer hyperparameters and the loads of
+  optimizer state are the graph's **guard**: a change picks or makes another graph; learning rates stay live
+  (:mod:`~distrib.graphs.capturable`). A baked-in value that changes at nearly every call (SGD's rate under a
+  per-step schedule, Adam's betas under ``OneCycleLR``) makes the signature eager, naming it;
+* before each replay the graph checks that the modules, optimizers, metrics and tensors the step reaches are
+  the objects and storages it captured (:mod:`~distrib.graphs.guards`): a model rebuilt and rebound, a metric
+  whose ``reset()`` swaps its tensors, ``p.data = ...`` or ``module.to(...)`` means new warm-up calls and a new
+  capture, with one warning naming what changed;
+* where a graph cannot be captured (CPU, gloo, several replicas in one process, a host sync in the step, a
+  host read or host random choice, an LR scheduler's ``step()`` or an out-of-place update of state inside the
+  step) the signature runs **eagerly**, and the first call logs why once, with the line
+  (:mod:`~distrib.graphs.paths`, :mod:`~distrib.graphs.guards`). ``max_captures`` bounds the graphs one
+  function holds; past it, a call that needs another graph runs eagerly, with a warning naming what changed
+  [TF warns about frequent retracing], and ``paths()`` says so. ``reduce_retracing=True`` captures one graph
+  per structure and dtypes: other shapes (the last batch) run eagerly. The graphs of one function share one
+  memory pool (:mod:`~distrib.graphs.cuda_graph`).
+
+The guards look at what the step names (its globals, closure variables, arguments and their attributes); state
+reached in other ways (an element of a list or dict the step indexes) is not seen, which is why ``fit``'s
+``jit_compile="auto"`` and ``distrib train`` leave ``ds.function`` off unless asked for.
 
 Inside ``strategy.run`` (``ds.function`` on the replica function, as TF allows) or inside another
 ``ds.function`` the function is simply called: it is part of the outer step.
@@ -34,6 +47,7 @@ Inside ``strategy.run`` (``ds.function`` on the replica function, as TF allows) 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
@@ -47,7 +61,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distrib import context
-from distrib.graphs import capturable, paths
+from distrib.graphs import capturable, cuda_graph, guards, paths
 from distrib.graphs.cuda_graph import CapturedGraph, CaptureError
 from distrib.graphs.signature import Inputs, describe, flatten_inputs, quick_key
 
@@ -102,6 +116,13 @@ class _Seen:
         return list(found.values())
 
 
+#: a graph's guard: the modules' train/eval modes, the optimizers' baked hyperparameters, grad mode, requires_grad
+Guard = tuple[tuple[bool, ...], Hashable, bool, tuple[bool, ...]]
+_requires_grad = operator.attrgetter("requires_grad")
+#: a baked value that changes again within this many replays of its graph, twice in a row, makes the signature eager
+_CHURN_REPLAYS, _CHURN_TIMES = 2, 2
+
+
 class _Signature:
     """One input signature of a :class:`Function` (tf.function's concrete function): its path and graphs."""
 
@@ -110,13 +131,21 @@ class _Signature:
         self.description = describe(inputs)
         self.warmups_left = owner.warmup_steps
         self.eager_reason: str | None = paths.input_blocker(inputs) if owner.mode != "eager" else "mode='eager'"
+        #: why the last call ran eagerly although this signature holds graphs (max_captures, reduce_retracing)
+        self.fallback: str | None = None
         #: (guard at entry, the graph, the modules' train/eval modes it leaves where they differ from the entry's)
-        self.graphs: list[tuple[tuple[Hashable, Hashable, bool], CapturedGraph, tuple[bool, ...] | None]] = []
+        self.graphs: list[tuple[Guard, CapturedGraph, tuple[bool, ...] | None]] = []
+        self.last: tuple[Guard, CapturedGraph] | None = None  # the latest capture
+        self.churn = 0  # captures in a row whose predecessor was replaced almost at once
         self.seen = _Seen()
         self.device: torch.device | None = None
         self.watch: capturable.OptimizerWatch | None = None
+        self.state: guards.StateWatch | None = None
         self.modules: list[torch.nn.Module] = []
         self.params: list[torch.Tensor] = []
+        #: whether a warm-up call left other .grad tensors than it found (new ones): its graphs get a private memory
+        #: pool, since tensors they leave behind could sit where another graph keeps its temporaries (cuda_graph)
+        self.leaves_new_grads = False
 
     def call(self, inputs: Inputs) -> Any:
         if self.eager_reason is not None:
@@ -127,33 +156,46 @@ class _Signature:
 
     def _warm_up(self, inputs: Inputs) -> Any:
         self.warmups_left -= 1
-        device = (
-            paths.capture_device(inputs, self.seen.strategies, self.seen.params())
-            if torch.cuda.is_available()
-            else None
-        )
+        last = self.warmups_left == 0
+        graphs = cuda_graph.backend()
+        device = paths.capture_device(inputs, self.seen.strategies, self.seen.params()) if graphs.available() else None
         syncs: list[str] = []
+        known = self.seen.params()
+        entry = {id(p): p.grad for p in known}
+        watch = guards.HostWatch() if last and graphs.available() else None
+        before = self._reached(inputs) if last and known else None
         _tracing[0] += 1
         try:
-            if device is None:
+            with contextlib.ExitStack() as stack:
+                if device is not None:  # PyTorch's recipe: warm up on a side stream, lazy set-up off the captured one
+                    stack.enter_context(graphs.side_stream(device))
+                    stack.enter_context(paths.host_syncs(syncs, watch=last))
+                if watch is not None:
+                    stack.enter_context(watch)
                 result = self.seen.run(self.owner.python_function, *inputs_args(inputs))
-            else:  # PyTorch's recipe: warm up on a side stream, so that lazy set-up is not on the captured one
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream), paths.host_syncs(syncs, watch=self.warmups_left == 0):
-                    result = self.seen.run(self.owner.python_function, *inputs_args(inputs))
-                torch.cuda.current_stream(device).wait_stream(stream)
         finally:
             _tracing[0] -= 1
         params = self.seen.params()
+        self.leaves_new_grads |= any(p.grad is not None and p.grad is not entry.get(id(p)) for p in params)
         reason = paths.strategy_blocker(inputs, self.seen.strategies, params) or paths.sync_blocker(syncs)
+        if reason is None and watch is not None and watch.found:
+            reason = "; ".join(watch.found)
+        if reason is None and before is not None:
+            replaced = before.replaced()
+            if replaced is not None:
+                reason = _out_of_place(replaced)
         if reason is not None:  # known at the first call: say it then
             self._run_eagerly(reason)
-            if not torch.cuda.is_available():
+            if not graphs.available():
                 self.owner.always_eager = True
-        elif self.warmups_left == 0:
+        elif last:
             self._prepare_capture(inputs, params)
         return result
+
+    def _reached(self, inputs: Inputs) -> guards.StateWatch:
+        """The state the step reaches now (its globals, closure, arguments; the modules and optimizers it ran)."""
+        slots = guards.reached_objects(self.owner.python_function, inputs.leaves)
+        return guards.StateWatch(slots, list(self.seen.modules), list(self.seen.optimizers))
 
     def _prepare_capture(self, inputs: Inputs, params: list[torch.Tensor]) -> None:
         # the warm-up calls stepped the optimizers as built; from the capture on they count on the device
@@ -165,6 +207,7 @@ class _Signature:
         self.watch = capturable.OptimizerWatch(list(self.seen.optimizers))
         self.modules = list(self.seen.modules)
         self.params = params
+        self.state = self._reached(inputs)
 
     def _run_eagerly(self, reason: str) -> None:
         if self.owner.mode == "cuda_graph":
@@ -173,15 +216,42 @@ class _Signature:
                 f"{self.description}: {reason}"
             )
         self.eager_reason = reason
+        self.graphs, self.last = [], None
         self.owner.say_once(f"ds.function({self.owner.name}): runs eagerly for {self.description}: {reason}")
         if self.owner.captures == 0:  # no graph of this function steps them: they train as they were built
             for optimizer in self.seen.optimizers:
                 capturable.undo_capturable(optimizer)
 
-    def _guard(self) -> tuple[Hashable, Hashable, bool]:
+    def _restart(self, replaced: str) -> None:
+        """The state the graphs were captured on was replaced: drop them, warm up and capture again (the new
+        objects may have no optimizer state yet), saying once what changed."""
+        short = self.last is not None and self.last[1].replays < _CHURN_REPLAYS
+        self.churn = self.churn + 1 if short else 0
+        if self.churn >= _CHURN_TIMES:
+            self._run_eagerly(
+                f"{replaced} is replaced at every call: each time is new warm-up calls and a new capture, so this "
+                "signature runs eagerly from now on (update that state in place: tensor.copy_(...), "
+                "metric.reset_state())"
+            )
+            return
+        self.owner.say_once(
+            f"ds.function({self.owner.name}): {replaced} changed since the capture for {self.description}: the "
+            "graphs are dropped and the step is warmed up and captured again on the new state"
+        )
+        self.graphs, self.last = [], None
+        self.warmups_left = self.owner.warmup_steps
+        self.seen = _Seen()
+        self.state = None
+
+    def _guard(self) -> Guard:
         assert self.watch is not None
         self.watch.sync()
-        return (tuple(map(_training, self.modules)), self.watch.current_guard(), torch.is_grad_enabled())
+        return (
+            tuple(map(_training, self.modules)),
+            self.watch.current_guard(),
+            torch.is_grad_enabled(),
+            tuple(map(_requires_grad, self.params)),
+        )
 
     def replay(self, leaves: list[Any]) -> Any:
         """Replay the graph made for the current state with these tensor leaves; ``_MISSED`` where none is (then
@@ -192,7 +262,14 @@ class _Signature:
         guard = self._guard()
         for graph_guard, graph, modes in self.graphs:
             if graph_guard == guard and graph.matches():
+                assert self.state is not None
+                replaced = self.state.replaced()
+                if replaced is not None:
+                    self._restart(replaced)
+                    return _MISSED
                 result = graph.replay(leaves)
+                if self.fallback is not None:
+                    self.fallback = None
                 if modes is not None:  # a model.train() inside runs at capture only: its Python effect is put
                     for module, training in zip(self.modules, modes):  # back, as .grad's (nn.Module's
                         if module.training is not training:  # __setattr__ costs ~2 us: only where it changed)
@@ -204,25 +281,75 @@ class _Signature:
         result = self.replay(inputs.leaves)
         if result is not _MISSED:
             return result
-        if not self.owner.may_capture(inputs):
+        if self.eager_reason is not None or self.warmups_left > 0:
+            return self.call(inputs)
+        assert self.state is not None
+        replaced = self.state.replaced()
+        if replaced is not None:
+            self._restart(replaced)
+            return self.call(inputs)
+        guard = self._guard()
+        change = self._change(guard)
+        if change is not None:
+            short = self.last is not None and self.last[1].replays < _CHURN_REPLAYS
+            self.churn = self.churn + 1 if short else 0
+            if self.churn >= _CHURN_TIMES:
+                self._run_eagerly(_baked_reason(change))
+                return self.owner.eager(inputs)
+        cause = change or ("the .grad state" if self.graphs else f"the signature {self.description}")
+        refused = self.owner.capture_refusal(inputs, cause)
+        if refused is not None:
+            self.fallback = refused
             return self.owner.eager(inputs)
-        return self._capture(inputs, self._guard())
+        return self._capture(inputs, guard)
 
-    def _capture(self, inputs: Inputs, guard: tuple[Hashable, Hashable, bool]) -> Any:
-        assert self.device is not None
+    def _change(self, guard: Guard) -> str | None:
+        """What of ``guard`` differs from the latest capture's, in words; None if nothing (or no capture yet)."""
+        if self.last is None or self.last[0] == guard:
+            return None
+        old = self.last[0]
+        parts: list[str] = []
+        if old[0] != guard[0]:
+            parts.append("a module's train()/eval() mode")
+        if old[1] != guard[1]:
+            assert self.watch is not None
+            parts.extend(self.watch.difference(old[1], guard[1]))
+        if old[2] != guard[2]:
+            parts.append("torch.is_grad_enabled()")
+        if old[3] != guard[3]:
+            names = _parameter_names(self.modules)
+            flipped = [names.get(id(p), f"a parameter of shape {list(p.shape)}") for p, a, b in
+                       zip(self.params, old[3], guard[3]) if a != b]  # fmt: skip
+            parts.append(f"requires_grad of {', '.join(flipped[:4])}{' and more' if len(flipped) > 4 else ''}")
+        return ", ".join(parts) or None
+
+    def _capture(self, inputs: Inputs, guard: Guard) -> Any:
+        assert self.device is not None and self.watch is not None
         # graphs of other optimizer states (a load_state_dict since, other hyperparameters) are dropped
         self.graphs = [entry for entry in self.graphs if entry[0][1] == guard[1]]
+        change = self._change(guard)
+        if change is not None and self.graphs:
+            log.info("ds.function(%s): a new graph for %s: %s changed", self.owner.name, self.description, change)
+        pool = None if self.leaves_new_grads else self.owner.pool()
+        self.state = self._reached(inputs)  # as this graph finds it (a load_state_dict since gave new state tensors)
         _tracing[0] += 1
         try:
-            graph, result = CapturedGraph.capture(self.owner.python_function, inputs, self.device, self.params)
+            graph, result = CapturedGraph.capture(
+                self.owner.python_function, inputs, self.device, self.params, pool, self.watch.host_set()
+            )
         except CaptureError as e:
             self._run_eagerly(f"the step could not be captured as a CUDA graph: {e}")
             return self.owner.eager(inputs)
         finally:
             _tracing[0] -= 1
         self.owner.captures += 1
+        replaced = self.state.replaced()
+        if replaced is not None:  # the capture itself rebound state: the graph would read the old tensors
+            self._run_eagerly(_out_of_place(replaced))
+            return result
         modes = tuple(map(_training, self.modules))  # as the capture left them: None where it changed none
         self.graphs.append((guard, graph, modes if modes != guard[0] else None))
+        self.last = (guard, graph)
         if self.owner.captures == 1:
             log.info(
                 "ds.function(%s): the step is captured as a CUDA graph for %s and replayed from now on",
@@ -230,6 +357,38 @@ class _Signature:
                 self.description,
             )
         return result
+
+
+def _out_of_place(replaced: str) -> str:
+    return (
+        f"the step itself replaces {replaced} (an out-of-place update such as self.ema = self.ema * m + x, "
+        "or p.data = ...): a CUDA graph would read the captured tensor at every replay. Update it in place "
+        "(self.ema.mul_(m).add_(x)) or outside the ds.function"
+    )
+
+
+def _baked_reason(change: str) -> str:
+    hint = ""
+    if "'s lr" in change:
+        hint = (
+            " For a graph under a per-step schedule, use an optimizer that takes its rate as a tensor (Adam, AdamW, "
+            "RMSprop, ...: ds.function keeps that rate live on the device)."
+        )
+    if "betas" in change or "momentum" in change:
+        hint += " Betas and momentum are baked in: OneCycleLR(cycle_momentum=False) keeps them fixed."
+    return (
+        f"{change} changes at nearly every call (a per-step schedule: LambdaLR, OneCycleLR, a hand-written one), "
+        f"and a CUDA graph bakes it in: each change would be a new capture, so this signature runs eagerly from "
+        f"now on.{hint}"
+    )
+
+
+def _parameter_names(modules: list[torch.nn.Module]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for m in modules:
+        for name, p in m.named_parameters(recurse=False):
+            names.setdefault(id(p), f"{type(m).__name__}.{name}")
+    return names
 
 
 def inputs_args(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -277,6 +436,7 @@ class Function:
         #: the same signatures by :func:`quick_key`, for the calls it covers (with a template of their inputs)
         self._quick: dict[Hashable, tuple[_Signature, Inputs]] = {}
         self._first_captured: dict[Hashable, Hashable] = {}
+        self._pool: Any = None  # the graphs' shared memory pool, made at the first capture
         #: True once a call has found that no graph can be captured in this process (no CUDA): calls go straight
         #: to the Python function, without taking their arguments apart
         self.always_eager = False
@@ -311,26 +471,43 @@ class Function:
         args, kwargs = inputs_args(inputs)
         return self.python_function(*args, **kwargs)
 
-    def may_capture(self, inputs: Inputs) -> bool:
-        """Whether another graph may be captured for ``inputs`` (``max_captures``, ``reduce_retracing``)."""
-        if self.captures >= self.max_captures:
-            self.say_once(
-                f"ds.function({self.name}) has captured {self.captures} graphs (max_captures="
-                f"{self.max_captures}); new signatures run eagerly. Frequent new signatures come from "
-                "changing shapes (pad the batches, drop the last one) or Python arguments that change "
-                "at each call (pass them as tensors) [TF: 'triggered tf.function retracing']"
+    def held(self) -> int:
+        """How many graphs this function holds (what ``max_captures`` bounds)."""
+        return sum(len(s.graphs) for s in self._signatures.values())
+
+    def pool(self) -> Any:
+        """The memory pool the graphs of this function share (see :mod:`~distrib.graphs.cuda_graph`)."""
+        if self._pool is None:
+            self._pool = cuda_graph.backend().new_pool()
+        return self._pool
+
+    def capture_refusal(self, inputs: Inputs, cause: str) -> str | None:
+        """Why no other graph may be captured for ``inputs`` (``max_captures``, ``reduce_retracing``), in words,
+        with ``cause``, what made this capture necessary; None when one may."""
+        if self.held() >= self.max_captures:
+            reason = (
+                f"ds.function({self.name}) holds {self.held()} graphs (max_captures={self.max_captures}), so a "
+                f"change of {cause} runs eagerly"
             )
-            return False
+            if cause.startswith("the signature"):  # TF's advice about retracing fits new signatures only
+                reason += (
+                    ". Frequent new signatures come from changing shapes (pad the batches, drop the last one) or "
+                    "Python arguments that change at each call (pass them as tensors) [TF: 'triggered "
+                    "tf.function retracing']"
+                )
+            self.say_once(reason)
+            return reason
         if self.reduce_retracing:
             shapeless = (inputs.spec, tuple((t.dtype, t.device) for t in inputs.tensors))
             first = self._first_captured.setdefault(shapeless, inputs.key)
             if first != inputs.key:
-                self.say_once(
+                reason = (
                     f"ds.function({self.name}, reduce_retracing=True): other shapes than the captured "
                     "signature's run eagerly"
                 )
-                return False
-        return True
+                self.say_once(reason)
+                return reason
+        return None
 
     def say_once(self, message: str) -> None:
         """Log ``message`` as a warning the first time this process meets it (fit's validation makes a function per
@@ -345,6 +522,8 @@ class Function:
         for s in self._signatures.values():
             if s.eager_reason is not None:
                 out[s.description] = f"eager: {s.eager_reason}"
+            elif s.fallback is not None:  # the last call ran eagerly although graphs are held for other states
+                out[s.description] = f"eager: {s.fallback}"
             elif s.graphs:
                 out[s.description] = f"cuda_graph ({len(s.graphs)} graph{'s' if len(s.graphs) > 1 else ''})"
             else:
@@ -396,8 +575,8 @@ def function(
             (``@ds.function(mode="eager")``).
         warmup_steps: eager calls of each new signature before its capture (at least 1: they create the
             optimizer's state and let cuDNN and cuBLAS settle).
-        max_captures: the most graphs this function may hold; past it, new signatures run eagerly, with a
-            warning.
+        max_captures: the most graphs this function may hold; past it, a call that needs another graph runs
+            eagerly, with a warning naming what changed.
         reduce_retracing: capture one graph per structure and dtypes of the arguments: calls of other shapes
             (the last, shorter batch) run eagerly instead of capturing graphs of their own.
         mode: ``"auto"`` (capture where possible, else eager), ``"eager"`` (never capture) or ``"cuda_graph"``

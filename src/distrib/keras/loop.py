@@ -152,11 +152,11 @@ def _check_batches(data: Any, what: str) -> None:
 
 
 def _graphs_wanted(jit_compile: bool | str, strategy: Any, model: torch.nn.Module) -> bool:
-    """``jit_compile``: ``"auto"`` is True where a graph would be captured (``graphs.paths.pays_here``)."""
+    """``jit_compile``: ``"auto"`` is False (eager), as Keras 3 resolves it on the torch backend: a captured step is
+    the user's choice (``jit_compile=True``), since its guards see the state the step names, not every way a step
+    can reach state (see :mod:`distrib.graphs.guards`)."""
     if jit_compile == "auto":
-        from distrib.graphs.paths import pays_here
-
-        return pays_here(strategy, model.parameters())
+        return False
     if not isinstance(jit_compile, bool):
         raise ValueError(f"jit_compile={jit_compile!r}: expected 'auto', True or False (Keras' name)")
     return jit_compile
@@ -236,9 +236,9 @@ def fit(
     ``verbose="auto" if strategy.is_chief else 0`` for the chief's output alone.
 
     ``jit_compile`` (Keras' name): each step, validation's too, runs as under ``ds.function``: captured once as a
-    CUDA graph and replayed (:mod:`distrib.graphs`). ``"auto"`` does so where the model trains on a GPU and the
-    strategy can be captured; ``True`` also elsewhere (where no graph can be captured, the steps run eagerly
-    and the first one says why); ``False`` never.
+    CUDA graph and replayed (:mod:`distrib.graphs`), with ``True`` (where no graph can be captured, the steps run
+    eagerly and the first one says why). ``"auto"`` (the default) and ``False`` run eagerly: Keras 3 resolves
+    ``"auto"`` to eager on the torch backend too.
 
     Args:
         model: the module to train, built under the strategy's ``scope()`` (or outside any: the default strategy).
