@@ -9,7 +9,11 @@
   are reduced, bucket by bucket, through a pluggable comm hook;
 * :mod:`~distrib.comm.compression` (fp16/bf16 casting) and :mod:`~distrib.comm.powersgd`
   (low rank with error feedback): the compressing hooks that
-  ``CommunicationOptions(compression=...)`` chooses.
+  ``CommunicationOptions(compression=...)`` chooses;
+* :mod:`~distrib.comm.failures` (which exception is a collective's failure, which one the
+  user's code raised) and :mod:`~distrib.comm.step_errors` (a worker's step error, told to the
+  others through the store): a user's error is raised as itself, ``CollectiveError`` is for
+  the collectives.
 """
 
 from distrib.comm.communicator import CollectiveError, Communicator, LocalCommunicator

@@ -25,7 +25,9 @@ T = TypeVar("T")
 
 
 class CollectiveError(RuntimeError):
-    """A collective across workers failed: a peer died, hung past the timeout, or the rendezvous failed."""
+    """A collective across workers failed: a peer died, hung past the timeout, left it after its step raised, or
+    the rendezvous failed. An error of the user's code inside ``strategy.run`` is never one: it is raised as
+    itself."""
 
 
 @runtime_checkable
@@ -103,7 +105,14 @@ class Communicator(Protocol):
         """``fn()``, whose collectives torch issues itself (FSDP's, inside forward and backward; DCP's while a
         sharded checkpoint is written): a peer that died or hung becomes a :class:`CollectiveError` naming
         ``what``, as this communicator's own calls do. ``timeout``: seconds each of those collectives may wait,
-        for this call only (a checkpoint's own, longer bound); None: the communicator's timeout."""
+        for this call only (a checkpoint's own, longer bound); None: the communicator's timeout. An error of the
+        other code in ``fn`` (the user's, in a step) is raised as itself, not as a CollectiveError."""
+        ...
+
+    def report_step_error(self, error: BaseException | None) -> None:
+        """Tell the other workers that this worker's step raised ``error`` (the user's own error, raised as
+        itself here), so that their collectives, which then fail waiting for this worker, name it; None: this
+        worker's step ran, and an earlier report no longer explains a failure."""
         ...
 
 
@@ -171,6 +180,9 @@ class LocalCommunicator:
 
     def guarded(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         return fn()
+
+    def report_step_error(self, error: BaseException | None) -> None:
+        return None
 
     def __repr__(self) -> str:
         return "LocalCommunicator()"

@@ -41,9 +41,11 @@ from torch.futures import Future
 
 from distrib import torch_patches
 from distrib.comm.communicator import CollectiveError
+from distrib.comm.failures import is_collective_failure
 from distrib.comm.interfaces import InterfaceChoice, choose_interface, configure_interface
 from distrib.comm.options import CommunicationOptions
 from distrib.comm.rendezvous import attempt_store, connect_store, tcp_store, uses_agent_store
+from distrib.comm.step_errors import StepErrorBoard, describe
 
 __all__ = [
     "InterfaceChoice",
@@ -88,6 +90,7 @@ class ProcessGroupCommunicator:
         self.options = options
         self._rank, self._world_size = rank, world_size
         self._long_groups: dict[float, Any] = {}  # barrier timeout -> its gloo group (torch without set_timeout)
+        self._board: StepErrorBoard | None = None  # the steps' errors, in the store joined through (none: a user's)
         self.backend = options.backend(uses_cuda)
         if dist.is_initialized():
             if dist.get_world_size() != world_size or dist.get_rank() != rank:
@@ -110,7 +113,7 @@ class ProcessGroupCommunicator:
             self.backend,
             options.timeout,
         )
-        self.backend = _join(
+        self.backend, store = _join(
             self.backend,
             host,
             int(port),
@@ -122,6 +125,7 @@ class ProcessGroupCommunicator:
             gpu=gpu_identity(device),
             nccl_asked=options.implementation.lower() == "nccl",
         )
+        self._board = StepErrorBoard(store, rank, world_size, options.timeout)
         atexit.register(_shutdown)
 
     @property
@@ -136,7 +140,12 @@ class ProcessGroupCommunicator:
         return f"ProcessGroupCommunicator(rank={self._rank}, world_size={self._world_size}, backend={self.backend!r})"
 
     def _failed(self, what: str, error: BaseException, timeout: float | None = None) -> CollectiveError:
-        """``what``'s failure: ``timeout`` is the bound the call had (None: the communicator's own)."""
+        """``what``'s failure: ``timeout`` is the bound the call had (None: the communicator's own). Where other
+        workers' steps raised (their lines in the store), the error names them: the collective failed because
+        they left it."""
+        told = self._board.explain(what, error) if self._board is not None else None
+        if told is not None:
+            return CollectiveError(told)
         waited = self.options.timeout if timeout is None else timeout
         bound = "CommunicationOptions(timeout_seconds=...)" if timeout is None else "the timeout given for this call"
         return CollectiveError(
@@ -145,10 +154,17 @@ class ProcessGroupCommunicator:
             "the bound if they were only slower than that"
         )
 
-    def _guard(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+    def _guard(self, what: str, fn: Callable[[], T], timeout: float | None = None, mixed: bool = False) -> T:
+        """``fn()``, its collectives' failures raised as CollectiveError. ``mixed``: ``fn`` runs other code around
+        torch's collectives (the user's step): an error of that code is raised as itself
+        (:func:`~distrib.comm.failures.is_collective_failure` tells which)."""
         try:
             return fn()
+        except CollectiveError:
+            raise  # distrib's own verdict, from a collective inside fn
         except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, timeouts, a dead store
+            if mixed and not is_collective_failure(e):
+                raise
             raise self._failed(what, e, timeout) from e
 
     def _settable_gloo(self, timeout: float | None) -> Any:
@@ -160,15 +176,26 @@ class ProcessGroupCommunicator:
         return backend if hasattr(backend, "set_timeout") else None
 
     def guarded(self, what: str, fn: Callable[[], T], timeout: float | None = None) -> T:
+        return self._guarded(what, fn, timeout, mixed=True)
+
+    def _guarded(self, what: str, fn: Callable[[], T], timeout: float | None, mixed: bool) -> T:
         backend = self._settable_gloo(timeout)
         if backend is None or timeout is None:
-            return self._guard(what, fn)
+            return self._guard(what, fn, mixed=mixed)
         # gloo's timeout, raised for this call (e.g. while every worker writes its shards of a checkpoint)
         backend.set_timeout(datetime.timedelta(seconds=timeout))
         try:
-            return self._guard(what, fn, timeout)
+            return self._guard(what, fn, timeout, mixed)
         finally:
             backend.set_timeout(datetime.timedelta(seconds=self.options.timeout))
+
+    def report_step_error(self, error: BaseException | None) -> None:
+        if self._board is None:
+            return
+        if error is None:
+            self._board.withdraw()
+            return
+        self._board.report(f"worker {self._rank} raised {describe(error)}")
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
         if not tensors:
@@ -282,7 +309,7 @@ class ProcessGroupCommunicator:
     def barrier(self, timeout: float | None = None) -> None:
         if timeout is None or self.backend != "gloo" or self._settable_gloo(timeout) is not None:
             # a barrier of its own length (e.g. while the chief writes a checkpoint): gloo's timeout, raised for it
-            self.guarded("barrier", lambda: dist.barrier(), timeout=timeout)
+            self._guarded("barrier", lambda: dist.barrier(), timeout, mixed=False)
             return
         # older torch (2.4 has no ProcessGroupGloo.set_timeout): a gloo group of the whole world made with
         # that timeout, once per length (new_group is collective, and every worker reaches this barrier
@@ -419,7 +446,7 @@ def _join(
     agent_store: bool = False,
     gpu: str | None = None,
     nccl_asked: bool = False,
-) -> str:
+) -> tuple[str, Any]:
     """``init_process_group`` within one deadline, ``timeout`` from the call, whatever phase waits.
 
     Rank 0 hosts the store at ``host:port`` and the others connect to it, as torch's
@@ -429,8 +456,8 @@ def _join(
     the group's making: gloo's mesh) share the deadline: each is given what is left of it, not
     a fresh ``timeout`` (a store connect that took 1 s, then a group that waited its whole
     timeout, was 1 s over). Once joined, the group's collectives and the
-    store get the whole ``timeout`` back. Returns the backend initialised: for ``"nccl"``,
-    see :func:`_nccl_or_gloo`.
+    store get the whole ``timeout`` back. Returns the backend initialised (for ``"nccl"``,
+    see :func:`_nccl_or_gloo`) and the store.
     """
     deadline = time.monotonic() + timeout
     outcome: dict[str, Any] = {"phase": f"connecting to the chief's store at {address}"}
@@ -488,7 +515,7 @@ def _join(
             "started with the same cluster and that the chief's address is reachable from this host, or give "
             "slow starters more time (CommunicationOptions(timeout_seconds=...) sets the bound)"
         ) from error
-    return str(outcome["backend"])
+    return str(outcome["backend"]), outcome["store"]
 
 
 def _join_failure(outcome: dict[str, Any], rank: int, world_size: int, alive: bool) -> str:

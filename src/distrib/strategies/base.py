@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distrib import context
-from distrib.comm import Communicator, LocalCommunicator
+from distrib.comm import Communicator, LocalCommunicator, failures
 from distrib.strategies.capture import ModuleCapture, install_capture_hooks, remove_capture_hooks
 from distrib.strategies.extended import GradientMerge, StrategyExtended
 from distrib.strategies.reduction import Axis, gather_structure, reduce_structure
@@ -339,11 +339,17 @@ class Strategy(abc.ABC):
             kwargs: keyword arguments of ``fn``, split the same way.
             options: ``RunOptions``, or None.
 
+        An exception of ``fn`` is raised as itself, the user's frame last in its traceback (with a note naming
+        the replica, and the worker where there are several); the other workers, left waiting for this one in a
+        collective, raise a ``CollectiveError`` that names this worker and its error.
+
         Returns:
             ``fn``'s result with one local replica, else a structure of ``PerReplica``.
 
         Raises:
             RuntimeError: called inside a replica function.
+            CollectiveError: a collective inside the step failed (a peer died, hung past the timeout, or its own
+                step raised).
         """
         if context.current_replica() is not None:
             raise RuntimeError("strategy.run() was called inside a replica function; call it from the training loop")
@@ -352,7 +358,21 @@ class Strategy(abc.ABC):
             context.note_run(self)
         if self._capture:
             self.claim_modules()
-        return self.call_for_each_replica(fn, tuple(args), kwargs or {}, options or _NO_OPTIONS)
+        try:
+            result = self.call_for_each_replica(fn, tuple(args), kwargs or {}, options or _NO_OPTIONS)
+        except Exception as error:
+            self._report_step_error(error)
+            raise  # the user's error as itself, their frame last
+        self._communicator.report_step_error(None)
+        return result
+
+    def _report_step_error(self, error: Exception) -> None:
+        """An error raised in ``run``: the user's own (not a collective's failure) is named to the other workers,
+        which are left waiting for this one in a collective, and noted with this worker's index."""
+        if self.num_workers == 1 or failures.is_collective_failure(error):
+            return
+        failures.add_note(error, f"(raised in strategy.run on worker {self.worker_index} of {self.num_workers})")
+        self._communicator.report_step_error(error)
 
     def experimental_run_v2(
         self,

@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from distrib import context
+from distrib.comm import failures
 from distrib.strategies.reduction import gather_local_values, reduce_local_values
 from distrib.values import ReduceOp, local_values, map_leaves, parse_reduce_op, regroup, select_replica, to_device
 
@@ -379,6 +380,7 @@ class ReplicaThreads:
                     pass
                 except BaseException as e:  # noqa: BLE001 - handed to the caller of run()
                     error = e
+                    failures.add_note(e, f"(raised in replica {k} of {self._n})")
             with self._cond:
                 if error is not None:
                     self._fail(error)
