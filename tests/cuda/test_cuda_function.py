@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -263,3 +264,90 @@ def test_multi_worker_mirrored_over_nccl_is_captured(device, cuda_only) -> None:
     assert "blocker None" in text and "paths ['cuda_graph (1 graph)']" in text, text
     diff = float(text.split("diff ")[1].split()[0])
     assert diff <= 1e-6, text
+
+
+# The guards' tests of tests/graphs/test_guards.py, collected here again: on a GPU they run with real CUDA graphs
+# (the fixture below replaces the CPU stand-in: the CUDA backend, and tensors made on the GPU).
+from graphs.test_guards import (  # noqa: E402
+    messages_said_anew,  # noqa: F401 - its autouse fixture
+    test_a_decision_on_the_host_inside_the_step_runs_eagerly_naming_the_line,  # noqa: F401
+    test_a_metric_reset_that_swaps_its_tensors_is_seen_and_captured_again,  # noqa: F401
+    test_a_model_and_optimizer_rebuilt_and_rebound_are_the_ones_trained,  # noqa: F401
+    test_a_per_step_schedule_outside_the_step_with_adam_stays_live_in_one_graph,  # noqa: F401
+    test_a_per_step_schedule_outside_the_step_with_sgd_runs_eagerly_naming_the_rate,  # noqa: F401
+    test_a_scheduler_stepped_inside_the_step_runs_eagerly_naming_its_line,  # noqa: F401
+    test_a_storage_swapped_under_a_parameter_is_seen,  # noqa: F401
+    test_freezing_and_unfreezing_layers_is_part_of_the_guard,  # noqa: F401
+    test_one_cycle_rewriting_adams_betas_runs_eagerly_naming_the_betas,  # noqa: F401
+    test_out_of_place_buffer_update_inside_the_step_runs_eagerly_naming_it,  # noqa: F401
+    test_past_max_captures_paths_says_eager_and_the_real_reason,  # noqa: F401
+)
+
+
+@pytest.fixture
+def stand_in(device: torch.device, cuda_only: None) -> Any:
+    """No stand-in: the CUDA backend itself, with every tensor the test makes on the GPU."""
+    previous = torch.get_default_device()
+    torch.set_default_device(device)
+    try:
+        yield None
+    finally:
+        torch.set_default_device(previous)
+
+
+def _graph_pool_reserved(shared: bool) -> dict[str, float]:
+    """GiB the caching allocator reserves for one function's graphs: after the full batch's capture, then after the
+    ragged batch's and evaluation's, with the function's shared pool or (``shared=False``) a private pool each."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=True)
+
+    def train(x: torch.Tensor, training: bool = True) -> torch.Tensor:
+        if not training:  # evaluation: another signature (a Python argument), its own graph
+            with torch.no_grad():
+                return model(x).square().mean()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = ds.function(train)
+    if not shared:
+        step.pool = lambda: None  # type: ignore[method-assign]
+    full = torch.randn(8192, 2048, device="cuda")
+    ragged = full[:5000].clone()
+    gib = 2.0**30
+    for _ in range(2):
+        step(full)  # warm-up calls: the eager caches exist before any graph
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved() / gib
+    step(full)
+    one = torch.cuda.memory_reserved() / gib - before
+    for _ in range(3):
+        step(ragged)
+    model.eval()
+    for _ in range(3):
+        step(full, False)
+    model.train()
+    torch.cuda.synchronize()
+    three = torch.cuda.memory_reserved() / gib - before
+    return {"one_graph_gib": one, "three_graphs_gib": three, "paths": list(step.paths().values())}  # type: ignore[dict-item]
+
+
+def test_the_graphs_of_one_function_share_a_memory_pool_on_the_gpu(device: torch.device, cuda_only: None) -> None:
+    """Full batch, ragged last batch and evaluation: three graphs of one function in one pool reserve less than in
+    three private pools, and not much more than one graph's (the figure goes to ``DISTRIB_FUNCTION_TABLE``)."""
+    import gc
+
+    private = _graph_pool_reserved(shared=False)
+    gc.collect()  # the first run's graphs, model and optimizer go, and their memory back to the driver
+    torch.cuda.empty_cache()
+    shared = _graph_pool_reserved(shared=True)
+    table = os.environ.get("DISTRIB_FUNCTION_TABLE")
+    if table:
+        with open(table, "a") as f:
+            f.write(json.dumps({"memory_pool": {"shared": shared, "private": private}}) + "\n")
+    assert all(p.startswith("cuda_graph") for p in shared["paths"]), shared  # type: ignore[union-attr]
+    assert shared["three_graphs_gib"] < private["three_graphs_gib"], (shared, private)
+    assert shared["three_graphs_gib"] <= 1.5 * shared["one_graph_gib"] + 0.05, (shared, private)
