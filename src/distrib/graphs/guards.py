@@ -39,7 +39,6 @@ from distrib.graphs.cuda_graph import HOST_READS, backend, user_line
 __all__ = ["HostWatch", "StateWatch", "reached_objects"]
 
 _TORCH_OPTIM = torch.optim.__file__.rsplit("/", 1)[0]
-_RANDOM_FILE = random.__file__
 _SCHEDULER_FILE = lr_scheduler.__file__
 _GLOBAL_RANDOM: Any = getattr(random.random, "__self__", None)  # the module's functions are its methods
 #: aten ops that draw random numbers (on the host, a CPU generator's draw is fixed at capture)
@@ -51,8 +50,10 @@ class HostWatch(torch_patches.TorchDispatchMode):
     """Around the last warm-up call: notes where the step lets the host decide something a replay would repeat.
 
     A dispatch mode sees host reads of tensors and random ops on host memory; a profile function
-    (``sys.setprofile``, this thread, only for this call) sees Python's ``random`` and numpy's generators and LR
-    schedulers' ``step``, which no dispatch mode can see. :attr:`found` lists each as a sentence with its line.
+    (``sys.setprofile``, this thread, only for this call) sees Python's ``random`` generators and LR schedulers'
+    ``step``, which no dispatch mode can see; the states of Python's and numpy's global generators are compared
+    before and after (numpy's compiled methods escape a profile function, and other threads escape both).
+    :attr:`found` lists each as a sentence, with its line where known.
     """
 
     def __init__(self) -> None:
