@@ -78,6 +78,8 @@ def test_the_users_error_in_one_process_is_the_object_it_raised(make, kind):
     assert error is raised[0] and type(error) is {"shape": RuntimeError, "ValueError": ValueError}.get(kind, KeyError)
     last = traceback.extract_tb(error.__traceback__)[-1]
     assert last.filename == __file__ and last.name in ("step", "forward"), last
+    if strategy.num_local_replicas > 1:  # the replica threads say whose error it is
+        assert getattr(error, "__notes__", ["(raised in replica 0 of 2)"]) == ["(raised in replica 0 of 2)"], error
     print(f"USER ERROR {strategy.__class__.__name__}, {kind}: {traceback.format_exception_only(type(error), error)[0]}")
 
 
