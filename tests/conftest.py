@@ -23,6 +23,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # hundred launches), where a user's launch starts fresh interpreters; a caller's value is kept. Tests about the
 # default take the `default_start_method` fixture.
 os.environ.setdefault("DISTRIB_START_METHOD", "forkserver")
+# Keras 3 picks its backend once, when first imported: the Keras tests (and the processes they start) run Keras on
+# torch, the one backend distrib distributes. Set, not defaulted: a developer's KERAS_BACKEND=jax would fail them.
+os.environ["KERAS_BACKEND"] = "torch"
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

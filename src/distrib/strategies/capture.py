@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from distrib import context, torch_patches
+from distrib.integrations import keras_models
 from distrib.strategies import deferred_record
 
 if TYPE_CHECKING:
@@ -121,7 +122,11 @@ class ModuleCapture:
             self._children.add(id(child))
 
     def take_roots(self) -> list[nn.Module]:
-        """The outermost captured modules that hold parameters or buffers; forgets them all."""
+        """The outermost captured modules that hold parameters or buffers; forgets them all.
+
+        A Keras layer inside a Keras model is part of the model though torch does not see it as a submodule
+        (:func:`distrib.integrations.keras_models.nested_layers`): only the model is a root.
+        """
         alive = [m for m in (r() for r in self._seen) if m is not None]
         roots = [
             m
@@ -129,5 +134,6 @@ class ModuleCapture:
             if id(m) not in self._children
             and (next(m.parameters(), None) is not None or next(m.buffers(), None) is not None)
         ]
+        nested = keras_models.nested_layers(roots)
         self._seen, self._seen_ids, self._children = [], set(), set()
-        return roots
+        return [m for m in roots if id(m) not in nested]

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from distrib import context, torch_patches
+from distrib.integrations import keras_models
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -67,6 +68,43 @@ def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             theirs.training = mine.training  # model.train()/eval() was called on the primary only
         return replica.forward(*args, **kwargs)
     return type(self).forward(self, *args, **kwargs)  # a copy.deepcopy of the module lands here too
+
+
+def _bypasses_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` may not reach its ``forward``: its class defines its own ``__call__``.
+
+    A Keras layer does, and reaches ``forward`` through ``nn.Module.__call__`` (keras' torch ``layer.py``).
+    """
+    return type(module).__call__ is not nn.Module.__call__ and not keras_models.is_keras_layer(module)
+
+
+def _refuse_primary_gradients(module: nn.Module, owner: Strategy, primary_computes: bool) -> None:
+    """Raise when a replica that computes on a copy accumulates a gradient into ``module``'s own parameters.
+
+    Each replica computes on its own copy because its ``forward`` is dispatched; a ``__call__`` that computes
+    without ``forward`` uses replica 0's parameters on every replica. The check runs where autograd accumulates
+    (``register_post_accumulate_grad_hook``, public), on the replica's thread: CPU backward runs there. (CUDA's
+    backward runs on torch's device threads, where it does not; there replica 0's parameters sit on another device
+    than the replica's inputs, which torch refuses.)
+    """
+    owner_ref = weakref.ref(owner)
+    label = f"{type(module).__name__}"
+
+    def check(param: torch.Tensor) -> None:
+        ctx = context.current_replica()
+        if ctx is None or ctx.strategy is not owner_ref():
+            return
+        if ctx.local_replica_id or not primary_computes:
+            raise RuntimeError(
+                f"module {label} defines its own __call__, which computed without calling forward() on replica "
+                f"{ctx.replica_id_in_sync_group}: distrib gives each replica its copy of a module through forward "
+                f"(what nn.Module.__call__ calls), so this replica computed on replica 0's parameters instead of "
+                f"its own copy. Move the computation into {label}.forward() and let nn.Module.__call__ "
+                "call it (a __call__ override that calls super().__call__(...) works too)"
+            )
+
+    for param in module.parameters():
+        param.register_post_accumulate_grad_hook(check)
 
 
 class MirroredModules:
@@ -112,31 +150,46 @@ class MirroredModules:
                     f"module {type(root).__name__} contains {type(sub).__name__}, which was built in an "
                     "earlier strategy.scope() block; build the whole model inside one scope block"
                 )
+        params = list(root.parameters())
+        taken = [p for p in params if id(p) in self._param_copies]
+        if taken:
+            raise ValueError(
+                f"module {keras_models.describe(root)} shares {len(taken)} parameter(s) with a module this strategy "
+                "already distributes; each replica would compute on a different copy of them and one copy's gradient "
+                "would be lost. Hold both in one parent module (e.g. an nn.ModuleDict or a Keras model) built in "
+                "the scope, and call them through it"
+            )
         devices = self._strategy.local_devices
         home = self._parameter_device or devices[0]
         if home is not None:
             root.to(home)
         copies = [self._replicate(root, d) for d in devices[self._first :]]
-        params = list(root.parameters())
         for p in params:
             self._param_copies[id(p)] = []
         for c in copies:
             for p, pc in zip(params, c.parameters()):
                 self._param_copies[id(p)].append(pc)
+        keras_parts = keras_models.sublayers(root)
         if copies:
-            for name, sub in root.named_modules():
-                _mirrors[sub] = _Mirror(
-                    self._strategy, tuple(c.get_submodule(name) for c in copies), primary_computes=bool(self._first)
-                )
+            pairs = [(sub, [c.get_submodule(name) for c in copies]) for name, sub in root.named_modules()]
+            copy_parts = [keras_models.sublayers(c) for c in copies]
+            pairs += [(sub, [parts[i] for parts in copy_parts]) for i, sub in enumerate(keras_parts)]
+            for sub, sub_copies in pairs:
+                _mirrors[sub] = _Mirror(self._strategy, tuple(sub_copies), primary_computes=bool(self._first))
                 torch_patches.route_forward(sub, _dispatching_forward)
-        for sub in root.modules():
+                if _bypasses_forward(sub):
+                    _refuse_primary_gradients(sub, self._strategy, primary_computes=bool(self._first))
+        for sub in [*root.modules(), *keras_parts]:
             context.set_owner(sub, self._strategy)
         root.register_load_state_dict_post_hook(lambda module, keys: self.refresh(module))
         self._roots.append((weakref.ref(root), copies))
 
     @staticmethod
     def _replicate(root: nn.Module, device: torch.device | None) -> nn.Module:
-        clone = copy.deepcopy(root)
+        with (
+            context.detached()
+        ):  # a Keras layer's deep copy registers its parameters anew: not a module built in the scope
+            clone = copy.deepcopy(root)
         if device is not None:
             clone.to(device)
         for p, pc in zip(root.parameters(), clone.parameters()):
