@@ -3,9 +3,11 @@
 ``PreemptionCheckpointHandler`` and ``TerminationConfig`` (see :mod:`distrib.preemption`);
 ``MeshStrategy``, ``DeviceMesh`` and ``LayoutMap`` (data and tensor parallelism over a named mesh, with
 Keras 3's names: see :mod:`distrib.strategies.mesh_strategy`), and ``clip_grad_norm_``: torch's, right
-for gradients on several meshes (:mod:`distrib.strategies.grad_norm`).
+for gradients on several meshes (:mod:`distrib.strategies.grad_norm`); ``keras_distribution``: Keras 3's
+``DataParallel`` / ``ModelParallel`` on torch as a ``MeshStrategy`` (:mod:`distrib.integrations.keras_distribution`).
 """
 
+from distrib.integrations.keras_distribution import keras_distribution
 from distrib.preemption import PreemptionCheckpointHandler, TerminationConfig
 from distrib.strategies.grad_norm import clip_grad_norm_
 from distrib.strategies.mesh import DeviceMesh, LayoutMap
@@ -18,4 +20,5 @@ __all__ = [
     "DeviceMesh",
     "LayoutMap",
     "clip_grad_norm_",
+    "keras_distribution",
 ]
