@@ -367,6 +367,13 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
         "/dev/null (docs/multi-node.md)",
     )
     p.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="when a worker dies, the others go on in their processes (MultiWorkerMirroredStrategy("
+        "fault_tolerant=True) in the script): the launcher hosts the store they agree through and does not stop "
+        "the group; exits 0 when the survivors finish (docs/fault-tolerance.md)",
+    )
+    p.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -397,6 +404,7 @@ def _launch(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             tls=args.tls,
             grace_seconds=args.grace_seconds,
+            fault_tolerant=args.fault_tolerant,
             **({"start_method": args.start_method} if args.start_method else {}),  # else LaunchConfig's default
         )
     )

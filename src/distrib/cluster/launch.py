@@ -91,6 +91,7 @@ the whole group at the same size. Such a restart is not counted against ``--max-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -109,6 +110,7 @@ from types import FrameType
 from typing import IO, Any
 
 from distrib.cluster import shared_forkserver
+from distrib.cluster.fault_watch import FaultWatch
 from distrib.cluster.forkserver import ForkedProcess, ForkServer, forkable, reap_orphans
 
 __all__ = [
@@ -154,6 +156,9 @@ class LaunchConfig:
     #: per task, with the differences the module docstring lists). Default: ``DISTRIB_START_METHOD``, else
     #: ``"spawn"``
     start_method: str = field(default_factory=lambda: os.environ.get("DISTRIB_START_METHOD", "spawn"))
+    #: ``--fault-tolerant``: host the store fault-tolerant workers agree through, and let the others go on when a
+    #: script task dies (:mod:`distrib.cluster.fault_watch`)
+    fault_tolerant: bool = False
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -172,6 +177,11 @@ class LaunchConfig:
                     "is for worker-only clusters (a parameter-server cluster restarts a lost worker "
                     "server instead); give --workers N"
                 )
+        if self.fault_tolerant and (self.ps or self.min_workers is not None or self.max_restarts):
+            raise ValueError(
+                "--fault-tolerant keeps the survivors training in their processes: it goes with worker-only "
+                "clusters of a fixed size and no --max-restarts (drop --ps, MIN: and --max-restarts)"
+            )
         if not self.grace_seconds >= 0:
             raise ValueError(f"grace_seconds={self.grace_seconds!r}: must be >= 0 seconds")
         if self.start_method not in START_METHODS:
@@ -404,15 +414,30 @@ class _Group:
                 t.proc.wait()
             t.join_output()
 
-    def watch(self, server_restarts: list[int]) -> tuple[bool, int, str]:
+    def watch(self, server_restarts: list[int], faults: FaultWatch | None = None) -> tuple[bool, int, str]:
         """Block until the group succeeds or fails: ``(ok, exit_code, who)``.
 
         When several tasks are seen failed at once, ``who`` is one killed by a signal if any
-        (the others usually failed because it was gone), else the first in cluster order.
+        (the others usually failed because it was gone), else the first in cluster order. With
+        ``faults`` (``--fault-tolerant``) a failed task is recorded and the others go on: the group
+        succeeds when every task has exited and one of them finished (exit 0).
         """
         while True:
             if self.server is not None:  # with a server of its own the launcher is a subreaper: orphans come to it
                 reap_orphans({t.proc.pid for t in self.tasks if t.proc is not None} | self.server.owned_pids)
+            if faults is not None:
+                tasks = self.script_tasks
+                codes = [t.poll() for t in tasks]
+                for i in faults.look([t.proc.pid if t.proc is not None else None for t in tasks], codes):
+                    if codes[i] != 0:
+                        _say(f"{tasks[i].name} exited with code {_exit_code(codes[i] or 0)}: the others go on")
+                if all(c is not None for c in codes):
+                    failed_codes = [(t, c) for t, c in zip(tasks, codes) if c != 0]
+                    if len(failed_codes) < len(tasks):
+                        return True, 0, ""
+                    return False, _exit_code(failed_codes[0][1] or 1), failed_codes[0][0].name
+                time.sleep(0.05)
+                continue
             failed: list[tuple[_Task, int]] = []
             for t in self.tasks:
                 code = t.poll()
@@ -527,6 +552,12 @@ def launch(config: LaunchConfig) -> int:
             "fork them from the shared server"
         )
     code = 1
+    faults = FaultWatch(config.host) if config.fault_tolerant else None
+    if faults is not None:
+        from distrib.comm.membership import STORE_VARIABLE
+
+        config = dataclasses.replace(config, env={**config.env, STORE_VARIABLE: faults.address})
+        _say(f"fault tolerant: the workers agree through the store at {faults.address}; a lost task is not restarted")
     with _SignalForwarding() as signals:
         try:
             try:
@@ -542,7 +573,7 @@ def launch(config: LaunchConfig) -> int:
                     server = shared_forkserver.launch_server(group.shared_env, _say)
                     forking = server is not None
                 group.start(server)
-                ok, code, who = group.watch(server_restarts)
+                ok, code, who = group.watch(server_restarts, faults)
                 signals.armed = False
                 preempted = not ok and code == PREEMPTION_EXIT_CODE
                 if preempted:
@@ -597,5 +628,7 @@ def launch(config: LaunchConfig) -> int:
             signals.armed = False
             if server is not None:
                 server.close()
+            if faults is not None:
+                faults.close()
             if tls_dir is not None:
                 shutil.rmtree(tls_dir, ignore_errors=True)

@@ -233,6 +233,13 @@ class BucketedGradientReducer:
             self.finish()
         self._synced = False
 
+    def abandon(self) -> None:
+        """Drop a pass that failed part way (a peer was lost): nothing is waited for, the next pass starts afresh."""
+        self._synced = False
+        self._reset_pass()
+        for bucket in self._buckets:
+            bucket.delta = None
+
     def close(self) -> None:
         """Remove the autograd hooks: this reducer reduces nothing from now on."""
         for h in self._handles:

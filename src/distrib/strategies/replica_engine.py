@@ -99,6 +99,9 @@ class ReplicaEngine:
             weakref.WeakKeyDictionary()
         )
         self._patch_lease: weakref.finalize | None = None
+        #: the commit gate (fault tolerance): called once the gradients are reduced, before the optimizer applies
+        #: them; it returns to apply them or raises to abandon the step. None: every reduced step applies
+        self.commit_gate: Callable[[], None] | None = None
         if strategy.num_replicas_in_sync > 1:
             self._lease_torch_patches()
 
@@ -234,6 +237,8 @@ class ReplicaEngine:
     ) -> Any:
         """The merged step: sum the gradients, step once, refresh the replicas' copies."""
         self._reduce(optimizer)
+        if self.commit_gate is not None:
+            self.commit_gate()
         result = step(*args, **kwargs)
         self._mirrored.refresh(average_buffers=True)
         return result
@@ -295,6 +300,18 @@ class ReplicaEngine:
             zero_grad(set_to_none)  # the primary's gradients (the sums of the last step)
         self._mirrored.zero_copy_grads(params, ctx.local_replica_id, set_to_none)
 
+    def abandon_step(self) -> None:
+        """Forget the step in flight (a fault stopped it before it applied): every merged optimizer's gradients
+        are dropped (``grad = None``) and its reducer starts a new pass, so a step run again starts clean."""
+        for optimizer in list(self._merged_optimizers):
+            reducer = self._reducers.get(optimizer)
+            if reducer is not None:
+                reducer.abandon()
+            self._sums.pop(optimizer, None)
+            for p in optimizer_params(optimizer):
+                p.grad = None
+            self._mirrored.zero_copy_grads(optimizer_params(optimizer), None, True)
+
     # ------------------------------------------------------------------ GradientMerge (strategy.extended's seam)
     def merges_optimizer_steps(self, optimizer: Any) -> bool:
         """Whether ``optimizer.step()`` is a merge point of this engine."""
@@ -310,6 +327,8 @@ class ReplicaEngine:
         if optimizer in self._sums:  # summed earlier this step (a scaler.unscale_ before scaler.step)
             return then()
         self._reduce(optimizer)
+        if self.commit_gate is not None:
+            self.commit_gate()
         self._sums[optimizer] = _Sums.APPLYING
         try:
             result = then()

@@ -10,6 +10,7 @@ rendezvous at the chief's address (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,12 +38,17 @@ class WorkerGroup:
 
 
 def join_workers(
-    cluster_resolver: ClusterResolver | None, options: CommunicationOptions, devices: Sequence[str] | None
+    cluster_resolver: ClusterResolver | None,
+    options: CommunicationOptions,
+    devices: Sequence[str] | None,
+    fault_tolerant: bool = False,
 ) -> WorkerGroup:
     """Resolve the cluster and connect to the other workers (a process group when there are several).
 
     ``devices``: this process's local devices (default: one GPU per launched process, else every
-    local GPU, or the CPU: :func:`~distrib.strategies.devices.worker_devices`).
+    local GPU, or the CPU: :func:`~distrib.strategies.devices.worker_devices`). ``fault_tolerant``: join
+    through the store ``distrib launch --fault-tolerant`` hosts, in a group whose membership may shrink
+    (:class:`~distrib.comm.membership.FaultTolerantCommunicator`).
     """
     group = current_group()
     resolver = cluster_resolver or _resolver_for(group)
@@ -57,7 +63,9 @@ def join_workers(
             "the cluster_resolver" if cluster_resolver is not None else f"the environment ({type(resolver).__name__})",
         )
     communicator: Communicator
-    if world > 1:
+    if fault_tolerant:
+        communicator = _fault_tolerant_communicator(rank, world, options, parsed)
+    elif world > 1:
         spec = resolver.cluster_spec()
         hosts = [
             spec.task_address(job, i).rpartition(":")[0].strip("[]")
@@ -78,6 +86,28 @@ def join_workers(
     else:
         communicator = LocalCommunicator()
     return WorkerGroup(resolver, communicator, parsed, names)
+
+
+def _fault_tolerant_communicator(
+    rank: int, world: int, options: CommunicationOptions, devices: list[torch.device]
+) -> Communicator:
+    """The communicator of a fault-tolerant worker: joined through the store named in the environment."""
+    from distrib.comm.membership import STORE_VARIABLE, FaultTolerantCommunicator
+
+    if len(devices) != 1:
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy(fault_tolerant=True) runs one replica per worker, got devices={devices}: "
+            "give one device per worker (devices=['cpu']) and start more workers instead"
+        )
+    address = os.environ.get(STORE_VARIABLE)
+    if address is None:
+        if world == 1:
+            return LocalCommunicator()  # one worker: no peer to lose
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy(fault_tolerant=True) needs a store that outlives every worker, named in "
+            f"{STORE_VARIABLE}: start the workers with distrib launch --fault-tolerant"
+        )
+    return FaultTolerantCommunicator(address, rank, world, options, uses_cuda=devices[0].type == "cuda")
 
 
 def take_chiefs_values(communicator: Communicator, module: torch.nn.Module) -> None:

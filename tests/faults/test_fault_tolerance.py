@@ -1,0 +1,160 @@
+"""MultiWorkerMirroredStrategy(fault_tolerant=True) with real worker processes over gloo on loopback, started by
+``distrib launch --fault-tolerant``: a worker is SIGKILLed (by itself before its step, inside the gradient
+all-reduce, from outside while the others wait in it, the chief) or SIGSTOPped past the 1 s timeout; the others
+finish in the same processes with the parameters of the fault-free run."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SCRIPTS, alive, launch
+
+SCRIPT = str(SCRIPTS / "ft_train.py")
+TIMEOUT = 1.0  # the workers' CommunicationOptions(timeout_seconds=...)
+AT = 4  # the step the fault comes at
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[torch.Tensor]:
+    """The fault-free run's final parameters: 3 workers, the plain strategy, the same seeds and global batches."""
+    out = tmp_path_factory.mktemp("reference")
+    code, log, _ = launch("--workers", "3", SCRIPT, "--out", str(out), "--plain")
+    assert code == 0, log
+    return torch.load(out / "worker-0.pt")
+
+
+def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def survivors_check(out: Path, log: str, lost: int, fault_time: float, reference: list[torch.Tensor]) -> None:
+    """The survivors finished in the processes they started in, in one generation without ``lost``, with the
+    reference's parameters, and applied their next step within the timeout plus 1 s of the fault."""
+    survivors = [w for w in range(3) if w != lost]
+    started = dict(re.findall(r"start: worker (\d) pid (\d+) restart 0", log))
+    finished = dict(re.findall(r"done: worker (\d) pid (\d+)", log))
+    assert sorted(finished) == [str(w) for w in survivors], log
+    assert all(finished[w] == started[w] for w in finished), log  # 0 restarts: the same processes
+    assert log.count(f"members {survivors} generation 1") == 2, log
+    difference = max(largest_difference(torch.load(out / f"worker-{w}.pt"), reference) for w in survivors)
+    resumed = min(float(t) for w, t in re.findall(rf"\[worker (\d)\] applied {AT} at ([\d.]+)", log))
+    print(
+        f"FAULT largest difference to the fault-free run {difference:.2e}; next applied step {resumed - fault_time:.3f}s after the fault"
+    )
+    assert difference <= 1e-5
+    assert resumed - fault_time <= TIMEOUT + 1.0, log
+
+
+@pytest.mark.parametrize(
+    "fault, victim",
+    [("kill", 2), ("kill-in-allreduce", 2), ("kill-in-allreduce", 0)],
+    ids=["before-its-step", "inside-the-all-reduce", "the-chief-inside-the-all-reduce"],
+)
+def test_a_sigkilled_worker_is_survived_with_the_parameters_of_the_fault_free_run(tmp_path, reference, fault, victim):
+    code, log, _ = launch(
+        "--workers",
+        "3",
+        "--fault-tolerant",
+        SCRIPT,
+        "--out",
+        str(tmp_path),
+        "--fault",
+        fault,
+        "--at",
+        str(AT),
+        "--victim",
+        str(victim),
+        "--timeout",
+        str(TIMEOUT),
+    )
+    assert code == 0, log
+    assert f"worker {victim} exited with code 137: the others go on" in log
+    fault_time = float(re.search(r"fault at ([\d.]+)", log).group(1))
+    survivors_check(tmp_path, log, victim, fault_time, reference)
+
+
+def test_a_worker_killed_from_outside_while_the_others_wait_in_the_all_reduce_is_survived(tmp_path, reference):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distrib.app.cli",
+            "launch",
+            "--workers",
+            "3",
+            "--fault-tolerant",
+            SCRIPT,
+            "--out",
+            str(tmp_path),
+            "--fault",
+            "wait",
+            "--at",
+            str(AT),
+            "--timeout",
+            str(TIMEOUT),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    pids: set[int] = set()
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        while not any("victim waiting" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+            pids |= {int(p) for p in re.findall(r"start: worker \d pid (\d+)", line)}
+        victim = int(re.search(r"start: worker 2 pid (\d+)", "".join(lines)).group(1))
+        time.sleep(0.2)  # the others are in the step's all-reduce, waiting for it
+        fault_time = time.time()
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+        log = "".join(lines) + out
+        assert proc.returncode == 0, log
+        survivors_check(tmp_path, log, 2, fault_time, reference)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the launcher stops its tasks
+            proc.wait(timeout=30)
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stopped_worker_is_left_out_and_stops_with_a_clear_error_when_continued(tmp_path, reference):
+    code, log, _ = launch(
+        "--workers",
+        "3",
+        "--fault-tolerant",
+        SCRIPT,
+        "--out",
+        str(tmp_path),
+        "--fault",
+        "stop",
+        "--at",
+        str(AT),
+        "--timeout",
+        str(TIMEOUT),
+        "--resume-after",
+        "4",
+    )
+    assert code == 0, log  # the survivors finished
+    fault_time = float(re.search(r"fault at ([\d.]+)", log).group(1))
+    survivors_check(tmp_path, log, 2, fault_time, reference)
+    assert "victim continued" in log
+    assert "MembershipLost: worker 2 is no longer a member of the job" in log
+    assert "It stops here and never trains on alone" in log
+    assert "worker 2 exited with code 1: the others go on" in log
+    assert f"[worker 2] applied {AT}" not in log  # it applied nothing after it was continued
