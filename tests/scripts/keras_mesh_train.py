@@ -4,7 +4,8 @@ Run by ``distrib launch --workers N``. --mode model_parallel: Keras' ModelParall
 ("batch", "model"; one worker: (1, 1)), the layout map as keras.io's distribution guide writes it (the first Dense's kernel
 split over its outputs, ``(None, "model")``, its bias too; the second Dense's kernel over its inputs,
 ``("model", None)``; the last Dense replicated). --mode data_parallel: Keras' DataParallel on a (N,) mesh.
---optimizer torch (torch.optim.Adam over model.parameters()) or keras (keras.optimizers.Adam, applied to the
+--keys unanchored writes the layout map's keys without
+the model's name in front (``"dense_up.*kernel"``), which match no variable path. --optimizer torch (torch.optim.Adam over model.parameters()) or keras (keras.optimizers.Adam, applied to the
 gradients as Keras' guide for custom loops on the torch backend writes it).
 
 Each worker builds the model in the strategy's scope from the same Keras seed, trains --steps steps on the
@@ -32,6 +33,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--mode", choices=["model_parallel", "data_parallel"], default="model_parallel")
 p.add_argument("--optimizer", choices=["torch", "keras"], default="torch")
 p.add_argument("--steps", type=int, default=20)
+p.add_argument("--keys", choices=["matching", "unanchored"], default="matching")
 args = p.parse_args()
 
 IN, HIDDEN, CLASSES, GLOBAL, LR, SEED = 12, 16, 5, 8, 1e-2, 7
@@ -103,9 +105,11 @@ if args.mode == "model_parallel":
     tp = 2 if world > 1 else 1  # one worker: a 1 x 1 mesh, laid out all the same
     mesh = keras.distribution.DeviceMesh((world // tp, tp), ["batch", "model"], devices=kdist.list_devices())
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*dense_up.*kernel"] = (None, "model")  # Keras' (in, out): the outputs split
-    layout_map[".*dense_up.*bias"] = ("model",)
-    layout_map[".*dense_down.*kernel"] = ("model", None)  # the inputs split
+    # --keys unanchored: keys without the model's prefix, which Keras' whole-path match never takes
+    prefix = ".*" if args.keys == "matching" else ""
+    layout_map[prefix + "dense_up.*kernel"] = (None, "model")  # Keras' (in, out): the outputs split
+    layout_map[prefix + "dense_up.*bias"] = ("model",)
+    layout_map[prefix + "dense_down.*kernel"] = ("model", None)  # the inputs split
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 else:
     mesh = keras.distribution.DeviceMesh((world,), ["batch"], devices=kdist.list_devices())

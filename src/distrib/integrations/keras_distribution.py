@@ -49,6 +49,8 @@ from distrib.strategies.mesh import DeviceMesh
 from distrib.strategies.mesh_strategy import MeshStrategy
 
 if TYPE_CHECKING:
+    from distrib.cluster.resolver import ClusterResolver
+    from distrib.comm import CommunicationOptions
     from distrib.strategies.run_options import RunOptions
 
 __all__ = ["keras_distribution", "list_devices", "device_mesh_of", "KerasMeshStrategy"]
@@ -100,7 +102,9 @@ class KerasMeshStrategy(MeshStrategy):
 
     Args:
         distribution: ``keras.distribution.DataParallel`` or ``ModelParallel``.
-        **kwargs: ``MeshStrategy``'s ``cluster_resolver``, ``communication_options``, ``devices``.
+        cluster_resolver: the cluster; None: from the environment (``TF_CONFIG``, torchrun, Slurm).
+        communication_options: the collectives' options (timeout, backend).
+        devices: this process's one device (``["cuda:0"]``, ``["cpu"]``); None: its GPU, else the CPU.
 
     Raises:
         TypeError: ``distribution`` is not one of Keras' two.
@@ -109,7 +113,14 @@ class KerasMeshStrategy(MeshStrategy):
             mesh does not hold the workers running.
     """
 
-    def __init__(self, distribution: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        distribution: Any,
+        *,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        devices: Sequence[str] | None = None,
+    ) -> None:
         from keras import distribution as kd
 
         if not isinstance(distribution, (kd.DataParallel, kd.ModelParallel)):
@@ -127,7 +138,15 @@ class KerasMeshStrategy(MeshStrategy):
         #: whether the distribution lays variables out (ModelParallel; DataParallel replicates them all)
         self.lays_out_variables = isinstance(distribution, kd.ModelParallel)
         mesh = device_mesh_of(distribution.device_mesh, distribution.batch_dim_name)
-        super().__init__(mesh, None, deferred_init=False, **kwargs)
+        # MeshStrategy's FSDP options (sharding policy, mixed precision, resharding) do not apply: no FSDP here
+        super().__init__(
+            mesh,
+            None,
+            cluster_resolver=cluster_resolver,
+            communication_options=communication_options,
+            devices=devices,
+            deferred_init=False,
+        )
         self._keras_hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._summed: set[int] = set()
 
@@ -191,13 +210,28 @@ class KerasMeshStrategy(MeshStrategy):
                         stacklevel=2,
                     )
             keras_layouts.sync_torch_params(module)
+            statistics = keras_layouts.batch_statistics_layers(module)
+            if statistics and self.num_data_workers > 1:
+                warnings.warn(
+                    f"{', '.join(statistics)} normalise with the statistics of each worker's part of the batch (and "
+                    f"keep moving averages per worker), where Keras on JAX uses the global batch's: results differ "
+                    f"from one process (as under TF's MirroredStrategy). Use LayerNormalization (per example), or a "
+                    f"mesh whose batch axis has size 1",
+                    stacklevel=2,
+                )
         if self.num_data_workers > 1:
             group = tmesh[mesh.batch_dim_name].get_group()
             keras_layouts.sum_gradients_over(list(module.parameters()), group, self._summed)
         return []
 
 
-def keras_distribution(distribution: Any, *, devices: Sequence[str] | None = None, **kwargs: Any) -> MeshStrategy:
+def keras_distribution(
+    distribution: Any,
+    *,
+    devices: Sequence[str] | None = None,
+    cluster_resolver: ClusterResolver | None = None,
+    communication_options: CommunicationOptions | None = None,
+) -> MeshStrategy:
     """The strategy that runs Keras 3's ``DataParallel`` or ``ModelParallel`` on torch (module docstring).
 
     Args:
@@ -205,13 +239,16 @@ def keras_distribution(distribution: Any, *, devices: Sequence[str] | None = Non
             ``keras.distribution.ModelParallel(layout_map=..., batch_dim_name=...)``, its mesh's devices from
             :func:`list_devices` (or any list as long as the workers).
         devices: this process's one device (``["cuda:0"]``, ``["cpu"]``); None: its GPU, else the CPU.
-        **kwargs: ``MeshStrategy``'s ``cluster_resolver`` and ``communication_options``.
+        cluster_resolver: the cluster; None: from the environment (``TF_CONFIG``, torchrun, Slurm).
+        communication_options: the collectives' options (timeout, backend).
 
     Returns:
         A :class:`KerasMeshStrategy` (a ``MeshStrategy``): its ``scope()``, ``run``, ``reduce`` and input as any.
 
     Raises:
         TypeError: ``distribution`` is not one of the two.
-        ValueError: the mesh or a layout does not fit (each message names the key, the variable and the fix).
+        ValueError: the mesh or a layout does not fit (each message names the variable, its layout and the fix).
     """
-    return KerasMeshStrategy(distribution, devices=devices, **kwargs)
+    return KerasMeshStrategy(
+        distribution, devices=devices, cluster_resolver=cluster_resolver, communication_options=communication_options
+    )

@@ -31,7 +31,14 @@ from torch import nn
 
 from distrib.integrations.keras_models import is_keras_layer
 
-__all__ = ["VariableLayout", "plan_layouts", "lay_out", "sync_torch_params", "sum_gradients_over"]
+__all__ = [
+    "VariableLayout",
+    "plan_layouts",
+    "lay_out",
+    "sync_torch_params",
+    "sum_gradients_over",
+    "batch_statistics_layers",
+]
 
 
 @dataclass(frozen=True)
@@ -221,3 +228,11 @@ def sum_gradients_over(params: list[nn.Parameter], group: Any, hooked: set[int])
         if param.requires_grad and id(param) not in hooked:
             hooked.add(id(param))
             param.register_hook(hook)
+
+
+def batch_statistics_layers(root: Any) -> list[str]:
+    """The names of the layers under ``root`` that normalise with batch statistics (``BatchNormalization``): with
+    the batch split over workers each sees only its part's, where Keras on JAX computes over the global batch."""
+    import keras
+
+    return [f"{layer.name!r}" for layer in _leaf_layers(root) if isinstance(layer, keras.layers.BatchNormalization)]
