@@ -42,6 +42,7 @@ def test_model_parallel_on_a_2x2_mesh_equals_one_process(tmp_path: Path) -> None
     assert got["kernel_shape"] == [12, 16] and got["local_shapes"] == [[12, 8]] * 4
     assert got["chief_part_is_columns"]
     assert got["param_types"] == ["DTensor", "Parameter"]  # the split layers' variables, the head's replicated ones
+    assert "glibc's allocator" not in log  # the advice for FSDP's buffers: no FSDP here
     print("ModelParallel 2x2, largest difference:", got["max_diff"])
 
 

@@ -29,8 +29,9 @@ What each name becomes:
   are per dimension of the variable as Keras holds it (a ``Dense`` kernel is ``(in, out)``).
 
 The model must be built inside ``strategy.scope()`` (a ``keras.Input`` first, or ``model.build(shape)``): its
-variables are laid out when the scope closes. Do not call ``keras.distribution.set_distribution`` on torch: Keras
-itself then tries to lay out layer outputs with the JAX-only backend.
+variables are laid out when the scope closes. ``keras.distribution.set_distribution`` is not needed; set, it is
+harmless unless the layout map has ``".../output"`` keys, which Keras then applies itself through its JAX-only
+backend (an error).
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class KerasMeshStrategy(MeshStrategy):
             ``strategy.distribute_datasets_from_function`` for a dataset each worker reads itself), or the
             mesh does not hold the workers running.
     """
+
+    #: Keras variables stay whole over the batch axis: no FSDP (the allocator advice for its buffers does not apply)
+    shards_parameters = False
 
     def __init__(
         self,

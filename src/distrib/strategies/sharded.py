@@ -118,6 +118,9 @@ class ShardedStrategy(Strategy):
         ```
     """
 
+    #: whether the parameters are sharded over the workers by FSDP2 (whose freed buffers the allocator advice is for)
+    shards_parameters: bool = True
+
     def __init__(
         self,
         cluster_resolver: ClusterResolver | None = None,
@@ -177,7 +180,8 @@ class ShardedStrategy(Strategy):
             workers.device_names[0],
             "ZeRO-3" if reshard_after_forward else "ZeRO-2",
         )
-        allocator.warn_if_untuned(workers.devices[0].type, self.num_workers, self.is_chief, type(self).__name__)
+        if self.shards_parameters:
+            allocator.warn_if_untuned(workers.devices[0].type, self.num_workers, self.is_chief, type(self).__name__)
 
     @property
     def gradient_merge(self) -> GradientMerge | None:
