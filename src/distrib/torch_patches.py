@@ -21,7 +21,7 @@ process-wide)                             merges its first optimizer
 and ``optimizer.load_state_dict`` under   (or of a parameter-server strategy)
 parameter servers)
 ``module.forward`` (instance attribute)   a module is distributed by a strategy  never: it lives and dies with
-                                          with copies for other local replicas   that one module instance
+and a Keras model's ``model.zero_grad``   with copies for other local replicas   that one module instance
 a dispatch mode (``TorchDispatchMode``,   a ``ShardedStrategy`` scope with       that scope closes
 this thread's only) and the global        several workers is entered
 module forward pre/post hooks (public)    (``strategies/deferred_record.py``)
@@ -65,6 +65,7 @@ __all__ = [
     "forget_step",
     "replace_load_state_dict",
     "route_forward",
+    "route_zero_grad",
     "has_load_state_dict_pre_hooks",
     "queue_backward_callback",
     "group_backend",
@@ -313,6 +314,16 @@ def route_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
     to the class's forward outside ``run`` (and on replica 0 when it computes on the primary).
     """
     module.forward = types.MethodType(forward, module)
+
+
+def route_zero_grad(module: torch.nn.Module, zero_grad: Callable[..., None]) -> None:
+    """Make ``module.zero_grad(set_to_none)`` run ``zero_grad(module, set_to_none)`` (this instance only).
+
+    Why a patch: Keras' guide for custom loops on torch clears gradients with ``model.zero_grad()`` in the step,
+    which every replica thread runs; torch's would clear replica 0's parameters from every thread (one replica's
+    call could erase another's fresh gradients) and never the replicas' copies. Modules have no zero_grad hook.
+    """
+    module.zero_grad = types.MethodType(zero_grad, module)  # type: ignore[method-assign]
 
 
 def has_load_state_dict_pre_hooks(module: torch.nn.Module) -> bool:

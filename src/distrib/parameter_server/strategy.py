@@ -78,6 +78,7 @@ from torch.amp.grad_scaler import GradScaler
 from distrib import context
 from distrib.cluster import ClusterSpec
 from distrib.input import InputContext
+from distrib.integrations import keras_models
 from distrib.parameter_server.captured_metrics import CapturedMetrics, MetricCopy, is_metric
 from distrib.parameter_server.cluster_checks import check_cluster
 from distrib.parameter_server.datasets import DatasetSource
@@ -269,6 +270,12 @@ class ParameterServerStrategy(Strategy):
         """
         if context.owner_of(module) is self:
             return
+        if keras_models.is_keras_layer(module):
+            raise NotImplementedError(
+                f"Keras model {keras_models.describe(module)}: ParameterServerStrategy does not support Keras models "
+                "yet (their variables would have to live on the ps tasks); build the model with torch.nn, or train "
+                "the Keras model under MultiWorkerMirroredStrategy"
+            )
         for sub in module.modules():
             owner = context.owner_of(sub)
             if owner is not None and owner is not self:

@@ -34,6 +34,7 @@ import torch
 
 from distrib import context
 from distrib.comm import Communicator, LocalCommunicator, failures
+from distrib.integrations import keras_models, keras_objects
 from distrib.strategies.capture import ModuleCapture, install_capture_hooks, remove_capture_hooks
 from distrib.strategies.extended import GradientMerge, StrategyExtended
 from distrib.strategies.reduction import Axis, gather_structure, reduce_structure
@@ -358,6 +359,8 @@ class Strategy(abc.ABC):
             context.note_run(self)
         if self._capture:
             self.claim_modules()
+        if keras_models.keras_loaded():  # the Keras optimizers, metrics and losses the step names
+            keras_objects.prepare_step(self, fn)
         try:
             result = self.call_for_each_replica(fn, tuple(args), kwargs or {}, options or _NO_OPTIONS)
         except Exception as error:

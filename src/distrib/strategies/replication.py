@@ -70,6 +70,21 @@ def _dispatching_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(self).forward(self, *args, **kwargs)  # a copy.deepcopy of the module lands here too
 
 
+def _dispatching_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
+    """A Keras model's ``zero_grad``: on a replica thread, that replica's copy; outside ``run``, every copy too."""
+    mirror = _mirrors.get(self)
+    ctx = context.current_replica()
+    if mirror is None or ctx is None or ctx.strategy is not mirror.owner:
+        type(self).zero_grad(self, set_to_none)
+        for replica in mirror.copies if mirror is not None else ():
+            replica.zero_grad(set_to_none)
+        return
+    if ctx.local_replica_id or not mirror.primary_computes:
+        mirror.copies[ctx.local_replica_id - mirror.primary_computes].zero_grad(set_to_none)
+    if ctx.local_replica_id == 0:  # the primary's gradients: replica 0's own, or (central storage) the last sums
+        type(self).zero_grad(self, set_to_none)
+
+
 def _bypasses_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` may not reach its ``forward``: its class defines its own ``__call__``.
 
@@ -174,6 +189,8 @@ class MirroredModules:
             pairs = [(sub, [c.get_submodule(name) for c in copies]) for name, sub in root.named_modules()]
             copy_parts = [keras_models.sublayers(c) for c in copies]
             pairs += [(sub, [parts[i] for parts in copy_parts]) for i, sub in enumerate(keras_parts)]
+            if keras_models.is_keras_layer(root):
+                torch_patches.route_zero_grad(root, _dispatching_zero_grad)
             for sub, sub_copies in pairs:
                 _mirrors[sub] = _Mirror(self._strategy, tuple(sub_copies), primary_computes=bool(self._first))
                 torch_patches.route_forward(sub, _dispatching_forward)

@@ -43,6 +43,7 @@ from torch import nn
 from distrib import context
 from distrib.cluster.resolver import ClusterResolver
 from distrib.comm import CommunicationOptions
+from distrib.integrations import keras_models
 from distrib.strategies import allocator
 from distrib.strategies.base import Strategy
 from distrib.strategies.deferred_materialise import plan_materialisation
@@ -229,6 +230,13 @@ class ShardedStrategy(Strategy):
         owner = context.owner_of(module)
         if owner is self:
             return
+        if type(self) is ShardedStrategy and self._lays_out_model and keras_models.is_keras_layer(module):
+            raise NotImplementedError(
+                f"Keras model {keras_models.describe(module)}: ShardedStrategy with several workers does not support "
+                "Keras models yet (FSDP would replace the parameters Keras' variables hold); use "
+                "MultiWorkerMirroredStrategy, or ds.experimental.keras_distribution(keras.distribution.DataParallel"
+                "(...)) for Keras' own names"
+            )
         for sub in module.modules():
             if context.owner_of(sub) is not None:
                 raise ValueError(
