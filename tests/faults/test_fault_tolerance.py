@@ -23,12 +23,18 @@ AT = 4  # the step the fault comes at
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[torch.Tensor]:
-    """The fault-free run's final parameters: 3 workers, the plain strategy, the same seeds and global batches."""
+def reference_run(tmp_path_factory) -> tuple[list[torch.Tensor], str]:
+    """The fault-free run's final parameters and output: 3 workers, the plain strategy, the same seeds and global
+    batches, each step's loss summed by strategy.reduce."""
     out = tmp_path_factory.mktemp("reference")
-    code, log, _ = launch("--workers", "3", SCRIPT, "--out", str(out), "--plain")
+    code, log, _ = launch("--workers", "3", SCRIPT, "--out", str(out), "--plain", "--reduce-loss")
     assert code == 0, log
-    return torch.load(out / "worker-0.pt")
+    return torch.load(out / "worker-0.pt"), log
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> list[torch.Tensor]:
+    return reference_run[0]
 
 
 def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -36,17 +42,22 @@ def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def survivors_check(out: Path, log: str, lost: int, fault_time: float, reference: list[torch.Tensor]) -> None:
-    """The survivors finished in the processes they started in, in one generation without ``lost``, with the
-    reference's parameters, and applied their next step within the timeout plus 1 s of the fault."""
-    survivors = [w for w in range(3) if w != lost]
+def survivors_check(
+    out: Path, log: str, lost: int, fault_time: float, reference: list[torch.Tensor], also_lost: tuple[int, ...] = ()
+) -> None:
+    """The survivors finished in the processes they started in, in one generation without ``lost`` (another
+    without ``also_lost``), with the reference's parameters, and applied their next step within the timeout plus
+    1 s of the fault."""
+    survivors = [w for w in range(3) if w != lost and w not in also_lost]
     started = dict(re.findall(r"start: worker (\d) pid (\d+) restart 0", log))
     finished = dict(re.findall(r"done: worker (\d) pid (\d+)", log))
     assert sorted(finished) == [str(w) for w in survivors], log
     assert all(finished[w] == started[w] for w in finished), log  # 0 restarts: the same processes
-    assert log.count(f"members {survivors} generation 1") == 2, log
+    generation = 1 + len(also_lost)
+    assert log.count(f"members {survivors} generation {generation}") == len(survivors), log
     difference = max(largest_difference(torch.load(out / f"worker-{w}.pt"), reference) for w in survivors)
-    resumed = min(float(t) for w, t in re.findall(rf"\[worker (\d)\] applied {AT} at ([\d.]+)", log))
+    resumed = min(float(t) for t in re.findall(rf"applied {AT + (fault_time < 0)} at ([\d.]+)", log))
+    fault_time = abs(fault_time)
     print(
         f"FAULT largest difference to the fault-free run {difference:.2e}; next applied step {resumed - fault_time:.3f}s after the fault"
     )
@@ -80,6 +91,61 @@ def test_a_sigkilled_worker_is_survived_with_the_parameters_of_the_fault_free_ru
     assert f"worker {victim} exited with code 137: the others go on" in log
     fault_time = float(re.search(r"fault at ([\d.]+)", log).group(1))
     survivors_check(tmp_path, log, victim, fault_time, reference)
+
+
+def test_two_faults_in_a_row_leave_one_worker_that_finishes_alone(tmp_path, reference):
+    code, log, _ = launch(
+        "--workers",
+        "3",
+        "--fault-tolerant",
+        SCRIPT,
+        "--out",
+        str(tmp_path),
+        "--fault",
+        "kill",
+        "--at",
+        str(AT),
+        "--then",
+        "1:7",
+        "--timeout",
+        str(TIMEOUT),
+    )
+    assert code == 0, log
+    assert "worker 2 exited with code 137" in log and "worker 1 exited with code 137" in log
+    assert "generation 2 is [0] (1 worker(s))" in log
+    fault_time = float(re.search(r"\[worker 2\] fault at ([\d.]+)", log).group(1))
+    survivors_check(tmp_path, log, 2, fault_time, reference, also_lost=(1,))
+
+
+def test_a_loss_reduced_between_steps_when_the_fault_comes_is_repeated_over_the_survivors(tmp_path, reference_run):
+    reference, reference_log = reference_run
+    code, log, _ = launch(
+        "--workers",
+        "3",
+        "--fault-tolerant",
+        SCRIPT,
+        "--out",
+        str(tmp_path),
+        "--fault",
+        "kill-before-reduce",
+        "--at",
+        str(AT),
+        "--reduce-loss",
+        "--timeout",
+        str(TIMEOUT),
+    )
+    assert code == 0, log
+    assert log.count("its result lacks the lost workers' share") == 2, log
+    fault_time = float(re.search(r"fault at ([\d.]+)", log).group(1))
+    survivors_check(tmp_path, log, 2, -fault_time, reference)  # the fault follows step AT: AT + 1 is the next
+    losses = dict(re.findall(r"\[worker 0\] loss (\d+) ([\d.]+)", log))
+    expected = dict(re.findall(r"\[worker 0\] loss (\d+) ([\d.]+)", reference_log))
+    assert float(losses[str(AT)]) < 0.9 * float(expected[str(AT)])  # the lost worker's share is missing there
+    others = [s for s in expected if s != str(AT)]
+    assert all(abs(float(losses[s]) - float(expected[s])) <= 1e-5 * float(expected[s]) + 2e-6 for s in others), (
+        losses,
+        expected,
+    )
 
 
 def test_a_worker_killed_from_outside_while_the_others_wait_in_the_all_reduce_is_survived(tmp_path, reference):

@@ -10,7 +10,11 @@ Worker --victim (default 2) makes the fault at step --at:
 * ``kill-in-allreduce``: SIGKILL itself inside the gradient all-reduce, after its first bucket was sent;
 * ``wait``: print ``victim waiting`` and sleep 30 s before its step, while the others wait in the all-reduce
   (the test kills it from outside);
-* ``stop``: SIGSTOP itself; a helper continues it (SIGCONT) --resume-after seconds later.
+* ``stop``: SIGSTOP itself; a helper continues it (SIGCONT) --resume-after seconds later;
+* ``kill-before-reduce``: SIGKILL itself after its step, before the step's ``strategy.reduce`` (--reduce-loss).
+
+``--then W:S``: worker W SIGKILLs itself before step S too (a second fault). ``--reduce-loss``: every step's loss
+is summed with ``strategy.reduce`` between steps and printed (``loss STEP VALUE``).
 
 Every survivor prints one line per applied step (``applied STEP at TIME``, wall clock) and at the end
 ``done: worker ID pid PID members [...] generation G`` and writes its parameters to DIR/worker-ID.pt.
@@ -35,7 +39,11 @@ p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--global-batch", type=int, default=24)
 p.add_argument("--timeout", type=float, default=1.0)
-p.add_argument("--fault", choices=("none", "kill", "kill-in-allreduce", "wait", "stop"), default="none")
+p.add_argument(
+    "--fault", choices=("none", "kill", "kill-in-allreduce", "wait", "stop", "kill-before-reduce"), default="none"
+)
+p.add_argument("--then", default=None, metavar="WORKER:STEP")
+p.add_argument("--reduce-loss", action="store_true")
 p.add_argument("--at", type=int, default=4)
 p.add_argument("--victim", type=int, default=2)
 p.add_argument("--resume-after", type=float, default=4.0)
@@ -99,8 +107,16 @@ for batch in dist_data:
             subprocess.Popen(["sh", "-c", f"sleep {args.resume_after}; kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
             print("victim continued", flush=True)
-    strategy.run(train_step, args=(batch,))
+    if args.then and [me, step] == [int(v) for v in args.then.split(":")]:
+        print(f"second fault at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    losses = strategy.run(train_step, args=(batch,))
     print(f"applied {step} at {time.time():.3f}", flush=True)
+    if victim and step == args.at and args.fault == "kill-before-reduce":
+        print(f"fault at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.reduce_loss:
+        print(f"loss {step} {float(strategy.reduce('SUM', losses, axis=None)):.6f}", flush=True)
     step += 1
 
 comm = strategy.communicator

@@ -43,7 +43,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -198,6 +198,7 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
         self._held = False
         self._outside_done = 0
         self._recovering = False
+        self._depth = 0  # nested collectives of one call (all_gather_object's all_gather): only the outer one retries
         self._retried_warning: int | None = None
         #: the collective failure seen inside the current step (the step guard recovers from it)
         self.step_failure: CollectiveError | None = None
@@ -274,28 +275,68 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        if len(tensors) == 1:  # through a copy: a failed all-reduce may leave partial sums in its tensor
-            flat = tensors[0].detach().clone()
-            super().all_reduce([flat])
+        def reduce() -> None:
+            if len(tensors) != 1:
+                super(FaultTolerantCommunicator, self).all_reduce(tensors)  # through a flat copy already
+                return
+            flat = tensors[0].detach().clone()  # a failed all-reduce may leave partial sums in its tensor
+            super(FaultTolerantCommunicator, self).all_reduce([flat])
             with torch.no_grad():
                 tensors[0].copy_(flat)
-            return
-        super().all_reduce(tensors)
+
+        self._between_steps("all-reduce", reduce)
+
+    def all_gather(self, tensor: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        return self._between_steps(
+            "all-gather", lambda: super(FaultTolerantCommunicator, self).all_gather(tensor, axis)
+        )
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self._between_steps("all-gather", lambda: super(FaultTolerantCommunicator, self).all_gather_object(obj))
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        self._between_steps("broadcast", lambda: super(FaultTolerantCommunicator, self).broadcast(tensors, src))
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._between_steps(
+            "reduce-scatter", lambda: super(FaultTolerantCommunicator, self).reduce_scatter(tensor)
+        )
+
+    def verify_same(self, signature: str, what: str) -> None:
+        self._between_steps(what, lambda: super(FaultTolerantCommunicator, self).verify_same(signature, what))
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self._between_steps("barrier", lambda: super(FaultTolerantCommunicator, self).barrier(timeout))
+
+    def _between_steps(self, what: str, call: Callable[[], T]) -> T:
+        """``call()`` (one of this communicator's collectives, whose inputs it makes from the rank of the moment);
+        between steps, a fault is recovered from and the whole call repeated in the new group, where every member
+        failed at the same collective (:func:`plan`). Inside a step, or inside another such call, it is raised."""
+        if self._in_step or self._recovering or self._depth:
+            return call()
+        self._depth += 1
+        try:
+            while True:
+                try:
+                    result = call()
+                    break
+                except MembershipLost:
+                    raise
+                except CollectiveError:
+                    self._recover(WorkerState(self._applied, False, outside_done=self._outside_done))
+                    self._warn_retried(what)
+        finally:
+            self._depth -= 1
+        self._outside_done += 1
+        return result
 
     def _guard(self, what: str, fn: Callable[[], T], timeout: float | None = None, mixed: bool = False) -> T:
-        while True:
-            try:
-                result = super()._guard(what, fn, timeout, mixed)
-            except CollectiveError as error:
-                if self._in_step or self._recovering or isinstance(error, MembershipLost):
-                    self.step_failure = self.step_failure or error
-                    raise
-                self._recover(WorkerState(self._applied, False, outside_done=self._outside_done))
-                self._warn_retried(what)
-                continue
-            if not self._in_step:
-                self._outside_done += 1
-            return result
+        try:
+            return super()._guard(what, fn, timeout, mixed)
+        except CollectiveError as error:
+            if self._in_step:
+                self.step_failure = self.step_failure or error
+            raise
 
     def _warn_retried(self, what: str) -> None:
         if self._retried_warning == self._generation:
