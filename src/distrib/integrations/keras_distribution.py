@@ -157,7 +157,12 @@ class KerasMeshStrategy(MeshStrategy):
     def call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
     ) -> Any:
-        """As ``MeshStrategy``'s; DTensor's error for a plain tensor meeting a split variable names the likely cause.
+        """As ``MeshStrategy``'s; once a layer is laid out, under DTensor's ``implicit_replication``.
+
+        A plain tensor in the step is the same on every worker of a model-axis group (they are one replica: the
+        same part of the batch, the same random stream, the replicated variables, the layers' gathered outputs),
+        so DTensor may take it as replicated where it meets a split variable: a Keras optimizer's update (its
+        slot variables whole, its step count a plain scalar) and a loss on a split layer's output compute exactly.
 
         Args:
             fn: the step function.
@@ -167,22 +172,13 @@ class KerasMeshStrategy(MeshStrategy):
 
         Returns:
             What ``fn`` returns.
-
-        Raises:
-            RuntimeError: a tensor distrib did not lay out met one it did (the message says which and the fix).
         """
-        try:
+        if not len(self._keras_hooked):
             return super().call_for_each_replica(fn, args, kwargs, options)
-        except RuntimeError as e:
-            if "mixed torch.Tensor and DTensor" not in str(e):
-                raise
-            raise RuntimeError(
-                "A variable that ModelParallel splits (a DTensor on the model axis) met a plain tensor in the step: "
-                "a Keras optimizer's slot variables stay whole (keras.optimizers on torch cannot lay them out), so "
-                "update the split variables with a torch.optim optimizer over model.parameters(); or the step "
-                "computes with a layer's variables directly (call the layer instead). torch said: "
-                + str(e).splitlines()[0]
-            ) from e
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        with implicit_replication():
+            return super().call_for_each_replica(fn, args, kwargs, options)
 
     def _parallelise(self, module: nn.Module, device: torch.device | None) -> list[nn.Module]:
         """Keras variables laid out by the layout map on the model axis; every parameter's gradient summed over the
