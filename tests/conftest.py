@@ -167,6 +167,7 @@ EXPECTED_SECONDS = {
     "tests/preemption/test_handler.py": 17,
     "tests/strategies/test_sharded_memory.py": 16,
     "tests/faults/test_launch.py": 15,
+    "tests/parameter_server/test_cancellation_load.py": 25,
     "tests/faults/test_torchrun.py": 13,
     "tests/keras/test_fit.py": 13,
 }

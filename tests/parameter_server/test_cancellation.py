@@ -1,17 +1,18 @@
 """Cancellation as TF promises it: once a scheduled function's error reaches the coordinator, nothing queued starts.
 
-The probe of issue 30 (item 3), on an in-process cluster of 3 workers and 2 ps: functions that
-sleep, one that raises, then four more that sleep. ``join()`` raises the error, and none of the
-four queued after it may start on a worker (TF cancels every queued function when an error is
-reported): each one's ``fetch()`` raises ClosureCancelledError. The functions run on the worker
-servers, so each one notes its start in a file (with the time, on this process's monotonic
-clock: the servers are threads of this process) rather than in a variable of the coordinator.
+The probe, on an in-process cluster of 3 workers and 2 ps: functions that sleep, one that raises,
+then four more that sleep. ``join()`` raises the error, and none of the four queued after it may
+start on a worker (TF cancels every queued function when an error is reported): each one's
+``fetch()`` raises ClosureCancelledError. The functions run on the worker servers, so each one
+notes its start in a file (with the time, on this process's monotonic clock: the servers are
+threads of this process) rather than in a variable of the coordinator.
 
-Before the fix, 1 to 4 of the four ran in each of 18 trials of the probe (2 in each trial of the
-laid-out version below): a worker thread sends its worker the next batch while the current one runs
-(pipelining), so a busy worker held a queued function and started it when its current one ended,
-error or not (at once on the failing function's own worker, before the error even reached the
-coordinator). The worker's side of the fix (``Cancel``, ``after``) is pinned directly at the end.
+A worker thread sends its worker the next batch while a short one runs (pipelining): a busy worker
+then holds a queued function and starts it when its current one ends unless the coordinator's
+``Cancel`` reached it first, and the error is published only once every worker has answered it.
+Behind a long or unknown function the next one stays in the queue. The worker's side (``Cancel``,
+``after``) is pinned directly at the end; the same probe in real processes on a loaded machine is
+test_cancellation_load.py.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def _note(log: str, line: str) -> None:
 
 
 def sleeper(log: str, tag: str, seconds: float) -> str:
+    _note(log, f"start {tag}")
+    time.sleep(seconds)
+    return tag
+
+
+def host(log: str, tag: str, seconds: float) -> str:
+    """A sleeper of its own, whose expected length the test keeps short: a worker running it is sent the next
+    batch ahead."""
     _note(log, f"start {tag}")
     time.sleep(seconds)
     return tag
@@ -118,7 +127,7 @@ def _usable_again(coordinator, log: str, trial: str) -> None:
 
 
 def test_the_issue_probe_nothing_starts_after_the_error_reached_the_coordinator(coordinator, tmp_path):
-    """The probe as the issue ran it: 2 sleeping functions, 1 raising, 4 sleeping, scheduled at once on idle workers.
+    """The probe: 2 sleeping functions, 1 raising, 4 sleeping, scheduled at once on idle workers.
 
     Which worker takes which function (and which one a busy worker is sent ahead) depends on
     thread timing, so this checks the invariants; the next test lays the functions out so that
@@ -153,12 +162,12 @@ def test_no_queued_function_starts_after_an_error_and_each_fetches_closure_cance
     """The probe with its functions laid out so that all four after the raising one are queued when it fails.
 
     Workers a, b, c: b runs ``b`` (0.4 s), then c runs ``c`` (past the error), then a runs ``w``
-    (0.1 s); meanwhile ``s`` (past the error), ``q0``, the raising ``r``, ``q1``, ``q2``, ``q3``
-    are scheduled. When ``w`` ends a takes ``s`` and is sent ``q0`` ahead; when
-    ``b`` ends b takes ``r`` and is sent ``q1`` ahead; ``q2`` and ``q3`` wait in the queue. So
-    when ``r`` fails: ``q0`` waits on worker a behind ``s`` (dropped by the coordinator's
-    Cancel), ``q1`` waits on worker b behind ``r`` (which the worker drops itself: the batch it
-    follows failed), ``q2`` and ``q3`` are in the queue (cancelled with the error, atomically).
+    (0.1 s); meanwhile ``s`` (a ``host``: expected short, it runs past the error), ``q0``, the
+    raising ``r``, ``q1``, ``q2``, ``q3`` are scheduled. When ``w`` ends a takes ``s`` and is
+    sent ``q0`` ahead; when ``b`` ends b takes ``r``, never seen, so nothing is sent ahead behind
+    it; ``q1``, ``q2`` and ``q3`` wait in the queue. So when ``r`` fails: ``q0`` waits on worker a
+    behind ``s`` (dropped by the coordinator's Cancel, before the error is published), ``q1``,
+    ``q2`` and ``q3`` are in the queue (cancelled with the error, atomically).
     """
     log = str(tmp_path / "events")
     coordinator.fetch([coordinator.schedule(sleeper, args=(log, f"warm{i}", 0.05)) for i in range(6)])
@@ -166,11 +175,14 @@ def test_no_queued_function_starts_after_an_error_and_each_fetches_closure_cance
     for n in range(TRIALS):
         trial = f"t{n}"
         _wait_for(lambda: set(coordinator.worker_states().values()) == {"idle"})
+        # short calls bring host's expected length back under what is sent ahead (the last trial's s ran 0.7 s)
+        coordinator.fetch([coordinator.schedule(host, args=(log, f"{trial}h{i}", 0.0)) for i in range(10)])
+        _wait_for(lambda: set(coordinator.worker_states().values()) == {"idle"})
         values = {}
         for name, seconds in (("b", 0.4), ("c", 0.9), ("w", 0.1)):  # one worker each, in turn
             values[name] = coordinator.schedule(sleeper, args=(log, f"{trial}{name}", seconds))
             _wait_for(lambda: name in _start_events(log, trial))
-        values["s"] = coordinator.schedule(sleeper, args=(log, f"{trial}s", 0.7))
+        values["s"] = coordinator.schedule(host, args=(log, f"{trial}s", 0.7))
         queued = [coordinator.schedule(sleeper, args=(log, f"{trial}q0", SLEEP))]
         failing = coordinator.schedule(raiser, args=(log, f"{trial}r", 0.05))
         queued += [coordinator.schedule(sleeper, args=(log, f"{trial}q{i}", SLEEP)) for i in range(1, 4)]
@@ -182,9 +194,9 @@ def test_no_queued_function_starts_after_an_error_and_each_fetches_closure_cance
         started, raised = _check_trial(coordinator, log, trial, values, error_seen)
         started_queued.append([name for name in started if name.startswith("q")])
         latencies.append(settled - raised)
-        # the layout: q0 was sent ahead to s's worker, q1 to r's worker, q2 and q3 never left the queue (a
-        # loaded machine may delay this thread past b's end: then a q may legitimately start before the error)
-        laid_out.append([v.worker for v in queued] == [values["s"].worker, failing.worker, None, None])
+        # the layout: q0 was sent ahead to s's worker, q1, q2 and q3 never left the queue (a loaded machine may
+        # delay this thread past b's end: then a q may legitimately start before the error)
+        laid_out.append([v.worker for v in queued] == [values["s"].worker, None, None, None])
         report.append(
             f"trial {trial}: queued ones started {started_queued[-1]}; {outcomes}; sent to "
             f"{[v.worker and v.worker[-6:] for v in queued]}; error raised on the "
@@ -264,3 +276,79 @@ def test_the_worker_drops_cancelled_batches_and_those_after_a_failed_one_and_kee
     assert replies["r7"]["cancelled"] is True and len(replies["r7"]["results"]) == 1
     assert "start r7b" not in _events(log) and "start r2" not in _events(log) and "start r4" not in _events(log)
     assert call(cancel, wire.encode({"runs": "all"}))["status"] == "error"  # a malformed Cancel is refused
+
+
+# --------------------------------------------------------------------------- the coordinator's side, called directly
+def _dispatch_state():
+    from distrib.parameter_server.client.dispatch_state import DispatchState
+    from distrib.parameter_server.client.failure_policy import FailurePolicy
+
+    return DispatchState(FailurePolicy(), probe_interval=0.25, heartbeat_timeout=None, heartbeat_interval=1.0)
+
+
+def _closure(fn):
+    from distrib.parameter_server.client.dispatch_state import Closure
+    from distrib.parameter_server.transport import pickling
+
+    return Closure(pickling.dumps(fn, lambda obj: None), (), {})
+
+
+def test_an_error_is_published_only_after_the_workers_answered_the_cancel():
+    """While the error hooks (each worker thread's ``Cancel``) are out, the queue is already cancelled, but the
+    failed function is still RUNNING and ``done``/``wait``/``put`` wait: whoever sees the error sees no queued
+    function start afterwards."""
+    import threading
+
+    state = _dispatch_state()
+    answered = threading.Event()
+    hooks_called = threading.Event()
+
+    def hook():  # a worker thread's: starts its Cancel, returns what waits for the answer
+        hooks_called.set()
+        return lambda: answered.wait(10)
+
+    state.on_error(hook)
+    failing, queued = _closure(len), _closure(len)
+    state.put(failing)
+    state.put(queued)
+    [taken] = state.next_batch()
+    assert taken is failing
+    recorder = threading.Thread(target=state.fail, args=(failing, ValueError("boom"), False))
+    recorder.start()
+    assert hooks_called.wait(10)
+    assert queued.value.status is RemoteValueStatus.CANCELLED  # the queue was cancelled at once
+    assert failing.value.status is RemoteValueStatus.RUNNING  # the error is not published yet
+    with pytest.raises(TimeoutError):
+        failing.value.fetch(timeout=0.2)
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(_raised(state.done)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not outcome  # done() waits for the publication, not raising yet
+    answered.set()
+    recorder.join(10)
+    waiter.join(10)
+    assert outcome == ["ValueError: boom"]
+    with pytest.raises(ValueError, match="boom"):
+        failing.value.fetch(timeout=1)
+    assert state.done()  # raised once, as in TF
+
+
+def _raised(call) -> str:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - what was raised, to compare
+        return f"{type(e).__name__}: {e}"
+    return "nothing"
+
+
+def test_a_batch_is_sent_ahead_only_behind_a_short_one_of_known_length():
+    state = _dispatch_state()
+    fast, slow = _closure(len), _closure(sum)
+    assert not state.may_send_ahead([fast])  # never seen: its length is unknown
+    state.observe(fast, 0.01)
+    assert state.may_send_ahead([fast]) and state.may_send_ahead([fast, fast])
+    assert not state.may_send_ahead([fast, slow])  # one of them unknown
+    state.observe(slow, 0.2)
+    assert not state.may_send_ahead([slow])  # longer than ahead_seconds (50 ms): the next stays in the queue
+    assert not state.may_send_ahead([fast] * 6)  # together longer

@@ -120,7 +120,8 @@ class FakeWorker:
                 raise self._down()
             if outcome[0] == "ok":
                 self.ran.append(x)
-                results.append(wire.encode({"status": "ok", "result": outcome[1], "seconds": 0.0}))
+                # 10 ms: over the batch budget (each function alone), within what is sent ahead to a busy worker
+                results.append(wire.encode({"status": "ok", "result": outcome[1], "seconds": 0.01}))
                 continue
             if outcome[0] == "error":
                 reply = {"status": "error", "type": "ValueError", "message": outcome[1], "traceback": "Traceback..."}
@@ -234,9 +235,12 @@ def test_an_error_cancels_the_batch_sent_ahead_to_a_busy_worker_at_once_and_it_n
         return ("error", "bad input 2") if x == 2 else ("ok", x)
 
     coordinator, fakes = _coordinator(script, workers=2, down=(0, 1))
+    # the first call of a function runs alone: nothing is sent ahead behind a function of unknown length
+    warm = coordinator.schedule(_identity, args=(10,))
     values = [coordinator.schedule(_identity, args=(i,)) for i in range(4)]
-    fakes[0].up = True  # takes 0, and 1 ahead (no other worker waits for work)
+    fakes[0].up = True  # takes 10 alone, then 0, and 1 ahead (short so far, and no other worker waits for work)
     _wait_for(lambda: values[1].status is RemoteValueStatus.RUNNING)
+    assert warm.fetch() == 10
     # RUNNING means sent: a batch the worker has not started yet may rightly be cancelled too, so
     # wait until worker 0 really runs function 0 (on a loaded machine, the send comes well before)
     assert started.wait(10)
@@ -251,7 +255,7 @@ def test_an_error_cancels_the_batch_sent_ahead_to_a_busy_worker_at_once_and_it_n
     assert values[0].fetch() == 0  # running when the error came: it finished
     with pytest.raises(ClosureCancelledError, match="bad input 2"):
         values[1].fetch()
-    assert fakes[0].ran == [0] and fakes[1].ran == []  # 1 and 3 never started
+    assert fakes[0].ran == [10, 0] and fakes[1].ran == []  # 1 and 3 never started
     again = coordinator.schedule(_identity, args=(5,))  # after join raised, scheduling works again
     coordinator.join(timeout=10)
     assert again.fetch() == 5

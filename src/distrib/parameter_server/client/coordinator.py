@@ -185,7 +185,8 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
                 raise ValueError(f"ClusterCoordinator({name}={value!r}): must be a positive number of seconds or None")
         self.strategy = strategy
         # Short functions share a round trip: a worker takes several at once while their
-        # estimated run time (a moving average of what each function took) fits 2 ms.
+        # estimated run time (a moving average of what each function took) fits 2 ms; and a
+        # worker whose batch is expected to end within 50 ms is sent its next one ahead.
         self._dispatch = DispatchState(
             failure_policy or FailurePolicy(),
             probe_interval=probe_interval,
@@ -193,6 +194,7 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
             heartbeat_interval=float(heartbeat_interval or min(1.0, (heartbeat_timeout or 3.0) / 3)),
             batch_seconds=0.002,
             max_batch=64,
+            ahead_seconds=0.05,
         )
         self._functions: collections.OrderedDict[Any, pickling.Payload] = collections.OrderedDict()
         addresses = strategy.cluster_spec.job_tasks("worker")
@@ -268,10 +270,12 @@ class ClusterCoordinator(metaclass=_OnePerStrategy):
         Once a function's error reaches the coordinator, no function queued starts: each
         one not started is cancelled (its RemoteValue is CANCELLED and ``fetch()`` raises
         ClosureCancelledError), including one already sent ahead to a busy worker that
-        has not started there. Functions already running on other workers finish (a
-        running Python function cannot be interrupted safely; TF cancels them too) and
-        keep their results; ``join`` waits for them, raises the error once, and then
-        scheduling works again, as in TF.
+        has not started there. The error is raised (by ``join``, ``done``, ``schedule`` and
+        the failed function's ``fetch()``) once every worker has answered that it dropped
+        what it was sent ahead, so nothing queued starts after it is seen. Functions already
+        running on other workers finish (a running Python function cannot be interrupted
+        safely; TF cancels them too) and keep their results; ``join`` waits for them, raises
+        the error once, and then scheduling works again, as in TF.
 
         Args:
             timeout: the most seconds to wait (a distrib extension); None: as long as it takes.

@@ -18,18 +18,21 @@ answers again (DOWN -> IDLE), then sends it functions and datasets afresh (a
 restarted worker has none). A function error fails that function and cancels the
 ones not started; a lost parameter server fails everything for good.
 
-Cancellation: a thread sends its worker the next batch while the current one runs (the
-worker starts it as soon as the current one ends, without a round trip to the
-coordinator). Each batch is named (a run id); until its reply is settled the thread keeps
-it among its unsettled batches. When any thread records a function error, the queue is
-cancelled at once, and every thread asks its worker (``Cancel``) to drop its unsettled
-batches that have not started there: those the worker dropped are cancelled at once (their
-RemoteValues go CANCELLED; ``fetch()`` raises ClosureCancelledError), and a batch sent right
-after one that failed on the same worker is dropped by the worker itself. A thread also
-asks the queue (``may_send``) right before sending what it took, and cancels it instead if
-an error came meanwhile. So once an error reaches the coordinator, no queued function
-starts; functions already running on workers (started before the error, or before the
-``Cancel`` reached their worker, within a round trip) finish, and their results are kept.
+Cancellation: while a short batch runs (expected to end within the dispatch state's
+``ahead_seconds``, 50 ms), a thread sends its worker the next batch (the worker starts it as
+soon as the current one ends, without a round trip to the coordinator); behind a long batch,
+or one never seen, the next one stays in the queue. Each batch is named (a run id); until its
+reply is settled the thread keeps it among its unsettled batches. When any thread records a
+function error, the queue is cancelled at once, and every thread asks its worker (``Cancel``)
+to drop its unsettled batches that have not started there: those the worker dropped are
+cancelled (their RemoteValues go CANCELLED; ``fetch()`` raises ClosureCancelledError), and a
+batch sent right after one that failed on the same worker is dropped by the worker itself. A
+thread also asks the queue (``may_send``) right before sending what it took, and cancels it
+instead if an error came meanwhile. The error is published (the failed function's ``fetch()``,
+``join``, ``done`` and ``schedule`` raise it) only once every worker has answered its
+``Cancel``. So no queued function starts after the error can be seen: a function that starts
+was taken from the queue before the error was recorded, as in TF; functions already running
+on workers finish, and their results are kept.
 
 Short functions travel in batches: a free worker takes several queued functions at
 once while their expected run time (a moving average of what each took before) fits
@@ -73,7 +76,9 @@ __all__ = ["WorkerState", "PerWorkerIterator", "WorkerThread", "fetch_remote_val
 
 log = logging.getLogger("distrib.parameter_server.client.coordinator")
 
-_CANCEL_TIMEOUT = 2.0  # seconds an error hook waits for a worker's answer to Cancel
+# seconds an error hook waits for a worker's answer to Cancel without a heartbeat (with one: heartbeat_timeout, after
+# which a silent worker counts as lost); the error is published after the answers
+_CANCEL_TIMEOUT = 10.0
 
 
 class WorkerState(enum.Enum):
@@ -185,13 +190,15 @@ class WorkerThread:
     def _pipeline(self, batch: list[Closure]) -> None:
         """Run ``batch`` and whatever is queued after it, keeping one more batch on the worker.
 
-        While one batch runs there, the next is already sent, so the worker never waits
-        for a round trip to the coordinator between two functions.
+        While a batch expected to be short runs there, the next is already sent, so the worker
+        does not wait for a round trip to the coordinator between two short functions; behind a
+        long one (or one never seen) the next stays in the queue (see
+        :meth:`~distrib.parameter_server.client.dispatch_state.DispatchState.may_send_ahead`).
         """
         current = self._send(batch)
         while current is not None:
             following = None
-            if self.state is WorkerState.BUSY:
+            if self.state is WorkerState.BUSY and self.dispatch.may_send_ahead(current[0]):
                 more = self.dispatch.next_batch(block=False)
                 following = self._send(more, after=current[1]) if more else None
             self._finish(*current)
@@ -302,7 +309,8 @@ class WorkerThread:
         if not runs:
             return None
         try:
-            future = self.conn.future("Cancel", wire.encode({"runs": runs}), timeout=_CANCEL_TIMEOUT)
+            timeout = self.dispatch.heartbeat_timeout or _CANCEL_TIMEOUT
+            future = self.conn.future("Cancel", wire.encode({"runs": runs}), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - e.g. the channel is closed
             log.debug("could not ask %s to drop its batches: %s", self.task, e)
             return None

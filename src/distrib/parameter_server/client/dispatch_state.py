@@ -77,6 +77,14 @@ class ClosureQueue:
     already running on their workers finish; a batch already sent to a worker but not
     started there is the worker threads' to cancel (see
     :meth:`DispatchState.on_error`).
+
+    [Note: the error is recorded before it is published] A batch sent to a worker ahead of
+    time can start there until the worker hears of the error. So ``fail`` records the error
+    (the queue stops handing out functions at once) but, with ``hold``, keeps it from the
+    user: the failed function's RemoteValue, and ``put``/``wait``/``done``, wait until
+    ``publish`` is called, which :meth:`DispatchState.fail` does once every worker has
+    answered which of its batches it dropped. A function that started did so before the
+    error could be seen; none starts after.
     """
 
     def __init__(self) -> None:
@@ -87,6 +95,9 @@ class ClosureQueue:
         self._error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._closed = False
+        # the failures recorded and not yet published (see the note in the class docstring): while it is not
+        # empty, the workers are being told to drop what they were sent ahead, and no caller sees an error
+        self._unpublished: list[tuple[Closure, BaseException]] = []
 
     # ------------------------------------------------------------------ what the coordinator calls
     def put(self, closure: Closure) -> None:
@@ -103,7 +114,7 @@ class ClosureQueue:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._idle() and self._fatal is None:
+            while (not self._idle() and self._fatal is None) or self._unpublished:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -194,18 +205,24 @@ class ClosureQueue:
             closure.value.transition(RemoteValueStatus.READY, value=value)
             self._cond.notify_all()
 
-    def fail(self, closure: Closure, error: BaseException, fatal: bool) -> bool:
+    def fail(self, closure: Closure, error: BaseException, fatal: bool, hold: bool = False) -> bool:
         """A taken function failed with ``error``: FAILED, and every function not taken is cancelled.
 
         Recording the error and emptying the queue happen under one lock: no worker thread
         takes a function in between. ``fatal`` (a parameter server is gone): the functions not
         started fail with ``error`` too, and every later ``put``, ``wait`` and ``done`` raises it.
-        Returns whether this is the first error recorded (none was waiting to be raised).
+        ``hold``: if this is the first error recorded, keep it unpublished until :meth:`publish`
+        (``closure`` stays RUNNING, ``put``, ``wait`` and ``done`` wait, and a failure recorded
+        meanwhile waits with it). Returns whether this is the first error recorded (none was
+        waiting to be raised).
         """
         with self._cond:
             first = self._error is None and self._fatal is None
             self._inflight -= 1
-            closure.value.transition(RemoteValueStatus.FAILED, error=error)
+            if (first and hold) or self._unpublished:
+                self._unpublished.append((closure, error))
+            else:
+                closure.value.transition(RemoteValueStatus.FAILED, error=error)
             if fatal:
                 self._fatal = self._fatal or error
             elif self._error is None:
@@ -219,6 +236,14 @@ class ClosureQueue:
                 )
             self._cond.notify_all()
             return first
+
+    def publish(self) -> None:
+        """The workers were told of the recorded error: the failed functions go FAILED, and the error can be raised."""
+        with self._cond:
+            for closure, error in self._unpublished:
+                closure.value.transition(RemoteValueStatus.FAILED, error=error)
+            self._unpublished.clear()
+            self._cond.notify_all()
 
     # ------------------------------------------------------------------ introspection
     def idle(self) -> bool:
@@ -256,6 +281,8 @@ class ClosureQueue:
         waited for: their own errors, if any, stay on their RemoteValues, and the error is
         raised once, as TF's closure queue does, never again by a later ``join`` or ``schedule``.
         """
+        while self._unpublished:  # the workers are being told of an error: it is raised once they know
+            self._cond.wait()
         if self._fatal is not None:
             raise self._fatal
         if self._error is not None:
@@ -280,7 +307,9 @@ class DispatchState:
     that runs a function may stay silent, and how often it is asked for its health meanwhile.
     ``batch_seconds`` and ``max_batch``: a free worker takes queued functions while their
     expected run time fits ``batch_seconds``, at most ``max_batch`` of them; a function never
-    seen before counts as a whole budget (it runs alone).
+    seen before counts as a whole budget (it runs alone). ``ahead_seconds``: a busy worker is
+    sent its next batch ahead of time only while its current one is expected to end within
+    that many seconds (see :meth:`may_send_ahead`).
     """
 
     def __init__(
@@ -292,6 +321,7 @@ class DispatchState:
         heartbeat_interval: float,
         batch_seconds: float = 0.002,
         max_batch: int = 64,
+        ahead_seconds: float = 0.05,
     ) -> None:
         self.failure_policy = failure_policy
         self.probe_interval = probe_interval
@@ -299,6 +329,7 @@ class DispatchState:
         self.heartbeat_interval = heartbeat_interval
         self.batch_seconds = batch_seconds
         self.max_batch = max_batch
+        self.ahead_seconds = ahead_seconds
         self._queue = ClosureQueue()
         self._seconds: dict[str, float] = {}  # function digest -> moving average of its run time
         self._datasets: dict[str, pickling.Payload] = {}
@@ -362,13 +393,17 @@ class DispatchState:
         recorded (later ones until ``join`` raises it find nothing new to cancel: nothing is
         sent meanwhile), every hook registered with :meth:`on_error` is started, and then
         each is finished: the worker threads ask their workers, all at once, to drop the
-        batches sent ahead that have not started.
+        batches sent ahead that have not started. Only then is the error published (see
+        :class:`ClosureQueue`): whoever sees it sees no queued function start afterwards.
         """
-        if not self._queue.fail(closure, error, fatal):
+        if not self._queue.fail(closure, error, fatal, hold=True):
             return
-        finishers = [finish for finish in (hook() for hook in list(self._error_hooks)) if finish is not None]
-        for finish in finishers:
-            finish()
+        try:
+            finishers = [finish for finish in (hook() for hook in list(self._error_hooks)) if finish is not None]
+            for finish in finishers:
+                finish()
+        finally:  # every worker answered (or could not be asked): the error can be seen
+            self._queue.publish()
 
     def on_error(self, hook: Callable[[], Callable[[], None] | None]) -> None:
         """Call ``hook()`` in the thread that records each function error, after the queue was cancelled.
@@ -395,6 +430,26 @@ class DispatchState:
     def _estimate(self, closure: Closure) -> float:
         """Expected run time of a closure; unknown functions count as a whole batch budget (run alone)."""
         return self._seconds.get(closure.payload.digest, self.batch_seconds)
+
+    def may_send_ahead(self, running: list[Closure]) -> bool:
+        """Whether a worker that runs ``running`` may be sent its next batch now, to start when ``running`` ends.
+
+        Only when every function in ``running`` was seen before and together they are expected
+        to take at most ``ahead_seconds``. A batch sent ahead is taken from the queue now but
+        starts later, when the current one ends; an error recorded meanwhile reaches that
+        worker only with the coordinator's ``Cancel``. Behind a short batch that gap is short
+        (and a round trip saved there is worth most); behind a long or unknown one the next
+        function stays in the queue, where an error cancels it at once, as TF's queue does,
+        and its worker waits one round trip for it (about a millisecond, against a batch of
+        more than ``ahead_seconds``).
+        """
+        total = 0.0
+        for closure in running:
+            seconds = self._seconds.get(closure.payload.digest)
+            if seconds is None:
+                return False
+            total += seconds
+        return total <= self.ahead_seconds
 
     def observe(self, closure: Closure, seconds: float) -> None:
         """``closure``'s function ran for ``seconds`` on its worker: update its expected run time."""
