@@ -33,7 +33,7 @@ def _train(tmp_path: Path, workers: int, *options: str) -> tuple[int, str, dict[
 
 
 def test_model_parallel_on_a_2x2_mesh_equals_one_process(tmp_path: Path) -> None:
-    code, log, got = _train(tmp_path, 4, "--mode", "model_parallel", "--optimizer", "torch")
+    code, log, got = _train(tmp_path, 4, "--mode", "model_parallel", "--checkpoint", str(tmp_path / "ckpt"))
     assert code == 0, log
     assert got["max_diff"] <= 1e-5, got["diffs"]
     assert got["losses"] == pytest.approx(got["ref_losses"], abs=1e-5)  # reduce counts each model-axis group once
@@ -43,6 +43,8 @@ def test_model_parallel_on_a_2x2_mesh_equals_one_process(tmp_path: Path) -> None
     assert got["chief_part_is_columns"]
     assert got["param_types"] == ["DTensor", "Parameter"]  # the split layers' variables, the head's replicated ones
     assert "glibc's allocator" not in log  # the advice for FSDP's buffers: no FSDP here
+    # ds.Checkpoint of the laid-out model: restored into one laid out again, and into a plain one-process model
+    assert got["restored"] == {"laid_out": 0.0, "plain": 0.0}, got["restored"]
     print("ModelParallel 2x2, largest difference:", got["max_diff"])
 
 

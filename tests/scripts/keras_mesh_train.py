@@ -13,7 +13,9 @@ global batches (the loss: Keras' SparseCategoricalCrossentropy with reduction=No
 batch by ds.compute_average_loss), and the chief also trains the same model in one process on each whole
 global batch. The chief writes to --out (JSON): the largest difference of any variable, the losses of both,
 each worker's local shape of the first kernel and whether its local part equals the matching columns of the
-initial kernel (Keras' ``(in, out)`` orientation: the outputs are the columns).
+initial kernel (Keras' ``(in, out)`` orientation: the outputs are the columns). --checkpoint DIR then saves the
+trained model with ds.Checkpoint and restores it into a model built again in the scope (laid out the same way) and,
+on the chief, into a plain one-process model, writing the largest difference of each to the trained variables.
 """
 
 import argparse
@@ -33,6 +35,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--mode", choices=["model_parallel", "data_parallel"], default="model_parallel")
 p.add_argument("--optimizer", choices=["torch", "keras"], default="torch")
 p.add_argument("--steps", type=int, default=20)
+p.add_argument("--checkpoint", default="", help="a directory: save, then restore into a laid-out and a plain model")
 p.add_argument("--keys", choices=["matching", "unanchored"], default="matching")
 args = p.parse_args()
 
@@ -138,6 +141,27 @@ local = up.value.to_local() if hasattr(up.value, "to_local") else up.value
 coords = strategy.device_mesh.coordinate(strategy.worker_index)
 final = {v.path: whole(v.value).detach() for v in model.weights}  # full_tensor: a collective on every worker
 shapes = strategy.communicator.all_gather_object([list(local.shape), coords.get("model", 0)])
+
+
+def zeroed(m: keras.Model) -> keras.Model:
+    with torch.no_grad():
+        for v in m.weights:
+            v.value.zero_()
+    return m
+
+
+restored: dict[str, float] = {}
+if args.checkpoint:  # ds.Checkpoint of the laid-out model, restored into another one in the scope and a plain one
+    path = ds.Checkpoint(model=model).save(os.path.join(args.checkpoint, "ckpt"))
+    with strategy.scope():
+        again = build()
+    ds.Checkpoint(model=zeroed(again)).restore(path)
+    back = {v.path: whole(v.value).detach() for v in again.weights}
+    restored["laid_out"] = max(float((back[p] - final[p]).abs().max()) for p in back)
+    if chief:
+        plain = zeroed(build())
+        ds.Checkpoint(model=plain).read(path)
+        restored["plain"] = max(float((v.value.detach() - final[v.path]).abs().max()) for v in plain.weights)
 if chief:
     initial_up = ref["initial"][up.path]
     width = shapes[0][0][1]
@@ -153,6 +177,7 @@ if chief:
         "kernel_shape": list(initial_up.shape),
         "chief_part_is_columns": bool(torch.equal(local.detach(), final[up.path][:, :width])),
         "param_types": sorted({type(v.value).__name__ for v in model.weights}),
+        "restored": restored,
     }
     with open(args.out, "w") as f:
         json.dump(result, f)
