@@ -81,6 +81,13 @@ def test_a_keras_optimizer_over_split_variables_equals_one_process(tmp_path: Pat
     print("ModelParallel 1x2 with Keras' Adam, largest difference:", got["max_diff"])
 
 
+def test_a_backward_outside_strategy_run_is_an_error_naming_the_fix(tmp_path: Path) -> None:
+    code, log, got = _train(tmp_path, 2, "--mode", "data_parallel", "--outside")
+    assert code == 0, log
+    message = got["outside"]
+    assert "computed outside strategy.run" in message and "Keras' own model.fit" in message, message
+
+
 # ----------------------------------------------------------------------------- one process: the mapping and its errors
 def _mesh(shape: tuple[int, ...] = (2, 2), names: tuple[str, ...] = ("batch", "model")) -> object:
     return keras.distribution.DeviceMesh(shape, list(names), devices=[f"cpu:{i}" for i in range(4)])

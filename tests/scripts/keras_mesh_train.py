@@ -13,7 +13,8 @@ global batches (the loss: Keras' SparseCategoricalCrossentropy with reduction=No
 batch by ds.compute_average_loss), and the chief also trains the same model in one process on each whole
 global batch. The chief writes to --out (JSON): the largest difference of any variable, the losses of both,
 each worker's local shape of the first kernel and whether its local part equals the matching columns of the
-initial kernel (Keras' ``(in, out)`` orientation: the outputs are the columns). --checkpoint DIR then saves the
+initial kernel (Keras' ``(in, out)`` orientation: the outputs are the columns). --outside: one backward outside strategy.run instead of training (the chief writes its error).
+--checkpoint DIR then saves the
 trained model with ds.Checkpoint and restores it into a model built again in the scope (laid out the same way) and,
 on the chief, into a plain one-process model, writing the largest difference of each to the trained variables.
 """
@@ -35,6 +36,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--mode", choices=["model_parallel", "data_parallel"], default="model_parallel")
 p.add_argument("--optimizer", choices=["torch", "keras"], default="torch")
 p.add_argument("--steps", type=int, default=20)
+p.add_argument("--outside", action="store_true", help="one backward outside strategy.run: write its error and stop")
 p.add_argument("--checkpoint", default="", help="a directory: save, then restore into a laid-out and a plain model")
 p.add_argument("--keys", choices=["matching", "unanchored"], default="matching")
 args = p.parse_args()
@@ -122,6 +124,19 @@ strategy = ds.experimental.keras_distribution(distribution, devices=["cpu"])
 with strategy.scope():
     model = build()
     optimizer = make_optimizer(model)
+
+
+if args.outside:  # Keras' own fit would do this: a backward on each worker's whole batch, outside strategy.run
+    x, y = batches()[0]
+    try:
+        loss_object(y, model(x)).mean().backward()
+        outcome = "no error"
+    except RuntimeError as e:
+        outcome = str(e)
+    if chief:
+        with open(args.out, "w") as f:
+            json.dump({"outside": outcome}, f)
+    raise SystemExit(0)
 
 
 def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

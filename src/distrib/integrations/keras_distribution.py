@@ -153,6 +153,8 @@ class KerasMeshStrategy(MeshStrategy):
         )
         self._keras_hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._summed: set[int] = set()
+        #: how many steps of this strategy are running (strategy.run): the gradient sums are only right inside one
+        self._steps_running = 0
 
     def call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions
@@ -173,12 +175,16 @@ class KerasMeshStrategy(MeshStrategy):
         Returns:
             What ``fn`` returns.
         """
-        if not len(self._keras_hooked):
-            return super().call_for_each_replica(fn, args, kwargs, options)
-        from torch.distributed.tensor.experimental import implicit_replication
+        self._steps_running += 1
+        try:
+            if not len(self._keras_hooked):
+                return super().call_for_each_replica(fn, args, kwargs, options)
+            from torch.distributed.tensor.experimental import implicit_replication
 
-        with implicit_replication():
-            return super().call_for_each_replica(fn, args, kwargs, options)
+            with implicit_replication():
+                return super().call_for_each_replica(fn, args, kwargs, options)
+        finally:
+            self._steps_running -= 1
 
     def _parallelise(self, module: nn.Module, device: torch.device | None) -> list[nn.Module]:
         """Keras variables laid out by the layout map on the model axis; every parameter's gradient summed over the
@@ -221,7 +227,15 @@ class KerasMeshStrategy(MeshStrategy):
                 )
         if self.num_data_workers > 1:
             group = tmesh[mesh.batch_dim_name].get_group()
-            keras_layouts.sum_gradients_over(list(module.parameters()), group, self._summed)
+            me = weakref.ref(self)  # the parameters' hooks must not keep the strategy alive
+
+            def in_step() -> bool:
+                strategy = me()
+                return strategy is not None and strategy._steps_running > 0
+
+            keras_layouts.sum_gradients_over(
+                list(module.parameters()), group, self._summed, in_step, type(self).__name__
+            )
         return []
 
 

@@ -206,14 +206,27 @@ def sync_torch_params(root: Any) -> None:
                 params[v.path] = v.value
 
 
-def sum_gradients_over(params: list[nn.Parameter], group: Any, hooked: set[int]) -> None:
+def sum_gradients_over(
+    params: list[nn.Parameter], group: Any, hooked: set[int], in_step: Callable[[], bool], strategy_name: str
+) -> None:
     """Each gradient of ``params`` summed over ``group`` (the data axis) as backward computes it, before it
     accumulates into ``.grad``: every replica then holds the global batch's gradient, whatever steps it (a torch
-    optimizer, a Keras one, a clip), and accumulating over several backward passes stays right."""
+    optimizer, a Keras one, a clip), and accumulating over several backward passes stays right.
+
+    A backward outside the strategy's step (``in_step()`` False: Keras' own ``model.fit``, a loop without
+    ``strategy.run``) is an error: no one split the batch over the workers, so summing would count it once per
+    worker, and not summing would leave the workers apart."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not in_step():
+            raise RuntimeError(
+                f"A gradient of a model distributed by {strategy_name} is computed outside strategy.run: the workers "
+                "sum their gradients in the step, over the parts of the global batch the strategy gives them. Run "
+                "the training step with strategy.run(step, args=(x, y)) over strategy.experimental_distribute_dataset"
+                "(dataset), or ds.fit; Keras' own model.fit and train_on_batch do not split the batch over workers"
+            )
         if isinstance(grad, DTensor):
             local = grad.to_local().clone()
             dist.all_reduce(local, group=group)
