@@ -497,3 +497,24 @@ def test_dtensor_keeps_its_rng_tracker_in_a_module_global_made_without_a_state_b
     assert hasattr(_random, "_rng_tracker")
     assert "run_state_sync" in inspect.signature(_random.OffsetBasedRNGTracker.__init__).parameters
     assert "_rng_tracker" in inspect.getsource(_random.manual_seed)
+
+
+def test_a_modules_own_parameters_buffers_and_submodules_live_in_the_three_tables_module_tables_returns() -> None:
+    """``ds.function``'s guard compares ``module_tables``' entries by identity before every replay: the tables must
+    be the very dicts torch registers into, so that a rebound parameter, buffer or submodule (``self.ema = ...``,
+    ``model.fc = nn.Linear(...)``) shows there, and holding nothing else."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model.register_buffer("ema", torch.zeros(2))
+    parameters, buffers, modules = torch_patches.module_tables(model)
+    assert parameters == dict(model.named_parameters(recurse=False))
+    assert buffers == dict(model.named_buffers(recurse=False))
+    assert modules == dict(model.named_children())
+    replaced = torch.ones(2)
+    model.ema = replaced  # an out-of-place buffer update: torch writes it into the same table
+    assert torch_patches.module_tables(model)[1]["ema"] is replaced
+    layer = model[0]
+    new_weight = torch.nn.Parameter(torch.ones(2, 2))
+    layer.weight = new_weight
+    assert torch_patches.module_tables(layer)[0]["weight"] is new_weight
+    model[0] = torch.nn.Linear(2, 2)
+    assert torch_patches.module_tables(model)[2]["0"] is not layer

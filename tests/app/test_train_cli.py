@@ -472,7 +472,7 @@ def test_function_gives_the_same_history_and_says_once_where_it_runs_eagerly(idx
             assert runs[True][name] == pytest.approx(values, rel=1e-6), name
     said = [r.getMessage() for r in caplog.records if r.name == "distrib.function"]
     assert said and all("runs eagerly" in m for m in said) and len(said) == len(set(said)), said
-    # the default: on where a strategy computes on a GPU, so not here
+    # the default: eager (auto never captures; --function opts in)
     import distrib as ds
 
     assert use_function(TrainConfig(), ds.OneDeviceStrategy("cpu")) is False
