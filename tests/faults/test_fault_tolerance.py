@@ -27,7 +27,8 @@ def reference_run(tmp_path_factory) -> tuple[list[torch.Tensor], str]:
     """The fault-free run's final parameters and output: 3 workers, the plain strategy, the same seeds and global
     batches, each step's loss summed by strategy.reduce."""
     out = tmp_path_factory.mktemp("reference")
-    code, log, _ = launch("--workers", "3", SCRIPT, "--out", str(out), "--plain", "--reduce-loss")
+    # the plain strategy's join and first broadcast wait its timeout for slow starters: a long one
+    code, log, _ = launch("--workers", "3", SCRIPT, "--out", str(out), "--plain", "--reduce-loss", "--timeout", "30")
     assert code == 0, log
     return torch.load(out / "worker-0.pt"), log
 

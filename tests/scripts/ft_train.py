@@ -44,13 +44,15 @@ p.add_argument(
 )
 p.add_argument("--then", default=None, metavar="WORKER:STEP")
 p.add_argument("--reduce-loss", action="store_true")
+p.add_argument("--bucket-bytes", type=int, default=256, help="gradient bucket size (256: several buckets)")
+p.add_argument("--width", type=int, default=32, help="the hidden layers' width")
 p.add_argument("--at", type=int, default=4)
 p.add_argument("--victim", type=int, default=2)
 p.add_argument("--resume-after", type=float, default=4.0)
 p.add_argument("--plain", action="store_true", help="the strategy without fault tolerance (the reference)")
 args = p.parse_args()
 
-options = ds.CommunicationOptions(timeout_seconds=args.timeout, bytes_per_pack=256)  # several buckets
+options = ds.CommunicationOptions(timeout_seconds=args.timeout, bytes_per_pack=args.bucket_bytes)
 strategy = ds.MultiWorkerMirroredStrategy(communication_options=options, fault_tolerant=not args.plain)
 me = strategy.worker_index
 victim = me == args.victim
@@ -64,7 +66,8 @@ dist_data = strategy.experimental_distribute_dataset(batches)
 
 with strategy.scope():
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    w = args.width
+    model = nn.Sequential(nn.Linear(16, w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(), nn.Linear(w, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 step = 0
@@ -73,8 +76,8 @@ step = 0
 def kill_in_allreduce(communicator, bucket):
     """allreduce_hook; on the victim at the fault's step, SIGKILL once the first bucket is on its way."""
     future = allreduce_hook(communicator, bucket)
-    if step == args.at and bucket.index == 1:
-        print(f"fault at {time.time():.3f}", flush=True)
+    if step == args.at and bucket.index == (1 if args.bucket_bytes else 0):  # the second bucket where several
+        print(f"fault at {time.time():.6f}", flush=True)
         time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     return future
@@ -100,20 +103,20 @@ def train_step(batch):
 for batch in dist_data:
     if victim and step == args.at:
         if args.fault == "kill":
-            print(f"fault at {time.time():.3f}", flush=True)
+            print(f"fault at {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if args.fault == "stop":
-            print(f"fault at {time.time():.3f}", flush=True)
+            print(f"fault at {time.time():.6f}", flush=True)
             subprocess.Popen(["sh", "-c", f"sleep {args.resume_after}; kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
             print("victim continued", flush=True)
     if args.then and [me, step] == [int(v) for v in args.then.split(":")]:
-        print(f"second fault at {time.time():.3f}", flush=True)
+        print(f"second fault at {time.time():.6f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     losses = strategy.run(train_step, args=(batch,))
-    print(f"applied {step} at {time.time():.3f}", flush=True)
+    print(f"applied {step} at {time.time():.6f}", flush=True)
     if victim and step == args.at and args.fault == "kill-before-reduce":
-        print(f"fault at {time.time():.3f}", flush=True)
+        print(f"fault at {time.time():.6f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if args.reduce_loss:
         print(f"loss {step} {float(strategy.reduce('SUM', losses, axis=None)):.6f}", flush=True)

@@ -8,7 +8,10 @@ It meets the other workers through a ``torch.distributed`` ``TCPStore`` that out
 there when a task exits (``dead/ID``) or is stopped (``stopped/ID``, a SIGSTOP the launcher sees in
 ``/proc``).
 
-Generations. Generation 0 is every worker. When a collective fails (a peer died: gloo's closed
+Generations. Generation 0 is every worker; until the first ``strategy.run`` its collectives (the
+chief's values, sent while every worker builds its model) wait as long as its making, at least
+60 s, for workers that start seconds apart; from the first step on, the timeout applies. When a
+collective fails (a peer died: gloo's closed
 connection; a peer hung: the collective's timeout), each worker that sees it
 
 1. destroys its process group, so that a peer still waiting in it fails at once instead of at its timeout;
@@ -198,6 +201,9 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
         self._held = False
         self._outside_done = 0
         self._recovering = False
+        # until the first step the group's collectives (the chief's values, sent while every worker builds its
+        # model) wait as long as the first join, for workers that start seconds apart; then the timeout applies
+        self._armed = False
         self._depth = 0  # nested collectives of one call (all_gather_object's all_gather): only the outer one retries
         self._retried_warning: int | None = None
         #: the collective failure seen inside the current step (the step guard recovers from it)
@@ -244,6 +250,9 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
     def begin_step(self) -> None:
         """A ``strategy.run`` starts: a collective failing from now on is the step's to recover from."""
         self._in_step, self._held, self.step_failure = True, False, None
+        if not self._armed:  # the first step: from now on a peer that does not answer within the timeout is lost
+            self._armed = True
+            self._set_group_timeout(self._timeout)
 
     def end_step(self) -> None:
         """The ``strategy.run`` is over (returned or raised)."""
@@ -426,9 +435,12 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=len(members), timeout=datetime.timedelta(seconds=timeout)
         )
-        if dist.group.WORLD is not None and hasattr(dist.group.WORLD, "set_timeout"):
-            dist.group.WORLD.set_timeout(datetime.timedelta(seconds=self._timeout))
+        self._set_group_timeout(timeout)
         self._rank, self._world_size = rank, len(members)
+
+    def _set_group_timeout(self, seconds: float) -> None:
+        if dist.group.WORLD is not None and hasattr(dist.group.WORLD, "set_timeout"):
+            dist.group.WORLD.set_timeout(datetime.timedelta(seconds=seconds))
 
 
 def _destroy_group() -> None:
