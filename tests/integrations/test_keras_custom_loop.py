@@ -122,7 +122,7 @@ def test_metrics_updated_by_every_replica_count_every_example() -> None:
     labels = torch.tensor([0, 1, 0, 1])
     strategy.run(step, args=(ds.PerReplica((logits[:2], logits[2:])), ds.PerReplica((labels[:2], labels[2:]))))
     assert float(accuracy.result()) == pytest.approx(0.5)
-    assert float(accuracy.count) == 200
+    assert float(accuracy.count.value) == 200
     assert float(mean.result()) == pytest.approx(0.5)
 
 

@@ -3,6 +3,7 @@ summed once, and a module whose ``forward`` distrib cannot reach is an error ins
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -156,3 +157,25 @@ def test_import_distrib_does_not_import_keras() -> None:
         "assert 'keras' not in sys.modules, 'keras was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class _CopiesReordered(nn.Module):
+    """A module whose deep copy registers its parts in the other order (as keras 3.3's models did)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2, 2)
+        self.second = nn.Linear(2, 2)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _CopiesReordered:
+        clone = _CopiesReordered()
+        clone._modules = {"second": copy.deepcopy(self.second, memo), "first": copy.deepcopy(self.first, memo)}
+        return clone
+
+
+def test_a_copy_whose_parameters_do_not_pair_with_the_module_s_is_an_error() -> None:
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match="its deep copy lists its parameters in another order"):
+        with strategy.scope():
+            module = _CopiesReordered()
+    assert module.first.weight.grad is None  # built, and refused when the scope closed

@@ -203,10 +203,18 @@ class MirroredModules:
 
     @staticmethod
     def _replicate(root: nn.Module, device: torch.device | None) -> nn.Module:
-        with (
-            context.detached()
-        ):  # a Keras layer's deep copy registers its parameters anew: not a module built in the scope
+        # a Keras layer's deep copy registers its parameters anew: not a module built in the scope
+        with context.detached():
             clone = copy.deepcopy(root)
+        pairs = list(zip(root.parameters(), clone.parameters()))
+        if len(pairs) != len(list(clone.parameters())) or not all(
+            p.shape == pc.shape and torch.equal(p.detach(), pc.detach()) for p, pc in pairs
+        ):  # each copy's parameters are paired with the module's by order: a copy that lists them otherwise
+            raise ValueError(
+                f"module {keras_models.describe(root)}: its deep copy lists its parameters in another order (or "
+                "number), so a replica's gradients could not be paired with the model's; with a Keras model, use "
+                "keras>=3.4.1 (pip install 'distrib[keras]')"
+            )
         if device is not None:
             clone.to(device)
         for p, pc in zip(root.parameters(), clone.parameters()):
