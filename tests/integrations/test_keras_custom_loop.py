@@ -40,7 +40,7 @@ def assert_same_training(result: dict[str, Any], optimizer_kind: str) -> None:
     assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("optimizer_kind", ["keras", "torch"])
+@pytest.mark.parametrize("optimizer_kind", ["keras", "keras-adagrad", "torch"])
 @pytest.mark.parametrize("strategy_name", ["one-device", "mirrored2"])
 def test_the_tutorial_s_loop_trains_as_one_process(strategy_name: str, optimizer_kind: str) -> None:
     assert_same_training(loop.train(loop.make_strategy(strategy_name), optimizer_kind), optimizer_kind)
@@ -149,3 +149,32 @@ def test_keras_on_another_backend_is_an_error_naming_keras_backend(monkeypatch: 
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(RuntimeError, match=r"'jax' backend.*KERAS_BACKEND=torch"):
         strategy.run(lambda: metric.update_state(1.0))
+
+
+def _one_sgd_update(strategy: ds.Strategy | None, hand_over: str) -> list[torch.Tensor]:
+    """One SGD step of a small model on 4 examples, the optimizer reached through a dict or run's arguments."""
+    with strategy.scope() if strategy is not None else loop._nothing():
+        keras.utils.set_random_seed(0)
+        model = small_model()
+        optimizer = keras.optimizers.SGD(0.5)
+    holder = {"optimizer": optimizer}
+
+    def step(x: torch.Tensor, given: Any = None) -> None:
+        model.zero_grad()
+        ds.compute_average_loss(model(x).pow(2).sum(1), global_batch_size=4).backward()
+        chosen = given if hand_over == "argument" else holder["optimizer"]
+        chosen.apply([v.value.grad for v in model.trainable_weights], model.trainable_weights)
+
+    x = torch.arange(16.0).reshape(4, 4) / 16
+    if strategy is None:
+        step(x, optimizer)
+    else:
+        strategy.run(step, args=(ds.PerReplica((x[:2], x[2:])), optimizer if hand_over == "argument" else None))
+    return [v.value.detach().clone() for v in model.trainable_weights]
+
+
+@pytest.mark.parametrize("hand_over", ["dict", "argument"])
+def test_a_keras_optimizer_held_in_a_dict_or_given_to_run_is_met_too(hand_over: str) -> None:
+    one = _one_sgd_update(None, hand_over)
+    two = _one_sgd_update(ds.MirroredStrategy(["cpu:0", "cpu:1"]), hand_over)
+    assert max((a - b).abs().max().item() for a, b in zip(one, two)) <= 1e-6

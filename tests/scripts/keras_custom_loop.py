@@ -3,7 +3,7 @@
     distrib launch --workers 2 tests/scripts/keras_custom_loop.py --strategy multi-worker --optimizer keras --out OUT
 
 The tutorial's model (smaller), loss (reduction=None, averaged with ds.compute_average_loss), metrics
-(SparseCategoricalAccuracy, Mean over the per-example losses) and optimizer (keras.optimizers.Adam, or torch's
+(SparseCategoricalAccuracy, Mean over the per-example losses) and optimizer (keras.optimizers.Adam or Adagrad, or torch's
 Adam over model.parameters()), built in strategy.scope(); gradients as Keras' guide for custom loops on torch writes
 them. STEPS seeded global batches, each split over the workers, then over each worker's replicas. The chief writes
 the final trainable variables and the metrics' results to OUT; ``train`` is importable for in-process strategies.
@@ -72,6 +72,8 @@ def train(strategy: ds.Strategy | None, optimizer_kind: str, steps: int = STEPS)
         train_loss = keras.metrics.Mean(name="train_loss")
         if optimizer_kind == "keras":
             optimizer = keras.optimizers.Adam(learning_rate=1e-2)
+        elif optimizer_kind == "keras-adagrad":
+            optimizer = keras.optimizers.Adagrad(learning_rate=5e-2)
         else:
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 
@@ -85,7 +87,7 @@ def train(strategy: ds.Strategy | None, optimizer_kind: str, steps: int = STEPS)
         loss = compute_loss(labels, predictions)
         model.zero_grad()
         loss.backward()
-        if optimizer_kind == "keras":
+        if optimizer_kind != "torch":
             trainable_weights = model.trainable_weights
             gradients = [v.value.grad for v in trainable_weights]
             with torch.no_grad():
@@ -125,7 +127,7 @@ class _nothing:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="multi-worker")
-    p.add_argument("--optimizer", choices=["keras", "torch"], default="keras")
+    p.add_argument("--optimizer", choices=["keras", "keras-adagrad", "torch"], default="keras")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--out", required=True)
     args = p.parse_args()

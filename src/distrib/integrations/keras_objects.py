@@ -2,7 +2,8 @@
 
 They are not torch modules, so no scope sees them built; a strategy meets them in the step function itself:
 :func:`prepare_step` looks at the objects the function names (its globals, closure, the attributes of a bound
-method's object, and the same of the functions it names, three calls deep) before each ``run``, and
+method's object, the items of the dicts, lists and tuples among them, and the same of the functions it names, three
+calls deep) and at ``run``'s arguments, before each ``run``, and
 
 * a **Keras optimizer** becomes a merge point, as a ``torch.optim`` optimizer built in the scope: its ``apply`` /
   ``apply_gradients``, called by every replica as Keras' guide for custom loops on torch writes it
@@ -49,22 +50,36 @@ _adopted: weakref.WeakKeyDictionary[Any, Strategy] = weakref.WeakKeyDictionary()
 _adopting = threading.Lock()
 #: how many calls deep :func:`named_objects` follows the functions a step names
 SEARCH_DEPTH = 3
+#: how many items of a dict, list or tuple the step names :func:`named_objects` looks at
+CONTAINER_ITEMS = 64
 #: the reductions a strategy's custom loop accepts (TF: NONE and SUM)
 PER_EXAMPLE_REDUCTIONS = (None, "none", "sum")
 
 
-def named_objects(fn: Callable[..., Any], depth: int = SEARCH_DEPTH) -> list[Any]:
-    """The objects ``fn`` names: globals and closure cells it reads, a bound method's object and its attributes, and
-    those of the plain functions among them, ``depth`` calls deep (each object once)."""
+def named_objects(fn: Callable[..., Any], extra: Sequence[Any] = (), depth: int = SEARCH_DEPTH) -> list[Any]:
+    """The objects ``fn`` names: globals and closure cells it reads, a bound method's object and its attributes, the
+    items of the dicts, lists and tuples among them (up to :data:`CONTAINER_ITEMS` each), and the same for the plain
+    functions among them, ``depth`` calls deep; ``extra`` (``run``'s arguments) is looked at as a closure cell is.
+    Each object once."""
     found: dict[int, Any] = {}
     visited: set[int] = set()
+
+    def note(values: list[Any], level: int) -> None:
+        for value in values:
+            if id(value) in found:
+                continue
+            found[id(value)] = value
+            if isinstance(value, dict):
+                note(list(value.values())[:CONTAINER_ITEMS], -1)
+            elif isinstance(value, (list, tuple)):
+                note(list(value[:CONTAINER_ITEMS]), -1)
+            elif level >= 0 and isinstance(value, (types.FunctionType, types.MethodType)):
+                visit(value, level)
 
     def visit(f: Any, level: int) -> None:
         if isinstance(f, types.MethodType):
             owner = f.__self__
-            found.setdefault(id(owner), owner)
-            for value in getattr(owner, "__dict__", {}).values():
-                found.setdefault(id(value), value)
+            note([owner, *getattr(owner, "__dict__", {}).values()], -1)
             f = f.__func__
         if not isinstance(f, types.FunctionType) or id(f.__code__) in visited:
             return
@@ -75,13 +90,9 @@ def named_objects(fn: Callable[..., Any], depth: int = SEARCH_DEPTH) -> list[Any
             code = codes.pop()
             values += [f.__globals__[n] for n in code.co_names if n in f.__globals__]
             codes += [c for c in code.co_consts if inspect.iscode(c)]  # lambdas and nested functions
-        for value in values:
-            if id(value) in found:
-                continue
-            found[id(value)] = value
-            if level > 0 and isinstance(value, (types.FunctionType, types.MethodType)):
-                visit(value, level - 1)
+        note(values, level - 1)
 
+    note(list(extra), -1)
     visit(fn, depth)
     return list(found.values())
 
@@ -96,8 +107,9 @@ def _cell_values(f: types.FunctionType) -> list[Any]:
     return values
 
 
-def prepare_step(strategy: Strategy, fn: Callable[..., Any]) -> None:
-    """Check and route the Keras objects ``fn`` names before ``strategy`` runs it (see the module docstring).
+def prepare_step(strategy: Strategy, fn: Callable[..., Any], arguments: Sequence[Any] = ()) -> None:
+    """Check and route the Keras objects ``fn`` names (or is given in ``arguments``) before ``strategy`` runs it (see
+    the module docstring).
 
     Raises:
         RuntimeError: keras runs on another backend than torch.
@@ -109,7 +121,7 @@ def prepare_step(strategy: Strategy, fn: Callable[..., Any]) -> None:
     import keras
 
     kinds = (keras.layers.Layer, keras.optimizers.Optimizer, keras.metrics.Metric, keras.losses.Loss)
-    objects = [obj for obj in named_objects(fn) if isinstance(obj, kinds)]
+    objects = [obj for obj in named_objects(fn, arguments) if isinstance(obj, kinds)]
     if not objects:
         return
     keras_models.check_backend()

@@ -360,7 +360,7 @@ class Strategy(abc.ABC):
         if self._capture:
             self.claim_modules()
         if keras_models.keras_loaded():  # the Keras optimizers, metrics and losses the step names
-            keras_objects.prepare_step(self, fn)
+            keras_objects.prepare_step(self, fn, [*args, *(kwargs or {}).values()])
         try:
             result = self.call_for_each_replica(fn, tuple(args), kwargs or {}, options or _NO_OPTIONS)
         except Exception as error:
