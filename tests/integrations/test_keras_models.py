@@ -179,3 +179,52 @@ def test_a_copy_whose_parameters_do_not_pair_with_the_module_s_is_an_error() -> 
         with strategy.scope():
             module = _CopiesReordered()
     assert module.first.weight.grad is None  # built, and refused when the scope closed
+
+
+def _moving_mean_after_one_step(devices: list[str]) -> torch.Tensor:
+    strategy = ds.MirroredStrategy(devices)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> None:
+        loss = ds.compute_average_loss(model(x, training=True).pow(2).sum(1), global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        optimizer.step()
+
+    x = torch.randn(GLOBAL_BATCH, 4, generator=torch.Generator().manual_seed(5))
+    x[GLOBAL_BATCH // 2 :] += 3.0  # the two replicas' halves have different means
+    strategy.run(step, args=(split(strategy, x),))
+    return model.layers[-1].moving_mean.value.detach().clone()
+
+
+def test_batch_normalization_s_moving_mean_is_averaged_over_the_replicas() -> None:
+    # as TF's mirrored variables of aggregation MEAN: the mean of the replicas' updates, here the global batch's
+    one = _moving_mean_after_one_step(["cpu:0"])
+    two = _moving_mean_after_one_step(["cpu:0", "cpu:1"])
+    torch.testing.assert_close(one, two, rtol=0, atol=1e-6)
+
+
+def _update_with_weight_decay(devices: list[str]) -> list[torch.Tensor]:
+    strategy = ds.MirroredStrategy(devices)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> None:
+        loss = ds.compute_average_loss(model(x).pow(2).sum(1), global_batch_size=GLOBAL_BATCH)
+        # the penalty reads the model's own variables on every replica (replica 0's parameters)
+        penalty = sum(v.value.pow(2).sum() for v in model.trainable_weights)
+        (loss + ds.scale_regularization_loss(0.01 * penalty)).backward()
+        optimizer.step()
+
+    x = torch.randn(GLOBAL_BATCH, 4, generator=torch.Generator().manual_seed(6))
+    strategy.run(step, args=(split(strategy, x),))
+    return [v.value.detach().clone() for v in model.trainable_weights]
+
+
+def test_a_penalty_on_the_model_s_own_variables_is_summed_once_per_replica() -> None:
+    one, two = _update_with_weight_decay(["cpu:0"]), _update_with_weight_decay(["cpu:0", "cpu:1"])
+    assert max((a - b).abs().max().item() for a, b in zip(one, two)) <= 1e-6

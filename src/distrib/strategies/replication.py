@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,9 +88,15 @@ def _dispatching_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
 def _bypasses_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` may not reach its ``forward``: its class defines its own ``__call__``.
 
-    A Keras layer does, and reaches ``forward`` through ``nn.Module.__call__`` (keras' torch ``layer.py``).
+    A Keras layer does, and reaches ``forward`` through ``nn.Module.__call__`` (keras' torch ``layer.py``); so do
+    torch's own classes that override it.
     """
-    return type(module).__call__ is not nn.Module.__call__ and not keras_models.is_keras_layer(module)
+    call = type(module).__call__
+    if call is nn.Module.__call__ or keras_models.is_keras_layer(module):
+        return False
+    # torch's own overrides reach forward (fx's GraphModule, torch.compile's OptimizedModule) or refuse to be called
+    # at all (ParameterDict, ParameterList)
+    return not getattr(call, "__module__", "").startswith("torch.")
 
 
 def _refuse_primary_gradients(module: nn.Module, owner: Strategy, primary_computes: bool) -> None:
@@ -119,7 +125,8 @@ def _refuse_primary_gradients(module: nn.Module, owner: Strategy, primary_comput
             )
 
     for param in module.parameters():
-        param.register_post_accumulate_grad_hook(check)
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(check)
 
 
 class MirroredModules:
@@ -219,7 +226,7 @@ class MirroredModules:
             clone.to(device)
         for p, pc in zip(root.parameters(), clone.parameters()):
             pc.grad = None
-            if pc.device == p.device:
+            if pc.device == p.device and not _replica_state(root, p):
                 pc.data = p.data
         return clone
 
@@ -248,7 +255,9 @@ class MirroredModules:
         """Make every copy equal to its primary again (after an update or a restore).
 
         Parameters that share storage need nothing. Floating buffers (e.g. BatchNorm
-        running statistics) are averaged over the computing replicas first when ``average_buffers``.
+        running statistics) are averaged over the computing replicas first when ``average_buffers``, and so are a
+        Keras model's non-trainable variables (its BatchNormalization's moving statistics: torch parameters without
+        gradients, which each replica's copy keeps apart), as TF's mirrored variables of aggregation MEAN.
         """
         with torch.no_grad():
             for ref, copies in self._roots:
@@ -256,19 +265,31 @@ class MirroredModules:
                 if r is None or not copies or (root is not None and r is not root):
                     continue
                 for p, *pcs in zip(r.parameters(), *(c.parameters() for c in copies)):
+                    if average_buffers and _replica_state(r, p):
+                        _average_into(p, [p, *pcs] if self._first else pcs)
                     for pc in pcs:
                         if pc.data_ptr() != p.data_ptr():
                             pc.copy_(p)
                 for b, *bcs in zip(r.buffers(), *(c.buffers() for c in copies)):
                     if average_buffers and b.is_floating_point():
-                        computed = [b, *bcs] if self._first else list(bcs)
-                        total = computed[0].clone().to(b.device)
-                        for bc in computed[1:]:
-                            total += bc.to(b.device)
-                        b.copy_(total / len(computed))
+                        _average_into(b, [b, *bcs] if self._first else bcs)
                     for bc in bcs:
                         if bc.data_ptr() != b.data_ptr():
                             bc.copy_(b)
+
+
+def _replica_state(root: nn.Module, param: torch.Tensor) -> bool:
+    """Whether each replica's copy of ``param`` keeps its own values (averaged after each step): a Keras model's
+    non-trainable variable, which its layers assign in the forward (a torch module's such state is a buffer)."""
+    return not param.requires_grad and param.is_floating_point() and keras_models.is_keras_layer(root)
+
+
+def _average_into(target: torch.Tensor, computed: Sequence[torch.Tensor]) -> None:
+    """Set ``target`` to the mean of ``computed`` (the values the computing replicas hold)."""
+    total = computed[0].detach().clone().to(target.device)
+    for value in computed[1:]:
+        total += value.detach().to(target.device)
+    target.copy_(total / len(computed))
 
 
 # --------------------------------------------------------------------------- optimizers
