@@ -302,7 +302,9 @@ class ForkServer:
         if self.process is None:
             return
         try:
-            self.process.wait(timeout=10)
+            # a server still importing torch sees the closed socket only when its imports end: on a loaded 2-core
+            # machine that took over 10 s (it was killed, and its exit code read as a failure)
+            self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
