@@ -20,6 +20,8 @@ from helpers import SCRIPTS, alive, launch
 SCRIPT = str(SCRIPTS / "ft_train.py")
 TIMEOUT = 1.0  # the workers' CommunicationOptions(timeout_seconds=...)
 AT = 4  # the step the fault comes at
+#: a SIGKILL is seen through the launcher or a closed connection, not at the timeout: the next step comes sooner
+KILL_BOUND = 0.6 * TIMEOUT
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +40,32 @@ def reference(reference_run) -> list[torch.Tensor]:
     return reference_run[0]
 
 
+@pytest.fixture(scope="module")
+def wide_reference(tmp_path_factory) -> list[torch.Tensor]:
+    """The fault-free run of a wider model (hidden layers of 256: 70k parameters, one gradient bucket)."""
+    out = tmp_path_factory.mktemp("wide-reference")
+    code, log, _ = launch("--workers", "3", SCRIPT, "--out", str(out), "--plain", "--timeout", "30", "--width", "256")
+    assert code == 0, log
+    return torch.load(out / "worker-0.pt")
+
+
 def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     assert len(a) == len(b)
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 def survivors_check(
-    out: Path, log: str, lost: int, fault_time: float, reference: list[torch.Tensor], also_lost: tuple[int, ...] = ()
+    out: Path,
+    log: str,
+    lost: int,
+    fault_time: float,
+    reference: list[torch.Tensor],
+    also_lost: tuple[int, ...] = (),
+    bound: float = KILL_BOUND,
 ) -> None:
     """The survivors finished in the processes they started in, in one generation without ``lost`` (another
-    without ``also_lost``), with the reference's parameters, and applied their next step within the timeout plus
-    1 s of the fault."""
+    without ``also_lost``), with the reference's parameters, and applied their next step within ``bound`` seconds
+    of the fault."""
     survivors = [w for w in range(3) if w != lost and w not in also_lost]
     started = dict(re.findall(r"start: worker (\d) pid (\d+) restart 0", log))
     finished = dict(re.findall(r"done: worker (\d) pid (\d+)", log))
@@ -63,15 +80,21 @@ def survivors_check(
         f"FAULT largest difference to the fault-free run {difference:.2e}; next applied step {resumed - fault_time:.3f}s after the fault"
     )
     assert difference <= 1e-5
-    assert resumed - fault_time <= TIMEOUT + 1.0, log
+    assert resumed - fault_time <= bound, log
 
 
 @pytest.mark.parametrize(
-    "fault, victim",
-    [("kill", 2), ("kill-in-allreduce", 2), ("kill-in-allreduce", 0)],
-    ids=["before-its-step", "inside-the-all-reduce", "the-chief-inside-the-all-reduce"],
+    "fault, victim, width",
+    [("kill", 2, 32), ("kill-in-allreduce", 2, 32), ("kill-in-allreduce", 0, 32), ("kill-in-allreduce", 2, 256)],
+    ids=["before-its-step", "inside-the-all-reduce", "the-chief-inside-the-all-reduce", "inside-a-wide-all-reduce"],
 )
-def test_a_sigkilled_worker_is_survived_with_the_parameters_of_the_fault_free_run(tmp_path, reference, fault, victim):
+def test_a_sigkilled_worker_is_survived_with_the_parameters_of_the_fault_free_run(
+    tmp_path, request, fault, victim, width
+):
+    # the wide model's one bucket: the dead worker's share is on its way when it dies, and the survivors end up
+    # waiting for each other; each worker's watcher sees the death in the launcher's store and aborts the group
+    # (without it they waited their whole timeout: 1.03-1.04 s)
+    reference = request.getfixturevalue("wide_reference" if width == 256 else "reference")
     code, log, _ = launch(
         "--workers",
         "3",
@@ -87,6 +110,9 @@ def test_a_sigkilled_worker_is_survived_with_the_parameters_of_the_fault_free_ru
         str(victim),
         "--timeout",
         str(TIMEOUT),
+        "--width",
+        str(width),
+        *(["--bucket-bytes", "0"] if width == 256 else []),
     )
     assert code == 0, log
     assert f"worker {victim} exited with code 137: the others go on" in log
@@ -219,9 +245,16 @@ def test_a_stopped_worker_is_left_out_and_stops_with_a_clear_error_when_continue
     )
     assert code == 0, log  # the survivors finished
     fault_time = float(re.search(r"fault at ([\d.]+)", log).group(1))
-    survivors_check(tmp_path, log, 2, fault_time, reference)
+    survivors_check(tmp_path, log, 2, fault_time, reference, bound=TIMEOUT + 1.0)  # seen at the timeout
     assert "victim continued" in log
     assert "MembershipLost: worker 2 is no longer a member of the job" in log
     assert "It stops here and never trains on alone" in log
     assert "worker 2 exited with code 1: the others go on" in log
     assert f"[worker 2] applied {AT}" not in log  # it applied nothing after it was continued
+
+
+def test_workers_reading_different_global_batches_fail_at_the_first_commit_naming_the_mistake(tmp_path):
+    code, log, _ = launch("--workers", "3", "--fault-tolerant", SCRIPT, "--out", str(tmp_path), "--skew-data")
+    assert code != 0, log
+    assert log.count("CollectiveError: global batch 0 differs between the workers [0, 1, 2]") == 3, log
+    assert "applied 0" not in log

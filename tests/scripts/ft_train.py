@@ -45,6 +45,7 @@ p.add_argument(
 p.add_argument("--then", default=None, metavar="WORKER:STEP")
 p.add_argument("--reduce-loss", action="store_true")
 p.add_argument("--bucket-bytes", type=int, default=256, help="gradient bucket size (256: several buckets)")
+p.add_argument("--skew-data", action="store_true", help="worker 1 reads other global batches (a mistake)")
 p.add_argument("--width", type=int, default=32, help="the hidden layers' width")
 p.add_argument("--at", type=int, default=4)
 p.add_argument("--victim", type=int, default=2)
@@ -58,7 +59,7 @@ me = strategy.worker_index
 victim = me == args.victim
 print(f"start: worker {me} pid {os.getpid()} restart {os.environ.get('DISTRIB_RESTART')}", flush=True)
 
-g = torch.Generator().manual_seed(0)
+g = torch.Generator().manual_seed(1 if args.skew_data and me == 1 else 0)
 xs = torch.randn(args.steps * args.global_batch, 16, generator=g)
 ys = torch.randn(args.steps * args.global_batch, 4, generator=g)
 batches = [(xs[i : i + args.global_batch], ys[i : i + args.global_batch]) for i in range(0, len(xs), args.global_batch)]

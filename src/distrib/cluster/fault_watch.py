@@ -11,7 +11,7 @@ that cannot answer (:mod:`distrib.comm.membership`). ``ID`` is the task's rank a
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["FaultWatch", "process_stopped"]
@@ -70,6 +70,27 @@ class FaultWatch:
                 self._store.delete_key(store_key("stopped", i))
         return died
 
+    def verdict(self, tasks: Sequence[Any], say: Callable[[str], None]) -> tuple[bool, int, str] | None:
+        """One look at the launch's script ``tasks`` (each with ``poll()``, ``proc`` and ``name``): record their
+        state and say which died; None while any runs, else ``(ok, exit_code, who)``: ok when one finished (exit
+        0), else the first failure's code (128 + signal for a signal) and task."""
+        codes = [t.poll() for t in tasks]
+        for i in self.look([t.proc.pid if t.proc is not None else None for t in tasks], codes):
+            if codes[i] != 0:
+                say(f"{tasks[i].name} exited with code {_exit_code(codes[i])}: the others go on")
+        if any(c is None for c in codes):
+            return None
+        failed = [(t, c) for t, c in zip(tasks, codes) if c != 0]
+        if len(failed) < len(tasks):
+            return True, 0, ""
+        return False, _exit_code(failed[0][1]) or 1, failed[0][0].name
+
     def close(self) -> None:
         """Stop hosting the store."""
         self._store = None
+
+
+def _exit_code(returncode: int | None) -> int:
+    """A process's exit code as a shell shows it: 128 + N for a death by signal N."""
+    code = returncode or 0
+    return 128 - code if code < 0 else code

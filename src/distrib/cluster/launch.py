@@ -16,6 +16,10 @@ Every child process gets these environment variables (plus the launcher's own):
     How many times the group was restarted before this process was started (0 first).
 ``PYTHONUNBUFFERED``
     ``1``, so log lines arrive as they are printed.
+``DISTRIB_FAULT_TOLERANT_STORE``
+    With ``--fault-tolerant`` only: ``host:port`` of the store the launcher hosts, through which fault-tolerant
+    workers agree on who is left when one dies (:mod:`distrib.cluster.fault_watch`); a failed task then stops
+    nobody.
 ``OMP_NUM_THREADS``
     Unless the launcher's environment (or ``LaunchConfig.env``) sets it: this host's usable
     CPUs divided among the tasks that train (every task without ``--ps``; the workers with
@@ -426,16 +430,9 @@ class _Group:
             if self.server is not None:  # with a server of its own the launcher is a subreaper: orphans come to it
                 reap_orphans({t.proc.pid for t in self.tasks if t.proc is not None} | self.server.owned_pids)
             if faults is not None:
-                tasks = self.script_tasks
-                codes = [t.poll() for t in tasks]
-                for i in faults.look([t.proc.pid if t.proc is not None else None for t in tasks], codes):
-                    if codes[i] != 0:
-                        _say(f"{tasks[i].name} exited with code {_exit_code(codes[i] or 0)}: the others go on")
-                if all(c is not None for c in codes):
-                    failed_codes = [(t, c) for t, c in zip(tasks, codes) if c != 0]
-                    if len(failed_codes) < len(tasks):
-                        return True, 0, ""
-                    return False, _exit_code(failed_codes[0][1] or 1), failed_codes[0][0].name
+                verdict = faults.verdict(self.script_tasks, _say)
+                if verdict is not None:
+                    return verdict
                 time.sleep(0.05)
                 continue
             failed: list[tuple[_Task, int]] = []

@@ -14,7 +14,9 @@ chief's values, sent while every worker builds its model) wait as long as its ma
 collective fails (a peer died: gloo's closed
 connection; a peer hung: the collective's timeout), each worker that sees it
 
-1. destroys its process group, so that a peer still waiting in it fails at once instead of at its timeout;
+1. destroys its process group, so that a peer still waiting in it fails at once instead of at its timeout
+   (a thread of each worker also aborts the group as soon as the launcher records a member's exit: a
+   collective waiting for a live member that itself waits for the dead one fails then too);
 2. writes its state (:class:`WorkerState`: steps applied, whether it holds the fully reduced
    gradients of the step in flight, where it was) under ``g{N+1}/state/ID``;
 3. waits, at most the communicator's timeout, until every member of generation N has written its
@@ -42,6 +44,7 @@ import atexit
 import datetime
 import json
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -77,6 +80,8 @@ ROOT = "distrib/ft"
 FIRST_JOIN_SECONDS = 60.0
 #: how often a recovering worker looks at the store
 POLL_SECONDS = 0.01
+#: how often every worker looks for exits the launcher recorded
+WATCH_SECONDS = 0.05
 
 
 def store_key(*parts: object) -> str:
@@ -204,6 +209,7 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
         # until the first step the group's collectives (the chief's values, sent while every worker builds its
         # model) wait as long as the first join, for workers that start seconds apart; then the timeout applies
         self._armed = False
+        self._fingerprint = 0  # the checksum of the step's global batch, compared at the gate
         self._depth = 0  # nested collectives of one call (all_gather_object's all_gather): only the outer one retries
         self._retried_warning: int | None = None
         #: the collective failure seen inside the current step (the step guard recovers from it)
@@ -212,6 +218,13 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
         self._store.set_timeout(datetime.timedelta(seconds=options.timeout))
         super().__init__(f"{host}:{port}", member_id, world_size, options)  # takes the group just made
         atexit.register(_shutdown)
+        self._group_lock = threading.Lock()  # the death watcher's abort and a recovery's group swap exclude each other
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(
+            target=self._watch_deaths, args=(self._host, int(port)), name="distrib-death-watch", daemon=True
+        )
+        self._watcher.start()
+        atexit.register(self._stop_watching)
         log.info("worker %d joined the fault-tolerant group of %d (store %s)", member_id, world_size, store_address)
 
     # ------------------------------------------------------------------ what the strategy reads
@@ -247,9 +260,11 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
         )
 
     # ------------------------------------------------------------------ steps
-    def begin_step(self) -> None:
-        """A ``strategy.run`` starts: a collective failing from now on is the step's to recover from."""
+    def begin_step(self, fingerprint: int = 0) -> None:
+        """A ``strategy.run`` starts: a collective failing from now on is the step's to recover from.
+        ``fingerprint``: a checksum of the step's global batch, compared across the members at the commit gate."""
         self._in_step, self._held, self.step_failure = True, False, None
+        self._fingerprint = fingerprint
         if not self._armed:  # the first step: from now on a peer that does not answer within the timeout is lost
             self._armed = True
             self._set_group_timeout(self._timeout)
@@ -261,18 +276,31 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
     def commit(self) -> bool:
         """The commit gate of a step whose gradients were reduced: True where every member reduced them (apply).
 
-        One all-reduce of one number over the members. Where it fails, the members agree on the new
-        membership, and this returns True if another member applied the step (this worker then applies the
-        gradients it holds, which equal that member's), False if nobody did (the step is redone).
+        One all-reduce of two numbers per member (a row each: present, the global batch's checksum). Where it
+        fails, the members agree on the new membership, and this returns True if another member applied the step
+        (this worker then applies the gradients it holds, which equal that member's), False if nobody did (the
+        step is redone).
+
+        Raises:
+            CollectiveError: the members' global batches differ (every member raises it).
         """
         self._held = True
+        rows = torch.zeros(self._world_size, 2, dtype=torch.int64)
+        rows[self._rank] = torch.tensor([1, self._fingerprint])
         try:
-            self.all_reduce([torch.ones(1)])
+            self.all_reduce([rows])
         except MembershipLost:
             raise
         except CollectiveError:
             if self.recover_step() == "redo":
                 return False
+        else:
+            if bool((rows[:, 1] != rows[0, 1]).any()):
+                raise CollectiveError(
+                    f"global batch {self._applied} differs between the workers {list(self._members)} (checksums "
+                    f"{rows[:, 1].tolist()}): every worker must read the same global batches (same data, same "
+                    "order, same shuffle seed) for the survivors of a fault to take over a lost worker's share"
+                )
         self._applied += 1
         self._outside_done = 0
         return True
@@ -362,7 +390,8 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
     # ------------------------------------------------------------------ recovery
     def _recover(self, state: WorkerState) -> str:
         """Agree on the next membership with the other survivors, make its group, and say what this worker does."""
-        self._recovering = True
+        with self._group_lock:
+            self._recovering = True
         try:
             old = list(self._members)
             started = time.monotonic()
@@ -404,7 +433,36 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
                 )
                 return plan(states, self._id)
         finally:
-            self._recovering = False
+            with self._group_lock:
+                self._recovering = False
+
+    def _watch_deaths(self, host: str, port: int) -> None:
+        """A thread: when the launcher records a member's exit, abort the group, so that a collective waiting for
+        that member (or for a member waiting for it) fails now rather than at the timeout."""
+        try:
+            client = connect_store(host, port, 1, time.monotonic() + self._timeout)
+        except (RuntimeError, ValueError, TimeoutError):
+            return
+        seen: set[int] = set()
+        while not self._closing.wait(WATCH_SECONDS):
+            members = list(self._members)
+            try:
+                dead = [m for m in members if m not in seen and client.check([store_key("dead", m)])]
+            except (RuntimeError, ValueError):  # the launcher, and its store, are gone
+                return
+            if not dead:
+                continue
+            seen.update(dead)
+            with self._group_lock:
+                if self._recovering or not set(dead) & set(self._members) or not dist.is_initialized():
+                    continue
+                log.info("worker %d: the launcher saw worker(s) %s exit; aborting the group", self._id, dead)
+                if dist.group.WORLD is not None:
+                    dist.group.WORLD.abort()
+
+    def _stop_watching(self) -> None:
+        self._closing.set()
+        self._watcher.join(timeout=1.0)
 
     def _agree(self, generation: int, old: list[int]) -> list[int]:
         """The members of ``generation``: the old members that wrote their state before the timeout, as first

@@ -10,7 +10,8 @@ Three parts, over the :class:`~distrib.comm.membership.FaultTolerantCommunicator
   (``compute_average_loss(..., global_batch_size=...)``) the steps are those of a run without
   the fault, up to the order of the sums;
 * **the commit gate**: ``optimizer.step()`` applies the reduced gradients only once one more
-  all-reduce over the members succeeded (:meth:`FaultTolerantCommunicator.commit
+  all-reduce over the members succeeded (it also compares a checksum of each member's global batch,
+  the check ``experimental_distribute_dataset`` makes at every step without fault tolerance) (:meth:`FaultTolerantCommunicator.commit
   <distrib.comm.membership.FaultTolerantCommunicator.commit>`); a step is applied by every
   member or by none of the new membership;
 * **the step guard** (:class:`FaultTolerantSteps`): a step whose collective failed is given up
@@ -29,7 +30,7 @@ import torch.utils._pytree as pytree
 
 from distrib.comm import CollectiveError
 from distrib.comm.membership import FaultTolerantCommunicator
-from distrib.input.batches import split_batch
+from distrib.input.batches import fingerprint, split_batch
 
 if TYPE_CHECKING:
     from distrib.strategies.replica_engine import ReplicaEngine
@@ -105,7 +106,7 @@ class FaultTolerantSteps:
         while True:
             comm = self._comm
             local_args, local_kwargs = _shares((args, kwargs), comm.rank, comm.world_size, redone)
-            comm.begin_step()
+            comm.begin_step(_fingerprint((args, kwargs)))
             self._gated = False
             try:
                 return call(local_args, local_kwargs)
@@ -134,6 +135,16 @@ class FaultTolerantSteps:
         self._gated = True
         if not self._comm.commit():
             raise StepAbandoned
+
+
+def _fingerprint(structure: Any) -> int:
+    """A checksum of the step's whole global batches (0 where there are none): equal on every member."""
+    wholes = [
+        x.batch
+        for x in pytree.tree_leaves(structure, is_leaf=lambda x: isinstance(x, WholeBatch))
+        if isinstance(x, WholeBatch)
+    ]
+    return fingerprint(wholes) if wholes else 0
 
 
 def _shares(structure: Any, rank: int, members: int, redone: int) -> Any:
