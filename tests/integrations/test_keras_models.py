@@ -147,6 +147,28 @@ def test_two_modules_sharing_a_parameter_are_an_error() -> None:
             head.weight = embedding.weight
 
 
+def test_a_model_freed_leaves_no_parameters_behind_for_the_next_one_to_share() -> None:
+    """The strategy knows its parameters by identity, weakly: a model built after an earlier one was freed (a loop
+    that rebuilds the model in one scope, each restore of a checkpoint) may get the freed parameters' ids, and is
+    still a model of its own, with copies of its own."""
+    import gc
+
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    seen: set[int] = set()
+    reused = False
+    for _ in range(20):
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        ids = {id(p) for p in model.parameters()}
+        reused = reused or bool(ids & seen)
+        seen |= ids
+        strategy.run(lambda m: m(torch.ones(4, 3)).sum().backward(), args=(model,))
+        assert all(p.grad is not None for p in model.parameters())
+        del model
+        gc.collect()
+    assert reused, "no id was reused in 20 models: the test did not try what it is for"
+
+
 def test_import_distrib_does_not_import_keras() -> None:
     code = (
         "import sys, torch, distrib as ds\n"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from distrib import context, torch_patches
 from distrib.integrations import keras_models
@@ -145,11 +146,13 @@ class MirroredModules:
         # (root, its copies): the root weakly, so that a strategy and the modules it distributed are freed once the
         # user drops them (context's owner registry and _mirrors hold the strategy from the module's side)
         self._roots: list[tuple[weakref.ref[nn.Module], list[nn.Module]]] = []
-        # id(primary parameter) -> its copies, one per replica that does not compute on the primary
-        self._param_copies: dict[int, list[nn.Parameter]] = {}
+        # primary parameter -> its copies, one per replica that does not compute on the primary; held by the
+        # parameter's identity and weakly, so that a model freed does not leave its ids to a later model's
+        # parameters (a new model in the same scope was taken for one sharing the old one's parameters)
+        self._param_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __contains__(self, param: object) -> bool:
-        return id(param) in self._param_copies
+        return param in self._param_copies
 
     @property
     def central(self) -> bool:
@@ -173,7 +176,7 @@ class MirroredModules:
                     "earlier strategy.scope() block; build the whole model inside one scope block"
                 )
         params = list(root.parameters())
-        taken = [p for p in params if id(p) in self._param_copies]
+        taken = [p for p in params if p in self._param_copies]
         if taken:
             raise ValueError(
                 f"module {keras_models.describe(root)} shares {len(taken)} parameter(s) with a module this strategy "
@@ -187,10 +190,10 @@ class MirroredModules:
             root.to(home)
         copies = [self._replicate(root, d) for d in devices[self._first :]]
         for p in params:
-            self._param_copies[id(p)] = []
+            self._param_copies[p] = []
         for c in copies:
             for p, pc in zip(params, c.parameters()):
-                self._param_copies[id(p)].append(pc)
+                self._param_copies[p].append(pc)
         keras_parts = keras_models.sublayers(root)
         if copies:
             pairs = [(sub, [c.get_submodule(name) for c in copies]) for name, sub in root.named_modules()]
@@ -232,12 +235,12 @@ class MirroredModules:
 
     def replica_grads(self, param: torch.Tensor) -> list[torch.Tensor | None]:
         """The gradients of ``param``'s copies (the replicas that do not compute on ``param`` itself)."""
-        return [pc.grad for pc in self._param_copies.get(id(param), ())]
+        return [pc.grad for pc in self._param_copies.get(param, ())]
 
     def zero_copy_grads(self, params: Iterable[torch.Tensor], replica: int | None, set_to_none: bool) -> None:
         """Clear the gradients of the copies of ``params`` (of one local replica, or of all if None)."""
         for p in params:
-            copies = self._param_copies.get(id(p), ())
+            copies = self._param_copies.get(p, ())
             if replica is None:
                 chosen = list(copies)
             else:
