@@ -131,9 +131,9 @@ def keras_plain() -> Step:
     return step
 
 
-def measure(step: Step, batches: Any, steps: int) -> float:
+def measure(step: Step, batches: Any, steps: int, warmup: int = 3) -> float:
     it = iter(batches)
-    for _ in range(3):
+    for _ in range(warmup):
         step(next(it))
     start = time.perf_counter()
     for _ in range(steps):
@@ -250,6 +250,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before each round's timed steps")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--tf-python", default=None, help="a Python with tensorflow installed: adds TF running the seed")
     p.add_argument("--profile", action="store_true", help="print where the Keras step's time goes")
@@ -284,7 +285,7 @@ def main() -> None:
             data.set_epoch(r)
             data_last.set_epoch(r)
             for name, (step, batches) in loops.items():
-                rates[name].append(measure(step, batches, args.steps))
+                rates[name].append(measure(step, batches, args.steps, args.warmup))
             rates["keras_fit"].append(fit.measure(args.steps, r))
             if args.tf_python:
                 rate, tf_version = tf_round(args.tf_python, args.steps, r, data_file, script)

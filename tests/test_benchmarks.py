@@ -224,3 +224,28 @@ def test_the_launch_start_benchmark_compares_the_start_methods(tmp_path):
     assert set(run["forkserver_vs_spawn"]) == set(run["shared_vs_forkserver"]) == {"wall_s", "cpu_s"}
     assert json.loads(out.read_text())["shared_server_cpu_s"] > 0.5  # it imported torch
     assert "forkserver" in log and "spawn" in log and "shared" in log  # the table
+
+
+def test_the_keras_benchmark_runs_every_variant(tmp_path):
+    """benchmarks/keras_step.py, tiny (1 round of 1 step): every variant trains and the targets' ratios are there."""
+    import json
+
+    pytest.importorskip("keras")
+    from conftest import make_idx_dir
+    from helpers import run_bounded
+
+    out = tmp_path / "keras.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "keras_step.py"
+    data = make_idx_dir(tmp_path / "data")
+    code, log, _ = run_bounded(
+        [sys.executable, str(bench), "--rounds", "1", "--steps", "1", "--warmup", "1", "--data-dir", str(data)]
+        + ["--json", str(out)],
+        timeout=120,
+    )
+    assert code == 0, log
+    result = json.loads(out.read_text())
+    assert result["data"] == "fashion-mnist"
+    rates = result["examples_per_s_median"]
+    assert set(rates) == {"main_job", "keras_mirrored", "keras_mirrored_fused_adam", "keras_plain", "keras_fit"}
+    assert all(rate > 0 for rate in rates.values())
+    assert {"keras_mirrored_vs_keras_fit", "keras_mirrored_vs_keras_plain"} <= set(result["ratios_per_round_median"])
