@@ -32,6 +32,7 @@ from distrib.checkpoint.errors import TIMEOUT_ENV, CheckpointError, checkpoint_t
 from distrib.checkpoint.fileio import atomic_write, describe_os_error, remove_stale_temp_files
 from distrib.checkpoint.restore import LoadStatus, apply, validate
 from distrib.comm.communicator import CollectiveError
+from distrib.integrations import keras_checkpoint
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -39,9 +40,19 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint"]
 
 _ACCEPTED = (
-    "torch.nn.Module, torch.optim.Optimizer, torch.Tensor, or any object "
+    "torch.nn.Module, torch.optim.Optimizer, a Keras optimizer, torch.Tensor, or any object "
     "with state_dict() and load_state_dict() methods"
 )
+
+
+def _tracked(obj: Any) -> Any:
+    """What the checkpoint keeps for ``obj``: a Keras optimizer as its variables' state (keras_checkpoint.py)."""
+    return keras_checkpoint.KerasOptimizerState(obj) if keras_checkpoint.is_keras_optimizer(obj) else obj
+
+
+def _user_object(obj: Any) -> Any:
+    """The object the user tracked (a Keras optimizer rather than its state)."""
+    return obj.optimizer if isinstance(obj, keras_checkpoint.KerasOptimizerState) else obj
 
 
 # --------------------------------------------------------------- the strategy contract
@@ -88,6 +99,8 @@ def _check_trackable(name: str, obj: Any) -> None:
             f"Checkpoint name {name!r} must be a valid identifier that "
             "does not start with '_' or shadow a Checkpoint method"
         )
+    if keras_checkpoint.is_keras_optimizer(obj):
+        return
     if not isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) and not (
         callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
     ):
@@ -222,13 +235,13 @@ class Checkpoint:
     def __init__(self, **objects: Any) -> None:
         for name, obj in objects.items():
             _check_trackable(name, obj)
-        self._objects: dict[str, Any] = dict(objects)
+        self._objects: dict[str, Any] = {name: _tracked(obj) for name, obj in objects.items()}
         self._save_counter = 0
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("_objects", {})
         if name in objects:
-            return objects[name]
+            return _user_object(objects[name])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -236,12 +249,12 @@ class Checkpoint:
             object.__setattr__(self, name, value)
             return
         _check_trackable(name, value)
-        self._objects[name] = value
+        self._objects[name] = _tracked(value)
 
     @property
     def objects(self) -> dict[str, Any]:
         """The tracked objects by name."""
-        return dict(self._objects)
+        return {name: _user_object(obj) for name, obj in self._objects.items()}
 
     @property
     def save_counter(self) -> int:
@@ -436,6 +449,10 @@ class Checkpoint:
                 "Track only names the file holds (e.g. Checkpoint(model=model) to restore just the model), "
                 "with the names used to save."
             )
+        try:
+            keras_checkpoint.build_for_restore(self._objects, stored)
+        except ValueError as e:
+            raise CheckpointError(f"Checkpoint {data_file!r}: {e}") from e
         validate(self._objects, stored, data_file)
         unused = sorted(set(stored) - set(self._objects))
         del data  # apply takes each state out of ``stored`` as it loads it: nothing else may keep it alive

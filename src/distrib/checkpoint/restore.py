@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch.nn.parameter import is_lazy
 
 from distrib.checkpoint.errors import CheckpointError
+from distrib.integrations import keras_models
 from distrib.torch_patches import has_load_state_dict_pre_hooks, optimizer_load_replaces_state
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _validate_module(where: str, module: torch.nn.Module, state: Any) -> None:
     if missing or unexpected:
         raise CheckpointError(
             f"{where} does not match the module saved: missing from the file: [{_names(missing)}]; in the file "
-            f"but not in the module: [{_names(unexpected)}]. Build the same architecture that was saved."
+            f"but not in the module: [{_names(unexpected)}]. Build the same architecture that was saved.{_keras_hint(module)}"
         )
     for key, value in current.items():
         saved = state[key]
@@ -84,6 +85,17 @@ def _validate_module(where: str, module: torch.nn.Module, state: Any) -> None:
             )
         if saved.is_complex() and not value.is_complex():
             raise CheckpointError(f"{where}: {key!r} is {value.dtype} in the module but {saved.dtype} in the file")
+
+
+def _keras_hint(module: torch.nn.Module) -> str:
+    """For a Keras model: its keys are its variables' paths, which hold the layers' names."""
+    if not keras_models.is_keras_layer(module):
+        return ""
+    return (
+        " A Keras model's keys hold its layers' names, which Keras numbers per process (sequential_1/dense_1): "
+        "build it as when saved, in a fresh process or after keras.utils.clear_session(), or name the model "
+        "and its layers (name=...)."
+    )
 
 
 def _validate_optimizer(where: str, optimizer: torch.optim.Optimizer, state: Any) -> None:

@@ -23,7 +23,8 @@ calls deep) and at ``run``'s arguments, before each ``run``, and
 
 Changes to the user's Keras objects (instance attributes only; the classes are untouched): a Keras optimizer's
 ``apply``, a Keras metric's ``update_state`` and ``result``, from the first ``run`` that names them, for as long as
-the object lives. A Keras model's ``zero_grad`` is routed to the replica's copy (``torch_patches.route_zero_grad``).
+the object lives. A Keras model's ``zero_grad`` is routed to the replica's copy (``torch_patches.route_zero_grad``);
+under several workers its ``save`` and ``save_weights`` write from the chief alone (``keras_saving.route_saving``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from distrib import context
-from distrib.integrations import keras_models
+from distrib.integrations import keras_models, keras_saving
 
 if TYPE_CHECKING:
     from distrib.strategies.base import Strategy
@@ -132,6 +133,7 @@ def prepare_step(strategy: Strategy, fn: Callable[..., Any], arguments: Sequence
             _check_reduction(obj)
         elif isinstance(obj, keras.layers.Layer):
             _check_model(strategy, obj)
+            keras_saving.route_saving(strategy, obj)
     for obj in objects:
         if isinstance(obj, (keras.optimizers.Optimizer, keras.metrics.Metric)):
             with _adopting:
