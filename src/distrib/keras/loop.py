@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from distrib import context
+from distrib.integrations import keras_fit
 from distrib.keras.callback_base import Callback, CallbackList, History
 from distrib.keras.progress import Progbar, data_length
 from distrib.keras.tracked import TrackedValues
@@ -202,13 +203,13 @@ def fit(
     model: torch.nn.Module,
     data: Data,
     *,
-    optimizer: torch.optim.Optimizer,
-    loss: LossLike,
+    optimizer: Any = None,
+    loss: LossLike | None = None,
     epochs: int = 1,
     steps_per_epoch: int | None = None,
     validation_data: Data | None = None,
     validation_steps: int | None = None,
-    metrics: Sequence[Any] = (),
+    metrics: Sequence[Any] | None = None,
     callbacks: Sequence[Callback] = (),
     verbose: str | int = "auto",
     precision: str | int = "32",
@@ -244,14 +245,16 @@ def fit(
         model: the module to train, built under the strategy's ``scope()`` (or outside any: the default strategy).
         data: an iterable of global ``(x, y)`` batches (a ``DataLoader``, a list, a distributed dataset);
             under ParameterServerStrategy also ``dataset_fn(input_context)``.
-        optimizer: the optimizer over ``model``'s parameters, built under the same scope.
-        loss: a Keras name (``"mse"``, ``"sparse_categorical_crossentropy"``, ...), a torch loss module or a
+        optimizer: the optimizer over ``model``'s parameters, built under the same scope (a Keras 3 model: a Keras
+            optimizer too; None: the one ``model.compile`` was given, see :mod:`distrib.integrations.keras_fit`).
+        loss: None (a compiled Keras model): its compiled loss, with Keras' meaning; else a Keras name (``"mse"``, ``"sparse_categorical_crossentropy"``, ...), a torch loss module or a
             function ``loss(y_pred, y_true)`` returning per-example values.
         epochs: how many epochs to train (counted from the epoch a restored backup resumes at).
         steps_per_epoch: steps per epoch, cycling through ``data``; None: one pass of ``data``.
         validation_data: batches to evaluate after each epoch (their metrics are logged with ``val_``).
         validation_steps: how many validation batches; None: all of them.
-        metrics: Keras names (``"accuracy"``) or ``ds.metrics`` / torchmetrics objects, computed over every replica.
+        metrics: Keras names (``"accuracy"``) or ``ds.metrics`` / torchmetrics objects, computed over every replica;
+            None: a compiled Keras model's.
         callbacks: ``ds.callbacks.Callback`` objects; a ``History`` is added last.
         verbose: 0, 1, 2 or ``"auto"`` (above).
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (above).
@@ -267,7 +270,11 @@ def fit(
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
     _check_batches(validation_data, "validation_data")
-    strategy = context.strategy_of(model, optimizer)
+    keras_fit.check_callbacks(callbacks)
+    parts = keras_fit.fit_parts(model, optimizer, loss, metrics, precision, "fit")
+    optimizer, keras_optimizer, loss, metrics = parts.optimizer, parts.keras_optimizer, parts.loss, parts.metrics
+    train_kwargs = keras_fit.call_kwargs(model, True)
+    strategy = context.strategy_of(model, *([optimizer] if optimizer is not None else []))
     executor = strategy.step_executor()
     graphs = _graphs_wanted(jit_compile, strategy, model)
     executor.use_graphs(graphs)
@@ -286,11 +293,14 @@ def fit(
     def train_step(x: torch.Tensor, y: Any, n: int) -> Any:
         model.train()
         with mixed.autocast(_device_type(x, model)):
-            pred = model(x)
+            pred = model(x, **train_kwargs)
             per_example = loss_fn(pred, y)
         loss = compute_average_loss(_float(per_example), global_batch_size=n)
-        backward_and_step(loss, optimizer, scaler)
-        optimizer.zero_grad()
+        if keras_optimizer is not None:
+            keras_fit.apply_keras_optimizer(loss, model, keras_optimizer)
+        else:
+            backward_and_step(loss, optimizer, scaler)
+            optimizer.zero_grad()
         return tracked.deltas(_float(per_example.detach()), y, _float(pred.detach()))
 
     run.begin()
@@ -394,11 +404,12 @@ def _evaluate(
     """The loss and metrics of ``model`` over ``data``; fires the test hooks. Resets ``tracked`` first, as Keras."""
     executor: StepExecutor = tracked.strategy.step_executor()
     executor.use_graphs(graphs)
+    test_kwargs = keras_fit.call_kwargs(model, False)
 
     def test_step(x: torch.Tensor, y: Any, n: int) -> Any:
         with torch.no_grad(), precision.autocast(_device_type(x, model)):
             model.eval()
-            pred = model(x)
+            pred = model(x, **test_kwargs)
             return tracked.deltas(_float(loss_fn(pred, y)), y, _float(pred))
 
     tracked.reset()
@@ -440,9 +451,9 @@ def evaluate(
     model: torch.nn.Module,
     data: Data,
     *,
-    loss: LossLike,
+    loss: LossLike | None = None,
     steps: int | None = None,
-    metrics: Sequence[Any] = (),
+    metrics: Sequence[Any] | None = None,
     return_dict: bool = False,
     verbose: str | int = "auto",
     callbacks: Sequence[Callback] = (),
@@ -463,7 +474,7 @@ def evaluate(
     Args:
         model: the module to evaluate.
         data: an iterable of global ``(x, y)`` batches (under ParameterServerStrategy also ``dataset_fn``).
-        loss: as :func:`fit`'s.
+        loss: as :func:`fit`'s (None: a compiled Keras model's).
         steps: how many batches; None: all of ``data`` (required under ParameterServerStrategy).
         metrics: as :func:`fit`'s.
         return_dict: return a dict of the logs instead of a list.
@@ -481,6 +492,9 @@ def evaluate(
     """
     mixed = Precision.parse(precision)
     _check_batches(data, "data")
+    keras_fit.check_callbacks(callbacks)
+    parts = keras_fit.fit_parts(model, None, loss, metrics, precision, "evaluate")
+    loss, metrics = parts.loss, parts.metrics
     strategy = context.strategy_of(model)
     cbs = CallbackList(list(callbacks))
     cbs.set_loop(Loop(model, None, strategy))
@@ -528,6 +542,8 @@ def predict(
         ValueError: ``data`` gives no batch, or ``precision`` is not one of :func:`fit`'s.
     """
     mixed = Precision.parse(precision)
+    keras_fit.check_callbacks(callbacks)
+    call = keras_fit.call_kwargs(model, False)
     strategy = context.strategy_of(model)
     executor = strategy.step_executor()
     cbs = CallbackList(list(callbacks))
@@ -536,7 +552,7 @@ def predict(
     def predict_step(x: torch.Tensor, y: Any, n: int) -> torch.Tensor:
         with torch.no_grad(), mixed.autocast(_device_type(x, model)):
             model.eval()
-            return model(x)
+            return model(x, **call)
 
     outputs: list[torch.Tensor] = []
 
