@@ -169,3 +169,20 @@ def test_saving_in_one_process_keeps_keras_own_answer_for_a_path_without_its_suf
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="extension"):  # one process: Keras' own error, as without distrib
         keras_saving.save_model(model, "model.bin")
+
+
+def test_a_preempted_keras_custom_loop_resumes_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "result.pt"
+    code, log, _ = launch(
+        "--workers", "2", "--max-restarts", "0", str(SCRIPT), "--strategy", "multi-worker", "--optimizer", "keras",
+        "--until", str(resume.STEPS), "--dir", str(tmp_path / "ckpt"), "--preempt-at", str(SAVED_AT),
+        "--out", str(out), timeout=90,
+    )  # fmt: skip
+    assert code == 0, log
+    # the first attempt saved at the run after the notice; the restarted group's handlers restored it
+    assert log.count("START worker=") == 4 and log.count(f"run={SAVED_AT + 1}") == 2, log
+    result = torch.load(out)
+    assert int(result["optimizer"][0]) == resume.STEPS
+    worst = largest_difference(result, "keras")
+    print(f"PREEMPTED at run {SAVED_AT} on 2 workers, resumed: largest difference {worst:.2e}")
+    assert worst <= 1e-6

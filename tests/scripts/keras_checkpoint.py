@@ -75,6 +75,7 @@ def train(
     if preempt_at is not None:
         assert directory is not None and strategy is not None
         handler = ds.experimental.PreemptionCheckpointHandler(strategy.cluster_resolver, checkpoint, directory)
+        print(f"START worker={strategy.worker_index} run={handler.total_run_calls}", flush=True)
         for k in range(handler.total_run_calls, until):
             if k == preempt_at and strategy.is_chief and os.environ.get("DISTRIB_RESTART", "0") == "0":
                 os.kill(os.getpid(), signal.SIGTERM)  # the notice; the handler saves at an agreed step and exits 42
