@@ -60,7 +60,23 @@ def test_a_compiled_keras_model_fits_on_two_workers_as_one_process(optimizer_kin
         timeout=120,
     )  # fmt: skip
     assert code == 0, log
-    assert_same_training(torch.load(out), optimizer_kind)
+    result = torch.load(out)
+    assert_same_training(result, optimizer_kind)
+    assert "Train with ds.fit(model, dataset" in result["own_fit"] and "2 replicas" in result["own_fit"]
+
+
+def test_keras_own_fit_over_several_replicas_is_an_error_naming_ds_fit_and_stays_keras_own_on_one() -> None:
+    with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = small_compiled(optimizer="sgd", loss="mse")
+    x, y = torch.ones(8, 4), torch.zeros(8, 3)
+    with pytest.raises(NotImplementedError, match=r"model.fit\(\) of Keras model .* over 2 replicas.*ds.fit\(model"):
+        model.fit(x, y, verbose=0)
+    with pytest.raises(NotImplementedError, match=r"model.train_on_batch\(\)"):
+        model.train_on_batch(x, y)
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(float(((model(x) - y) ** 2).mean()), rel=1e-5)
+    with ds.OneDeviceStrategy("cpu").scope():
+        alone = small_compiled(optimizer="sgd", loss="mse")
+    assert len(alone.fit(x, y, verbose=0).history["loss"]) == 1
 
 
 # --------------------------------------------------------------------------- what ds.fit cannot honour
@@ -114,3 +130,33 @@ def test_a_keras_metric_object_keeps_its_name_and_a_foreign_one_is_an_error() ->
     assert logs["m"] == pytest.approx(float(keras.ops.mean(keras.ops.abs(model(DATA[0][0])))), rel=1e-6)
     with pytest.raises(ValueError, match=r"ds.metrics.MeanMetricWrapper"):
         ds.evaluate(small_compiled(loss="mse", metrics=[keras.metrics.AUC()]), DATA, verbose=0)
+
+
+# --------------------------------------------------------------------------- callbacks
+
+
+def test_callbacks_on_two_workers_write_once_and_a_resumed_run_ends_as_one_uninterrupted(tmp_path: Path) -> None:
+    """ModelCheckpoint, BackupAndRestore, TensorBoard write on the chief only; the second run restores the first's
+    backup (the Keras optimizer's slots too) and trains epoch 2 alone: Keras' own two-epoch fit's parameters."""
+    script_path = str(SCRIPTS / "keras_fit_callbacks.py")
+    for epochs in (1, 2):
+        out = tmp_path / f"result{epochs}.pt"
+        code, log, _ = launch("--workers", "2", script_path, str(tmp_path), str(epochs), str(out), timeout=120)
+        assert code == 0 and log.count("DONE") == 2, log
+    result = torch.load(tmp_path / "result2.pt")
+    assert list(result["history"]["loss"]) == pytest.approx(one_process("keras")["history"]["loss"][1:], rel=1e-5)
+    worst = max((a - b).abs().max().item() for a, b in zip(one_process("keras")["weights"], result["weights"]))
+    assert worst <= 1e-5, worst
+    checkpoints = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert checkpoints == ["checkpoint", "weights-1.pt", "weights-2.pt"], checkpoints
+    events = [p for p in (tmp_path / "logs").rglob("*") if p.name.startswith("events.out.tfevents")]
+    assert len(events) == 2, events  # one file per run: the chief's
+    assert not [p for p in tmp_path.rglob("*") if "workertemp" in p.name]
+
+
+def test_early_stopping_on_a_keras_model_stops_as_keras_does() -> None:
+    with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = small_compiled(optimizer="sgd", loss="mse")
+    stop = ds.callbacks.EarlyStopping(monitor="loss", min_delta=1e3, patience=1)
+    history = ds.fit(model, DATA * 2, epochs=5, callbacks=[stop], verbose=0)
+    assert history.epoch == [0, 1]

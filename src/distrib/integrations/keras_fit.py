@@ -31,13 +31,24 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distrib.integrations import keras_models
 
-__all__ = ["FitParts", "fit_parts", "apply_keras_optimizer", "call_kwargs", "check_callbacks", "KerasPerExampleLoss"]
+if TYPE_CHECKING:
+    from distrib.strategies.base import Strategy
+
+__all__ = [
+    "refuse_own_training",
+    "FitParts",
+    "fit_parts",
+    "apply_keras_optimizer",
+    "call_kwargs",
+    "check_callbacks",
+    "KerasPerExampleLoss",
+]
 
 
 @dataclass
@@ -242,3 +253,36 @@ def check_callbacks(callbacks: Sequence[Any]) -> None:
                 f"process's logs only; use ds.callbacks.{kind}(...) with the same arguments (it writes on the chief, "
                 "with TF's multi-worker file conventions), or subclass ds.callbacks.Callback"
             )
+
+
+#: Keras' own training methods, wrong under a strategy with several replicas (each process trains on its batch alone)
+KERAS_TRAINING_METHODS = ("fit", "train_on_batch")
+
+
+def refuse_own_training(strategy: Strategy, model: Any) -> None:
+    """Make Keras' own ``model.fit`` and ``train_on_batch`` an error naming ``ds.fit``, for a Keras model ``strategy``
+    distributed over several replicas (or workers): Keras' trainer reads one process's batch, computes its gradient
+    on the model itself and applies it there, so the batch is not split and the workers drift apart.
+
+    An instance attribute each (the class is untouched); ``model.evaluate`` and ``model.predict`` stay Keras' own
+    (each process's result over the data it is given). One replica in all: nothing changes.
+    """
+    if strategy.num_replicas_in_sync <= 1 or not keras_models.is_keras_layer(model):
+        return
+    import keras
+
+    if not isinstance(model, keras.Model):
+        return
+    name, kind = getattr(model, "name", ""), type(strategy).__name__
+    for method in KERAS_TRAINING_METHODS:
+
+        def refused(*args: Any, _method: str = method, **kwargs: Any) -> Any:
+            raise NotImplementedError(
+                f"model.{_method}() of Keras model {name!r}, distributed by {kind} over "
+                f"{strategy.num_replicas_in_sync} replicas: Keras' own trainer does not split the global batch over "
+                "the replicas and workers (each would train on its batch alone). Train with ds.fit(model, dataset, "
+                "epochs=..., callbacks=[...]): it takes the model.compile'd loss, optimizer and metrics; the dataset "
+                "gives global (x, y) batches, e.g. a DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH)"
+            )
+
+        object.__setattr__(model, method, refused)

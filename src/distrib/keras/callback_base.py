@@ -56,8 +56,17 @@ def _groups_with_lr(optimizer: torch.optim.Optimizer | None, who: str) -> list[d
     return optimizer.param_groups
 
 
+def _is_keras_optimizer(optimizer: Any) -> bool:
+    """A Keras 3 optimizer (``learning_rate``, no ``param_groups``): ``fit`` takes a compiled Keras model's."""
+    return optimizer is not None and not hasattr(optimizer, "param_groups") and hasattr(optimizer, "learning_rate")
+
+
 def first_learning_rate(optimizer: torch.optim.Optimizer | None, who: str = "learning_rate") -> float:
-    """The first parameter group's learning rate, a float (a tensor rate is read with ``float``)."""
+    """The first parameter group's learning rate, a float (a tensor rate is read with ``float``); a Keras
+    optimizer's ``learning_rate``."""
+    if _is_keras_optimizer(optimizer):
+        rate: Any = getattr(optimizer, "learning_rate")  # noqa: B009 (a Keras optimizer's, untyped here)
+        return float(torch.as_tensor(getattr(rate, "value", rate)))
     return float(_groups_with_lr(optimizer, who)[0]["lr"])
 
 
@@ -79,6 +88,9 @@ def set_learning_rate(optimizer: torch.optim.Optimizer | None, value: Any, who: 
     lr = as_learning_rate(value)
     if lr is None:
         raise ValueError(f"{who}: a learning rate must be a finite float, got {value!r}")
+    if _is_keras_optimizer(optimizer):
+        setattr(optimizer, "learning_rate", lr)  # noqa: B010 Keras assigns its variable (a schedule refuses)
+        return lr
     for group in _groups_with_lr(optimizer, who):
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)

@@ -285,7 +285,8 @@ def fit(
         warnings.warn(f"fit(precision={precision!r}): {slow}", UserWarning, stacklevel=2)
     loss_fn = per_example_loss(loss)
     tracked = TrackedValues(strategy, metrics, loss)
-    loop = Loop(model, optimizer, strategy, steps_per_epoch, scheduled=executor.scheduled)
+    # the callbacks' optimizer (saved by ModelCheckpoint and BackupAndRestore): the torch one, or the Keras one
+    loop = Loop(model, optimizer or keras_optimizer, strategy, steps_per_epoch, scheduled=executor.scheduled)
     loop.stop_training = False  # as Keras' fit: a model.stop_training left by an earlier fit does not stop this one
     run = Training(loop, callbacks)
     verbosity = _verbosity(executor, verbose)

@@ -34,7 +34,7 @@ import torch
 
 from distrib import context
 from distrib.comm import Communicator, LocalCommunicator, failures
-from distrib.integrations import keras_models, keras_objects
+from distrib.integrations import keras_fit, keras_models, keras_objects
 from distrib.strategies.capture import ModuleCapture, install_capture_hooks, remove_capture_hooks
 from distrib.strategies.extended import GradientMerge, StrategyExtended
 from distrib.strategies.reduction import Axis, gather_structure, reduce_structure
@@ -311,6 +311,7 @@ class Strategy(abc.ABC):
         """Hand every complete root module built in the scope so far to :meth:`distribute_module`."""
         for root in self._capture.take_roots():
             self.distribute_module(root)
+            keras_fit.refuse_own_training(self, root)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer was built in the scope: distribute the modules built before it, then the optimizer.
