@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distrib.cluster import ClusterSpec, SimpleClusterResolver
-from distrib.cluster.launch import free_ports
+from distrib.cluster.local_cluster import free_ports
 
 __all__ = ["create_in_process_cluster", "stop_in_process_cluster", "LocalCluster", "pick_unused_port"]
 

@@ -102,7 +102,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -116,6 +115,7 @@ from typing import IO, Any
 from distrib.cluster import shared_forkserver
 from distrib.cluster.fault_watch import FaultWatch
 from distrib.cluster.forkserver import ForkedProcess, ForkServer, forkable, reap_orphans
+from distrib.cluster.local_cluster import free_ports, make_cluster, threads_per_task, torchrun_variables
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
@@ -213,61 +213,6 @@ def parse_workers(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def torchrun_variables(cluster: dict[str, list[str]], task_type: str, index: int) -> dict[str, str]:
-    """torchrun's variables for one task of a worker-only local ``cluster``; empty for a ``ps`` task.
-
-    The ranks count the chief first, then the workers, as ``TF_CONFIG``'s resolver does;
-    ``MASTER_ADDR:MASTER_PORT`` is rank 0's address, where distrib's rendezvous is.
-
-    Example::
-
-        >>> c = {"chief": ["127.0.0.1:5000"], "worker": ["127.0.0.1:5001", "127.0.0.1:5002"]}
-        >>> v = torchrun_variables(c, "worker", 1)
-        >>> v["RANK"], v["WORLD_SIZE"], v["LOCAL_RANK"], v["MASTER_ADDR"], v["MASTER_PORT"]
-        ('2', '3', '2', '127.0.0.1', '5000')
-    """
-    ranked = [(job, i) for job in ("chief", "worker") for i in range(len(cluster.get(job, [])))]
-    if (task_type, index) not in ranked:
-        return {}
-    rank, world = ranked.index((task_type, index)), len(ranked)
-    host, _, port = cluster[ranked[0][0]][0].rpartition(":")
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": host.strip("[]"),
-        "MASTER_PORT": port,
-    }
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free on ``host`` a moment ago."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def make_cluster(workers: int, ps: int, chief: bool, host: str = "127.0.0.1") -> dict[str, list[str]]:
-    """A loopback cluster spec with fresh ports; a ps cluster always has a chief (the coordinator)."""
-    chief = chief or ps > 0
-    ports = iter(free_ports(workers + ps + int(chief), host))
-    cluster: dict[str, list[str]] = {}
-    if chief:
-        cluster["chief"] = [f"{host}:{next(ports)}"]
-    cluster["worker"] = [f"{host}:{next(ports)}" for _ in range(workers)]
-    if ps:
-        cluster["ps"] = [f"{host}:{next(ports)}" for _ in range(ps)]
-    return cluster
-
-
 class _Task:
     def __init__(self, task_type: str, index: int, argv: list[str], env: dict[str, str]) -> None:
         self.name = f"{task_type} {index}"
@@ -328,15 +273,6 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _threads_per_task(cluster: dict[str, list[str]], with_ps: bool, env: dict[str, str]) -> str | None:
-    """``OMP_NUM_THREADS`` for each task: the usable CPUs shared among the training tasks; None if the user set it."""
-    if "OMP_NUM_THREADS" in env:
-        return None
-    training = len(cluster.get("worker", [])) if with_ps else sum(len(cluster.get(t, [])) for t in ("chief", "worker"))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return str(max(1, cpus // max(1, training)))
-
-
 class _Group:
     """One start of the whole cluster."""
 
@@ -347,7 +283,7 @@ class _Group:
         cluster = make_cluster(config.workers if workers is None else workers, config.ps, config.chief, config.host)
         script = [sys.executable, *config.command]
         server = [sys.executable, "-m", "distrib.parameter_server"]
-        threads = _threads_per_task(cluster, config.ps > 0, {**os.environ, **config.env})
+        threads = threads_per_task(cluster, config.ps > 0, {**os.environ, **config.env})
         self.tasks: list[_Task] = []
         self.server: ForkServer | None = None
         #: what every task's environment holds (the fork server's: it names no task, in /proc/PID/environ either)
