@@ -51,19 +51,17 @@ import contextlib
 import functools
 import logging
 import operator
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar, overload
 
 import torch
 import torch.utils._pytree as pytree
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distrib import context
 from distrib.graphs import capturable, cuda_graph, guards, paths
 from distrib.graphs.cuda_graph import CapturedGraph, CaptureError
 from distrib.graphs.signature import Inputs, describe, flatten_inputs, quick_key
+from distrib.graphs.touched import Touched
 
 __all__ = ["Function", "function"]
 
@@ -73,47 +71,6 @@ _said: set[str] = set()  # the messages logged so far (each once per process)
 _tracing = [0]  # >0 while a ds.function warms up or captures on this process: nested ones are called as they are
 _MISSED = object()  # no graph of a signature fits the call's state: warm up, capture or run eagerly instead
 _training = operator.attrgetter("training")
-
-
-class _Seen:
-    """What a step's warm-up calls touched: strategies, optimizers stepped, modules run (weakly held)."""
-
-    def __init__(self) -> None:
-        self.strategies: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self.modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Call ``fn``, noting what it touches through torch's public global hooks."""
-        hooks = [
-            register_optimizer_step_pre_hook(self._optimizer_stepped),
-            register_module_forward_pre_hook(self._module_ran),
-        ]
-        context.run_observers.append(self.strategies.add)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            context.run_observers.remove(self.strategies.add)
-            for h in hooks:
-                h.remove()
-
-    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.optimizers.add(optimizer)
-
-    def _module_ran(self, module: torch.nn.Module, args: Any) -> None:
-        self.modules.add(module)
-
-    def params(self) -> list[torch.Tensor]:
-        """Every parameter of the optimizers and modules seen (each once): the ``.grad`` states a graph tracks."""
-        found: dict[int, torch.Tensor] = {}
-        for o in self.optimizers:
-            for group in o.param_groups:
-                for p in group["params"]:
-                    found.setdefault(id(p), p)
-        for m in self.modules:
-            for p in m.parameters(recurse=False):
-                found.setdefault(id(p), p)
-        return list(found.values())
 
 
 #: a graph's guard: the modules' train/eval modes, the optimizers' baked hyperparameters, grad mode, requires_grad
@@ -137,7 +94,7 @@ class _Signature:
         self.graphs: list[tuple[Guard, CapturedGraph, tuple[bool, ...] | None]] = []
         self.last: tuple[Guard, CapturedGraph] | None = None  # the latest capture
         self.churn = 0  # captures in a row whose predecessor was replaced almost at once
-        self.seen = _Seen()
+        self.seen = Touched()
         self.device: torch.device | None = None
         self.watch: capturable.OptimizerWatch | None = None
         self.state: guards.StateWatch | None = None
@@ -240,7 +197,7 @@ class _Signature:
         )
         self.graphs, self.last = [], None
         self.warmups_left = self.owner.warmup_steps
-        self.seen = _Seen()
+        self.seen = Touched()
         self.state = None
 
     def _guard(self) -> Guard:
