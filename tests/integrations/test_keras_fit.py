@@ -37,7 +37,7 @@ def assert_same_training(result: dict[str, Any], optimizer_kind: str) -> float:
     reference = one_process(optimizer_kind)
     worst = max((a - b).abs().max().item() for a, b in zip(reference["weights"], result["weights"]))
     assert worst <= 1e-5, f"largest parameter difference after {script.EPOCHS * script.STEPS} steps: {worst}"
-    assert sorted(result["history"]) == sorted(reference["history"]) == ["accuracy", "loss"]
+    assert sorted(result["history"]) == sorted(reference["history"]) == ["accuracy", "loss", "val_accuracy", "val_loss"]
     for key, values in reference["history"].items():
         assert result["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
     assert result["evaluate"] == pytest.approx(reference["evaluate"], rel=1e-5, abs=1e-6)
@@ -160,3 +160,12 @@ def test_early_stopping_on_a_keras_model_stops_as_keras_does() -> None:
     stop = ds.callbacks.EarlyStopping(monitor="loss", min_delta=1e3, patience=1)
     history = ds.fit(model, DATA * 2, epochs=5, callbacks=[stop], verbose=0)
     assert history.epoch == [0, 1]
+
+
+def test_learning_rate_scheduler_sets_a_keras_optimizer_s_rate() -> None:
+    with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = small_compiled(optimizer=keras.optimizers.SGD(learning_rate=0.4), loss="mse")
+    schedule = ds.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)
+    history = ds.fit(model, DATA, epochs=3, callbacks=[schedule], verbose=0)
+    assert history.history["lr"] == pytest.approx([0.2, 0.1, 0.05])
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.05)

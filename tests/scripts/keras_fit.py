@@ -5,7 +5,7 @@
 The model is compiled as TF's Keras tutorials compile it (``optimizer``, ``loss="sparse_categorical_crossentropy"``
 on softmax outputs, ``metrics=["accuracy"]``); ``ds.fit`` trains it two epochs of ``STEPS`` global batches of
 ``GLOBAL_BATCH`` (each split over the workers, then each worker's replicas), then ``ds.evaluate`` and ``ds.predict``
-run over the same batches. ``train("none", "keras")`` is Keras' own ``model.fit`` / ``evaluate`` / ``predict`` in one
+run over the same batches (validation: the first 4 batches after each epoch). ``train("none", "keras")`` is Keras' own ``model.fit`` / ``evaluate`` / ``predict`` in one
 process on the same batches: the result every strategy must give. With ``--optimizer torch`` the model is compiled
 without an optimizer and ``ds.fit`` is given ``torch.optim.Adam(model.parameters())``. The chief writes the result
 to OUT.
@@ -83,7 +83,9 @@ def train(strategy_name: str, optimizer_kind: str, callbacks: list[ds.callbacks.
     if strategy is None and optimizer_kind == "keras":  # Keras' own loop, one process
         model, _ = build(optimizer_kind)
         x, y = dataset()
-        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+        history = model.fit(
+            x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=(x[:64], y[:64])
+        ).history
         evaluated = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
         predicted = torch.as_tensor(model.predict(x, batch_size=GLOBAL_BATCH, verbose=0))
     else:
@@ -92,7 +94,7 @@ def train(strategy_name: str, optimizer_kind: str, callbacks: list[ds.callbacks.
         data = batches()
         history = ds.fit(
             model, data, optimizer=torch_optimizer, epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0,
-            callbacks=callbacks or [],
+            callbacks=callbacks or [], validation_data=data[:4],
         ).history  # fmt: skip
         evaluated = ds.evaluate(model, data, verbose=0)
         predicted = ds.predict(model, [x for x, _ in data])

@@ -1,5 +1,5 @@
 """A compiled Keras 3 model trained by ``ds.fit`` on several workers with ``ds.callbacks``: ModelCheckpoint,
-BackupAndRestore, TensorBoard and LearningRateScheduler, for the test that they act once, on the chief, and that a
+BackupAndRestore and TensorBoard, for the test that they act once, on the chief, and that a
 run resumed from the backup ends where an uninterrupted one does.
 
     distrib launch --workers 2 tests/scripts/keras_fit_callbacks.py WORK_DIR EPOCHS OUT
@@ -31,7 +31,6 @@ callbacks = [
     ds.callbacks.ModelCheckpoint(os.path.join(work, "ckpt", "weights-{epoch}")),
     ds.callbacks.BackupAndRestore(os.path.join(work, "backup"), delete_checkpoint=False),
     ds.callbacks.TensorBoard(os.path.join(work, "logs"), write_graph=False),
-    ds.callbacks.LearningRateScheduler(lambda epoch, lr: keras_fit.LEARNING_RATE),  # read and set back: unchanged
 ]
 history = ds.fit(
     model, keras_fit.batches(), epochs=epochs, steps_per_epoch=keras_fit.STEPS, verbose=0, callbacks=callbacks
