@@ -70,7 +70,6 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 import torch
 from torch import nn
 from torch.amp.grad_scaler import GradScaler
@@ -81,8 +80,8 @@ from distrib.input import InputContext
 from distrib.integrations import keras_models
 from distrib.parameter_server.captured_metrics import CapturedMetrics, MetricCopy, is_metric
 from distrib.parameter_server.cluster_checks import check_cluster
+from distrib.parameter_server.coordinator_optimizers import CoordinatorOptimizers
 from distrib.parameter_server.datasets import DatasetSource
-from distrib.parameter_server.optimizer_state import gather_state, group_options, scatter_state
 from distrib.parameter_server.scaler import Acknowledgements, ScalerAuthority
 from distrib.parameter_server.transport import rpc
 from distrib.parameter_server.transport.rpc import TLSConfig
@@ -90,9 +89,8 @@ from distrib.parameter_server.variables import LocalVariable, ParameterClient, P
 from distrib.parameter_server.worker_strategy import ParameterServerWorkerStrategy
 from distrib.strategies.base import Strategy
 from distrib.strategies.replica import InPlaceMerger, ReplicaContext, run_in_place
-from distrib.strategies.replication import optimizer_params
 from distrib.strategies.run_options import RunOptions
-from distrib.torch_patches import replace_load_state_dict, scaler_device, wrap_optimizer
+from distrib.torch_patches import scaler_device
 
 if TYPE_CHECKING:
     from distrib.strategies.execution import StepExecutor
@@ -175,7 +173,7 @@ class ParameterServerStrategy(Strategy):
         self._metrics = CapturedMetrics(f"{self._session}/m")  # metrics sent to the workers in scheduled functions
         self._scalers = ScalerAuthority(self._session)  # GradScalers sent to the workers: the one scale of each
         self._variables: dict[int, LocalVariable] = {}
-        self._optimizers: dict[int, tuple[torch.optim.Optimizer, str]] = {}
+        self._optimizers = CoordinatorOptimizers(self._session, self._ps, self._variables)
         #: the ClusterCoordinator made for this strategy (there is at most one), or None
         self.cluster_coordinator: Any = None
         log.info("ParameterServerStrategy is initialized with cluster_spec: %s", spec)
@@ -392,45 +390,7 @@ class ParameterServerStrategy(Strategy):
             ValueError: some of its parameters were not placed on the ps tasks.
         """
         context.set_owner(optimizer, self)
-        foreign = [p for p in optimizer_params(optimizer) if id(p) not in self._variables]
-        if foreign:
-            raise ValueError(
-                f"{type(optimizer).__name__} was created under ParameterServerStrategy.scope() over {len(foreign)} "
-                "parameter(s) not placed on the ps tasks; build the model inside the same strategy.scope()"
-            )
-        opt_id = f"{self._session}/opt{len(self._optimizers)}"
-        entries = [
-            (self._variables[id(p)].spec, group_options(group))
-            for group in optimizer.param_groups
-            for p in group["params"]
-        ]
-        self._ps.create_optimizer(opt_id, cloudpickle.dumps(type(optimizer)), entries)
-        self._optimizers[id(optimizer)] = (optimizer, opt_id)
-        wrap_optimizer(optimizer, self._coordinator_step, lambda opt, zero_grad, set_to_none: zero_grad(set_to_none))
-        # torch's public hook: the servers' state replaces the (empty) local one in every state_dict()
-        optimizer.register_state_dict_post_hook(lambda opt, sd: self._optimizer_state_dict(opt, opt_id, sd))
-        replace_load_state_dict(
-            optimizer, lambda opt, state_dict: self._optimizer_load_state_dict(opt, opt_id, state_dict)
-        )
-
-    def _coordinator_step(
-        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], args: tuple, kwargs: dict
-    ) -> Any:
-        """``optimizer.step()`` called on the coordinator itself: push its local gradients."""
-        closure = kwargs.get("closure", args[0] if args else None)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        items = [
-            (self._variables[id(p)], p.grad, g)
-            for g, group in enumerate(optimizer.param_groups)
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        if items:
-            self._ps.push(self._optimizers[id(optimizer)][1], items, [group_options(g) for g in optimizer.param_groups])
-        return loss
+        self._optimizers.add(optimizer)
 
     def optimizer_options(self) -> dict[str, list[dict[str, Any]]]:
         """Every optimizer's current options per group, sent to the workers with each batch of calls.
@@ -438,18 +398,7 @@ class ParameterServerStrategy(Strategy):
         Returns:
             Optimizer id -> one dict of options (``lr``, ...) per parameter group.
         """
-        return {
-            opt_id: [group_options(g) for g in optimizer.param_groups]
-            for optimizer, opt_id in self._optimizers.values()
-        }
-
-    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str, sd: dict) -> dict:
-        """``optimizer.state_dict()``'s post-hook: torch's dict, its ``state`` read from the ps tasks."""
-        sd["state"] = gather_state(optimizer, opt_id, lambda p: self._variables[id(p)].spec, self._ps)
-        return sd
-
-    def _optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, opt_id: str, state_dict: dict) -> None:
-        scatter_state(optimizer, opt_id, lambda p: self._variables[id(p)].spec, self._ps, state_dict)
+        return self._optimizers.options()
 
     # ------------------------------------------------------------------ metrics
     def merge_metric_deltas(self, deltas: dict[str, dict[str, Any]]) -> None:
@@ -502,11 +451,7 @@ class ParameterServerStrategy(Strategy):
         if isinstance(obj, torch.Tensor):
             var = self._variables.get(id(obj))
             return ("var", var.spec) if var is not None and var.tensor is obj else None
-        entry = self._optimizers.get(id(obj))
-        if entry is not None and entry[0] is obj:
-            groups = [(group_options(g), [self._variables[id(p)].spec for p in g["params"]]) for g in obj.param_groups]
-            return ("opt", entry[1], groups)
-        return None
+        return self._optimizers.travel_tag(obj)
 
     # ------------------------------------------------------------------ run, input
     def run(
