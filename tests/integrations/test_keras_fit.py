@@ -52,17 +52,19 @@ def test_a_compiled_keras_model_fits_as_keras_own_fit_in_one_process(strategy_na
     assert_same_training(script.train(strategy_name, optimizer_kind), optimizer_kind)
 
 
-@pytest.mark.parametrize("optimizer_kind", ["keras", "torch"])
-def test_a_compiled_keras_model_fits_on_two_workers_as_one_process(optimizer_kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("workers", "optimizer_kind"), [(2, "keras"), (2, "torch"), (4, "keras")])
+def test_a_compiled_keras_model_fits_on_several_workers_as_one_process(
+    workers: int, optimizer_kind: str, tmp_path: Path
+) -> None:
     out = tmp_path / "result.pt"
     code, log, _ = launch(
-        "--workers", "2", str(SCRIPT), "--strategy", "multi-worker", "--optimizer", optimizer_kind, "--out", str(out),
+        "--workers", str(workers), str(SCRIPT), "--strategy", "multi-worker", "--optimizer", optimizer_kind, "--out", str(out),
         timeout=120,
     )  # fmt: skip
     assert code == 0, log
     result = torch.load(out)
     assert_same_training(result, optimizer_kind)
-    assert "Train with ds.fit(model, dataset" in result["own_fit"] and "2 replicas" in result["own_fit"]
+    assert "Train with ds.fit(model, dataset" in result["own_fit"] and f"{workers} replicas" in result["own_fit"]
 
 
 def test_keras_own_fit_over_several_replicas_is_an_error_naming_ds_fit_and_stays_keras_own_on_one() -> None:
