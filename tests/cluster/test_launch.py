@@ -287,11 +287,11 @@ def test_each_task_gets_its_share_of_the_cpus_unless_omp_num_threads_is_set(tmp_
 
 
 def test_the_cpus_are_shared_among_the_tasks_that_train(monkeypatch):
-    from distrib.cluster.launch import _threads_per_task
+    from distrib.cluster.local_cluster import threads_per_task
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     cluster = {"chief": ["h:1"], "worker": ["h:2", "h:3", "h:4"]}
-    assert _threads_per_task(cluster, False, {}) == "4"  # chief and workers all train
-    assert _threads_per_task({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:5"]}, True, {}) == "8"  # workers
-    assert _threads_per_task({"worker": [f"h:{i}" for i in range(40)]}, False, {}) == "1"  # at least one
-    assert _threads_per_task(cluster, False, {"OMP_NUM_THREADS": "2"}) is None
+    assert threads_per_task(cluster, False, {}) == "4"  # chief and workers all train
+    assert threads_per_task({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:5"]}, True, {}) == "8"  # workers
+    assert threads_per_task({"worker": [f"h:{i}" for i in range(40)]}, False, {}) == "1"  # at least one
+    assert threads_per_task(cluster, False, {"OMP_NUM_THREADS": "2"}) is None
