@@ -343,16 +343,7 @@ class MeshStrategy(ShardedStrategy):
         if self._num_data > 1 or self._one_worker_mesh:
             units = self._policy.units(module)
             data_mesh = tmesh[mesh.data_axes] if len(mesh.data_axes) > 1 else tmesh[mesh.data_axes[0]]
-            self.communicator.guarded(
-                "sharding the model over the data axes",
-                lambda: _fsdp().shard_module(
-                    module,
-                    units,
-                    data_mesh,
-                    self._reshard_after_forward,
-                    _fsdp().mixed_precision_policy(self._param_dtype),
-                ),
-            )
+            self._shard_units(module, units, data_mesh, "sharding the model over the data axes")
         log.info(
             "MeshStrategy: %s on %s: %d module(s) tensor-parallel, %d FSDP unit(s) + the root over %s",
             type(module).__name__,

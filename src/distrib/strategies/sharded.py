@@ -59,6 +59,8 @@ from distrib.strategies.workers import join_workers, take_chiefs_values
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
     from distrib.input import DistributedDataset, DistributedDatasetsFromFunction
     from distrib.strategies.execution import StepExecutor
 
@@ -290,17 +292,19 @@ class ShardedStrategy(Strategy):
         if self._mesh is None:
             self._mesh = _fsdp().world_mesh(device.type if device is not None else "cpu")
         units = self._policy.units(module)
+        self._shard_units(module, units, self._mesh, "sharding the model")
+        return units
+
+    def _shard_units(self, module: nn.Module, units: list[nn.Module], mesh: TorchDeviceMesh, what: str) -> None:
+        """``fully_shard`` each unit, then ``module`` (the root), over ``mesh`` with this strategy's resharding and
+        mixed precision (torch's mesh of the sharding axes); a failure of FSDP's collectives is a CollectiveError
+        naming ``what``. One call for both strategies: ``MeshStrategy`` shards over its data axes only."""
         self.communicator.guarded(
-            "sharding the model",
+            what,
             lambda: _fsdp().shard_module(
-                module,
-                units,
-                self._mesh,
-                self._reshard_after_forward,
-                _fsdp().mixed_precision_policy(self._param_dtype),
+                module, units, mesh, self._reshard_after_forward, _fsdp().mixed_precision_policy(self._param_dtype)
             ),
         )
-        return units
 
     def distribute_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` update the shards: parameters it took before sharding are replaced by theirs.
