@@ -171,3 +171,14 @@ def test_learning_rate_scheduler_sets_a_keras_optimizer_s_rate() -> None:
     history = ds.fit(model, DATA, epochs=3, callbacks=[schedule], verbose=0)
     assert history.history["lr"] == pytest.approx([0.2, 0.1, 0.05])
     assert float(model.optimizer.learning_rate) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("adds", ["kernel_regularizer", "activity_regularizer"])
+def test_a_model_that_adds_losses_is_an_error_not_trained_without_them(adds: str) -> None:
+    """ds.fit computes the compiled loss: a regulariser's term left out would train another model, silently."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, **{adds: keras.regularizers.L2(0.1)})])
+    model.compile(optimizer="sgd", loss="mse")
+    before = [w.detach().clone() for w in model.parameters()]
+    with pytest.raises(NotImplementedError, match=r"adds 1 loss term.*scale_regularization_loss"):
+        ds.fit(model, DATA, verbose=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a step was applied without them"

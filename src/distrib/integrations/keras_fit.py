@@ -48,6 +48,7 @@ __all__ = [
     "call_kwargs",
     "check_callbacks",
     "KerasPerExampleLoss",
+    "refuse_added_losses",
 ]
 
 
@@ -222,6 +223,23 @@ def call_kwargs(model: torch.nn.Module, training: bool) -> dict[str, Any]:
     """How a loop calls ``model``: a Keras model with ``training=`` (as Keras' trainer: its Dropout and
     BatchNormalization read it, not torch's ``model.train()``), any other module with nothing."""
     return {"training": training} if keras_models.is_keras_layer(model) else {}
+
+
+def refuse_added_losses(model: Any) -> None:
+    """Refuse a Keras model that adds losses (``add_loss``, a kernel or activity regulariser), after its first
+    forward: ``ds.fit`` computes the compiled loss only, so it would train without them, silently."""
+    if not keras_models.is_keras_layer(model):
+        return
+    added = model.losses
+    if added:
+        name = getattr(model, "name", type(model).__name__)
+        raise NotImplementedError(
+            f"model {name!r} adds {len(added)} loss term(s) of its own (add_loss, a kernel or activity "
+            "regulariser), which ds.fit does not add to the compiled loss: it would train without them. Remove "
+            "them, or train with a custom loop under strategy.run that adds them as TF's guide does: "
+            "loss = ds.losses.compute_average_loss(per_example, global_batch_size=N) + "
+            "ds.losses.scale_regularization_loss(model.losses)"
+        )
 
 
 def apply_keras_optimizer(loss: torch.Tensor, model: Any, optimizer: Any) -> None:

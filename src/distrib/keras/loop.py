@@ -291,11 +291,16 @@ def fit(
     run = Training(loop, callbacks)
     verbosity = _verbosity(executor, verbose)
 
+    unchecked = [keras_optimizer is not None or bool(train_kwargs)]  # a Keras model's added losses: first step
+
     def train_step(x: torch.Tensor, y: Any, n: int) -> Any:
         model.train()
         with mixed.autocast(_device_type(x, model)):
             pred = model(x, **train_kwargs)
             per_example = loss_fn(pred, y)
+        if unchecked[0]:
+            keras_fit.refuse_added_losses(model)
+            unchecked[0] = False
         loss = compute_average_loss(_float(per_example), global_batch_size=n)
         if keras_optimizer is not None:
             keras_fit.apply_keras_optimizer(loss, model, keras_optimizer)
