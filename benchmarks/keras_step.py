@@ -20,7 +20,8 @@ alternating rounds (every variant once per round, ``--steps`` steps after 3 warm
   subprocess of ``--tf-python``, one per round (its start is not timed).
 
 Targets: keras_mirrored >= 0.97 x keras_fit and >= 0.97 x keras_plain. ``--profile`` adds a torch profiler's
-table of where one variant's time goes (Keras' layer calls, its optimizer) against the main job's.
+table of where one variant's time goes (Keras' layer calls, its optimizer) against the main job's; ``--phases N``
+times only the forward pass, the backward pass and the optimizer of each model, N steps.
 """
 
 from __future__ import annotations
@@ -246,6 +247,65 @@ def profile(step: Step, batches: Any, steps: int, label: str) -> str:
     return f"--- {label} ---\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
+def phases(steps: int) -> None:
+    """Median milliseconds of forward, backward and optimizer: the main job's ``torch.nn`` model with its fused Adam,
+    the Keras model with Keras' Adam, the Keras model with a fused torch Adam (no strategy: the step's own parts)."""
+    from distrib.app import models
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(BATCH, 1, 28, 28, generator=g)
+    labels = torch.randint(0, 10, (BATCH,), generator=g)
+    images_last = images.permute(0, 2, 3, 1).contiguous()
+    torch_model = models.fashion_mnist_cnn()
+    torch_adam = models.fashion_mnist_optimizer(torch_model.parameters())
+    keras_model, keras_model_fused = create_model(), create_model()
+    keras_adam = keras.optimizers.Adam()
+    fused_adam = torch.optim.Adam(keras_model_fused.parameters(), lr=1e-3, eps=1e-7, fused=True)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def torch_step() -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(torch_model(images), labels, reduction="sum") / BATCH
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        torch_adam.step()
+        torch_adam.zero_grad()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    def keras_step(model: keras.Model, fused: bool) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        loss = loss_object(labels, model(images_last, training=True)).sum() / BATCH
+        t1 = time.perf_counter()
+        model.zero_grad()
+        loss.backward()
+        t2 = time.perf_counter()
+        if fused:
+            fused_adam.step()
+        else:
+            gradients = [v.value.grad for v in model.trainable_variables]
+            with torch.no_grad():
+                keras_adam.apply(gradients, model.trainable_variables)
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    variants: dict[str, Callable[[], tuple[float, float, float]]] = {
+        "torch.nn, fused torch Adam": torch_step,
+        "Keras, Keras Adam": lambda: keras_step(keras_model, False),
+        "Keras, fused torch Adam": lambda: keras_step(keras_model_fused, True),
+    }
+    times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in variants}
+    for fn in variants.values():
+        for _ in range(3):
+            fn()
+    for _ in range(steps):  # alternating
+        for name, fn in variants.items():
+            times[name].append(fn())
+    print(f"\n{'phase medians, ms':<28}{'forward':>10}{'backward':>10}{'optimizer':>11}")
+    for name, rows in times.items():
+        f, b, o = (statistics.median(row[i] for row in rows) * 1e3 for i in range(3))
+        print(f"{name:<28}{f:>10.1f}{b:>10.1f}{o:>11.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
@@ -254,8 +314,12 @@ def main() -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--tf-python", default=None, help="a Python with tensorflow installed: adds TF running the seed")
     p.add_argument("--profile", action="store_true", help="print where the Keras step's time goes")
+    p.add_argument("--phases", type=int, default=0, help="only time forward/backward/optimizer over this many steps")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.phases:
+        phases(args.phases)
+        return
 
     images, labels, source = load_data(args.data_dir)  # (N, 1, 28, 28): the main job's channels-first layout
     images_last = images.permute(0, 2, 3, 1).contiguous()  # (N, 28, 28, 1): Keras' channels-last layout
