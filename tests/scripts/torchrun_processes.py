@@ -4,6 +4,12 @@ torchrun starts each worker in a session of its own, so killing torchrun's proce
 not reach them, and a worker whose agent was killed is re-parented away from the test. A
 :class:`Job` therefore records, while it runs, every process started under it (with its start
 time, so a reused pid is never killed), and :meth:`Job.kill` ends each of them by its id.
+
+A shared fork server (:mod:`distrib.cluster.shared_forkserver`, which the test session's launches use) is not
+one of them: the launch that finds none for its import environment starts it as its own child, and it is meant to
+outlive that launch (serving the later ones until the session stops it). Counting it made a launch "leave a
+process behind" whenever it happened to be the one to start it (the first of a session or of a changed source
+tree, or the first after the server's idle exit on a loaded machine), and killing it cost the next launch a new one.
 """
 
 from __future__ import annotations
@@ -38,13 +44,26 @@ def alive(tracked: Tracked) -> Tracked:
     return out
 
 
+#: the command line of a shared fork server and of its sessions (forks of it): processes that outlive a launch
+SHARED_FORK_SERVER = b"distrib.cluster.shared_forkserver"
+
+
+def _is_shared_fork_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return SHARED_FORK_SERVER in f.read()
+    except OSError:
+        return False
+
+
 def descendants(roots: Tracked) -> Tracked:
-    """Every live process whose parent chain reaches one of ``roots``."""
+    """Every live process whose parent chain reaches one of ``roots``, short of a shared fork server (and so of
+    what it forks: a shared server's tasks are never the launcher's descendants, whoever started the server)."""
     table: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             stat = _stat(int(entry))
-            if stat is not None and stat[0] != "Z":
+            if stat is not None and stat[0] != "Z" and not _is_shared_fork_server(int(entry)):
                 table[int(entry)] = (stat[1], stat[2])
     found: Tracked = {}
     frontier = set(alive(roots))
