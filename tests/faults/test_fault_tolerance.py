@@ -257,4 +257,5 @@ def test_workers_reading_different_global_batches_fail_at_the_first_commit_namin
     code, log, _ = launch("--workers", "3", "--fault-tolerant", SCRIPT, "--out", str(tmp_path), "--skew-data")
     assert code != 0, log
     assert log.count("CollectiveError: global batch 0 differs between the workers [0, 1, 2]") == 3, log
+    assert log.count("call torch.manual_seed(SEED) (or give a seeded torch.Generator) before drawing it") == 3, log
     assert "applied 0" not in log

@@ -299,7 +299,9 @@ class FaultTolerantCommunicator(ProcessGroupCommunicator):
                 raise CollectiveError(
                     f"global batch {self._applied} differs between the workers {list(self._members)} (checksums "
                     f"{rows[:, 1].tolist()}): every worker must read the same global batches (same data, same "
-                    "order, same shuffle seed) for the survivors of a fault to take over a lost worker's share"
+                    "order, same shuffle seed) for the survivors of a fault to take over a lost worker's share. "
+                    "Data drawn at random differs on every worker unless its generator is seeded alike: call "
+                    "torch.manual_seed(SEED) (or give a seeded torch.Generator) before drawing it"
                 )
         self._applied += 1
         self._outside_done = 0
