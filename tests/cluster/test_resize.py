@@ -114,7 +114,9 @@ def test_launch_min_max_continues_on_the_survivors_when_a_worker_is_killed(tmp_p
     assert code == 0, out
     assert "rank 1 dies before step 10" in out and "worker 1 failed with exit code 137" in out, out
     assert "worker 1 is lost: continuing on the 2 surviving worker(s) (--workers 2:3)" in out, out
-    assert "step 9 on 3 workers" in out and "resumed at step 10 on 2 workers" in out, out
+    # step 9's line may be lost: worker 0 prints it after the step, and the launcher may stop it first, once worker 1
+    # has died; step 8's was printed before worker 1 could finish step 9. Resuming at 10 shows step 9 was saved
+    assert "step 8 on 3 workers" in out and "resumed at step 10 on 2 workers" in out, out
     assert "step 23 on 2 workers" in out and "done: worker 1 of 2" in out and "of 3" not in out.split("resumed")[1]
     ranks = [torch.load(tmp_path / f"out.{r}") for r in (0, 1)]
     assert max_difference(*ranks) == 0.0
